@@ -1,0 +1,59 @@
+"""What every benchmark shares: medians, environment facts, a plain table, JSON lines."""
+
+import json
+import platform
+import statistics
+
+import numpy as np
+
+
+def median(values) -> float:
+    return float(statistics.median(values))
+
+
+def blas_info() -> str:
+    """'openblas 0.3.27 (Haswell), 1 thread' style summary of the BLAS numpy uses."""
+    try:
+        from threadpoolctl import threadpool_info
+
+        pools = [p for p in threadpool_info() if p.get("user_api") == "blas"]
+    except Exception:  # threadpoolctl missing or unable to inspect: say so, do not fail
+        return "blas: unknown"
+    if not pools:
+        return "blas: none found"
+    p = pools[0]
+    return (f"{p.get('internal_api')} {p.get('version')} ({p.get('architecture')}), "
+            f"{p.get('num_threads')} threads")
+
+
+def environment() -> dict:
+    import os
+
+    return {
+        "python": platform.python_version(),
+        "numpy": np.__version__,
+        "blas": blas_info(),
+        "OPENBLAS_CORETYPE": os.environ.get("OPENBLAS_CORETYPE"),
+        "OPENBLAS_L2_SIZE": os.environ.get("OPENBLAS_L2_SIZE"),
+    }
+
+
+def print_table(rows: list[dict], columns: list[tuple[str, str]]) -> None:
+    """Print rows as an aligned table; columns are (key, format spec) pairs."""
+    cells = [[format(r[k], spec) if r.get(k) is not None else "-" for k, spec in columns]
+             for r in rows]
+    heads = [k for k, _ in columns]
+    widths = [max(len(h), *(len(c[i]) for c in cells)) if cells else len(h)
+              for i, h in enumerate(heads)]
+    print("  ".join(h.rjust(w) for h, w in zip(heads, widths)), flush=True)
+    for c in cells:
+        print("  ".join(x.rjust(w) for x, w in zip(c, widths)), flush=True)
+
+
+def write_json(path: str | None, records: list[dict]) -> None:
+    """Append-free write: one JSON object per line."""
+    if not path:
+        return
+    with open(path, "w") as f:
+        for r in records:
+            f.write(json.dumps(r) + "\n")

@@ -1,0 +1,62 @@
+"""TrainConfig: every knob of `python -m minidp train`, with its default and its meaning.
+
+The command line is generated from this dataclass (cli.py), so a new field is a new flag.
+
+Default run, the arithmetic:
+  GPT 2 layers x 4 heads x 64 channels, block 64 tokens   ->  ~0.1 M parameters
+  global batch 16 sequences x 64 tokens                   ->  1024 tokens per step
+  300 steps                                               ->  ~0.3 M tokens, well under a minute
+"""
+
+from dataclasses import dataclass, field, fields
+
+
+@dataclass
+class TrainConfig:
+    model: str = field(default="gpt", metadata={"help": "model to train", "choices": ("gpt", "mlp")})
+    steps: int = field(default=300, metadata={"help": "optimizer steps"})
+    batch_size: int = field(
+        default=16, metadata={"help": "GLOBAL batch (sequences for gpt, examples for mlp)"}
+    )
+    lr: float = field(default=3e-3, metadata={"help": "peak learning rate"})
+    warmup: int = field(default=20, metadata={"help": "linear warmup steps, then cosine decay"})
+    min_lr_ratio: float = field(default=0.1, metadata={"help": "final lr = lr * this"})
+    weight_decay: float = field(default=0.01, metadata={"help": "AdamW decoupled weight decay"})
+    grad_clip: float = field(default=1.0, metadata={"help": "global-norm clip (0 = off)"})
+    seed: int = field(default=1337, metadata={"help": "one seed for init, data and dropout"})
+    dtype: str = field(
+        default="float32", metadata={"help": "compute dtype", "choices": ("float32", "float64")}
+    )
+    log_every: int = field(default=25, metadata={"help": "log a line every N steps"})
+    json: str | None = field(default=None, metadata={"help": "write JSON-lines records to FILE"})
+    # model size (gpt)
+    block_size: int = field(default=64, metadata={"help": "gpt context length in tokens"})
+    n_layer: int = field(default=2, metadata={"help": "gpt transformer blocks"})
+    n_head: int = field(default=4, metadata={"help": "gpt attention heads"})
+    n_embd: int = field(default=64, metadata={"help": "gpt channels"})
+    dropout: float = field(default=0.0, metadata={"help": "dropout probability"})
+    # model size (mlp on the synthetic classification set)
+    hidden: int = field(default=128, metadata={"help": "mlp hidden width"})
+    eval_batches: int = field(default=8, metadata={"help": "validation batches at the end"})
+    sample_tokens: int = field(default=200, metadata={"help": "characters to generate (gpt)"})
+
+    def validate(self) -> None:
+        """Raise ValueError with one clear line for a value that cannot work."""
+        positive = ("steps", "batch_size", "log_every", "block_size", "n_layer", "n_head",
+                    "n_embd", "hidden", "eval_batches")
+        for name in positive:
+            if getattr(self, name) <= 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
+        if self.lr <= 0:
+            raise ValueError(f"--lr must be positive, got {self.lr}")
+        if self.n_embd % self.n_head:
+            raise ValueError(f"--n-embd ({self.n_embd}) must divide by --n-head ({self.n_head})")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"--dropout must be in [0, 1), got {self.dropout}")
+        if self.warmup < 0 or self.sample_tokens < 0 or self.grad_clip < 0:
+            raise ValueError("--warmup, --sample-tokens and --grad-clip must not be negative")
+
+
+def config_fields():
+    """(name, default, type, metadata) for each TrainConfig field, in order."""
+    return [(f.name, f.default, f.type, f.metadata) for f in fields(TrainConfig)]

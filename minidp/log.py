@@ -1,0 +1,27 @@
+"""Printing in a many-process job: rank 0 talks to the terminal, every rank may keep a log.
+
+`print0` is the one way minidp prints progress, so lines never interleave across ranks.
+"""
+
+import os
+import sys
+
+
+def _world_rank() -> int:
+    # Read the rank from the launcher's environment so printing never initializes MPI itself.
+    for name in ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK"):
+        if name in os.environ:
+            return int(os.environ[name])
+    return 0
+
+
+def print0(*args, rank: int | None = None, **kwargs) -> None:
+    """print() on rank 0 only, flushed at once."""
+    if (_world_rank() if rank is None else rank) == 0:
+        print(*args, **kwargs, flush=True)
+
+
+def die(message: str, code: int = 2) -> "SystemExit":
+    """One clear line on stderr and an exit code, for bad input (no traceback)."""
+    print(f"minidp: error: {message}", file=sys.stderr, flush=True)
+    return SystemExit(code)

@@ -1,0 +1,42 @@
+"""Tutorials are tests: each runs under the launch line its header declares, with a timeout.
+
+A tutorial's header names its launch line, `python tutorials/NN_name.py` or
+`mpiexec -n N python tutorials/NN_name.py`; the tutorial checks itself with asserts.
+"""
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+TUTORIALS = sorted((Path(__file__).parent.parent / "tutorials").glob("[0-9][0-9]_*.py"))
+LAUNCH = re.compile(r"^#\s+(?:mpiexec -n (\d+) )?python (tutorials/\S+\.py)\s*$", re.MULTILINE)
+
+
+def launch_line(path: Path) -> tuple[int, str]:
+    match = LAUNCH.search(path.read_text())
+    assert match, f"{path.name} does not declare its launch line in its header"
+    assert match.group(2) == f"tutorials/{path.name}", f"{path.name} names another file"
+    return int(match.group(1) or 1), match.group(2)
+
+
+def test_there_are_tutorials():
+    assert TUTORIALS, "no numbered tutorials found"
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("path", TUTORIALS, ids=[p.stem for p in TUTORIALS])
+def test_tutorial_runs(path):
+    nprocs, script = launch_line(path)
+    cmd = [sys.executable, script]
+    if nprocs > 1:
+        cmd = ["mpiexec", "-n", str(nprocs), *cmd]
+    env = dict(os.environ, MPLBACKEND="Agg", PYTHONUNBUFFERED="1")
+    result = subprocess.run(cmd, cwd=path.parent.parent, env=env, capture_output=True,
+                            text=True, timeout=540)
+    assert result.returncode == 0, (
+        f"{' '.join(cmd)} exited {result.returncode}\n{result.stdout[-4000:]}\n{result.stderr[-4000:]}"
+    )
