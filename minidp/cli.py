@@ -39,9 +39,15 @@ def train_parser() -> argparse.ArgumentParser:
     for name, default, annotation, meta in config_fields():
         flag = "--" + name.replace("_", "-")
         kind = _field_type(annotation)
-        parser.add_argument(flag, dest=name, type=kind, default=default,
-                            choices=meta.get("choices"), metavar=name.upper(),
-                            help=f"{meta['help']} (default: {default})")
+        parser.add_argument(
+            flag,
+            dest=name,
+            type=kind,
+            default=default,
+            choices=meta.get("choices"),
+            metavar=name.upper(),
+            help=f"{meta['help']} (default: {default})",
+        )
     return parser
 
 
@@ -58,8 +64,9 @@ def parse_train_args(argv: list[str]) -> TrainConfig:
 def benchmarks() -> list[str]:
     import minidp.bench
 
-    return sorted(m.name for m in pkgutil.iter_modules(minidp.bench.__path__)
-                  if not m.name.startswith("_"))
+    return sorted(
+        m.name for m in pkgutil.iter_modules(minidp.bench.__path__) if not m.name.startswith("_")
+    )
 
 
 def run_bench(argv: list[str]) -> int:
@@ -87,9 +94,12 @@ def main(argv: list[str] | None = None) -> int:
     if command == "bench":
         return run_bench(argv)
     config = parse_train_args(argv)
-    from minidp.train import train
+    from minidp.train import TrainingDiverged, train
 
-    train(config)
+    try:
+        train(config)
+    except TrainingDiverged as error:
+        raise die(str(error), code=1) from None
     return 0
 
 

@@ -13,7 +13,9 @@ from dataclasses import dataclass, field, fields
 
 @dataclass
 class TrainConfig:
-    model: str = field(default="gpt", metadata={"help": "model to train", "choices": ("gpt", "mlp")})
+    model: str = field(
+        default="gpt", metadata={"help": "model to train", "choices": ("gpt", "mlp")}
+    )
     steps: int = field(default=300, metadata={"help": "optimizer steps"})
     batch_size: int = field(
         default=16, metadata={"help": "GLOBAL batch (sequences for gpt, examples for mlp)"}
@@ -42,11 +44,22 @@ class TrainConfig:
 
     def validate(self) -> None:
         """Raise ValueError with one clear line for a value that cannot work."""
-        positive = ("steps", "batch_size", "log_every", "block_size", "n_layer", "n_head",
-                    "n_embd", "hidden", "eval_batches")
+        positive = (
+            "steps",
+            "batch_size",
+            "log_every",
+            "block_size",
+            "n_layer",
+            "n_head",
+            "n_embd",
+            "hidden",
+            "eval_batches",
+        )
         for name in positive:
             if getattr(self, name) <= 0:
-                raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
+                raise ValueError(
+                    f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}"
+                )
         if self.lr <= 0:
             raise ValueError(f"--lr must be positive, got {self.lr}")
         if self.n_embd % self.n_head:

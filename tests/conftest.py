@@ -29,6 +29,8 @@ def pytest_runtest_makereport(item, call):
         from mpi4py import MPI
 
         rank = MPI.COMM_WORLD.rank
-        print(f"\n[rank {rank}] FAILED {item.nodeid} ({report.when}):\n{report.longreprtext}",
-              flush=True)
+        print(
+            f"\n[rank {rank}] FAILED {item.nodeid} ({report.when}):\n{report.longreprtext}",
+            flush=True,
+        )
         MPI.COMM_WORLD.Abort(1)

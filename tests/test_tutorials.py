@@ -35,8 +35,8 @@ def test_tutorial_runs(path):
     if nprocs > 1:
         cmd = ["mpiexec", "-n", str(nprocs), *cmd]
     env = dict(os.environ, MPLBACKEND="Agg", PYTHONUNBUFFERED="1")
-    result = subprocess.run(cmd, cwd=path.parent.parent, env=env, capture_output=True,
-                            text=True, timeout=540)
-    assert result.returncode == 0, (
-        f"{' '.join(cmd)} exited {result.returncode}\n{result.stdout[-4000:]}\n{result.stderr[-4000:]}"
+    result = subprocess.run(
+        cmd, cwd=path.parent.parent, env=env, capture_output=True, text=True, timeout=540
     )
+    output = f"{result.stdout[-4000:]}\n{result.stderr[-4000:]}"
+    assert result.returncode == 0, f"{' '.join(cmd)} exited {result.returncode}\n{output}"

@@ -22,8 +22,10 @@ def blas_info() -> str:
     if not pools:
         return "blas: none found"
     p = pools[0]
-    return (f"{p.get('internal_api')} {p.get('version')} ({p.get('architecture')}), "
-            f"{p.get('num_threads')} threads")
+    return (
+        f"{p.get('internal_api')} {p.get('version')} ({p.get('architecture')}), "
+        f"{p.get('num_threads')} threads"
+    )
 
 
 def environment() -> dict:
@@ -40,11 +42,13 @@ def environment() -> dict:
 
 def print_table(rows: list[dict], columns: list[tuple[str, str]]) -> None:
     """Print rows as an aligned table; columns are (key, format spec) pairs."""
-    cells = [[format(r[k], spec) if r.get(k) is not None else "-" for k, spec in columns]
-             for r in rows]
+    cells = [
+        [format(r[k], spec) if r.get(k) is not None else "-" for k, spec in columns] for r in rows
+    ]
     heads = [k for k, _ in columns]
-    widths = [max(len(h), *(len(c[i]) for c in cells)) if cells else len(h)
-              for i, h in enumerate(heads)]
+    widths = [
+        max(len(h), *(len(c[i]) for c in cells)) if cells else len(h) for i, h in enumerate(heads)
+    ]
     print("  ".join(h.rjust(w) for h, w in zip(heads, widths)), flush=True)
     for c in cells:
         print("  ".join(x.rjust(w) for x, w in zip(c, widths)), flush=True)

@@ -1,0 +1,13 @@
+"""The errors a collective raises when ranks disagree or a peer never arrives."""
+
+
+class CollectiveError(RuntimeError):
+    """Base class: a collective could not complete consistently on every rank."""
+
+
+class CollectiveMismatch(CollectiveError):
+    """Ranks of one group called different collectives, or passed different arguments."""
+
+
+class CollectiveTimeout(CollectiveError):
+    """A collective did not complete in time; the message names the ranks never heard from."""

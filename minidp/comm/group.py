@@ -1,0 +1,185 @@
+"""Group: the ranks that run a collective together, and what minidp keeps about them.
+
+A Group wraps one MPI communicator and adds what the algorithms need:
+
+    rank, size          this process's place in the group, and the group's size
+    left, right         ring neighbours: (rank - 1) % size and (rank + 1) % size
+    world_ranks         world rank of each group rank (for error messages and logs)
+    scratch             reusable work buffers (buffers.py), owned by this group alone
+    counters            {collective: {"calls", "bytes_sent", "bytes_recv"}} on this rank
+    checks, timeout     cross-rank fingerprints and the wait deadline (checks.py)
+
+Groups are made from other groups, and every rank of the parent must take part:
+
+    world()                      every process (a duplicate of MPI.COMM_WORLD, so minidp's
+                                 messages never meet the application's own); cached
+    group.split(color, key)      one group per color, ordered by key (None: not a member)
+    group.subgroup([0, 2, 4])    the listed ranks, in that order (None on the others)
+    group.dup()                  the same ranks on a fresh communicator, fresh counters and
+                                 scratch: give one to each thread that runs collectives
+
+Threads: a group runs one collective at a time. Two threads calling collectives on the same
+group would interleave their messages, so the second raises RuntimeError at once; give each
+thread its own `dup()` (MPI is initialized with MPI_THREAD_MULTIPLE by mpi4py).
+"""
+
+import functools
+import threading
+import time
+
+import numpy as np
+from mpi4py import MPI
+
+from minidp.comm.buffers import Scratch
+from minidp.comm.checks import (
+    FIELDS,
+    checks_from_env,
+    exchange_fingerprints,
+    fingerprint,
+    ranges,
+    timeout_from_env,
+)
+from minidp.comm.errors import CollectiveError
+
+_FROM_ENV = object()
+
+
+class Group:
+    """An MPI communicator plus scratch buffers, counters and checks. See the module doc."""
+
+    def __init__(self, comm: MPI.Comm, *, checks: bool | None = None,
+                 timeout: float | None | object = _FROM_ENV) -> None:
+        self.comm = comm
+        self.rank, self.size = comm.Get_rank(), comm.Get_size()
+        self.left, self.right = (self.rank - 1) % self.size, (self.rank + 1) % self.size
+        self.world_ranks = tuple(
+            comm.Get_group().Translate_ranks(list(range(self.size)), MPI.COMM_WORLD.Get_group())
+        )
+        self.checks = checks_from_env() if checks is None else checks
+        self.timeout = timeout_from_env(self.checks) if timeout is _FROM_ENV else timeout
+        self.scratch = Scratch()
+        self.deadline: float | None = None  # set while a collective runs with a timeout
+        self.broken: str | None = None  # why this group refuses further collectives
+        self.abandoned: list = []  # requests cancelled by a timeout, kept alive for MPI
+        self._counts: dict[str, list[int]] = {}
+        self._current = [0, 0, 0]  # [calls, bytes_sent, bytes_recv] of the running call
+        self._seq = 0
+        self._doing = ("", "", "")  # (collective, algo, phase) for error messages
+        self._lock = threading.Lock()
+        self._fingerprint = np.zeros(FIELDS, np.int64)
+
+    def __repr__(self) -> str:
+        return f"Group(rank={self.rank}, size={self.size}, world_ranks={self.world_ranks})"
+
+    # -- making groups -------------------------------------------------------------------------
+    def _wrap(self, comm: MPI.Comm) -> "Group | None":
+        if comm == MPI.COMM_NULL:
+            return None
+        return Group(comm, checks=self.checks, timeout=self.timeout)
+
+    def split(self, color: int | None, key: int | None = None) -> "Group | None":
+        """Ranks passing the same color form one group, ordered by key (default: rank)."""
+        if color is not None and color < 0:
+            raise ValueError(f"color must be >= 0 or None, got {color}")
+        color = MPI.UNDEFINED if color is None else color
+        return self._wrap(self.comm.Split(color, self.rank if key is None else key))
+
+    def subgroup(self, ranks: list[int]) -> "Group | None":
+        """The listed ranks (of this group) as a new group, rank i being ranks[i]."""
+        ranks = [int(r) for r in ranks]
+        if len(set(ranks)) != len(ranks) or not all(0 <= r < self.size for r in ranks):
+            raise ValueError(f"ranks must be distinct and in [0, {self.size}), got {ranks}")
+        member = self.rank in ranks
+        return self.split(0 if member else None, ranks.index(self.rank) if member else 0)
+
+    def dup(self) -> "Group":
+        """Same ranks, own communicator, scratch and counters (e.g. for a comm thread)."""
+        return self._wrap(self.comm.Dup())
+
+    def free(self) -> None:
+        """Release the communicator (collective over the group); the group is unusable after."""
+        if self.comm not in (MPI.COMM_WORLD, MPI.COMM_SELF, MPI.COMM_NULL):
+            self.comm.Free()
+        self.broken = "freed"
+        self.scratch.clear()
+
+    # -- counters ------------------------------------------------------------------------------
+    @property
+    def counters(self) -> dict[str, dict[str, int]]:
+        """A snapshot: {collective: {"calls", "bytes_sent", "bytes_recv"}} on this rank.
+
+        Bytes are what this rank's point-to-point messages carried (the `"checks"` entry
+        holds the fingerprints). MPI's own collectives (algo="mpi") count calls only: what
+        MPI sends inside them is not visible from here.
+        """
+        return {name: {"calls": c[0], "bytes_sent": c[1], "bytes_recv": c[2]}
+                for name, c in self._counts.items()}
+
+    def reset_counters(self) -> None:
+        self._counts.clear()
+
+    def traffic(self, sent: int, received: int) -> None:
+        """Add one message's bytes to the collective in progress (called by p2p.py)."""
+        self._current[1] += sent
+        self._current[2] += received
+
+    # -- running one collective ----------------------------------------------------------------
+    def collective(self, name: str, algo: str, op: str | None = None, dtype=None,
+                   root: int | None = None, shape: tuple = ()) -> "_Running":
+        """`with group.collective(...):` wraps the messages of one collective call."""
+        return _Running(self, name, algo, op, dtype, root, shape)
+
+    def timeout_message(self, missing: list[int]) -> str:
+        name, algo, phase = self._doing
+        world = ", ".join(str(self.world_ranks[r]) for r in missing)
+        return (f"rank {self.rank} of {self.size} (world {self.world_ranks[self.rank]}): "
+                f"{name} #{self._seq} (algo={algo}) heard nothing from rank(s) "
+                f"{ranges(missing)} (world {world}) within {self.timeout:g} s, during the "
+                f"{phase}; this group is unusable now")
+
+
+class _Running:
+    """Context of one collective call: lock, sequence number, deadline, checks, counters."""
+
+    __slots__ = ("group", "args")
+
+    def __init__(self, group: Group, *args) -> None:
+        self.group, self.args = group, args
+
+    def __enter__(self) -> Group:
+        g = self.group
+        name, algo, op, dtype, root, shape = self.args
+        if g.broken:
+            raise CollectiveError(f"{name} on a broken group (rank {g.rank}): {g.broken}")
+        if not g._lock.acquire(blocking=False):
+            raise RuntimeError(f"{name}: this group is already running a collective on "
+                               "another thread; give each thread its own group.dup()")
+        try:
+            g._seq += 1
+            g.deadline = None if g.timeout is None else time.monotonic() + g.timeout
+            if g.checks and g.size > 1:
+                g._doing = (name, algo, "fingerprint exchange")
+                g._current = g._counts.setdefault("checks", [0, 0, 0])
+                g._current[0] += 1
+                fp = fingerprint(g._fingerprint, g._seq, name, algo, op, dtype, root, shape)
+                exchange_fingerprints(g, fp)
+            g._doing = (name, algo, "data exchange")
+            g._current = g._counts.setdefault(name, [0, 0, 0])
+            g._current[0] += 1
+        except BaseException as error:
+            self.__exit__(type(error), error, None)
+            raise
+        return g
+
+    def __exit__(self, kind, error, traceback) -> None:
+        g = self.group
+        if isinstance(error, CollectiveError):
+            g.broken = f"{type(error).__name__}: {error}"
+        g.deadline = None
+        g._lock.release()
+
+
+@functools.cache
+def world() -> Group:
+    """The group of every process. The first call is collective (it duplicates COMM_WORLD)."""
+    return Group(MPI.COMM_WORLD.Dup())

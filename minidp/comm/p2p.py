@@ -1,0 +1,90 @@
+"""Point-to-point messages: the only place in minidp that calls mpi4py's send and receive.
+
+Every algorithm in minidp.comm is written with these five calls on NumPy arrays:
+
+    sendrecv(group, send_buf, dest, recv_buf, source)    one step of a ring or a butterfly
+    send(group, buf, dest)          recv(group, buf, source)
+    isend / irecv  ->  request      waitall(group, requests, peers)
+
+They use mpi4py's buffer (uppercase) API and ship every array as raw bytes (`MPI.BYTE`):
+the reduction happens in NumPy on the receiving side, so MPI never needs to know the dtype
+(float16 has no standard MPI datatype). Each call adds its bytes to the group's counters under
+the collective in progress.
+
+Waiting: with no deadline (checks off) a wait is MPI's own blocking call. With a deadline,
+the wait polls `Testall`, yielding the core between polls (ranks often outnumber cores), and
+at the deadline cancels what is still pending and raises `CollectiveTimeout` naming the peers
+it never heard from. The cancelled requests stay referenced by the group so MPI never writes
+into freed memory.
+"""
+
+import os
+import time
+
+import numpy as np
+from mpi4py import MPI
+
+from minidp.comm.errors import CollectiveTimeout
+
+DATA_TAG = 7001  # data of every algorithm; messages between one pair never overtake
+CHECK_TAG = 7002  # fingerprints (checks.py), kept apart from the data
+_SPIN = 64  # polls before the waiting loop starts to yield the core
+
+
+def _msg(buf: np.ndarray) -> list:
+    return [buf, MPI.BYTE]
+
+
+def isend(group, buf: np.ndarray, dest: int, tag: int = DATA_TAG) -> MPI.Request:
+    group.traffic(buf.nbytes, 0)
+    return group.comm.Isend(_msg(buf), dest, tag)
+
+
+def irecv(group, buf: np.ndarray, source: int, tag: int = DATA_TAG) -> MPI.Request:
+    group.traffic(0, buf.nbytes)
+    return group.comm.Irecv(_msg(buf), source, tag)
+
+
+def waitall(group, requests: list, peers: list[int]) -> None:
+    """Wait for every request; peers[i] is the rank at the other end of requests[i]."""
+    deadline = group.deadline
+    if deadline is None:
+        MPI.Request.Waitall(requests)
+        return
+    polls = 0
+    while not MPI.Request.Testall(requests):
+        polls += 1
+        if polls > _SPIN:
+            os.sched_yield()
+            if polls % _SPIN == 0 and time.monotonic() > deadline:
+                _give_up(group, requests, peers)
+
+
+def _give_up(group, requests: list, peers: list[int]) -> None:
+    missing = sorted({peer for req, peer in zip(requests, peers) if not req.Test()})
+    for req in requests:
+        if req != MPI.REQUEST_NULL:
+            try:
+                req.Cancel()
+            except MPI.Exception:  # some MPIs cannot cancel a send; it stays pending
+                pass
+            group.abandoned.append(req)
+    raise CollectiveTimeout(group.timeout_message(missing))
+
+
+def sendrecv(group, send_buf: np.ndarray, dest: int, recv_buf: np.ndarray, source: int) -> None:
+    """Send send_buf to dest while receiving recv_buf from source (no send/send deadlock)."""
+    if group.deadline is None:
+        group.traffic(send_buf.nbytes, recv_buf.nbytes)
+        group.comm.Sendrecv(_msg(send_buf), dest, DATA_TAG, _msg(recv_buf), source, DATA_TAG)
+    else:
+        reqs = [irecv(group, recv_buf, source), isend(group, send_buf, dest)]
+        waitall(group, reqs, [source, dest])
+
+
+def send(group, buf: np.ndarray, dest: int) -> None:
+    waitall(group, [isend(group, buf, dest)], [dest])
+
+
+def recv(group, buf: np.ndarray, source: int) -> None:
+    waitall(group, [irecv(group, buf, source)], [source])

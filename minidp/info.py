@@ -1,0 +1,59 @@
+"""`python -m minidp info`: what this process runs on, and whether MPI sees the whole world.
+
+    mpiexec -n 4 python -m minidp info
+
+Each rank reports; rank 0 prints. A world of size 1 on every rank under `mpiexec -n 4` means
+the `mpiexec` belongs to another MPI than the one mpi4py was built against.
+"""
+
+import os
+import platform
+import sys
+
+import numpy as np
+
+from minidp.log import print0
+
+
+def main(argv: list[str]) -> int:
+    if argv:
+        from minidp.log import die
+
+        raise die(f"info takes no arguments, got {' '.join(argv)}")
+    from mpi4py import MPI
+
+    import minidp
+    from minidp.bench._common import blas_info
+
+    comm = MPI.COMM_WORLD
+    rank, size = comm.Get_rank(), comm.Get_size()
+    print0(
+        f"minidp {minidp.__version__} | python {platform.python_version()} | "
+        f"numpy {np.__version__}",
+        rank=rank,
+    )
+    print0(f"BLAS: {blas_info()}", rank=rank)
+    try:
+        import torch
+
+        print0(
+            f"torch {torch.__version__} (cuda available: {torch.cuda.is_available()})", rank=rank
+        )
+    except ImportError:
+        print0("torch: not installed (optional: pip install 'minidp[torch]')", rank=rank)
+    print0(
+        f"mpi4py {__import__('mpi4py').__version__} | MPI library: "
+        f"{MPI.Get_library_version().splitlines()[0].strip()}",
+        rank=rank,
+    )
+    print0(f"world size {size} | thread level {MPI.Query_thread()}", rank=rank)
+    launched = [k for k in ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE") if int(os.environ.get(k, 1)) > 1]
+    if size == 1 and launched:
+        print(
+            f"minidp: warning: launched as one of {os.environ[launched[0]]} processes, but MPI "
+            "sees a world of size 1: the mpiexec belongs to another MPI than mpi4py's. Use the "
+            "mpiexec of the same MPI (the venv's bin/ with the mpich wheel).",
+            file=sys.stderr,
+            flush=True,
+        )
+    return 0

@@ -1,0 +1,294 @@
+"""Layers, from Linear up to a tiny character-level GPT (after nanoGPT), on minidp Tensors.
+
+Conventions:
+- A Linear computes y = x W + b with W of shape (in, out), the orientation of the Megatron
+  paper (Y = XA), so "split A by columns" means split the output features.
+- Every layer is initialized from a `np.random.Generator`, so every rank that builds a model
+  from the same seed holds the identical model.
+- `named_parameters()` walks attributes in the order they were assigned in `__init__`
+  (lists of modules by index): the same order on every rank, every run.
+"""
+
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import numpy as np
+
+from minidp import ops
+from minidp.autograd import Tensor, no_grad
+from minidp.ops import cross_entropy, mse
+
+__all__ = [
+    "Parameter",
+    "Module",
+    "Linear",
+    "MLP",
+    "LayerNorm",
+    "Embedding",
+    "Dropout",
+    "CausalSelfAttention",
+    "Block",
+    "GPT",
+    "GPTConfig",
+    "cross_entropy",
+    "mse",
+]
+
+
+class Parameter(Tensor):
+    """A Tensor that is trained: requires a gradient, and is found by `Module.parameters()`."""
+
+    def __init__(self, data, dtype=None):
+        super().__init__(data, requires_grad=True, dtype=dtype)
+
+
+class Module:
+    """Base class: finds its parameters and sub-modules among its attributes."""
+
+    training = True
+
+    def __call__(self, *args, **kwargs):
+        return self.forward(*args, **kwargs)
+
+    def forward(self, *args, **kwargs):
+        raise NotImplementedError
+
+    def children(self) -> Iterator[tuple[str, "Module"]]:
+        for name, value in vars(self).items():
+            if isinstance(value, Module):
+                yield name, value
+            elif isinstance(value, list | tuple):
+                for i, item in enumerate(value):
+                    if isinstance(item, Module):
+                        yield f"{name}.{i}", item
+
+    def named_parameters(self, prefix: str = "") -> Iterator[tuple[str, Parameter]]:
+        for name, value in vars(self).items():
+            if isinstance(value, Parameter):
+                yield prefix + name, value
+        for name, child in self.children():
+            yield from child.named_parameters(f"{prefix}{name}.")
+
+    def parameters(self) -> list[Parameter]:
+        return [p for _, p in self.named_parameters()]
+
+    def num_parameters(self) -> int:
+        return sum(p.size for p in self.parameters())
+
+    def train(self, mode: bool = True) -> "Module":
+        self.training = mode
+        for _, child in self.children():
+            child.train(mode)
+        return self
+
+    def eval(self) -> "Module":
+        return self.train(False)
+
+    def zero_grad(self) -> None:
+        for p in self.parameters():
+            p.grad = None
+
+    def state_dict(self) -> dict[str, np.ndarray]:
+        return {name: p.data.copy() for name, p in self.named_parameters()}
+
+    def load_state_dict(self, state: dict[str, np.ndarray]) -> None:
+        """Copy values into the existing arrays (in place: views into them stay valid)."""
+        params = dict(self.named_parameters())
+        missing, unexpected = params.keys() - state.keys(), state.keys() - params.keys()
+        if missing or unexpected:
+            raise KeyError(
+                f"load_state_dict: missing {sorted(missing)}, unexpected {sorted(unexpected)}"
+            )
+        for name, p in params.items():
+            value = np.asarray(state[name])
+            if value.shape != p.shape:
+                raise ValueError(
+                    f"load_state_dict: {name} has shape {value.shape}, model {p.shape}"
+                )
+            p.data[...] = value
+
+
+def _uniform(rng, shape, bound, dtype):
+    return rng.uniform(-bound, bound, size=shape).astype(dtype)
+
+
+class Linear(Module):
+    """y = x W + b, W: (in_features, out_features). PyTorch's default init: U(+-1/sqrt(in))."""
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        *,
+        rng: np.random.Generator,
+        dtype=np.float32,
+        std: float | None = None,
+    ):
+        bound = 1 / np.sqrt(in_features)
+        shape = (in_features, out_features)
+        w = (
+            _uniform(rng, shape, bound, dtype)
+            if std is None
+            else (rng.standard_normal(shape) * std)
+        )
+        self.weight = Parameter(w, dtype=dtype)
+        self.bias = None
+        if bias:
+            b = _uniform(rng, out_features, bound, dtype) if std is None else np.zeros(out_features)
+            self.bias = Parameter(b, dtype=dtype)
+
+    def forward(self, x: Tensor) -> Tensor:
+        lead = x.shape[:-1]
+        if x.ndim != 2:  # (B, T, C) -> (B*T, C): one plain matrix product, not a batch of them
+            x = x.reshape(-1, x.shape[-1])
+        y = x @ self.weight
+        if self.bias is not None:
+            y = y + self.bias
+        return y if len(lead) == 1 else y.reshape(*lead, y.shape[-1])
+
+
+class MLP(Module):
+    """Linear layers with ReLU between them: sizes (784, 1024, 1024, 10) -> 3 Linears."""
+
+    def __init__(self, sizes: list[int], *, rng: np.random.Generator, dtype=np.float32):
+        self.layers = [Linear(a, b, rng=rng, dtype=dtype) for a, b in zip(sizes[:-1], sizes[1:])]
+
+    def forward(self, x: Tensor) -> Tensor:
+        for i, layer in enumerate(self.layers):
+            x = layer(x)
+            if i < len(self.layers) - 1:
+                x = x.relu()
+        return x
+
+
+class LayerNorm(Module):
+    """(x - mean) / sqrt(var + eps) * weight + bias, over the last axis."""
+
+    def __init__(self, dim: int, eps: float = 1e-5, *, dtype=np.float32):
+        self.eps = eps
+        self.weight = Parameter(np.ones(dim), dtype=dtype)
+        self.bias = Parameter(np.zeros(dim), dtype=dtype)
+
+    def forward(self, x: Tensor) -> Tensor:
+        centered = x - x.mean(axis=-1, keepdims=True)
+        var = (centered * centered).mean(axis=-1, keepdims=True)
+        return centered / (var + self.eps).sqrt() * self.weight + self.bias
+
+
+class Embedding(Module):
+    """A lookup table: row i of `weight` is the vector of token i."""
+
+    def __init__(
+        self, num: int, dim: int, *, rng: np.random.Generator, dtype=np.float32, std: float = 0.02
+    ):
+        self.weight = Parameter(rng.standard_normal((num, dim)) * std, dtype=dtype)
+
+    def forward(self, idx: np.ndarray) -> Tensor:
+        return self.weight[np.asarray(idx)]
+
+
+class Dropout(Module):
+    def __init__(self, p: float, *, rng: np.random.Generator):
+        self.p, self.rng = p, rng
+
+    def forward(self, x: Tensor) -> Tensor:
+        return ops.dropout(x, self.p, self.rng, self.training)
+
+
+@dataclass
+class GPTConfig:
+    vocab_size: int = 96
+    block_size: int = 64  # context length T
+    n_layer: int = 2
+    n_head: int = 4
+    n_embd: int = 64  # C; head size = C / n_head
+    dropout: float = 0.0
+
+
+class CausalSelfAttention(Module):
+    """Multi-head attention where position t attends to positions <= t only."""
+
+    def __init__(self, cfg: GPTConfig, *, rng, dtype=np.float32):
+        C, std = cfg.n_embd, 0.02
+        self.n_head = cfg.n_head
+        self.qkv = Linear(C, 3 * C, rng=rng, dtype=dtype, std=std)
+        # residual projections scaled by 1/sqrt(2 n_layer) (GPT-2)
+        self.proj = Linear(C, C, rng=rng, dtype=dtype, std=std / np.sqrt(2 * cfg.n_layer))
+        self.attn_drop = Dropout(cfg.dropout, rng=rng)
+        self.resid_drop = Dropout(cfg.dropout, rng=rng)
+        self.future = np.triu(np.ones((cfg.block_size, cfg.block_size), dtype=bool), k=1)
+
+    def forward(self, x: Tensor) -> Tensor:
+        B, T, C = x.shape
+        H = self.n_head
+        q, k, v = ops.split(self.qkv(x), 3, axis=2)  # each (B, T, C)
+        q, k, v = (t.reshape(B, T, H, C // H).transpose(0, 2, 1, 3) for t in (q, k, v))
+        att = (q @ k.transpose(0, 1, 3, 2)) * (1.0 / math.sqrt(C // H))  # (B, H, T, T)
+        att = att.masked_fill(self.future[:T, :T], -np.inf).softmax(axis=-1)
+        y = self.attn_drop(att) @ v  # (B, H, T, hs)
+        y = y.transpose(0, 2, 1, 3).reshape(B, T, C)
+        return self.resid_drop(self.proj(y))
+
+
+class Block(Module):
+    """Pre-norm transformer block: x + attn(ln(x)), then x + mlp(ln(x))."""
+
+    def __init__(self, cfg: GPTConfig, *, rng, dtype=np.float32):
+        C, std = cfg.n_embd, 0.02
+        self.ln1 = LayerNorm(C, dtype=dtype)
+        self.attn = CausalSelfAttention(cfg, rng=rng, dtype=dtype)
+        self.ln2 = LayerNorm(C, dtype=dtype)
+        self.fc = Linear(C, 4 * C, rng=rng, dtype=dtype, std=std)
+        self.fc_proj = Linear(4 * C, C, rng=rng, dtype=dtype, std=std / np.sqrt(2 * cfg.n_layer))
+        self.drop = Dropout(cfg.dropout, rng=rng)
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.drop(self.fc_proj(self.fc(self.ln2(x)).gelu()))
+
+
+class GPT(Module):
+    """Token + position embeddings, n_layer blocks, a final LayerNorm and an output head."""
+
+    def __init__(self, cfg: GPTConfig, *, seed: int = 0, dtype=np.float32):
+        rng = np.random.default_rng(seed)
+        self.config = cfg
+        self.wte = Embedding(cfg.vocab_size, cfg.n_embd, rng=rng, dtype=dtype)
+        self.wpe = Embedding(cfg.block_size, cfg.n_embd, rng=rng, dtype=dtype)
+        self.drop = Dropout(cfg.dropout, rng=rng)
+        self.blocks = [Block(cfg, rng=rng, dtype=dtype) for _ in range(cfg.n_layer)]
+        self.ln_f = LayerNorm(cfg.n_embd, dtype=dtype)
+        self.head = Linear(cfg.n_embd, cfg.vocab_size, bias=False, rng=rng, dtype=dtype, std=0.02)
+
+    def forward(self, idx: np.ndarray) -> Tensor:
+        """idx: (B, T) token ids -> logits (B, T, vocab_size)."""
+        idx = np.asarray(idx)
+        T = idx.shape[-1]
+        if T > self.config.block_size:
+            raise ValueError(
+                f"sequence of {T} tokens is longer than block_size {self.config.block_size}"
+            )
+        x = self.drop(self.wte(idx) + self.wpe(np.arange(T)))
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x))
+
+    def generate(
+        self, idx: np.ndarray, new_tokens: int, rng: np.random.Generator, temperature: float = 1.0
+    ) -> np.ndarray:
+        """Sample `new_tokens` more tokens after each row of idx (B, T)."""
+        was_training = self.training
+        self.eval()
+        idx = np.array(idx)
+        with no_grad():
+            for _ in range(new_tokens):
+                logits = self(idx[:, -self.config.block_size :]).data[:, -1, :]
+                logits = logits.astype(np.float64) / temperature  # float64: p sums to 1
+                p = np.exp(logits - logits.max(axis=1, keepdims=True))
+                p /= p.sum(axis=1, keepdims=True)
+                nxt = [rng.choice(len(row), p=row) for row in p]
+                idx = np.concatenate([idx, np.array(nxt)[:, None]], axis=1)
+        self.train(was_training)
+        return idx

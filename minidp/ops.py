@@ -1,0 +1,191 @@
+"""Nonlinearities, joining ops and losses, each with its backward right beside its forward.
+
+Every function takes Tensors (or arrays) and returns a Tensor built by `_result`, whose
+backward closure maps the output gradient `g` to one gradient per input.
+"""
+
+import math
+
+import numpy as np
+
+from minidp.autograd import Tensor, _result, _unbroadcast
+
+
+def _tensor(x) -> Tensor:
+    return x if isinstance(x, Tensor) else Tensor(x)
+
+
+# ---- elementwise ------------------------------------------------------------------------
+def exp(x: Tensor) -> Tensor:
+    out = np.exp(x.data)
+    return _result(out, (x,), lambda g: (g * out,))  # d/dx e^x = e^x
+
+
+def log(x: Tensor) -> Tensor:
+    return _result(np.log(x.data), (x,), lambda g: (g / x.data,))  # d/dx log x = 1/x
+
+
+def sqrt(x: Tensor) -> Tensor:
+    out = np.sqrt(x.data)
+    return _result(out, (x,), lambda g: (g * 0.5 / out,))  # d/dx sqrt x = 1 / (2 sqrt x)
+
+
+def tanh(x: Tensor) -> Tensor:
+    out = np.tanh(x.data)
+    return _result(out, (x,), lambda g: (g * (1 - out * out),))
+
+
+def sigmoid(x: Tensor) -> Tensor:
+    out = 1 / (1 + np.exp(-x.data))
+    return _result(out, (x,), lambda g: (g * out * (1 - out),))
+
+
+def relu(x: Tensor) -> Tensor:
+    positive = x.data > 0
+    return _result(x.data * positive, (x,), lambda g: (g * positive,))
+
+
+_GELU_C = math.sqrt(2 / math.pi)  # a Python float: keeps float32 arrays float32
+
+
+def gelu(x: Tensor) -> Tensor:
+    """GELU, tanh approximation (GPT-2; torch's `gelu(approximate="tanh")`):
+    0.5 x (1 + tanh(c (x + 0.044715 x^3))),  c = sqrt(2/pi)."""
+    v = x.data
+    t = np.tanh(_GELU_C * (v + 0.044715 * v * v * v))
+
+    def backward(g):  # product rule, then d tanh(u) = (1 - tanh^2) du
+        du = _GELU_C * (1 + 3 * 0.044715 * v * v)
+        return (g * (0.5 * (1 + t) + 0.5 * v * (1 - t * t) * du),)
+
+    return _result(0.5 * v * (1 + t), (x,), backward)
+
+
+def softmax(x: Tensor, axis: int = -1) -> Tensor:
+    e = np.exp(x.data - x.data.max(axis=axis, keepdims=True))  # shift: no overflow
+    s = e / e.sum(axis=axis, keepdims=True)
+    # Jacobian-vector product: ds = s * (g - sum(g * s))
+    return _result(s, (x,), lambda g: (s * (g - (g * s).sum(axis=axis, keepdims=True)),))
+
+
+def log_softmax(x: Tensor, axis: int = -1) -> Tensor:
+    shifted = x.data - x.data.max(axis=axis, keepdims=True)
+    out = shifted - np.log(np.exp(shifted).sum(axis=axis, keepdims=True))
+    # d log_softmax: g - softmax * sum(g)
+    return _result(out, (x,), lambda g: (g - np.exp(out) * g.sum(axis=axis, keepdims=True),))
+
+
+# ---- selection ----------------------------------------------------------------------------
+def where(condition, a, b) -> Tensor:
+    """Elementwise `a if condition else b`, broadcasting all three."""
+    cond = condition.data if isinstance(condition, Tensor) else np.asarray(condition, bool)
+    a, b = _tensor(a), _tensor(b)
+    out = np.where(cond, a.data, b.data)
+
+    def backward(g):
+        return (
+            _unbroadcast(np.where(cond, g, 0), a.shape) if a.requires_grad else None,
+            _unbroadcast(np.where(cond, 0, g), b.shape) if b.requires_grad else None,
+        )
+
+    return _result(out, (a, b), backward)
+
+
+def masked_fill(x: Tensor, mask, value: float) -> Tensor:
+    """x with `value` where mask is True (a causal mask fills the future with -inf)."""
+    mask = mask.data if isinstance(mask, Tensor) else np.asarray(mask, bool)
+    out = np.where(mask, np.asarray(value, dtype=x.dtype), x.data)
+    return _result(out, (x,), lambda g: (_unbroadcast(np.where(mask, 0, g), x.shape),))
+
+
+def dropout(x: Tensor, p: float, rng: np.random.Generator, training: bool = True) -> Tensor:
+    """Zero each element with probability p and scale the rest by 1/(1-p) (inverted dropout)."""
+    if not training or p == 0.0:
+        return x
+    if not 0.0 <= p < 1.0:
+        raise ValueError(f"dropout probability must be in [0, 1), got {p}")
+    keep = (rng.random(x.shape) >= p).astype(x.dtype) * x.dtype.type(1.0 / (1.0 - p))
+    return _result(x.data * keep, (x,), lambda g: (g * keep,))
+
+
+# ---- joining and splitting -------------------------------------------------------------
+def concatenate(tensors: list, axis: int = 0) -> Tensor:
+    tensors = [_tensor(t) for t in tensors]
+    try:
+        out = np.concatenate([t.data for t in tensors], axis=axis)
+    except ValueError:
+        shapes = ", ".join(str(t.shape) for t in tensors)
+        raise ValueError(f"concatenate(axis={axis}): shapes {shapes} do not fit") from None
+    edges = np.cumsum([t.shape[axis] for t in tensors])[:-1]
+    return _result(out, tuple(tensors), lambda g: tuple(np.split(g, edges, axis=axis)))
+
+
+def stack(tensors: list, axis: int = 0) -> Tensor:
+    tensors = [_tensor(t) for t in tensors]
+    shapes = {t.shape for t in tensors}
+    if len(shapes) != 1:
+        raise ValueError(f"stack: all shapes must match, got {sorted(shapes)}")
+    out = np.stack([t.data for t in tensors], axis=axis)
+    n = len(tensors)
+    return _result(out, tuple(tensors), lambda g: tuple(np.take(g, i, axis=axis) for i in range(n)))
+
+
+def split(x: Tensor, sections, axis: int = 0) -> list[Tensor]:
+    """Like np.split: `sections` is a count of equal parts or a list of cut indices."""
+    n = x.shape[axis]
+    if isinstance(sections, int):
+        if sections <= 0 or n % sections:
+            raise ValueError(
+                f"split: axis {axis} of shape {x.shape} does not divide into {sections}"
+            )
+        cuts = list(range(0, n + 1, n // sections))
+    else:
+        cuts = [0, *sections, n]
+    index = [slice(None)] * x.ndim
+    parts = []
+    for lo, hi in zip(cuts[:-1], cuts[1:]):
+        index[axis % x.ndim] = slice(lo, hi)
+        parts.append(x[tuple(index)])
+    return parts
+
+
+# ---- losses -------------------------------------------------------------------------------
+def cross_entropy(logits: Tensor, targets) -> Tensor:
+    """Mean over examples of -log softmax(logits)[target]; logits (..., V), targets (...) ints.
+
+    Fused: forward keeps the softmax, and backward is (softmax - onehot(target)) / N."""
+    targets = np.asarray(targets.data if isinstance(targets, Tensor) else targets)
+    V = logits.shape[-1]
+    if logits.shape[:-1] != targets.shape:
+        raise ValueError(
+            f"cross_entropy: logits {logits.shape} do not match targets {targets.shape}"
+        )
+    if targets.size and (targets.min() < 0 or targets.max() >= V):
+        raise ValueError(
+            f"cross_entropy: targets must lie in [0, {V}), got {targets.min()}..{targets.max()}"
+        )
+    z = logits.data.reshape(-1, V)
+    t = targets.reshape(-1)
+    N = len(t)
+    shifted = z - z.max(axis=1, keepdims=True)  # log-sum-exp trick: stable for large logits
+    e = np.exp(shifted)
+    sum_e = e.sum(axis=1, keepdims=True)
+    rows = np.arange(N)
+    loss = np.log(sum_e[:, 0]) - shifted[rows, t]
+
+    def backward(g):
+        d = e / sum_e
+        d[rows, t] -= 1
+        d *= g / N
+        return (d.reshape(logits.shape),)
+
+    return _result(np.asarray(loss.mean(), dtype=logits.dtype), (logits,), backward)
+
+
+def mse(prediction: Tensor, target) -> Tensor:
+    """Mean squared error, averaged over every element."""
+    target = _tensor(target)
+    if prediction.shape != target.shape:
+        raise ValueError(f"mse: prediction {prediction.shape} and target {target.shape} differ")
+    diff = prediction - target
+    return (diff * diff).mean()

@@ -1,0 +1,175 @@
+"""Optimizers, gradient clipping and a learning-rate schedule, written as PyTorch defines them
+(so tests can check them against torch.optim step by step).
+
+Every optimizer updates `p.data` in place from `p.grad` and skips parameters whose grad is
+None. `state_dict()` holds the hyper-parameters and per-parameter state in parameter order.
+"""
+
+import math
+
+import numpy as np
+
+from minidp.autograd import Tensor
+
+
+class Optimizer:
+    def __init__(self, params, lr: float, **hyper):
+        self.params: list[Tensor] = list(params)
+        if not self.params:
+            raise ValueError(f"{type(self).__name__} got an empty parameter list")
+        if lr <= 0:
+            raise ValueError(f"learning rate must be positive, got {lr}")
+        self.lr = lr
+        self.hyper = hyper
+        self.state: list[dict[str, np.ndarray]] = [{} for _ in self.params]
+        self.step_count = 0
+
+    def zero_grad(self) -> None:
+        for p in self.params:
+            p.grad = None
+
+    def step(self) -> None:
+        self.step_count += 1
+        for p, state in zip(self.params, self.state):
+            if p.grad is not None:
+                self.update(p.data, p.grad, state)
+
+    def update(self, w: np.ndarray, g: np.ndarray, state: dict) -> None:
+        raise NotImplementedError
+
+    def state_dict(self) -> dict:
+        return {
+            "lr": self.lr,
+            "hyper": dict(self.hyper),
+            "step_count": self.step_count,
+            "state": [{k: v.copy() for k, v in s.items()} for s in self.state],
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        if len(state["state"]) != len(self.params):
+            raise ValueError(
+                f"optimizer state has {len(state['state'])} parameters, "
+                f"this optimizer {len(self.params)}"
+            )
+        self.lr, self.hyper = state["lr"], dict(state["hyper"])
+        self.step_count = state["step_count"]
+        self.state = [{k: np.array(v) for k, v in s.items()} for s in state["state"]]
+
+
+class SGD(Optimizer):
+    """w -= lr * v, with v = momentum * v + g (first step: v = g), as torch.optim.SGD.
+
+    weight_decay adds wd * w to g first; nesterov uses g + momentum * v instead of v."""
+
+    def __init__(
+        self,
+        params,
+        lr: float,
+        momentum: float = 0.0,
+        weight_decay: float = 0.0,
+        nesterov: bool = False,
+    ):
+        if nesterov and momentum <= 0:
+            raise ValueError("nesterov needs momentum > 0")
+        super().__init__(
+            params, lr, momentum=momentum, weight_decay=weight_decay, nesterov=nesterov
+        )
+
+    def update(self, w, g, state):
+        momentum, wd = self.hyper["momentum"], self.hyper["weight_decay"]
+        if wd:
+            g = g + wd * w
+        if momentum:
+            if "velocity" not in state:
+                state["velocity"] = np.array(g, dtype=w.dtype)
+            else:
+                v = state["velocity"]
+                v *= momentum
+                v += g
+            v = state["velocity"]
+            g = g + momentum * v if self.hyper["nesterov"] else v
+        w -= self.lr * g
+
+
+class Adam(Optimizer):
+    """Adam (Kingma & Ba, 2015), with L2 weight decay added to the gradient (torch.optim.Adam):
+
+    m = b1 m + (1 - b1) g;   v = b2 v + (1 - b2) g^2
+    w -= lr / (1 - b1^t) * m / (sqrt(v) / sqrt(1 - b2^t) + eps)
+    """
+
+    decoupled = False
+
+    def __init__(
+        self,
+        params,
+        lr: float = 1e-3,
+        betas=(0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+    ):
+        super().__init__(params, lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
+
+    def update(self, w, g, state):
+        (b1, b2), eps, wd = self.hyper["betas"], self.hyper["eps"], self.hyper["weight_decay"]
+        if wd and self.decoupled:
+            w *= 1 - self.lr * wd  # AdamW: decay the weights, not the gradient
+        elif wd:
+            g = g + wd * w
+        if "m" not in state:
+            state["m"], state["v"] = np.zeros_like(w), np.zeros_like(w)
+        m, v, t = state["m"], state["v"], self.step_count
+        m *= b1
+        m += (1 - b1) * g
+        v *= b2
+        v += (1 - b2) * (g * g)
+        denom = np.sqrt(v) / math.sqrt(1 - b2**t) + eps
+        w -= (self.lr / (1 - b1**t)) * m / denom
+
+
+class AdamW(Adam):
+    """Adam with decoupled weight decay (Loshchilov & Hutter, 2019): w *= 1 - lr * wd."""
+
+    decoupled = True
+
+    def __init__(
+        self,
+        params,
+        lr: float = 1e-3,
+        betas=(0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.01,
+    ):
+        super().__init__(params, lr, betas, eps, weight_decay)
+
+
+def global_grad_norm(params) -> float:
+    """sqrt(sum of squares of every gradient), in float64."""
+    return math.sqrt(sum(float(np.vdot(g, g)) for g in (p.grad for p in params) if g is not None))
+
+
+def clip_grad_norm(params, max_norm: float, total_norm: float | None = None) -> float:
+    """Scale all gradients by max_norm / norm when the global norm exceeds max_norm.
+
+    Returns the norm before clipping. Pass `total_norm` when it was computed elsewhere
+    (a sharded model sums the squares across ranks first)."""
+    params = list(params)
+    norm = global_grad_norm(params) if total_norm is None else total_norm
+    scale = max_norm / (norm + 1e-6)
+    if scale < 1:
+        for p in params:
+            if p.grad is not None:
+                p.grad *= p.grad.dtype.type(scale)
+    return norm
+
+
+def warmup_cosine(
+    step: int, peak_lr: float, warmup: int, total: int, min_ratio: float = 0.1
+) -> float:
+    """Linear warmup to peak_lr over `warmup` steps, then cosine decay to peak_lr * min_ratio.
+
+    step counts from 0; step = total gives the final rate."""
+    if step < warmup:
+        return peak_lr * (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return peak_lr * (min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
