@@ -15,7 +15,7 @@ import pkgutil
 import sys
 import types
 
-from minidp.config import TrainConfig, config_fields
+from minidp.config import BadConfig, TrainConfig, config_fields
 from minidp.log import die
 
 SUBCOMMANDS = ("train", "bench", "info")
@@ -39,6 +39,9 @@ def train_parser() -> argparse.ArgumentParser:
     for name, default, annotation, meta in config_fields():
         flag = "--" + name.replace("_", "-")
         kind = _field_type(annotation)
+        if kind is bool:
+            parser.add_argument(flag, dest=name, action="store_true", help=meta["help"])
+            continue
         parser.add_argument(
             flag,
             dest=name,
@@ -56,7 +59,7 @@ def parse_train_args(argv: list[str]) -> TrainConfig:
     config = TrainConfig(**vars(args))
     try:
         config.validate()
-    except ValueError as error:
+    except BadConfig as error:
         raise die(str(error)) from None
     return config
 
@@ -98,9 +101,36 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         train(config)
-    except TrainingDiverged as error:
+    except BadConfig as error:  # found on every rank alike: one line, every rank exits
+        raise die(str(error)) from None
+    except TrainingDiverged as error:  # judged on the global loss: every rank alike
         raise die(str(error), code=1) from None
+    except BaseException:
+        abort_others()
+        raise
     return 0
+
+
+def abort_others() -> None:
+    """An error on one rank ends the whole job at once (MPI_Abort), its traceback the cause.
+
+    Without this the other ranks would wait forever in their next collective."""
+    if "mpi4py.MPI" not in sys.modules:
+        return
+    from mpi4py import MPI
+
+    if MPI.Is_initialized() and not MPI.Is_finalized() and MPI.COMM_WORLD.Get_size() > 1:
+        import os
+        import time
+        import traceback
+
+        rank = MPI.COMM_WORLD.Get_rank()
+        report = f"minidp: rank {rank} failed; aborting all ranks. Root cause:\n"
+        sys.stderr.flush()
+        os.write(2, (report + traceback.format_exc()).encode())  # one write, unbuffered
+        time.sleep(0.5)  # let the launcher forward it before the abort tears the job down
+        MPI.COMM_WORLD.Abort(1)
+        os._exit(1)  # Abort may return before the launcher kills us: print nothing more
 
 
 __all__ = ["main", "parse_train_args", "train_parser"]

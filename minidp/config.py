@@ -11,8 +11,15 @@ Default run, the arithmetic:
 from dataclasses import dataclass, field, fields
 
 
+class BadConfig(ValueError):
+    """A flag value that cannot work: reported as one line, on rank 0, exit code 2."""
+
+
 @dataclass
 class TrainConfig:
+    strategy: str = field(
+        default="dp", metadata={"help": "how ranks share the work", "choices": ("dp",)}
+    )
     model: str = field(
         default="gpt", metadata={"help": "model to train", "choices": ("gpt", "mlp")}
     )
@@ -42,8 +49,35 @@ class TrainConfig:
     eval_batches: int = field(default=8, metadata={"help": "validation batches at the end"})
     sample_tokens: int = field(default=200, metadata={"help": "characters to generate (gpt)"})
 
+    # data parallelism
+    allreduce: str = field(
+        default="auto",
+        metadata={
+            "help": "gradient allreduce algorithm",
+            "choices": (
+                "auto",
+                "ring",
+                "recursive_doubling",
+                "rabenseifner",
+                "tree",
+                "naive",
+                "mpi",
+            ),
+        },
+    )
+    bucket_mb: float = field(default=0.25, metadata={"help": "gradient bucket size in MiB"})
+    no_overlap: bool = field(
+        default=False, metadata={"help": "reduce gradients after backward, not during it"}
+    )
+    grad_accum: int = field(default=1, metadata={"help": "micro-batches per optimizer step"})
+    threads: int = field(
+        default=0, metadata={"help": "BLAS threads per rank (0: cores / ranks on this machine)"}
+    )
+    trace: str | None = field(default=None, metadata={"help": "write a Chrome-trace timeline"})
+    log_dir: str | None = field(default=None, metadata={"help": "one log file per rank here"})
+
     def validate(self) -> None:
-        """Raise ValueError with one clear line for a value that cannot work."""
+        """Raise BadConfig with one clear line for a value that cannot work."""
         positive = (
             "steps",
             "batch_size",
@@ -54,20 +88,25 @@ class TrainConfig:
             "n_embd",
             "hidden",
             "eval_batches",
+            "grad_accum",
         )
         for name in positive:
             if getattr(self, name) <= 0:
-                raise ValueError(
+                raise BadConfig(
                     f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}"
                 )
         if self.lr <= 0:
-            raise ValueError(f"--lr must be positive, got {self.lr}")
+            raise BadConfig(f"--lr must be positive, got {self.lr}")
         if self.n_embd % self.n_head:
-            raise ValueError(f"--n-embd ({self.n_embd}) must divide by --n-head ({self.n_head})")
+            raise BadConfig(f"--n-embd ({self.n_embd}) must divide by --n-head ({self.n_head})")
         if not 0.0 <= self.dropout < 1.0:
-            raise ValueError(f"--dropout must be in [0, 1), got {self.dropout}")
+            raise BadConfig(f"--dropout must be in [0, 1), got {self.dropout}")
+        if self.threads < 0:
+            raise BadConfig(f"--threads must not be negative, got {self.threads}")
+        if self.bucket_mb <= 0:
+            raise BadConfig(f"--bucket-mb must be positive, got {self.bucket_mb}")
         if self.warmup < 0 or self.sample_tokens < 0 or self.grad_clip < 0:
-            raise ValueError("--warmup, --sample-tokens and --grad-clip must not be negative")
+            raise BadConfig("--warmup, --sample-tokens and --grad-clip must not be negative")
 
 
 def config_fields():

@@ -12,6 +12,7 @@
 import importlib
 import inspect
 import string
+import warnings
 from functools import lru_cache
 
 import numpy as np
@@ -101,7 +102,9 @@ def corpus_text() -> str:
     parts = []
     for name in CORPUS_MODULES:
         module = importlib.import_module(name)
-        members = [getattr(module, m) for m in sorted(vars(module)) if not m.startswith("_")]
+        with warnings.catch_warnings():  # typing.io and friends warn when touched
+            warnings.simplefilter("ignore", DeprecationWarning)
+            members = [getattr(module, m) for m in sorted(vars(module)) if not m.startswith("_")]
         for obj in [module, *members]:
             if obj is module or getattr(obj, "__module__", None) == module.__name__:
                 doc = inspect.getdoc(obj)

@@ -22,6 +22,27 @@ def print0(*args, rank: int | None = None, **kwargs) -> None:
 
 
 def die(message: str, code: int = 2) -> "SystemExit":
-    """One clear line on stderr and an exit code, for bad input (no traceback)."""
-    print(f"minidp: error: {message}", file=sys.stderr, flush=True)
+    """One clear line on stderr (from rank 0 only: every rank finds the same bad input) and
+    an exit code, for bad input. No traceback. Raise what it returns."""
+    if _world_rank() == 0:
+        print(f"minidp: error: {message}", file=sys.stderr, flush=True)
     return SystemExit(code)
+
+
+class RankLog:
+    """One log file per rank (`--log-dir DIR` -> DIR/rank0.log, DIR/rank1.log, ...)."""
+
+    def __init__(self, directory: str | None, rank: int):
+        self.file = None
+        if directory:
+            os.makedirs(directory, exist_ok=True)
+            self.file = open(os.path.join(directory, f"rank{rank}.log"), "w")  # noqa: SIM115
+
+    def write(self, line: str) -> None:
+        if self.file:
+            self.file.write(line + "\n")
+
+    def close(self) -> None:
+        if self.file:
+            self.file.close()
+            self.file = None
