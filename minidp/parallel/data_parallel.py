@@ -18,8 +18,9 @@ one per parameter pays the α (latency) term once per bucket.
 
 Overlap. Without it (`overlap=False`), every bucket is reduced after backward, in
 `finish_gradient_sync`: all communication is exposed. With it, each parameter's grad-ready
-hook (autograd.py) counts down its bucket; the hook that completes a bucket hands it to a **communication thread**, which runs the bucket's allreduce
-on its own duplicated group while the main thread goes on with backward. We chose a thread
+hook (autograd.py) counts down its bucket; the hook that completes a bucket hands it to a
+**communication thread**, which runs the bucket's allreduce on its own duplicated group
+while the main thread goes on with backward. We chose a thread
 over non-blocking point-to-point advanced between backward ops because the collectives in
 minidp.comm are ordinary blocking code a reader can follow; NumPy's BLAS and MPI's blocking
 calls release the GIL, so the thread's messages really do proceed beside the matmuls of the
