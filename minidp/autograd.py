@@ -145,7 +145,8 @@ class Tensor:
             raise ValueError(f"backward(): seed shape {gradient.shape} != tensor {self.shape}")
 
         grads = {id(self): gradient}
-        handed_out: set[int] = set()  # arrays already stored somewhere: copy before keeping
+        # arrays already stored somewhere (the caller's seed too): copy before keeping
+        handed_out: set[int] = {id(gradient)}
         for node in reversed(self._topological_order()):
             g = grads.pop(id(node), None)
             if g is None:
@@ -271,7 +272,7 @@ class Tensor:
                 g, m = np.expand_dims(g, axis), np.expand_dims(out, axis)
             else:
                 m = out
-            mask = x == m
+            mask = (x == m).astype(x.dtype)  # in x's dtype: float32 stays float32
             return (g * mask / mask.sum(axis=axis, keepdims=True),)
 
         return _result(out, (self,), backward)

@@ -42,7 +42,8 @@ def sigmoid(x: Tensor) -> Tensor:
 
 def relu(x: Tensor) -> Tensor:
     positive = x.data > 0
-    return _result(x.data * positive, (x,), lambda g: (g * positive,))
+    # maximum, not x * positive: -inf * 0 would be nan
+    return _result(np.maximum(x.data, 0), (x,), lambda g: (g * positive,))
 
 
 _GELU_C = math.sqrt(2 / math.pi)  # a Python float: keeps float32 arrays float32

@@ -118,7 +118,9 @@ class Adam(Optimizer):
             g = g + wd * w
         if "m" not in state:
             state["m"], state["v"] = np.zeros_like(w), np.zeros_like(w)
-        m, v, t = state["m"], state["v"], self.step_count
+            state["step"] = np.zeros((), dtype=np.int64)
+        state["step"] += 1  # per parameter, as torch: a step without a gradient does not count
+        m, v, t = state["m"], state["v"], int(state["step"])
         m *= b1
         m += (1 - b1) * g
         v *= b2
