@@ -61,3 +61,27 @@ def write_json(path: str | None, records: list[dict]) -> None:
     with open(path, "w") as f:
         for r in records:
             f.write(json.dumps(r) + "\n")
+
+
+def torch_mlp_step(torch, model, x, y, lr: float, wrap=None):
+    """A torch twin of a minidp MLP (same weights; W is (in, out) here, (out, in) in torch)
+    and one SGD training step on (x, y). `wrap` wraps the torch model (e.g. in DDP)."""
+    layers = []
+    for i, layer in enumerate(model.layers):
+        linear = torch.nn.Linear(*layer.weight.shape)
+        with torch.no_grad():
+            linear.weight.copy_(torch.from_numpy(layer.weight.data.T.copy()))
+            linear.bias.copy_(torch.from_numpy(layer.bias.data))
+        layers += [linear] + ([torch.nn.ReLU()] if i < len(model.layers) - 1 else [])
+    net = torch.nn.Sequential(*layers)
+    net = wrap(net) if wrap else net
+    opt = torch.optim.SGD(net.parameters(), lr=lr)
+    tx, ty = torch.from_numpy(x), torch.from_numpy(y)
+
+    def step():
+        loss = torch.nn.functional.cross_entropy(net(tx), ty)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+
+    return step

@@ -17,7 +17,13 @@ import numpy as np
 
 from minidp import nn, optim
 from minidp.autograd import Tensor
-from minidp.bench._common import environment, median, print_table, write_json
+from minidp.bench._common import (
+    environment,
+    median,
+    print_table,
+    torch_mlp_step,
+    write_json,
+)
 
 SIZES = (784, 1024, 1024, 10)
 BATCH = 256
@@ -67,27 +73,6 @@ def numpy_step(weights, x, y):
     return step
 
 
-def torch_step(torch, weights, x, y):
-    layers = []
-    for i, (W, b) in enumerate(weights):
-        linear = torch.nn.Linear(*W.shape)
-        with torch.no_grad():
-            linear.weight.copy_(torch.from_numpy(W.T.copy()))
-            linear.bias.copy_(torch.from_numpy(b))
-        layers += [linear] + ([torch.nn.ReLU()] if i < len(weights) - 1 else [])
-    model = torch.nn.Sequential(*layers)
-    opt = torch.optim.SGD(model.parameters(), lr=LR)
-    tx, ty = torch.from_numpy(x), torch.from_numpy(y)
-
-    def step():
-        loss = torch.nn.functional.cross_entropy(model(tx), ty)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-
-    return step
-
-
 def measure(threads: int, iters: int, warmup: int) -> dict:
     from threadpoolctl import threadpool_limits
 
@@ -104,7 +89,7 @@ def measure(threads: int, iters: int, warmup: int) -> dict:
         import torch
 
         torch.set_num_threads(threads)
-        contenders["torch"] = torch_step(torch, weights, x, y)
+        contenders["torch"] = torch_mlp_step(torch, model, x, y, LR)
     except ImportError:
         pass
     times: dict[str, list[float]] = {name: [] for name in contenders}

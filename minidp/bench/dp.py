@@ -22,7 +22,13 @@ from mpi4py import MPI
 
 from minidp import comm, nn, optim
 from minidp.autograd import Tensor
-from minidp.bench._common import environment, median, print_table, write_json
+from minidp.bench._common import (
+    environment,
+    median,
+    print_table,
+    torch_mlp_step,
+    write_json,
+)
 from minidp.log import print0
 from minidp.parallel import DistributedDataParallel
 
@@ -98,25 +104,8 @@ def torch_ddp_step(world, x, y):
         rank=world.rank,
         world_size=world.size,
     )
-    ref = make_model()
-    layers = []
-    for i, layer in enumerate(ref.layers):
-        linear = torch.nn.Linear(*layer.weight.shape)
-        with torch.no_grad():
-            linear.weight.copy_(torch.from_numpy(layer.weight.data.T.copy()))
-            linear.bias.copy_(torch.from_numpy(layer.bias.data))
-        layers += [linear] + ([torch.nn.ReLU()] if i < len(ref.layers) - 1 else [])
-    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Sequential(*layers))
-    opt = torch.optim.SGD(model.parameters(), lr=LR)
-    tx, ty = torch.from_numpy(x), torch.from_numpy(y)
-
-    def step():
-        loss = torch.nn.functional.cross_entropy(model(tx), ty)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-
-    return step
+    wrap = torch.nn.parallel.DistributedDataParallel
+    return torch_mlp_step(torch, make_model(), x, y, LR, wrap=wrap)
 
 
 def main(argv: list[str]) -> int:

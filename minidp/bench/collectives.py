@@ -1,0 +1,219 @@
+"""Hand-written collectives against MPI's own, nccl-tests style.
+
+    mpiexec -n 2 python -m minidp bench collectives
+    mpiexec -n 4 python -m minidp bench collectives --ops allreduce --algos ring,rabenseifner \
+        --sizes 4K,64K,1M,16M,64M --json collectives.json
+
+For each collective, size and algorithm, the hand-written call and MPI's builtin (called
+directly through mpi4py) alternate in one job, A B A B ...: after --warmup calls of each,
+--iters timed pairs. One call's time is the slowest rank's (Barrier, time, max over ranks);
+the table shows medians. Both sides get preallocated inputs and outputs; page faults per
+call (ru_minflt) show who allocates temporaries.
+
+    algbw = bytes / time            bytes: the whole vector (allgather: the gathered output)
+    busbw = algbw * 2(p-1)/p        allreduce
+            algbw * (p-1)/p         reduce_scatter, allgather, alltoall
+            algbw                   broadcast, reduce
+    ratio = our busbw / MPI's busbw (= MPI's time / ours; > 1: ours is faster)
+
+MINIDP_CHECKS is ignored here: the group runs with checks off, as a trained job would.
+"""
+
+import argparse
+import resource
+import time
+
+import numpy as np
+from mpi4py import MPI
+
+from minidp import comm
+from minidp.bench._common import environment, median, print_table, write_json
+
+BUS_FACTOR = {
+    "allreduce": lambda p: 2 * (p - 1) / p,
+    "reduce_scatter": lambda p: (p - 1) / p,
+    "allgather": lambda p: (p - 1) / p,
+    "alltoall": lambda p: (p - 1) / p,
+    "broadcast": lambda p: 1.0,
+    "reduce": lambda p: 1.0,
+}
+DEFAULT_OPS = "allreduce,reduce_scatter,allgather,broadcast"
+UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+
+
+def parse_size(text: str) -> int:
+    text = text.strip().upper().removesuffix("B").removesuffix("I")
+    if text and text[-1] in UNITS:
+        return int(float(text[:-1]) * UNITS[text[-1]])
+    return int(text)
+
+
+def contenders(op: str, algo: str, nbytes: int, dtype: np.dtype, group: comm.Group):
+    """(ours, builtin) zero-argument callables on buffers allocated once, here."""
+    p, r, mpi = group.size, group.rank, group.comm
+    n = max(nbytes // dtype.itemsize, 1)
+    rng = np.random.default_rng(r)
+    x = rng.standard_normal(n).astype(dtype)
+    out = np.empty_like(x)
+    if op == "allreduce":
+        return (
+            lambda: comm.allreduce(x, algo=algo, group=group, out=out),
+            lambda: mpi.Allreduce(x, out, op=MPI.SUM),
+        )
+    if op == "reduce_scatter":
+        bounds = comm.chunk_bounds(n, p)
+        mine = np.empty(bounds[r + 1] - bounds[r], dtype)
+        counts = [b - a for a, b in zip(bounds, bounds[1:])]
+        return (
+            lambda: comm.reduce_scatter(x, algo=algo, group=group, out=mine),
+            lambda: mpi.Reduce_scatter(x, mine, counts, op=MPI.SUM),
+        )
+    if op == "allgather":
+        bounds = comm.chunk_bounds(n, p)
+        mine = x[bounds[r] : bounds[r + 1]].copy()
+        counts = [b - a for a, b in zip(bounds, bounds[1:])]
+        return (
+            lambda: comm.allgather(mine, algo=algo, group=group, out=out),
+            lambda: mpi.Allgatherv(
+                mine, [out, counts, bounds[:-1], MPI.Datatype.fromcode(dtype.char)]
+            ),
+        )
+    if op == "broadcast":
+        return (
+            lambda: comm.broadcast(x, root=0, algo=algo, group=group),
+            lambda: mpi.Bcast(x, root=0),
+        )
+    if op == "reduce":
+        return (
+            lambda: comm.reduce(x, root=0, algo=algo, group=group, out=out),
+            lambda: mpi.Reduce(x, out if r == 0 else None, op=MPI.SUM, root=0),
+        )
+    if op == "alltoall":
+        rows = x[: n // p * p].reshape(p, -1)
+        got = np.empty_like(rows)
+        return (
+            lambda: comm.alltoall(rows, algo=algo, group=group, out=got),
+            lambda: mpi.Alltoall(rows, got),
+        )
+    raise AssertionError(op)
+
+
+def timed(call, mpi: MPI.Comm) -> tuple[float, int]:
+    """(slowest rank's seconds, this rank's minor page faults) for one call."""
+    mpi.Barrier()
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    start = time.perf_counter()
+    call()
+    elapsed = time.perf_counter() - start
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
+    return mpi.allreduce(elapsed, op=MPI.MAX), faults
+
+
+def measure(
+    op: str, algo: str, nbytes: int, dtype: np.dtype, group: comm.Group, warmup: int, iters: int
+) -> dict:
+    ours, builtin = contenders(op, algo, nbytes, dtype, group)
+    for _ in range(warmup):
+        ours()
+        builtin()
+    times: dict[str, list[float]] = {"ours": [], "mpi": []}
+    faults = {"ours": 0, "mpi": 0}
+    for _ in range(iters):  # A B A B: drift hits both alike
+        for name, call in (("ours", ours), ("mpi", builtin)):
+            t, f = timed(call, group.comm)
+            times[name].append(t)
+            faults[name] += f
+    p = group.size
+    t_ours, t_mpi = median(times["ours"]), median(times["mpi"])
+    nbytes = max(nbytes // dtype.itemsize, 1) * dtype.itemsize
+    bus = BUS_FACTOR[op](p)
+    worst = group.comm.allreduce(faults["ours"], op=MPI.MAX)
+    worst_mpi = group.comm.allreduce(faults["mpi"], op=MPI.MAX)
+    return {
+        "op": op,
+        "algo": algo,
+        "bytes": nbytes,
+        "size": human(nbytes),
+        "nprocs": p,
+        "dtype": dtype.name,
+        "time_s": t_ours,
+        "builtin_time_s": t_mpi,
+        "time_us": t_ours * 1e6,
+        "mpi_us": t_mpi * 1e6,
+        "algbw_gbs": nbytes / t_ours / 1e9,
+        "busbw_gbs": nbytes / t_ours / 1e9 * bus,
+        "builtin_busbw_gbs": nbytes / t_mpi / 1e9 * bus,
+        "ratio": t_mpi / t_ours,
+        "faults_per_call": worst / iters,
+        "builtin_faults_per_call": worst_mpi / iters,
+    }
+
+
+def human(nbytes: int) -> str:
+    for unit in ("G", "M", "K"):
+        if nbytes >= UNITS[unit] and nbytes % UNITS[unit] == 0:
+            return f"{nbytes // UNITS[unit]}{unit}"
+    return str(nbytes)
+
+
+COLUMNS = [
+    ("op", ""),
+    ("algo", ""),
+    ("size", ""),
+    ("nprocs", "d"),
+    ("time_us", ".1f"),
+    ("mpi_us", ".1f"),
+    ("algbw_gbs", ".2f"),
+    ("busbw_gbs", ".2f"),
+    ("builtin_busbw_gbs", ".2f"),
+    ("ratio", ".2f"),
+    ("faults_per_call", ".1f"),
+    ("builtin_faults_per_call", ".1f"),
+]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="minidp bench collectives",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--ops", default=DEFAULT_OPS, help=f"comma list (default {DEFAULT_OPS})")
+    parser.add_argument("--algos", default="", help="comma list (default: all but mpi)")
+    parser.add_argument("--sizes", default="4K,64K,1M,16M,64M", help="bytes, K/M/G suffixes")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--iters", type=int, default=20, help="timed pairs (>= 15)")
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--json", default=None, help="write JSON lines here")
+    args = parser.parse_args(argv)
+    from threadpoolctl import threadpool_limits
+
+    threadpool_limits(1)  # one BLAS thread per rank (MEASURE.md); collectives use none
+    group = comm.Group(MPI.COMM_WORLD.Dup(), checks=False, timeout=None)
+    dtype = np.dtype(args.dtype)
+    sizes = [parse_size(s) for s in args.sizes.split(",") if s]
+    env = environment()
+    if group.rank == 0:
+        print(
+            f"# {group.size} ranks, {dtype}, median of {args.iters} after {args.warmup} "
+            f"warm-up; {env['blas']}; MPI: {MPI.Get_library_version().splitlines()[0]}",
+            flush=True,
+        )
+    records = []
+    for op in args.ops.split(","):
+        if op not in BUS_FACTOR:
+            raise SystemExit(f"unknown collective {op!r}; choose from {', '.join(BUS_FACTOR)}")
+        known = [a for a in comm.ALGORITHMS[op] if a != "mpi"]
+        algos = [a for a in args.algos.split(",") if a in known] if args.algos else known
+        rows = [
+            measure(op, algo, nbytes, dtype, group, args.warmup, args.iters)
+            for nbytes in sizes
+            for algo in algos
+        ]
+        records += [{**row, "env": env} for row in rows]
+        if group.rank == 0:
+            print_table(rows, COLUMNS)
+    if group.rank == 0:
+        write_json(args.json, records)
+    group.free()
+    return 0
