@@ -19,15 +19,23 @@ class Scratch:
 
     def __init__(self) -> None:
         self._slots: dict[str, np.ndarray] = {}
+        self._views: dict[tuple, np.ndarray] = {}  # (slot, count, dtype) -> view, a shortcut
 
     def get(self, slot: str, count: int, dtype: np.dtype) -> np.ndarray:
+        view = self._views.get((slot, count, dtype))
+        if view is not None:
+            return view
         dtype = np.dtype(dtype)
         nbytes = count * dtype.itemsize
         raw = self._slots.get(slot)
         if raw is None or raw.nbytes < nbytes:
             raw = np.empty(max(nbytes, 64), dtype=np.uint8)  # 64-byte floor: aligned views
             self._slots[slot] = raw
-        return raw[:nbytes].view(dtype)
+            self._views = {k: v for k, v in self._views.items() if k[0] != slot}
+        if len(self._views) > 256:  # many sizes: start over rather than grow without end
+            self._views.clear()
+        view = self._views[(slot, count, dtype)] = raw[:nbytes].view(dtype)
+        return view
 
     @property
     def nbytes(self) -> int:
@@ -37,3 +45,4 @@ class Scratch:
     def clear(self) -> None:
         """Drop every slot (the memory returns to the allocator)."""
         self._slots.clear()
+        self._views.clear()

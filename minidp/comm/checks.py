@@ -36,10 +36,29 @@ FIELDS = 16
 MAX_DIMS = FIELDS - 8
 DEFAULT_TIMEOUT_S = 300.0
 
-COLLECTIVES = ("allreduce", "reduce_scatter", "allgather", "broadcast", "reduce", "gather",
-               "scatter", "alltoall", "barrier")
-ALGOS = ("auto", "ring", "recursive_doubling", "recursive_halving", "rabenseifner", "tree",
-         "naive", "pairwise", "dissemination", "mpi")
+COLLECTIVES = (
+    "allreduce",
+    "reduce_scatter",
+    "allgather",
+    "broadcast",
+    "reduce",
+    "gather",
+    "scatter",
+    "alltoall",
+    "barrier",
+)
+ALGOS = (
+    "auto",
+    "ring",
+    "recursive_doubling",
+    "recursive_halving",
+    "rabenseifner",
+    "tree",
+    "naive",
+    "pairwise",
+    "dissemination",
+    "mpi",
+)
 OPS = ("-", "sum", "avg", "max", "min", "prod")
 _DTYPE_CODES = {zlib.crc32(np.dtype(c).str.encode()): np.dtype(c).name for c in "?bBhHiIlLqQefd"}
 
@@ -58,13 +77,28 @@ def timeout_from_env(checks: bool) -> float | None:
     return DEFAULT_TIMEOUT_S if checks else None
 
 
-def fingerprint(out: np.ndarray, seq: int, collective: str, algo: str, op: str | None,
-                dtype: np.dtype | None, root: int | None, shape: tuple) -> np.ndarray:
+def fingerprint(
+    out: np.ndarray,
+    seq: int,
+    collective: str,
+    algo: str,
+    op: str | None,
+    dtype: np.dtype | None,
+    root: int | None,
+    shape: tuple,
+) -> np.ndarray:
     """Write this rank's fingerprint of one call into out (FIELDS int64s) and return it."""
     dims = list(shape)[:MAX_DIMS]
-    out[:8] = (seq, COLLECTIVES.index(collective), ALGOS.index(algo), OPS.index(op or "-"),
-               zlib.crc32(dtype.str.encode()) if dtype is not None else -1,
-               -1 if root is None else root, int(np.prod(shape)), len(shape))
+    out[:8] = (
+        seq,
+        COLLECTIVES.index(collective),
+        ALGOS.index(algo),
+        OPS.index(op or "-"),
+        zlib.crc32(dtype.str.encode()) if dtype is not None else -1,
+        -1 if root is None else root,
+        int(np.prod(shape)),
+        len(shape),
+    )
     out[8:] = dims + [-1] * (MAX_DIMS - len(dims))
     return out
 
@@ -82,7 +116,7 @@ def describe(row: np.ndarray) -> str:
     if ndim > MAX_DIMS:
         args.append(f"size={size}")
     elif coll != COLLECTIVES.index("barrier"):
-        args.append(f"shape={tuple(int(d) for d in row[8:8 + ndim])}")
+        args.append(f"shape={tuple(int(d) for d in row[8 : 8 + ndim])}")
     return f"#{seq} {COLLECTIVES[coll]}({', '.join(args)})"
 
 
@@ -91,8 +125,9 @@ def mismatch_report(table: np.ndarray) -> str:
     calls: dict[str, list[int]] = {}
     for rank, row in enumerate(table):
         calls.setdefault(describe(row), []).append(rank)
-    return "\n".join(f"  rank{'s' if len(r) > 1 else ''} {ranges(r)}: {call}"
-                     for call, r in calls.items())
+    return "\n".join(
+        f"  rank{'s' if len(r) > 1 else ''} {ranges(r)}: {call}" for call, r in calls.items()
+    )
 
 
 def ranges(ranks: list[int]) -> str:

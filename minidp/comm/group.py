@@ -6,7 +6,7 @@ A Group wraps one MPI communicator and adds what the algorithms need:
     left, right         ring neighbours: (rank - 1) % size and (rank + 1) % size
     world_ranks         world rank of each group rank (for error messages and logs)
     scratch             reusable work buffers (buffers.py), owned by this group alone
-    counters            {collective: {"calls", "bytes_sent", "bytes_recv"}} on this rank
+    counters            {collective: {"calls", "bytes_sent", "bytes_recv", "messages_sent"}}
     checks, timeout     cross-rank fingerprints and the wait deadline (checks.py)
 
 Groups are made from other groups, and every rank of the parent must take part:
@@ -47,8 +47,13 @@ _FROM_ENV = object()
 class Group:
     """An MPI communicator plus scratch buffers, counters and checks. See the module doc."""
 
-    def __init__(self, comm: MPI.Comm, *, checks: bool | None = None,
-                 timeout: float | None | object = _FROM_ENV) -> None:
+    def __init__(
+        self,
+        comm: MPI.Comm,
+        *,
+        checks: bool | None = None,
+        timeout: float | None | object = _FROM_ENV,
+    ) -> None:
         self.comm = comm
         self.rank, self.size = comm.Get_rank(), comm.Get_size()
         self.left, self.right = (self.rank - 1) % self.size, (self.rank + 1) % self.size
@@ -60,9 +65,11 @@ class Group:
         self.scratch = Scratch()
         self.deadline: float | None = None  # set while a collective runs with a timeout
         self.broken: str | None = None  # why this group refuses further collectives
-        self.abandoned: list = []  # requests cancelled by a timeout, kept alive for MPI
+        self.abandoned: list = []  # requests left by a timeout, kept alive for MPI
+        self.receiving: list = []  # receives posted by the running collective
         self._counts: dict[str, list[int]] = {}
-        self._current = [0, 0, 0]  # [calls, bytes_sent, bytes_recv] of the running call
+        self._outside = [0, 0, 0, 0]  # messages sent outside any collective ("p2p")
+        self.current = self._outside  # [calls, bytes_sent, bytes_recv, messages_sent]
         self._seq = 0
         self._doing = ("", "", "")  # (collective, algo, phase) for error messages
         self._lock = threading.Lock()
@@ -106,36 +113,54 @@ class Group:
     # -- counters ------------------------------------------------------------------------------
     @property
     def counters(self) -> dict[str, dict[str, int]]:
-        """A snapshot: {collective: {"calls", "bytes_sent", "bytes_recv"}} on this rank.
+        """A snapshot: {name: {"calls", "bytes_sent", "bytes_recv", "messages_sent"}}.
 
-        Bytes are what this rank's point-to-point messages carried (the `"checks"` entry
-        holds the fingerprints). MPI's own collectives (algo="mpi") count calls only: what
-        MPI sends inside them is not visible from here.
+        Per collective, on this rank: what its point-to-point messages carried. Two extra
+        names: "checks" holds the fingerprints (MINIDP_CHECKS), "p2p" the messages sent
+        with minidp.comm.p2p outside any collective. MPI's own collectives (algo="mpi")
+        count calls only: what MPI sends inside them is not visible from here.
         """
-        return {name: {"calls": c[0], "bytes_sent": c[1], "bytes_recv": c[2]}
-                for name, c in self._counts.items()}
+        counts = dict(self._counts)
+        if any(self._outside):
+            counts["p2p"] = self._outside
+        return {
+            name: {"calls": c[0], "bytes_sent": c[1], "bytes_recv": c[2], "messages_sent": c[3]}
+            for name, c in counts.items()
+        }
 
     def reset_counters(self) -> None:
         self._counts.clear()
+        self._outside[:] = [0, 0, 0, 0]
 
-    def traffic(self, sent: int, received: int) -> None:
+    def traffic(self, sent: int, received: int, messages: int) -> None:
         """Add one message's bytes to the collective in progress (called by p2p.py)."""
-        self._current[1] += sent
-        self._current[2] += received
+        counts = self.current
+        counts[1] += sent
+        counts[2] += received
+        counts[3] += messages
 
     # -- running one collective ----------------------------------------------------------------
-    def collective(self, name: str, algo: str, op: str | None = None, dtype=None,
-                   root: int | None = None, shape: tuple = ()) -> "_Running":
+    def collective(
+        self,
+        name: str,
+        algo: str,
+        op: str | None = None,
+        dtype=None,
+        root: int | None = None,
+        shape: tuple = (),
+    ) -> "_Running":
         """`with group.collective(...):` wraps the messages of one collective call."""
         return _Running(self, name, algo, op, dtype, root, shape)
 
     def timeout_message(self, missing: list[int]) -> str:
         name, algo, phase = self._doing
         world = ", ".join(str(self.world_ranks[r]) for r in missing)
-        return (f"rank {self.rank} of {self.size} (world {self.world_ranks[self.rank]}): "
-                f"{name} #{self._seq} (algo={algo}) heard nothing from rank(s) "
-                f"{ranges(missing)} (world {world}) within {self.timeout:g} s, during the "
-                f"{phase}; this group is unusable now")
+        return (
+            f"rank {self.rank} of {self.size} (world {self.world_ranks[self.rank]}): "
+            f"{name} #{self._seq} (algo={algo}) heard nothing from rank(s) "
+            f"{ranges(missing)} (world {world}) within {self.timeout:g} s, during the "
+            f"{phase}; this group is unusable now"
+        )
 
 
 class _Running:
@@ -152,20 +177,22 @@ class _Running:
         if g.broken:
             raise CollectiveError(f"{name} on a broken group (rank {g.rank}): {g.broken}")
         if not g._lock.acquire(blocking=False):
-            raise RuntimeError(f"{name}: this group is already running a collective on "
-                               "another thread; give each thread its own group.dup()")
+            raise RuntimeError(
+                f"{name}: this group is already running a collective on "
+                "another thread; give each thread its own group.dup()"
+            )
         try:
             g._seq += 1
             g.deadline = None if g.timeout is None else time.monotonic() + g.timeout
             if g.checks and g.size > 1:
                 g._doing = (name, algo, "fingerprint exchange")
-                g._current = g._counts.setdefault("checks", [0, 0, 0])
-                g._current[0] += 1
+                g.current = g._counts.setdefault("checks", [0, 0, 0, 0])
+                g.current[0] += 1
                 fp = fingerprint(g._fingerprint, g._seq, name, algo, op, dtype, root, shape)
                 exchange_fingerprints(g, fp)
             g._doing = (name, algo, "data exchange")
-            g._current = g._counts.setdefault(name, [0, 0, 0])
-            g._current[0] += 1
+            g.current = g._counts.setdefault(name, [0, 0, 0, 0])
+            g.current[0] += 1
         except BaseException as error:
             self.__exit__(type(error), error, None)
             raise
@@ -176,6 +203,8 @@ class _Running:
         if isinstance(error, CollectiveError):
             g.broken = f"{type(error).__name__}: {error}"
         g.deadline = None
+        g.current = g._outside
+        g.receiving.clear()
         g._lock.release()
 
 

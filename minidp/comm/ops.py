@@ -13,9 +13,7 @@ division rounds toward minus infinity, as NumPy's `//` does.
 import numpy as np
 
 OPS = ("sum", "avg", "max", "min", "prod")
-REDUCE_DTYPES = tuple(
-    np.dtype(t) for t in (np.float16, np.float32, np.float64, np.int32, np.int64)
-)
+REDUCE_DTYPES = tuple(np.dtype(t) for t in (np.float16, np.float32, np.float64, np.int32, np.int64))
 MOVE_KINDS = "biuf"  # dtypes that collectives without an op may carry (no objects)
 
 _UFUNC = {"sum": np.add, "avg": np.add, "max": np.maximum, "min": np.minimum, "prod": np.multiply}
@@ -26,7 +24,7 @@ def check_op(op: str, dtype: np.dtype) -> None:
     if op not in _UFUNC:
         raise ValueError(f"unknown op {op!r}; choose from {', '.join(OPS)}")
     if dtype not in REDUCE_DTYPES:
-        names = ", ".join(d.name for d in REDUCE_DTYPES)
+        names = ", ".join(sorted(d.name for d in REDUCE_DTYPES))
         raise ValueError(f"cannot reduce dtype {dtype}; supported: {names}")
 
 

@@ -13,9 +13,10 @@ the collective in progress.
 
 Waiting: with no deadline (checks off) a wait is MPI's own blocking call. With a deadline,
 the wait polls `Testall`, yielding the core between polls (ranks often outnumber cores), and
-at the deadline cancels what is still pending and raises `CollectiveTimeout` naming the peers
-it never heard from. The cancelled requests stay referenced by the group so MPI never writes
-into freed memory.
+at the deadline cancels the receives still pending (so a late message never lands in the
+caller's array; cancelling a send is unsafe in some MPIs) and raises `CollectiveTimeout`
+naming the peers it never heard from. The abandoned requests stay referenced by the group so
+MPI never touches freed memory.
 """
 
 import os
@@ -36,13 +37,15 @@ def _msg(buf: np.ndarray) -> list:
 
 
 def isend(group, buf: np.ndarray, dest: int, tag: int = DATA_TAG) -> MPI.Request:
-    group.traffic(buf.nbytes, 0)
+    group.traffic(buf.nbytes, 0, 1)
     return group.comm.Isend(_msg(buf), dest, tag)
 
 
 def irecv(group, buf: np.ndarray, source: int, tag: int = DATA_TAG) -> MPI.Request:
-    group.traffic(0, buf.nbytes)
-    return group.comm.Irecv(_msg(buf), source, tag)
+    group.traffic(0, buf.nbytes, 0)
+    request = group.comm.Irecv(_msg(buf), source, tag)
+    group.receiving.append(request)  # cancellable on a timeout (sends are not, safely)
+    return request
 
 
 def waitall(group, requests: list, peers: list[int]) -> None:
@@ -64,10 +67,8 @@ def _give_up(group, requests: list, peers: list[int]) -> None:
     missing = sorted({peer for req, peer in zip(requests, peers) if not req.Test()})
     for req in requests:
         if req != MPI.REQUEST_NULL:
-            try:
-                req.Cancel()
-            except MPI.Exception:  # some MPIs cannot cancel a send; it stays pending
-                pass
+            if any(req == r for r in group.receiving):
+                req.Cancel()  # a late message must never land in the caller's array
             group.abandoned.append(req)
     raise CollectiveTimeout(group.timeout_message(missing))
 
@@ -75,7 +76,10 @@ def _give_up(group, requests: list, peers: list[int]) -> None:
 def sendrecv(group, send_buf: np.ndarray, dest: int, recv_buf: np.ndarray, source: int) -> None:
     """Send send_buf to dest while receiving recv_buf from source (no send/send deadlock)."""
     if group.deadline is None:
-        group.traffic(send_buf.nbytes, recv_buf.nbytes)
+        counts = group.current
+        counts[1] += send_buf.nbytes
+        counts[2] += recv_buf.nbytes
+        counts[3] += 1
         group.comm.Sendrecv(_msg(send_buf), dest, DATA_TAG, _msg(recv_buf), source, DATA_TAG)
     else:
         reqs = [irecv(group, recv_buf, source), isend(group, send_buf, dest)]

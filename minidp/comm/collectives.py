@@ -1,0 +1,197 @@
+"""The collectives every rank calls together: allreduce, reduce_scatter, allgather, alltoall,
+barrier. (Those with a root are in rooted.py.)
+
+The contract, once. Every rank of the group calls the same collective, in the same order,
+with the same shape, dtype, op and algo (checks.py verifies this when MINIDP_CHECKS=1).
+Inputs are C-contiguous NumPy arrays of any shape, treated as flat; they are only read,
+unless you pass `out=x`. `out=` takes a preallocated result (the fast path: nothing is
+allocated after the first call); without it the result is a new array. Pass everything but x
+by keyword. `group=None` means `world()`.
+
+    allreduce(x, op, algo, group, out)        -> x.shape: the op over all ranks' x
+    reduce_scatter(x, op, algo, group, out)   -> 1-D: this rank's chunk of the reduced x,
+                                                 elements [b[r], b[r+1]) where
+                                                 b = chunk_bounds(x.size, p)
+    allgather(x, algo, group, out)            -> out=None: shape (p, *x.shape), row i from rank i
+                                                 out given (any shape, size n): rank i's x fills
+                                                 out.flat[b[i]:b[i+1]], b = chunk_bounds(n, p),
+                                                 so chunks may differ by one (the inverse of
+                                                 reduce_scatter, as ZeRO wants)
+    alltoall(x, algo, group, out)             -> x.shape == (p, ...): row j of the result
+                                                 is row r of rank j's x
+    barrier(group, algo)                      -> None, once every rank has arrived
+
+ops: sum, avg, max, min, prod. Every rank gets bitwise-identical results (each algorithm
+either computes each element on one rank and copies it, or combines partners' values
+commutatively). Algorithm names and costs are in the docstrings of ring.py, recursive.py,
+tree.py, naive.py, alltoall.py, barrier.py; "auto" is explained in auto.py.
+"""
+
+import functools
+
+import numpy as np
+
+from minidp.comm.alltoall import naive_alltoall, pairwise_alltoall
+from minidp.comm.args import flat, pick, result, same_memory, writable
+from minidp.comm.barrier import dissemination_barrier
+from minidp.comm.builtin import (
+    mpi_allgather,
+    mpi_allreduce,
+    mpi_alltoall,
+    mpi_barrier,
+    mpi_reduce_scatter,
+)
+from minidp.comm.chunks import chunk_bounds
+from minidp.comm.group import Group, world
+from minidp.comm.naive import naive_allgather, naive_allreduce, naive_reduce_scatter
+from minidp.comm.ops import check_op, finish
+from minidp.comm.recursive import (
+    doubling_allgather_chunks,
+    halving_reduce_scatter_chunks,
+    rabenseifner_allreduce,
+    recursive_doubling_allreduce,
+)
+from minidp.comm.ring import ring_allgather, ring_allreduce, ring_reduce_scatter
+from minidp.comm.tree import tree_allreduce
+
+ALLREDUCE = {
+    "ring": ring_allreduce,
+    "recursive_doubling": recursive_doubling_allreduce,
+    "rabenseifner": rabenseifner_allreduce,
+    "tree": tree_allreduce,
+    "naive": naive_allreduce,
+    "mpi": mpi_allreduce,
+}
+
+
+REDUCE_SCATTER = {
+    "ring": functools.partial(ring_reduce_scatter, full=False),
+    "recursive_halving": halving_reduce_scatter_chunks,
+    "naive": naive_reduce_scatter,
+    "mpi": mpi_reduce_scatter,
+}
+
+
+ALLGATHER = {
+    "ring": ring_allgather,
+    "recursive_doubling": doubling_allgather_chunks,
+    "naive": naive_allgather,
+    "mpi": mpi_allgather,
+}
+ALLTOALL = {"pairwise": pairwise_alltoall, "naive": naive_alltoall, "mpi": mpi_alltoall}
+BARRIER = {"dissemination": dissemination_barrier, "mpi": mpi_barrier}
+
+
+def _reduction(x, op: str, algo: str, group, table: dict, name: str):
+    """The checks every reduction starts with: (group, flat view of x, algorithm to run)."""
+    group = group or world()
+    src = flat(x)
+    check_op(op, x.dtype)
+    return group, src, pick(algo, table, name, x.nbytes, group.size)
+
+
+def allreduce(
+    x: np.ndarray,
+    op: str = "sum",
+    algo: str = "auto",
+    group: Group | None = None,
+    out: np.ndarray | None = None,
+) -> np.ndarray:
+    """The op over every rank's x, on every rank. `out=x` reduces in place."""
+    group, src, algo = _reduction(x, op, algo, group, ALLREDUCE, "allreduce")
+    res = result(out, x.shape, x.dtype)
+    dst = res.reshape(-1)
+    in_place = out is x or same_memory(src, dst)
+    with group.collective("allreduce", algo, op, x.dtype, None, x.shape):
+        if group.size == 1:
+            if not in_place:
+                np.copyto(dst, src)
+        else:
+            ALLREDUCE[algo](group, dst if in_place else src, dst, op)
+        finish(op, dst, group.size)
+    return res
+
+
+def reduce_scatter(
+    x: np.ndarray,
+    op: str = "sum",
+    algo: str = "auto",
+    group: Group | None = None,
+    out: np.ndarray | None = None,
+) -> np.ndarray:
+    """This rank's chunk (chunk_bounds(x.size, p)) of the op over every rank's x, as 1-D."""
+    group, src, algo = _reduction(x, op, algo, group, REDUCE_SCATTER, "reduce_scatter")
+    bounds = chunk_bounds(src.size, group.size)
+    lo, hi = bounds[group.rank], bounds[group.rank + 1]
+    res = result(out, (hi - lo,), x.dtype)
+    if np.may_share_memory(src, res):  # the algorithms read all of x until the end
+        raise ValueError("reduce_scatter: out must not overlap x")
+    with group.collective("reduce_scatter", algo, op, x.dtype, None, x.shape):
+        if group.size == 1:
+            np.copyto(res, src)
+        else:
+            REDUCE_SCATTER[algo](group, src, bounds, op, res)
+        finish(op, res, group.size)
+    return res
+
+
+def allgather(
+    x: np.ndarray, algo: str = "auto", group: Group | None = None, out: np.ndarray | None = None
+) -> np.ndarray:
+    """Every rank's x, in rank order: shape (p, *x.shape), or chunks of `out` (see above)."""
+    group = group or world()
+    p, r = group.size, group.rank
+    src = flat(x)
+    if out is None:
+        res = np.empty((p, *x.shape), x.dtype)
+    else:
+        flat(out, "out")
+        writable(out)
+        if out.dtype != x.dtype:
+            raise ValueError(f"out has dtype {out.dtype}, x has {x.dtype}")
+        res = out
+    buf = res.reshape(-1)
+    bounds = chunk_bounds(buf.size, p)
+    if bounds[r + 1] - bounds[r] != src.size:
+        raise ValueError(
+            f"allgather: rank {r}'s chunk of out ({buf.size} elements over {p} "
+            f"ranks, chunk_bounds) has {bounds[r + 1] - bounds[r]} elements, "
+            f"x has {src.size}"
+        )
+    mine = buf[bounds[r] : bounds[r + 1]]
+    algo = pick(algo, ALLGATHER, "allgather", buf.nbytes, p)
+    with group.collective("allgather", algo, None, x.dtype, None, res.shape):
+        if not same_memory(src, mine):
+            np.copyto(mine, src)
+        if p > 1:
+            ALLGATHER[algo](group, buf, bounds)
+    return res
+
+
+def alltoall(
+    x: np.ndarray, algo: str = "auto", group: Group | None = None, out: np.ndarray | None = None
+) -> np.ndarray:
+    """Row j of x goes to rank j; row i of the result came from rank i. x.shape[0] == p."""
+    group = group or world()
+    flat(x)
+    if x.ndim == 0 or x.shape[0] != group.size:
+        raise ValueError(
+            f"alltoall: x must have shape (p, ...) with p = {group.size}, got {x.shape}"
+        )
+    algo = pick(algo, ALLTOALL, "alltoall", x.nbytes, group.size)
+    res = result(out, x.shape, x.dtype)
+    if np.may_share_memory(x, res):
+        raise ValueError("alltoall: out must not overlap x")
+    rows, out_rows = x.reshape(group.size, -1), res.reshape(group.size, -1)
+    with group.collective("alltoall", algo, None, x.dtype, None, x.shape):
+        ALLTOALL[algo](group, rows, out_rows)
+    return res
+
+
+def barrier(group: Group | None = None, algo: str = "auto") -> None:
+    """Return once every rank of the group has entered the barrier."""
+    group = group or world()
+    algo = pick(algo, BARRIER, "barrier", 0, group.size)
+    with group.collective("barrier", algo):
+        if group.size > 1:
+            BARRIER[algo](group)
