@@ -28,6 +28,9 @@ from minidp.bench._common import (
 SIZES = (784, 1024, 1024, 10)
 BATCH = 256
 LR = 0.01
+# BLAS and OpenMP worker threads spin for a while after each call (OpenBLAS ~0.1 s): without
+# a pause the contender that runs next would share its cores with them.
+PAUSE_S = 0.15
 
 
 def minidp_step(model, opt, x, y):
@@ -96,6 +99,7 @@ def measure(threads: int, iters: int, warmup: int) -> dict:
     with threadpool_limits(limits=threads, user_api="blas"):
         for i in range(warmup + iters):
             for name, step in contenders.items():
+                time.sleep(PAUSE_S)  # let the last contender's idle threads stop spinning
                 start = time.perf_counter()
                 step()
                 if i >= warmup:
