@@ -67,6 +67,7 @@ class Group:
         self.broken: str | None = None  # why this group refuses further collectives
         self.abandoned: list = []  # requests left by a timeout, kept alive for MPI
         self.receiving: list = []  # receives posted by the running collective
+        self.patient = False  # wait by napping, not spinning (p2p.py); dup() starts impatient
         self._counts: dict[str, list[int]] = {}
         self._outside = [0, 0, 0, 0]  # messages sent outside any collective ("p2p")
         self.current = self._outside  # [calls, bytes_sent, bytes_recv, messages_sent]

@@ -11,11 +11,14 @@ the reduction happens in NumPy on the receiving side, so MPI never needs to know
 (float16 has no standard MPI datatype). Each call adds its bytes to the group's counters under
 the collective in progress.
 
-Waiting: with no deadline (checks off) a wait is MPI's own blocking call. With a deadline,
-the wait polls `Testall`, yielding the core between polls (ranks often outnumber cores), and
-at the deadline cancels the receives still pending (so a late message never lands in the
-caller's array; cancelling a send is unsafe in some MPIs) and raises `CollectiveTimeout`
-naming the peers it never heard from. The abandoned requests stay referenced by the group so
+Waiting: with no deadline (checks off) a wait is MPI's own blocking call, which spins on
+the core. A *patient* group (`group.patient = True`, what data parallelism's communication
+thread uses) polls `Testall` and naps between polls instead, so the thread computing
+beside it keeps the core and the GIL. With a deadline, the wait polls `Testall`, yielding
+the core between polls (ranks often outnumber cores), and at the deadline cancels the
+receives still pending (so a late message never lands in the caller's array; cancelling a
+send is unsafe in some MPIs) and raises `CollectiveTimeout` naming the peers it never
+heard from. The abandoned requests stay referenced by the group so
 MPI never touches freed memory.
 """
 
@@ -30,6 +33,7 @@ from minidp.comm.errors import CollectiveTimeout
 DATA_TAG = 7001  # data of every algorithm; messages between one pair never overtake
 CHECK_TAG = 7002  # fingerprints (checks.py), kept apart from the data
 _SPIN = 64  # polls before the waiting loop starts to yield the core
+_NAP_S = 50e-6  # a patient group's nap between polls
 
 
 def _msg(buf: np.ndarray) -> list:
@@ -51,16 +55,18 @@ def irecv(group, buf: np.ndarray, source: int, tag: int = DATA_TAG) -> MPI.Reque
 def waitall(group, requests: list, peers: list[int]) -> None:
     """Wait for every request; peers[i] is the rank at the other end of requests[i]."""
     deadline = group.deadline
-    if deadline is None:
+    if deadline is None and not group.patient:
         MPI.Request.Waitall(requests)
         return
     polls = 0
     while not MPI.Request.Testall(requests):
         polls += 1
-        if polls > _SPIN:
+        if group.patient:
+            time.sleep(_NAP_S)  # frees the core and the GIL for the compute thread at once
+        elif polls > _SPIN:
             os.sched_yield()
-            if polls % _SPIN == 0 and time.monotonic() > deadline:
-                _give_up(group, requests, peers)
+        if deadline is not None and polls % _SPIN == 0 and time.monotonic() > deadline:
+            _give_up(group, requests, peers)
 
 
 def _give_up(group, requests: list, peers: list[int]) -> None:
@@ -75,7 +81,7 @@ def _give_up(group, requests: list, peers: list[int]) -> None:
 
 def sendrecv(group, send_buf: np.ndarray, dest: int, recv_buf: np.ndarray, source: int) -> None:
     """Send send_buf to dest while receiving recv_buf from source (no send/send deadlock)."""
-    if group.deadline is None:
+    if group.deadline is None and not group.patient:
         counts = group.current
         counts[1] += send_buf.nbytes
         counts[2] += recv_buf.nbytes
