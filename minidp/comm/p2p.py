@@ -13,8 +13,8 @@ the collective in progress.
 
 Waiting: with no deadline (checks off) a wait is MPI's own blocking call, which spins on
 the core. A *patient* group (`group.patient = True`, what data parallelism's communication
-thread uses) polls `Testall` and naps between polls instead, so the thread computing
-beside it keeps the core and the GIL. With a deadline, the wait polls `Testall`, yielding
+thread uses) polls `Testall`, briefly, then naps between polls, so the thread computing
+beside it keeps the core and the GIL (the first polls catch quick handshakes). With a deadline, the wait polls `Testall`, yielding
 the core between polls (ranks often outnumber cores), and at the deadline cancels the
 receives still pending (so a late message never lands in the caller's array; cancelling a
 send is unsafe in some MPIs) and raises `CollectiveTimeout` naming the peers it never
@@ -61,10 +61,11 @@ def waitall(group, requests: list, peers: list[int]) -> None:
     polls = 0
     while not MPI.Request.Testall(requests):
         polls += 1
-        if group.patient:
-            time.sleep(_NAP_S)  # frees the core and the GIL for the compute thread at once
-        elif polls > _SPIN:
-            os.sched_yield()
+        if polls > _SPIN:
+            if group.patient:
+                time.sleep(_NAP_S)  # frees the core and the GIL for the compute thread
+            else:
+                os.sched_yield()
         if deadline is not None and polls % _SPIN == 0 and time.monotonic() > deadline:
             _give_up(group, requests, peers)
 
