@@ -14,8 +14,9 @@ the collective in progress.
 Waiting: with no deadline (checks off) a wait is MPI's own blocking call, which spins on
 the core. A *patient* group (`group.patient = True`, what data parallelism's communication
 thread uses) polls `Testall`, briefly, then naps between polls, so the thread computing
-beside it keeps the core and the GIL (the first polls catch quick handshakes). With a deadline, the wait polls `Testall`, yielding
-the core between polls (ranks often outnumber cores), and at the deadline cancels the
+beside it keeps the core and the GIL (the first polls catch quick handshakes). With a
+deadline, the wait polls `Testall`, yielding the core between polls (ranks often outnumber
+cores), and at the deadline cancels the
 receives still pending (so a late message never lands in the caller's array; cancelling a
 send is unsafe in some MPIs) and raises `CollectiveTimeout` naming the peers it never
 heard from. The abandoned requests stay referenced by the group so
