@@ -225,59 +225,63 @@ def _train(config: TrainConfig, group: comm.Group) -> dict:
     items_per_step = B * task.items_per_example
     window = {"start": time.perf_counter(), "comm": 0.0, "exposed": 0.0, "bytes": 0, "steps": 0}
     start = time.perf_counter()
-    for step in range(config.steps):
-        opt.lr = optim.warmup_cosine(
-            step, config.lr, config.warmup, config.steps, config.min_lr_ratio
-        )
-        local = sampler.local_indices(step)
-        step_loss, local_loss = train_step(ddp, task, opt, local, B, K, config.grad_clip, timeline)
-        if not np.isfinite(step_loss):
-            raise TrainingDiverged(
-                f"loss is {step_loss} at step {step}: try a lower --lr "
-                f"(now {config.lr}) or --dtype float64"
+    try:  # the communication thread stops and the log closes whatever happens
+        for step in range(config.steps):
+            opt.lr = optim.warmup_cosine(
+                step, config.lr, config.warmup, config.steps, config.min_lr_ratio
             )
-        log.write(
-            f"step {step} local_examples {len(local)} local_loss {local_loss:.6f} "
-            f"global_loss {step_loss:.6f}"
-        )
+            local = sampler.local_indices(step)
+            step_loss, local_loss = train_step(
+                ddp, task, opt, local, B, K, config.grad_clip, timeline
+            )
+            if not np.isfinite(step_loss):
+                raise TrainingDiverged(
+                    f"loss is {step_loss} at step {step}: try a lower --lr "
+                    f"(now {config.lr}) or --dtype float64"
+                )
+            log.write(
+                f"step {step} local_examples {len(local)} local_loss {local_loss:.6f} "
+                f"global_loss {step_loss:.6f}"
+            )
 
-        window["steps"] += 1
-        if step % config.log_every == 0 or step == config.steps - 1:
-            now = time.perf_counter()
-            n, elapsed = window["steps"], now - window["start"]
-            comm_s, exposed_s = (
-                ddp.comm_seconds - window["comm"],
-                ddp.exposed_seconds - window["exposed"],
-            )
-            sent = bytes_sent(ddp.comm_group) - window["bytes"]
-            rate = items_per_step * n / elapsed
-            print0(
-                f"step {step:5d} | loss {step_loss:.4f} | lr {opt.lr:.2e} | "
-                f"{rate:,.0f} {task.unit}/s | comm {1e3 * comm_s / n:.1f} ms/step "
-                f"({100 * comm_s / elapsed:.0f}%, exposed {1e3 * exposed_s / n:.1f} ms) | "
-                f"{sent / n / 1e6:.2f} MB sent/rank/step"
-            )
-            records.append(
-                {
-                    "step": step,
-                    "loss": step_loss,
-                    "lr": opt.lr,
-                    f"{task.unit}_per_s": rate,
-                    "comm_s_per_step": comm_s / n,
-                    "exposed_comm_s_per_step": exposed_s / n,
-                    "bytes_sent_per_step": sent / n,
+            window["steps"] += 1
+            if step % config.log_every == 0 or step == config.steps - 1:
+                now = time.perf_counter()
+                n, elapsed = window["steps"], now - window["start"]
+                comm_s, exposed_s = (
+                    ddp.comm_seconds - window["comm"],
+                    ddp.exposed_seconds - window["exposed"],
+                )
+                sent = bytes_sent(ddp.comm_group) - window["bytes"]
+                rate = items_per_step * n / elapsed
+                print0(
+                    f"step {step:5d} | loss {step_loss:.4f} | lr {opt.lr:.2e} | "
+                    f"{rate:,.0f} {task.unit}/s | comm {1e3 * comm_s / n:.1f} ms/step "
+                    f"({100 * comm_s / elapsed:.0f}%, exposed {1e3 * exposed_s / n:.1f} ms) | "
+                    f"{sent / n / 1e6:.2f} MB sent/rank/step"
+                )
+                records.append(
+                    {
+                        "step": step,
+                        "loss": step_loss,
+                        "lr": opt.lr,
+                        f"{task.unit}_per_s": rate,
+                        "comm_s_per_step": comm_s / n,
+                        "exposed_comm_s_per_step": exposed_s / n,
+                        "bytes_sent_per_step": sent / n,
+                    }
+                )
+                window = {
+                    "start": now,
+                    "comm": ddp.comm_seconds,
+                    "exposed": ddp.exposed_seconds,
+                    "bytes": bytes_sent(ddp.comm_group),
+                    "steps": 0,
                 }
-            )
-            window = {
-                "start": now,
-                "comm": ddp.comm_seconds,
-                "exposed": ddp.exposed_seconds,
-                "bytes": bytes_sent(ddp.comm_group),
-                "steps": 0,
-            }
-
+    finally:
+        ddp.close()
+        log.close()
     elapsed = time.perf_counter() - start
-    ddp.close()
     val_loss = task.validation_loss()  # identical on every rank: the models are identical
     final = {
         "final_loss": step_loss,
@@ -315,5 +319,4 @@ def _train(config: TrainConfig, group: comm.Group) -> dict:
     if config.trace:
         timeline.save(config.trace, group)
         print0(f"timeline: {config.trace} (open in ui.perfetto.dev)")
-    log.close()
     return final
