@@ -29,12 +29,11 @@ from minidp.bench._common import (
     torch_mlp_step,
     write_json,
 )
+from minidp.bench.autograd import BATCH, LR, SIZES
 from minidp.log import print0
 from minidp.parallel import DistributedDataParallel
 
-SIZES = (784, 1024, 1024, 10)
-BATCH = 256  # per rank
-LR = 0.01
+# the network, batch (here per rank) and learning rate of the autograd benchmark
 ALGOS = ("ring", "recursive_doubling", "rabenseifner", "tree", "mpi")
 
 
