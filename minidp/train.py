@@ -194,6 +194,10 @@ def _train(config: TrainConfig, group: comm.Group) -> dict:
             f"per rank, fewer than --grad-accum {K} micro-batches"
         )
     task = Task(config, np.dtype(config.dtype))
+    try:
+        sampler = data.DistributedSampler(task.num_examples, B, rank, world, seed=config.seed)
+    except ValueError as error:  # e.g. a batch larger than the data set: the same on all ranks
+        raise BadConfig(f"--batch-size {B}: {error}") from None
     timeline = Timeline(enabled=config.trace is not None)
     ddp = DistributedDataParallel(
         task.model,
@@ -204,7 +208,6 @@ def _train(config: TrainConfig, group: comm.Group) -> dict:
         timeline=timeline,
     )
     opt = optim.AdamW(ddp.parameters(), lr=config.lr, weight_decay=config.weight_decay)
-    sampler = data.DistributedSampler(task.num_examples, B, rank, world, seed=config.seed)
     log = RankLog(config.log_dir, rank)
 
     from mpi4py import MPI

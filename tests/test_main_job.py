@@ -115,3 +115,11 @@ def test_an_exception_on_one_rank_ends_the_job(tmp_path):
     assert result.returncode != 0
     assert result.stderr.count("RuntimeError: boom on rank 1") == 1, result.stderr
     assert "rank 1 failed; aborting all ranks" in result.stderr
+
+
+@pytest.mark.timeout(120)
+def test_a_batch_larger_than_the_data_is_one_line_on_every_rank():
+    result = run(2, "--model", "mlp", "--batch-size", "100000")
+    assert result.returncode == 2
+    assert result.stderr.count("minidp: error: --batch-size 100000") == 1
+    assert "Traceback" not in result.stderr
