@@ -264,7 +264,9 @@ class DistributedDataParallel:
         """Stop the communication thread and unhook the model (it can be wrapped again)."""
         if self._thread is not None:
             self._work.put(None)
-            self._thread.join()
+            # bounded: after an error elsewhere the thread may wait on a peer that never comes,
+            # and the error must still reach MPI_Abort (cli.py) rather than hang here
+            self._thread.join(timeout=10.0)
             self._thread = None
             sys.setswitchinterval(self._switch_interval)
         for unhook in self._unhook:
