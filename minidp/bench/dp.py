@@ -29,7 +29,7 @@ from minidp.bench._common import (
     torch_mlp_step,
     write_json,
 )
-from minidp.bench.autograd import BATCH, LR, SIZES
+from minidp.bench.autograd import BATCH, LR, SIZES, minidp_step
 from minidp.log import print0
 from minidp.parallel import DistributedDataParallel
 
@@ -57,18 +57,6 @@ def data(rank: int):
         rng.standard_normal((BATCH, SIZES[0])).astype(np.float32),
         rng.integers(0, SIZES[-1], BATCH),
     )
-
-
-def plain_step(model, x, y):
-    opt = optim.SGD(model.parameters(), lr=LR)
-
-    def step():
-        loss = nn.cross_entropy(model(Tensor(x)), y)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-
-    return step
 
 
 def dp_step(ddp: DistributedDataParallel, x, y):
@@ -124,7 +112,8 @@ def main(argv: list[str]) -> int:
         return 2
     x, y = data(world.rank)
     contenders = {}
-    solo = plain_step(make_model(), x, y)
+    solo_model = make_model()
+    solo = minidp_step(solo_model, optim.SGD(solo_model.parameters(), lr=LR), x, y)
     contenders["solo"] = lambda: solo() if world.rank == 0 else None
     ddps = []
     for algo in args.algos.split(","):
