@@ -133,4 +133,4 @@ def abort_others() -> None:
         os._exit(1)  # Abort may return before the launcher kills us: print nothing more
 
 
-__all__ = ["main", "parse_train_args", "train_parser"]
+__all__ = ["main", "parse_train_args", "train_parser", "abort_others"]

@@ -36,7 +36,7 @@ class RankLog:
         self.file = None
         if directory:
             os.makedirs(directory, exist_ok=True)
-            self.file = open(os.path.join(directory, f"rank{rank}.log"), "w")  # noqa: SIM115
+            self.file = open(os.path.join(directory, f"rank{rank}.log"), "w")
 
     def write(self, line: str) -> None:
         if self.file:
