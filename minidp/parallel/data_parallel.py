@@ -134,7 +134,10 @@ class DistributedDataParallel:
         self.group = group or comm.world()
         self.algo, self.overlap = algo, overlap
         self.timeline = timeline or Timeline(enabled=False)
-        comm.allreduce(np.zeros(1), algo=algo, group=self.group)  # rejects a bad algo early
+        if algo != "auto" and algo not in comm.ALLREDUCE:  # a local check, before any message
+            raise ValueError(
+                f"unknown allreduce algo {algo!r}; choose from auto, {', '.join(comm.ALLREDUCE)}"
+            )
         check_same_model(model, self.group)
         for p in model.parameters():  # every rank starts from rank 0's weights
             comm.broadcast(p.data, root=0, group=self.group)
