@@ -16,33 +16,30 @@ from minidp.comm.ops import MOVE_KINDS
 
 def flat(x, name: str = "x") -> np.ndarray:
     """x as a 1-D view (no copy); ValueError unless it is a contiguous numeric ndarray."""
-    if type(x) is not np.ndarray and not isinstance(x, np.ndarray):
+    if isinstance(x, np.ndarray) and x.flags.c_contiguous and x.dtype.kind in MOVE_KINDS:
+        return x if x.ndim == 1 else x.reshape(-1)  # the common case, tested in one go
+    if not isinstance(x, np.ndarray):
         raise ValueError(f"{name} must be a NumPy array, got {type(x).__name__}")
     if not x.flags.c_contiguous:
         raise ValueError(
             f"{name} must be C-contiguous (got strides {x.strides}); "
             f"pass np.ascontiguousarray({name})"
         )
-    if x.dtype.kind not in MOVE_KINDS:
-        raise ValueError(
-            f"{name} has dtype {x.dtype}; collectives carry bool, int, uint, float arrays"
-        )
-    return x.reshape(-1)
+    raise ValueError(f"{name} has dtype {x.dtype}; collectives carry bool, int, uint, float arrays")
 
 
 def result(out, shape: tuple, dtype: np.dtype, name: str = "out") -> np.ndarray:
     """out checked against the expected shape and dtype, or a fresh array if out is None."""
     if out is None:
         return np.empty(shape, dtype)
-    if not isinstance(out, np.ndarray) or out.shape != shape or out.dtype != dtype:
-        got = f"{out.shape} {out.dtype}" if isinstance(out, np.ndarray) else type(out).__name__
-        raise ValueError(f"{name} must have shape {tuple(shape)} and dtype {dtype}, got {got}")
-    flags = out.flags
-    if not flags.c_contiguous:
-        flat(out, name)  # raises with the message
-    if not flags.writeable:
+    if isinstance(out, np.ndarray) and out.shape == shape and out.dtype == dtype:
+        flags = out.flags
+        if flags.c_contiguous and flags.writeable:
+            return out  # the common case, tested in one go
+        flat(out, name)  # raises if not contiguous
         raise ValueError(f"{name} is read-only")
-    return out
+    got = f"{out.shape} {out.dtype}" if isinstance(out, np.ndarray) else type(out).__name__
+    raise ValueError(f"{name} must have shape {tuple(shape)} and dtype {dtype}, got {got}")
 
 
 def writable(out: np.ndarray, name: str = "out") -> None:

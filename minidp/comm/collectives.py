@@ -100,7 +100,7 @@ def allreduce(
     """The op over every rank's x, on every rank. `out=x` reduces in place."""
     group, src, algo = _reduction(x, op, algo, group, ALLREDUCE, "allreduce")
     res = result(out, x.shape, x.dtype)
-    dst = res.reshape(-1)
+    dst = res if res.ndim == 1 else res.reshape(-1)
     in_place = out is x or same_memory(src, dst)
     with group.collective("allreduce", algo, op, x.dtype, None, x.shape):
         if group.size == 1:

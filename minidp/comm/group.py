@@ -167,31 +167,32 @@ class Group:
 class _Running:
     """Context of one collective call: lock, sequence number, deadline, checks, counters."""
 
-    __slots__ = ("group", "args")
+    __slots__ = ("group", "name", "algo", "op", "dtype", "root", "shape")
 
-    def __init__(self, group: Group, *args) -> None:
-        self.group, self.args = group, args
+    def __init__(self, group: Group, name, algo, op, dtype, root, shape) -> None:
+        self.group, self.name, self.algo = group, name, algo
+        self.op, self.dtype, self.root, self.shape = op, dtype, root, shape
 
     def __enter__(self) -> Group:
-        g = self.group
-        name, algo, op, dtype, root, shape = self.args
+        g, name = self.group, self.name
         if g.broken:
             raise CollectiveError(f"{name} on a broken group (rank {g.rank}): {g.broken}")
-        if not g._lock.acquire(blocking=False):
+        if not g._lock.acquire(False):
             raise RuntimeError(
                 f"{name}: this group is already running a collective on "
                 "another thread; give each thread its own group.dup()"
             )
         try:
             g._seq += 1
-            g.deadline = None if g.timeout is None else time.monotonic() + g.timeout
+            if g.timeout is not None:
+                g.deadline = time.monotonic() + g.timeout
             if g.checks and g.size > 1:
-                g._doing = (name, algo, "fingerprint exchange")
+                g._doing = (name, self.algo, "fingerprint exchange")
                 g.current = g._counts.setdefault("checks", [0, 0, 0, 0])
                 g.current[0] += 1
-                fp = fingerprint(g._fingerprint, g._seq, name, algo, op, dtype, root, shape)
-                exchange_fingerprints(g, fp)
-            g._doing = (name, algo, "data exchange")
+                call = (name, self.algo, self.op, self.dtype, self.root, self.shape)
+                exchange_fingerprints(g, fingerprint(g._fingerprint, g._seq, *call))
+            g._doing = (name, self.algo, "data exchange")
             g.current = g._counts.setdefault(name, [0, 0, 0, 0])
             g.current[0] += 1
         except BaseException as error:
@@ -205,7 +206,8 @@ class _Running:
             g.broken = f"{type(error).__name__}: {error}"
         g.deadline = None
         g.current = g._outside
-        g.receiving.clear()
+        if g.receiving:
+            g.receiving.clear()
         g._lock.release()
 
 

@@ -14,6 +14,7 @@ import numpy as np
 
 OPS = ("sum", "avg", "max", "min", "prod")
 REDUCE_DTYPES = tuple(np.dtype(t) for t in (np.float16, np.float32, np.float64, np.int32, np.int64))
+_REDUCIBLE = frozenset(REDUCE_DTYPES)  # for the membership test: a hash, not five compares
 MOVE_KINDS = "biuf"  # dtypes that collectives without an op may carry (no objects)
 
 _UFUNC = {"sum": np.add, "avg": np.add, "max": np.maximum, "min": np.minimum, "prod": np.multiply}
@@ -23,7 +24,7 @@ def check_op(op: str, dtype: np.dtype) -> None:
     """ValueError unless op is known and dtype is one we reduce."""
     if op not in _UFUNC:
         raise ValueError(f"unknown op {op!r}; choose from {', '.join(OPS)}")
-    if dtype not in REDUCE_DTYPES:
+    if dtype not in _REDUCIBLE:
         names = ", ".join(sorted(d.name for d in REDUCE_DTYPES))
         raise ValueError(f"cannot reduce dtype {dtype}; supported: {names}")
 
