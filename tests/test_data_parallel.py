@@ -52,6 +52,8 @@ def data_parallel(config, opt_name, group, overlap=True, grad_accum=1, algo="aut
     ]
     assert max_param_difference(task.model, group) == 0.0, "ranks' parameters differ"
     ddp.close()
+    assert ddp.comm_group.broken == "freed", "close() must free the thread's communicator"
+    ddp.close()  # twice is harmless
     return losses, [p.data.copy() for p in task.model.parameters()], len(ddp.buckets)
 
 

@@ -264,14 +264,23 @@ class DistributedDataParallel:
         self._launched = []
 
     def close(self) -> None:
-        """Stop the communication thread and unhook the model (it can be wrapped again)."""
+        """Stop the communication thread, free its communicator, unhook the model.
+
+        The model can be wrapped again afterwards; `comm_group.counters` stay readable.
+        """
+        stuck = False
         if self._thread is not None:
             self._work.put(None)
             # bounded: after an error elsewhere the thread may wait on a peer that never comes,
             # and the error must still reach MPI_Abort (cli.py) rather than hang here
             self._thread.join(timeout=10.0)
+            stuck = self._thread.is_alive()
             self._thread = None
             sys.setswitchinterval(self._switch_interval)
+        if not stuck and not self.comm_group.broken:
+            # MPI_Comm_free completes locally in MPICH and Open MPI: safe on an error path too.
+            # A group a collective error broke, or a thread still inside one, keeps its own.
+            self.comm_group.free()
         for unhook in self._unhook:
             unhook()
         self._unhook = []
