@@ -60,7 +60,10 @@ def _unbroadcast(g: np.ndarray, shape: tuple) -> np.ndarray:
     axes = tuple(range(extra)) + tuple(
         i + extra for i, n in enumerate(shape) if n == 1 and g.shape[i + extra] != 1
     )
-    return g.sum(axis=axes, keepdims=True).reshape(shape) if axes else g.reshape(shape)
+    summed = g.sum(axis=axes, keepdims=True) if axes else g
+    if summed.shape[extra:] != shape:  # a backward returned the wrong shape: say so, loudly
+        raise ValueError(f"a gradient of shape {g.shape} does not reduce to shape {shape}")
+    return summed.reshape(shape)
 
 
 def _broadcast_shape(op: str, a: np.ndarray, b: np.ndarray) -> None:
@@ -165,6 +168,8 @@ class Tensor:
                 handed_out.add(id(pg))
 
     def _accumulate(self, g: np.ndarray, owned: bool) -> None:
+        if g.shape != self.shape:  # += would broadcast a wrong gradient silently
+            raise ValueError(f"gradient of shape {g.shape} for a tensor of shape {self.shape}")
         if self.grad is not None:
             self.grad += g  # in place: data parallelism's gradients are views into buckets
         elif owned and g.dtype == self.dtype:
@@ -174,12 +179,14 @@ class Tensor:
 
     # ---- arithmetic (forward beside backward) -------------------------------------------
     def _lift(self, other) -> "Tensor":
-        """Numbers take this tensor's dtype (x * 2.0 stays float32)."""
+        """A number takes a float tensor's dtype (x * 2.0 stays float32, as in torch); with an
+        integer tensor it promotes as in NumPy (x * 0.5 is float64). Arrays promote as arrays."""
         if isinstance(other, Tensor):
             return other
         if isinstance(other, np.ndarray):
             return Tensor(other)
-        return Tensor(np.asarray(other, dtype=self.dtype))
+        kind = self.dtype if self.dtype.kind == "f" else np.result_type(self.dtype, other)
+        return Tensor(np.asarray(other, dtype=kind))
 
     def __add__(self, other):
         a, b = self, self._lift(other)
@@ -226,8 +233,11 @@ class Tensor:
         if not isinstance(exponent, int | float):
             raise TypeError("** takes a Python number as exponent")
         x = self.data
-        # d/dx x^k = k x^(k-1)
-        return _result(x**exponent, (self,), lambda g: (g * (exponent * x ** (exponent - 1)),))
+
+        def backward(g):  # d/dx x^k = k x^(k-1); x^0 is constant (no 0 * 0^-1 = nan at 0)
+            return (np.zeros_like(g) if exponent == 0 else g * (exponent * x ** (exponent - 1)),)
+
+        return _result(x**exponent, (self,), backward)
 
     def __radd__(self, other):
         return self + other
@@ -286,8 +296,9 @@ class Tensor:
     def transpose(self, *axes):
         axes = axes[0] if len(axes) == 1 and isinstance(axes[0], tuple | list) else axes
         axes = tuple(axes) or tuple(reversed(range(self.ndim)))
-        inverse = tuple(np.argsort(axes))
-        return _result(self.data.transpose(axes), (self,), lambda g: (g.transpose(inverse),))
+        out = self.data.transpose(axes)  # NumPy checks the axes
+        inverse = tuple(np.argsort([a % self.ndim for a in axes]))  # -1 means the last axis
+        return _result(out, (self,), lambda g: (g.transpose(inverse),))
 
     permute = transpose
 

@@ -111,8 +111,10 @@ def reshape_example(draw):
 
 
 def permute_example(draw):
+    """A permutation of the axes, each written as a or a - ndim (torch and NumPy take both)."""
     x = values(draw, draw(SHAPES_1D_UP))
-    return [x], {"axes": tuple(draw(st.permutations(range(x.ndim))))}
+    axes = draw(st.permutations(range(x.ndim)))
+    return [x], {"axes": tuple(a - x.ndim if draw(st.booleans()) else a for a in axes)}
 
 
 def basic_index_example(draw):
@@ -286,7 +288,7 @@ def power(x, exponent):
     return x**exponent
 
 
-REAL_POWERS = st.sampled_from([1, 2, 3])
+REAL_POWERS = st.sampled_from([0, 1, 2, 3])
 POSITIVE_POWERS = st.sampled_from([0.5, -1.0, 2.5, -0.5])
 
 OPS = [
@@ -481,6 +483,19 @@ def test_float64_on_request_and_numpy_arrays_keep_their_dtype():
     assert Tensor(np.ones(3)).dtype == np.float64
     assert Tensor(np.ones(3, dtype=np.float32)).dtype == np.float32
     assert Linear(3, 2, rng=np.random.default_rng(0), dtype=np.float64).weight.dtype == np.float64
+
+
+def test_integer_tensors_promote_with_python_floats_as_numpy_does():
+    x = Tensor(np.array([1, 2, 3]))
+    assert x.mean().item() == 2.0
+    np.testing.assert_array_equal((x * 0.5).data, [0.5, 1.0, 1.5])
+    assert (x * 2).dtype == x.dtype
+
+
+def test_x_to_the_zero_has_gradient_zero_even_at_zero():
+    x = Tensor(np.array([0.0, 2.0]), requires_grad=True)
+    (x**0).sum().backward()
+    np.testing.assert_array_equal(x.grad, [0.0, 0.0])  # torch agrees; 0 * 0**-1 would be nan
 
 
 def test_python_scalars_keep_float32():

@@ -99,6 +99,20 @@ def test_float_sums_are_close_and_identical_across_ranks():
             )
 
 
+@pytest.mark.timeout(120)
+@pytest.mark.parallel(nprocs=[2, 3, 4])
+def test_signed_zeros_and_nans_still_give_the_same_bits_on_every_rank():
+    """max(-0.0, 0.0) and max(0.0, -0.0) differ in bits, as do NaN sums in either order."""
+    g = fresh_group()
+    rng = np.random.default_rng(g.rank)
+    x = rng.choice([0.0, -0.0, np.nan, -np.nan, 1.0], 64)
+    for algo in comm.ALGORITHMS["allreduce"]:
+        if algo == "mpi":  # MPICH's own allreduce gives ranks NaNs of different signs here
+            continue
+        for op in ("sum", "max", "min"):
+            same_on_every_rank(comm.allreduce(x, op=op, algo=algo, group=g), f"{algo} {op}")
+
+
 @pytest.mark.timeout(240)
 @pytest.mark.parallel(nprocs=SIZES)
 def test_reduce_scatter_and_allgather_are_inverse_through_chunk_bounds():

@@ -10,6 +10,8 @@ import pytest
 from mpi4py import MPI
 
 from minidp import comm
+from minidp.comm import collectives
+from minidp.comm.p2p import irecv
 
 
 def group(timeout: float = 2.0, checks: bool = True) -> comm.Group:
@@ -94,7 +96,7 @@ def test_a_rank_that_skips_a_collective_times_out_the_others():
 @pytest.mark.parallel(nprocs=[2, 3])
 def test_bad_arguments_on_one_rank_raise_value_error_there_and_time_out_elsewhere():
     world = comm.world()
-    g = group(timeout=1.0)
+    g, fresh = group(timeout=1.0), group()
     if world.rank == 0:
         expect(ValueError, lambda: comm.broadcast(np.ones(4), root=world.size, group=g), "root")
         assert g.counters == {}  # nothing sent
@@ -102,7 +104,26 @@ def test_bad_arguments_on_one_rank_raise_value_error_there_and_time_out_elsewher
         expect(
             comm.CollectiveTimeout, lambda: comm.broadcast(np.ones(4), root=0, group=g), "rank(s) 0"
         )
+        # off the root, `out` alone gives scatter its dtype: objects are refused, not written
+        objects = np.empty(3, object)
+        expect(ValueError, lambda: comm.scatter(None, group=fresh, out=objects), "dtype")
+        assert fresh.counters == {}
     world.comm.Barrier()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parallel(nprocs=2)
+def test_any_error_inside_a_collective_breaks_the_group(monkeypatch):
+    def fails_midway(g, src, out, op):
+        irecv(g, out, g.left)  # a receive that nobody will ever match
+        raise RuntimeError("interrupted")
+
+    monkeypatch.setitem(collectives.ALLREDUCE, "ring", fails_midway)
+    g = group()
+    expect(RuntimeError, lambda: comm.allreduce(np.ones(8), algo="ring", group=g), "interrupted")
+    assert g.broken.startswith("RuntimeError") and len(g.abandoned) == 1  # cancelled, kept
+    expect(comm.CollectiveError, lambda: comm.barrier(group=g), "broken")
+    MPI.COMM_WORLD.Barrier()
 
 
 @pytest.mark.timeout(60)

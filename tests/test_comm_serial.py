@@ -113,6 +113,7 @@ def test_bad_local_arguments_raise_value_error_before_sending():
     _raises(lambda: comm.scatter(None, root=0, group=g), "required")
     _raises(lambda: comm.alltoall(np.zeros((2, 3)), group=g), r"shape \(p, ...\)")
     _raises(lambda: comm.allgather(x, group=g, out=np.zeros(9, np.float32)), "chunk")
+    _raises(lambda: comm.allgather(y[2:10], group=g, out=y[:8]), "overlaps")
     _raises(lambda: comm.reduce_scatter(y, group=g, out=y[:16]), "overlap|shape")
     _raises(lambda: comm.barrier(group=g, algo="ring"), "unknown algo")
     _raises(lambda: g.subgroup([0, 0]), "distinct")

@@ -2,7 +2,8 @@
 
 A fresh `np.empty(n)` per call costs a page fault for every 4 KiB page the first time it is
 written, which at 16 MiB is thousands of faults and a visible share of the time (MPICH's own
-allreduce pays this; see MEASURE.md). So each algorithm asks its group for named slots:
+allreduce pays this; `bench collectives` counts faults per call). So each algorithm asks its
+group for named slots:
 
     recv = group.scratch.get("recv", count, dtype)   # a view of a byte buffer kept per slot
 
@@ -22,19 +23,19 @@ class Scratch:
         self._views: dict[tuple, np.ndarray] = {}  # (slot, count, dtype) -> view, a shortcut
 
     def get(self, slot: str, count: int, dtype: np.dtype) -> np.ndarray:
-        view = self._views.get((slot, count, dtype))
+        key = (slot, count, dtype)
+        view = self._views.get(key)
         if view is not None:
             return view
-        dtype = np.dtype(dtype)
-        nbytes = count * dtype.itemsize
+        nbytes = count * np.dtype(dtype).itemsize
         raw = self._slots.get(slot)
         if raw is None or raw.nbytes < nbytes:
-            raw = np.empty(max(nbytes, 64), dtype=np.uint8)  # 64-byte floor: aligned views
+            raw = np.empty(max(nbytes, 64), dtype=np.uint8)  # NumPy aligns it for any dtype
             self._slots[slot] = raw
             self._views = {k: v for k, v in self._views.items() if k[0] != slot}
         if len(self._views) > 256:  # many sizes: start over rather than grow without end
             self._views.clear()
-        view = self._views[(slot, count, dtype)] = raw[:nbytes].view(dtype)
+        view = self._views[key] = raw[:nbytes].view(dtype)
         return view
 
     @property

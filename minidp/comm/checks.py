@@ -20,8 +20,9 @@ Every wait inside a collective has a deadline (`group.timeout` seconds, from
 past it raises `CollectiveTimeout` naming the ranks it still waits for. A rank that never
 entered the collective cannot raise; every rank that did, does.
 
-After either error the group is marked broken on that rank (messages of the failed call may
-still be in flight) and refuses further collectives: make a new group from a healthy one.
+After either error, or any other raised inside a collective, the group is marked broken on
+that rank (messages of the failed call may still be in flight) and refuses further
+collectives: make a new group from a healthy one.
 """
 
 import os

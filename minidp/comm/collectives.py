@@ -22,9 +22,10 @@ by keyword. `group=None` means `world()`.
     barrier(group, algo)                      -> None, once every rank has arrived
 
 ops: sum, avg, max, min, prod. Every rank gets bitwise-identical results (each algorithm
-either computes each element on one rank and copies it, or combines partners' values
-commutatively). Algorithm names and costs are in the docstrings of ring.py, recursive.py,
-tree.py, naive.py, alltoall.py, barrier.py; "auto" is explained in auto.py.
+either computes each element on one rank and copies it, or has both partners combine the
+same operands in the same order; see ops.py). Algorithm names and costs are in the
+docstrings of ring.py, recursive.py, tree.py, naive.py, alltoall.py, barrier.py; "auto" is
+explained in auto.py.
 """
 
 import functools
@@ -159,9 +160,10 @@ def allgather(
             f"x has {src.size}"
         )
     mine = buf[bounds[r] : bounds[r + 1]]
+    in_place = same_memory(src, mine)  # raises on a partial overlap, before any message
     algo = pick(algo, ALLGATHER, "allgather", buf.nbytes, p)
     with group.collective("allgather", algo, None, x.dtype, None, res.shape):
-        if not same_memory(src, mine):
+        if not in_place:
             np.copyto(mine, src)
         if p > 1:
             ALLGATHER[algo](group, buf, bounds)

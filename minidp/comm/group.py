@@ -65,7 +65,7 @@ class Group:
         self.scratch = Scratch()
         self.deadline: float | None = None  # set while a collective runs with a timeout
         self.broken: str | None = None  # why this group refuses further collectives
-        self.abandoned: list = []  # requests left by a timeout, kept alive for MPI
+        self.abandoned: list = []  # requests left by a failed call, kept alive for MPI
         self.receiving: list = []  # receives posted by the running collective
         self.patient = False  # wait by napping, not spinning (p2p.py); dup() starts impatient
         self._counts: dict[str, list[int]] = {}
@@ -202,8 +202,12 @@ class _Running:
 
     def __exit__(self, kind, error, traceback) -> None:
         g = self.group
-        if isinstance(error, CollectiveError):
+        if error is not None:  # messages of this call may still be in flight: never reuse
             g.broken = f"{type(error).__name__}: {error}"
+            for request in g.receiving:
+                if request != MPI.REQUEST_NULL:
+                    request.Cancel()  # best effort: a message already matched still lands
+                    g.abandoned.append(request)  # MPI may still write its buffer
         g.deadline = None
         g.current = g._outside
         if g.receiving:

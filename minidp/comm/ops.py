@@ -2,9 +2,10 @@
 
 MPI never reduces for us (except in the `"mpi"` comparison path): every hand-written
 algorithm receives a piece into a scratch buffer and combines it with one ufunc call,
-`combine(op, received, mine, out=...)`, which allocates nothing. All five ops are commutative,
-so `a ⊕ b` and `b ⊕ a` give the same bits, which is what lets two partners of recursive
-doubling end a step holding bitwise-identical values.
+`combine(op, a, b, out=...)`, which allocates nothing. All five ops are commutative in value
+but not always in bits: `max(-0.0, 0.0)` is 0.0 and `max(0.0, -0.0)` is -0.0, and the sign
+of a NaN sum follows the operand order. So two partners that both compute `a ⊕ b` (recursive
+doubling) put the lower rank's operand first, and end the step with identical bits.
 
 `avg` is `sum` followed by one division by p at the end (`finish`). On integer dtypes that
 division rounds toward minus infinity, as NumPy's `//` does.

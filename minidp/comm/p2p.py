@@ -1,6 +1,6 @@
 """Point-to-point messages: the only place in minidp that calls mpi4py's send and receive.
 
-Every algorithm in minidp.comm is written with these five calls on NumPy arrays:
+Every algorithm in minidp.comm is written with these calls on NumPy arrays:
 
     sendrecv(group, send_buf, dest, recv_buf, source)    one step of a ring or a butterfly
     send(group, buf, dest)          recv(group, buf, source)
@@ -16,11 +16,12 @@ the core. A *patient* group (`group.patient = True`, what data parallelism's com
 thread uses) polls `Testall`, briefly, then naps between polls, so the thread computing
 beside it keeps the core and the GIL (the first polls catch quick handshakes). With a
 deadline, the wait polls `Testall`, yielding the core between polls (ranks often outnumber
-cores), and at the deadline cancels the
-receives still pending (so a late message never lands in the caller's array; cancelling a
-send is unsafe in some MPIs) and raises `CollectiveTimeout` naming the peers it never
-heard from. The abandoned requests stay referenced by the group so
-MPI never touches freed memory.
+cores), and at the deadline raises `CollectiveTimeout` naming the peers it never heard from.
+
+Any error inside a collective leaves the group broken (group.py): it cancels the receives
+still pending, which is best effort (a message MPI has already matched still lands, so the
+call's `out` is undefined after an error), and keeps every pending request referenced by
+the group, so MPI never touches freed memory.
 """
 
 import os
@@ -52,7 +53,7 @@ def isend(group, buf: np.ndarray, dest: int, tag: int = DATA_TAG) -> MPI.Request
 def irecv(group, buf: np.ndarray, source: int, tag: int = DATA_TAG) -> MPI.Request:
     group.traffic(0, buf.nbytes, 0)
     request = group.comm.Irecv(_msg(buf), source, tag)
-    group.receiving.append(request)  # cancellable on a timeout (sends are not, safely)
+    group.receiving.append(request)  # cancellable after an error (sends are not, safely)
     return request
 
 
@@ -76,11 +77,13 @@ def waitall(group, requests: list, peers: list[int]) -> None:
 
 def _give_up(group, requests: list, peers: list[int]) -> None:
     missing = sorted({peer for req, peer in zip(requests, peers) if not req.Test()})
-    for req in requests:
-        if req != MPI.REQUEST_NULL:
-            if any(req == r for r in group.receiving):
-                req.Cancel()  # a late message must never land in the caller's array
-            group.abandoned.append(req)
+    # Sends still pending stay referenced: MPI may still read their buffers. (Receives are
+    # in group.receiving; the collective's exit cancels them, see group.py.)
+    group.abandoned += [
+        req
+        for req in requests
+        if req != MPI.REQUEST_NULL and not any(req == r for r in group.receiving)
+    ]
     raise CollectiveTimeout(group.timeout_message(missing))
 
 

@@ -128,7 +128,10 @@ def recursive_doubling_allreduce(group, src: np.ndarray, out: np.ndarray, op: st
         while mask < fold.pof2:
             partner = fold.real(fold.virtual ^ mask)
             sendrecv(group, current, partner, received, partner)
-            combine(op, received, current, out=out)
+            # both partners compute (lower rank's vector) op (higher rank's): the same bits
+            # on both sides, even where a op b and b op a differ in bits (max of -0.0 and 0.0)
+            low, high = (current, received) if fold.virtual & mask == 0 else (received, current)
+            combine(op, low, high, out=out)
             current, mask = out, mask * 2
 
     _folded(group, src, out, op, butterfly)

@@ -196,6 +196,7 @@ def scatter(
             raise ValueError(f"scatter: x must have shape (p, ...) with p = {p}, got {x.shape}")
         shape, dtype = x.shape[1:], x.dtype
     else:
+        flat(out, "out")  # out alone gives the dtype here: one collectives carry (no objects)
         shape, dtype = out.shape, out.dtype
     res = result(out, shape, dtype)
     if x is not None and np.may_share_memory(res, x):
