@@ -6,8 +6,10 @@ import numpy as np
 import pytest
 
 from minidp import comm, optim
+from minidp.autograd import Tensor
 from minidp.config import TrainConfig
 from minidp.data import DistributedSampler
+from minidp.nn import Module, Parameter
 from minidp.parallel import DistributedDataParallel, ModelMismatch
 from minidp.train import Task, max_param_difference, train_step
 
@@ -136,4 +138,61 @@ def test_gradients_are_views_into_buckets():
             assert np.shares_memory(p.grad, bucket.data)
     order = [p for b in ddp.buckets for p in b.params]
     assert order == task.model.parameters()[::-1], "buckets fill in reverse parameter order"
+    ddp.close()
+
+
+class ThreeWeights(Module):
+    """loss = sum over used weights of sum(x @ W): dloss/dW = outer(x.sum(0), 1), by hand."""
+
+    def __init__(self):
+        self.w0, self.w1, self.w2 = (Parameter(np.zeros((4, 3))) for _ in range(3))
+
+    def loss(self, x: np.ndarray, used: tuple) -> Tensor:
+        return sum((Tensor(x) @ getattr(self, f"w{i}")).sum() for i in used)
+
+
+def by_hand(x: np.ndarray) -> np.ndarray:
+    return np.outer(x.sum(0), np.ones(3))
+
+
+@pytest.mark.parallel(nprocs=[2, 3])
+@pytest.mark.timeout(60)
+def test_unused_parameters_no_sync_and_replaced_grads_give_the_mean_gradient():
+    group = comm.world()
+    p, r = group.size, group.rank
+    xs = [np.random.default_rng(k).standard_normal((2, 4)) for k in range(p)]  # rank k's data
+    model = ThreeWeights()
+    ddp = DistributedDataParallel(model, group, bucket_cap_mb=1e-6)  # one weight per bucket
+    assert len(ddp.buckets) == 3
+
+    # w2 fills bucket 0, yet only rank 0 uses it: its bucket must wait for the finish on
+    # every rank, or the ranks would run their allreduces in different orders
+    ddp.zero_grad()
+    model.loss(xs[r], (0, 1, 2) if r == 0 else (0, 1)).backward()
+    ddp.finish_gradient_sync()
+    mean = sum(by_hand(x) for x in xs) / p
+    np.testing.assert_allclose(model.w0.grad, mean)
+    np.testing.assert_allclose(model.w2.grad, by_hand(xs[0]) / p)
+
+    # accumulation: a no_sync backward that leaves w1 unused, then a full one
+    ddp.zero_grad()
+    with ddp.no_sync():
+        model.loss(xs[r], (0, 2)).backward()
+    model.loss(xs[r], (0, 1, 2)).backward()
+    ddp.finish_gradient_sync()
+    np.testing.assert_allclose(model.w0.grad, 2 * mean)
+    np.testing.assert_allclose(model.w1.grad, mean)
+
+    # an optimizer's set-to-None zero_grad, with w1 unused: zeros, not last step's gradient
+    for w in model.parameters():
+        w.grad = None
+    model.loss(xs[r], (0, 2)).backward()
+    ddp.finish_gradient_sync()
+    np.testing.assert_allclose(model.w0.grad, mean)
+    np.testing.assert_array_equal(model.w1.grad, 0.0)
+
+    # a .grad replaced by hand is dropped by ddp.zero_grad, as the buckets are
+    model.w0.grad = model.w0.grad * 0.5
+    ddp.zero_grad()
+    assert all(not w.grad.any() for w in model.parameters())
     ddp.close()

@@ -32,8 +32,8 @@ def test_there_are_tutorials():
 def test_tutorial_runs(path):
     nprocs, script = launch_line(path)
     cmd = [sys.executable, script]
-    if nprocs > 1:
-        cmd = ["mpiexec", "-n", str(nprocs), *cmd]
+    if nprocs > 1:  # `-m mpi4py`: an uncaught error on one rank aborts all, never a hang
+        cmd = ["mpiexec", "-n", str(nprocs), sys.executable, "-m", "mpi4py", script]
     env = dict(os.environ, MPLBACKEND="Agg", PYTHONUNBUFFERED="1")
     result = subprocess.run(
         cmd, cwd=path.parent.parent, env=env, capture_output=True, text=True, timeout=540

@@ -25,10 +25,12 @@ over non-blocking point-to-point advanced between backward ops because the colle
 minidp.comm are ordinary blocking code a reader can follow; NumPy's BLAS and MPI's blocking
 calls release the GIL, so the thread's messages really do proceed beside the matmuls of the
 rest of backward (both threads still take turns holding the GIL for their Python code, so
-while the thread runs we shorten Python's switch interval from 5 ms to 0.2 ms). On a machine
+while a thread runs we shorten Python's switch interval from 5 ms to 0.2 ms). On a machine
 with no spare core, communication is CPU work too (copies, reductions): overlap then hides
-waiting, not work. Buckets are launched in a deterministic order (the order backward finishes
-them, the same on every rank), so all ranks run the same collectives in the same order.
+waiting, not work. Buckets are launched in index order (the order backward normally
+completes them), each once every bucket before it has gone, as PyTorch's reducer does: so
+all ranks run the same collectives in the same order, even when a parameter gets no gradient
+on some rank (its bucket then goes at `finish_gradient_sync`, carrying zeros for it).
 
 Averaging, with uneven batches. A rank's loss is the mean over its n_r examples. The global
 batch mean is sum_r (n_r / B) * mean_r, so before the allreduce(sum) each rank scales its
@@ -50,7 +52,8 @@ from minidp import comm
 from minidp.nn import Module
 from minidp.trace import Timeline
 
-SWITCH_INTERVAL_S = 2e-4  # how often the GIL changes hands while the comm thread runs
+SWITCH_INTERVAL_S = 2e-4  # how often the GIL changes hands while a comm thread runs
+_threads = {"running": 0, "saved_interval": 0.0}  # comm threads alive in this process
 
 
 class ModelMismatch(RuntimeError):
@@ -72,11 +75,16 @@ class Bucket:
         self.pending = len(params)
 
     def attach(self) -> None:
-        """Point every parameter's .grad at its slot in this bucket."""
+        """Point every parameter's .grad at its slot in this bucket (zero_grad's half)."""
+        for p, view in zip(self.params, self.views):
+            p.grad = view
+
+    def collect(self) -> None:
+        """Before the allreduce: a .grad made elsewhere (after an optimizer's set-to-None
+        zero_grad, or assigned by hand) is copied into its slot; no .grad at all is zeros."""
         for p, view in zip(self.params, self.views):
             if p.grad is not view:
-                if p.grad is not None:  # a grad made elsewhere (e.g. after set-to-None)
-                    view[...] = p.grad
+                view[...] = 0 if p.grad is None else p.grad
                 p.grad = view
 
 
@@ -158,17 +166,20 @@ class DistributedDataParallel:
         self.comm_group = self.group.dup()  # the communication thread's own communicator
         # it waits by napping, not spinning: the compute thread beside it keeps the core
         self.comm_group.patient = overlap
-        self.comm_seconds = 0.0  # time spent inside allreduce (thread), since last read
-        self.exposed_seconds = 0.0  # time the main thread waited for communication
-        self._launched: list[Bucket] = []
+        self.comm_seconds = 0.0  # time spent inside allreduce, in total (read differences)
+        self.exposed_seconds = 0.0  # time the main thread waited for communication, in total
         self._work: queue.Queue = queue.Queue()
         self._done: queue.Queue = queue.Queue()
+        self._next = 0  # index of the next bucket to launch
         self._thread = None
-        self._switch_interval = sys.getswitchinterval()
         if overlap:
             # Two threads share the GIL; by default one may wait 5 ms for the other to let go
-            # of it, a convoy that cost 10% of a step here. Hand it over every 0.2 ms instead.
-            sys.setswitchinterval(min(self._switch_interval, SWITCH_INTERVAL_S))
+            # of it, a convoy that cost 10% of a step here. Hand it over every 0.2 ms instead,
+            # while any communication thread runs (the last one to stop restores it).
+            if _threads["running"] == 0:
+                _threads["saved_interval"] = sys.getswitchinterval()
+                sys.setswitchinterval(min(_threads["saved_interval"], SWITCH_INTERVAL_S))
+            _threads["running"] += 1
             self._thread = threading.Thread(target=self._serve, daemon=True, name="minidp-comm")
             self._thread.start()
         self.zero_grad()
@@ -185,12 +196,18 @@ class DistributedDataParallel:
         self.share = local_examples / global_examples
 
     def zero_grad(self) -> None:
-        """Zero the buckets in place (the .grad views stay views)."""
+        """Zero the buckets in place; every .grad is its bucket view again."""
         for bucket in self.buckets:
             bucket.data[...] = 0
             bucket.attach()
+        self._rearm()
+
+    def _rearm(self) -> None:
+        """Count every bucket's gradients from zero again, for the next backward. (A backward
+        that leaves some parameter unused never completes its bucket's count.)"""
+        for bucket in self.buckets:
             bucket.pending = len(bucket.params)
-        self._launched = []
+        self._next = 0  # the next bucket to launch
 
     @contextlib.contextmanager
     def no_sync(self):
@@ -200,19 +217,21 @@ class DistributedDataParallel:
             yield
         finally:
             self.sync_enabled = previous
+            self._rearm()
 
     # ---- communication --------------------------------------------------------------------
     def _grad_ready(self, p) -> None:
-        bucket = self._bucket_of[id(p)]
-        bucket.pending -= 1
-        if bucket.pending == 0:
-            bucket.pending = len(bucket.params)  # ready to count the next backward
-            if self.sync_enabled and self.overlap:
-                self._launch(bucket)
+        self._bucket_of[id(p)].pending -= 1
+        if self.sync_enabled and self.overlap:
+            # In index order, as PyTorch's reducer does: a complete bucket waits for those
+            # before it, so every rank runs the same allreduces in the same order, even when
+            # some parameter gets no gradient on some rank (its bucket goes at the finish).
+            while self._next < len(self.buckets) and self.buckets[self._next].pending == 0:
+                self._launch(self.buckets[self._next])
 
     def _launch(self, bucket: Bucket) -> None:
-        bucket.attach()  # in case a .grad was replaced rather than accumulated in place
-        self._launched.append(bucket)
+        bucket.collect()
+        self._next += 1
         if self.overlap:
             self._work.put(bucket)
         else:
@@ -251,17 +270,14 @@ class DistributedDataParallel:
         if not self.sync_enabled:
             return
         start = time.perf_counter()
-        for bucket in self.buckets:  # buckets with unused parameters: launch in index order
-            if bucket not in self._launched:
-                self._launch(bucket)
+        while self._next < len(self.buckets):  # the rest (all of them without overlap)
+            self._launch(self.buckets[self._next])
         if self.overlap:
-            errors = [self._done.get() for _ in self._launched]
+            errors = [self._done.get() for _ in self.buckets]
             if any(errors):
                 raise next(e for e in errors if e)
         self.exposed_seconds += time.perf_counter() - start
-        for bucket in self.buckets:  # buckets that never completed (unused parameters)
-            bucket.pending = len(bucket.params)
-        self._launched = []
+        self._rearm()
 
     def close(self) -> None:
         """Stop the communication thread, free its communicator, unhook the model.
@@ -276,7 +292,9 @@ class DistributedDataParallel:
             self._thread.join(timeout=10.0)
             stuck = self._thread.is_alive()
             self._thread = None
-            sys.setswitchinterval(self._switch_interval)
+            _threads["running"] -= 1
+            if _threads["running"] == 0:
+                sys.setswitchinterval(_threads["saved_interval"])
         if not stuck and not self.comm_group.broken:
             # MPI_Comm_free completes locally in MPICH and Open MPI: safe on an error path too.
             # A group a collective error broke, or a thread still inside one, keeps its own.
