@@ -21,11 +21,13 @@ from minidp.log import die
 SUBCOMMANDS = ("train", "bench", "info")
 
 
-class _Parser(argparse.ArgumentParser):
-    """argparse that exits with one line (`minidp: error: ...`) instead of usage + message."""
+class Parser(argparse.ArgumentParser):
+    """argparse that exits with one line (`minidp: error: ...`) instead of usage + message,
+    printed once (rank 0); `prog` is "minidp train", "minidp bench dp", ... The benchmarks
+    use it too."""
 
     def error(self, message):
-        raise die(f"{message} (see `python -m minidp {self.prog.split()[-1]} --help`)")
+        raise die(f"{message} (see `python -m {self.prog} --help`)")
 
 
 def _field_type(annotation):
@@ -35,7 +37,7 @@ def _field_type(annotation):
 
 
 def train_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="minidp train", description="Train a model (see config.py).")
+    parser = Parser(prog="minidp train", description="Train a model (see config.py).")
     for name, default, annotation, meta in config_fields():
         flag = "--" + name.replace("_", "-")
         kind = _field_type(annotation)
@@ -95,7 +97,13 @@ def main(argv: list[str] | None = None) -> int:
 
         return info_main(argv)
     if command == "bench":
-        return run_bench(argv)
+        try:
+            return run_bench(argv)
+        except SystemExit:  # die(): bad input, found alike on every rank
+            raise
+        except BaseException:
+            abort_others()
+            raise
     config = parse_train_args(argv)
     from minidp.train import TrainingDiverged, train
 
@@ -133,4 +141,4 @@ def abort_others() -> None:
         os._exit(1)  # Abort may return before the launcher kills us: print nothing more
 
 
-__all__ = ["main", "parse_train_args", "train_parser", "abort_others"]
+__all__ = ["main", "parse_train_args", "train_parser", "abort_others", "Parser"]

@@ -8,6 +8,9 @@ Default run, the arithmetic:
   300 steps                                               ->  ~0.3 M tokens, well under a minute
 """
 
+import math
+import os
+import tempfile
 from dataclasses import dataclass, field, fields
 
 
@@ -77,7 +80,10 @@ class TrainConfig:
     log_dir: str | None = field(default=None, metadata={"help": "one log file per rank here"})
 
     def validate(self) -> None:
-        """Raise BadConfig with one clear line for a value that cannot work."""
+        """Raise BadConfig with one clear line for a value that cannot work.
+
+        Comparisons are written `not (x > 0)` so that nan fails them too. Output paths are
+        checked here, before training, so a typo never costs a finished run's results."""
         positive = (
             "steps",
             "batch_size",
@@ -89,24 +95,42 @@ class TrainConfig:
             "hidden",
             "eval_batches",
             "grad_accum",
+            "lr",
+            "bucket_mb",
         )
         for name in positive:
-            if getattr(self, name) <= 0:
-                raise BadConfig(
-                    f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}"
-                )
-        if self.lr <= 0:
-            raise BadConfig(f"--lr must be positive, got {self.lr}")
+            value = getattr(self, name)
+            if not (0 < value < math.inf):
+                raise BadConfig(f"--{name.replace('_', '-')} must be positive, got {value}")
         if self.n_embd % self.n_head:
             raise BadConfig(f"--n-embd ({self.n_embd}) must divide by --n-head ({self.n_head})")
         if not 0.0 <= self.dropout < 1.0:
             raise BadConfig(f"--dropout must be in [0, 1), got {self.dropout}")
-        if self.threads < 0:
-            raise BadConfig(f"--threads must not be negative, got {self.threads}")
-        if self.bucket_mb <= 0:
-            raise BadConfig(f"--bucket-mb must be positive, got {self.bucket_mb}")
-        if self.warmup < 0 or self.sample_tokens < 0 or self.grad_clip < 0:
-            raise BadConfig("--warmup, --sample-tokens and --grad-clip must not be negative")
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise BadConfig(f"--min-lr-ratio must be in [0, 1], got {self.min_lr_ratio}")
+        for name in ("threads", "warmup", "sample_tokens", "grad_clip", "weight_decay"):
+            value = getattr(self, name)
+            if not (0 <= value < math.inf):
+                raise BadConfig(f"--{name.replace('_', '-')} must not be negative, got {value}")
+        for flag, path in (("--json", self.json), ("--trace", self.trace)):
+            if path is not None:
+                if os.path.isdir(path):
+                    raise BadConfig(f"{flag} {path} is a directory; give a file name")
+                _check_can_write(flag, os.path.dirname(os.path.abspath(path)))
+        if self.log_dir is not None:
+            existing = os.path.abspath(self.log_dir)
+            while not os.path.exists(existing):  # the directories it would create
+                existing = os.path.dirname(existing)
+            _check_can_write("--log-dir", existing)
+
+
+def _check_can_write(flag: str, directory: str) -> None:
+    """BadConfig unless a file can be created in directory (tried: root passes os.access)."""
+    try:
+        with tempfile.TemporaryFile(dir=directory):
+            pass
+    except OSError as error:
+        raise BadConfig(f"{flag}: cannot write in {directory} ({error.strerror})") from None
 
 
 def config_fields():

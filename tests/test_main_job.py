@@ -123,3 +123,34 @@ def test_a_batch_larger_than_the_data_is_one_line_on_every_rank():
     assert result.returncode == 2
     assert result.stderr.count("minidp: error: --batch-size 100000") == 1
     assert "Traceback" not in result.stderr
+
+
+def test_bench_collectives_writes_the_contract_records(tmp_path):
+    out = tmp_path / "collectives.json"
+    args = ("bench", "collectives", "--sizes", "1K", "--iters", "15", "--json", str(out))
+    result = run(2, *args)
+    assert result.returncode == 0, result.stderr
+    rows = records(out)
+    assert {(r["op"], r["algo"]) for r in rows} >= {("allreduce", "ring"), ("broadcast", "tree")}
+    for row in rows:
+        assert row["nprocs"] == 2 and row["bytes"] == 1024
+        assert row["time_s"] > 0 and row["busbw_gbs"] > 0 and row["builtin_busbw_gbs"] > 0
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ("bench", "collectives", "--algos", "rign"),
+        ("bench", "collectives", "--ops", "allreduse"),
+        ("bench", "collectives", "--sizes", "4Q"),
+        ("bench", "dp", "--algos", "foo"),
+        ("bench", "dp", "--iters", "x"),
+        ("bench", "nothing"),
+    ],
+    ids=" ".join,
+)
+def test_a_bad_benchmark_argument_is_one_line_and_exit_code_2(args):
+    result = run(2, *args)
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("minidp: error:"), result.stderr

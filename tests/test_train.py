@@ -117,6 +117,11 @@ def test_a_non_finite_loss_stops_training_naming_the_step():
         ["--steps", "0"],
         ["--n-embd", "30", "--n-head", "4"],
         ["train", "--lr", "-1"],
+        ["--lr", "nan"],
+        ["--bucket-mb", "inf"],
+        ["--min-lr-ratio", "-5"],
+        ["--json", "/nonexistent/run.json"],  # found before training, not after it
+        ["--log-dir", "/proc/minidp"],
     ],
     ids=lambda a: " ".join(a),
 )

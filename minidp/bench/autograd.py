@@ -10,7 +10,6 @@ of 256, float32. Contenders, alternated step by step in one process (A B C A B C
 Reported: median step time per contender and the median of the per-round ratios.
 """
 
-import argparse
 import time
 
 import numpy as np
@@ -24,6 +23,7 @@ from minidp.bench._common import (
     torch_mlp_step,
     write_json,
 )
+from minidp.cli import Parser
 
 SIZES = (784, 1024, 1024, 10)
 BATCH = 256
@@ -116,9 +116,7 @@ def measure(threads: int, iters: int, warmup: int) -> dict:
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(
-        prog="minidp bench autograd", description=__doc__.split("\n")[0]
-    )
+    parser = Parser(prog="minidp bench autograd", description=__doc__.split("\n")[0])
     parser.add_argument("--iters", type=int, default=20, help="timed rounds (default 20)")
     parser.add_argument("--warmup", type=int, default=3, help="untimed rounds first (default 3)")
     parser.add_argument("--threads", default="1,2", help="BLAS/torch thread counts (default 1,2)")

@@ -28,6 +28,8 @@ from mpi4py import MPI
 
 from minidp import comm
 from minidp.bench._common import environment, median, print_table, write_json
+from minidp.cli import Parser
+from minidp.log import die
 
 BUS_FACTOR = {
     "allreduce": lambda p: 2 * (p - 1) / p,
@@ -172,8 +174,32 @@ COLUMNS = [
 ]
 
 
+def check_args(args) -> tuple[np.dtype, list[int], list[tuple[str, list[str]]]]:
+    """(dtype, sizes, [(op, its algorithms)]), or die() naming the bad value: every rank alike.
+
+    --algos keeps, for each op, the algorithms it has (ring serves four ops, pairwise one);
+    a name that no chosen op has is an error, not a silently empty table."""
+    try:
+        dtype = np.dtype(args.dtype)
+        sizes = [parse_size(s) for s in args.sizes.split(",") if s]
+    except (TypeError, ValueError) as error:
+        raise die(f"bench collectives: bad --dtype or --sizes: {error}") from None
+    ops = args.ops.split(",")
+    unknown = [op for op in ops if op not in BUS_FACTOR]
+    if unknown:
+        choices = ", ".join(BUS_FACTOR)
+        raise die(f"bench collectives: unknown collective(s) {unknown}; choose from {choices}")
+    known = {op: [a for a in comm.ALGORITHMS[op] if a != "mpi"] for op in ops}
+    wanted = args.algos.split(",") if args.algos else []
+    stray = [a for a in wanted if not any(a in algos for algos in known.values())]
+    if stray:
+        raise die(f"bench collectives: no chosen collective has algorithm(s) {stray}")
+    plan = [(op, [a for a in have if not wanted or a in wanted]) for op, have in known.items()]
+    return dtype, sizes, [(op, algos) for op, algos in plan if algos]
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="minidp bench collectives",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -190,8 +216,7 @@ def main(argv: list[str] | None = None) -> int:
 
     threadpool_limits(1)  # one BLAS thread per rank (MEASURE.md); collectives use none
     group = comm.Group(MPI.COMM_WORLD.Dup(), checks=False, timeout=None)
-    dtype = np.dtype(args.dtype)
-    sizes = [parse_size(s) for s in args.sizes.split(",") if s]
+    dtype, sizes, plan = check_args(args)
     env = environment()
     if group.rank == 0:
         print(
@@ -200,11 +225,7 @@ def main(argv: list[str] | None = None) -> int:
             flush=True,
         )
     records = []
-    for op in args.ops.split(","):
-        if op not in BUS_FACTOR:
-            raise SystemExit(f"unknown collective {op!r}; choose from {', '.join(BUS_FACTOR)}")
-        known = [a for a in comm.ALGORITHMS[op] if a != "mpi"]
-        algos = [a for a in args.algos.split(",") if a in known] if args.algos else known
+    for op, algos in plan:
         rows = [
             measure(op, algo, nbytes, dtype, group, args.warmup, args.iters)
             for nbytes in sizes

@@ -13,7 +13,6 @@ Each time is the maximum over ranks (barrier, time, allreduce-max); medians of p
 ratios are reported.
 """
 
-import argparse
 import socket
 import time
 
@@ -30,7 +29,8 @@ from minidp.bench._common import (
     write_json,
 )
 from minidp.bench.autograd import BATCH, LR, SIZES, minidp_step
-from minidp.log import print0
+from minidp.cli import Parser
+from minidp.log import die, print0
 from minidp.parallel import DistributedDataParallel
 
 # the network, batch (here per rank) and learning rate of the autograd benchmark
@@ -96,7 +96,7 @@ def torch_ddp_step(world, x, y):
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="minidp bench dp", description=__doc__.split("\n")[0])
+    parser = Parser(prog="minidp bench dp", description=__doc__.split("\n")[0])
     parser.add_argument("--iters", type=int, default=15, help="timed rounds (default 15)")
     parser.add_argument("--warmup", type=int, default=3, help="untimed rounds (default 3)")
     parser.add_argument("--algos", default=",".join(ALGOS), help="allreduce algorithms")
@@ -104,6 +104,11 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--no-torch", action="store_true", help="skip PyTorch DDP")
     parser.add_argument("--json", metavar="FILE", help="write JSON lines (rank 0)")
     args = parser.parse_args(argv)
+    algos = args.algos.split(",")
+    known = ("auto", *comm.ALGORITHMS["allreduce"])
+    unknown = [a for a in algos if a not in known]
+    if unknown:
+        raise die(f"bench dp: unknown allreduce algorithm(s) {unknown}; choose from {known}")
     from threadpoolctl import threadpool_limits
 
     world, group = MPI.COMM_WORLD, comm.world()
@@ -116,7 +121,7 @@ def main(argv: list[str]) -> int:
     solo = minidp_step(solo_model, optim.SGD(solo_model.parameters(), lr=LR), x, y)
     contenders["solo"] = lambda: solo() if world.rank == 0 else None
     ddps = []
-    for algo in args.algos.split(","):
+    for algo in algos:
         for overlap in (True, False):
             ddp = DistributedDataParallel(
                 make_model(), group, bucket_cap_mb=args.bucket_mb, algo=algo, overlap=overlap
