@@ -46,7 +46,13 @@ class TrainConfig:
     n_layer: int = field(default=2, metadata={"help": "gpt transformer blocks"})
     n_head: int = field(default=4, metadata={"help": "gpt attention heads"})
     n_embd: int = field(default=64, metadata={"help": "gpt channels"})
-    dropout: float = field(default=0.0, metadata={"help": "dropout probability"})
+    dropout: float = field(
+        default=0.0,
+        metadata={
+            "help": "dropout probability (> 0: each rank masks its own slice, so data "
+            "parallel losses match one process in distribution, not bit for bit)"
+        },
+    )
     # model size (mlp on the synthetic classification set)
     hidden: int = field(default=128, metadata={"help": "mlp hidden width"})
     eval_batches: int = field(default=8, metadata={"help": "validation batches at the end"})

@@ -2,8 +2,8 @@
 
     mpiexec -n 4 python -m minidp info
 
-Each rank reports; rank 0 prints. A world of size 1 on every rank under `mpiexec -n 4` means
-the `mpiexec` belongs to another MPI than the one mpi4py was built against.
+Rank 0 prints what it sees. "world size 1" under `mpiexec -n 4` means the `mpiexec` belongs
+to another MPI than the one mpi4py was built against (each process is then a world alone).
 """
 
 import os
@@ -46,7 +46,13 @@ def main(argv: list[str]) -> int:
         f"{MPI.Get_library_version().splitlines()[0].strip()}",
         rank=rank,
     )
-    print0(f"world size {size} | thread level {MPI.Query_thread()}", rank=rank)
+    levels = {
+        MPI.THREAD_SINGLE: "single",
+        MPI.THREAD_FUNNELED: "funneled",
+        MPI.THREAD_SERIALIZED: "serialized",
+        MPI.THREAD_MULTIPLE: "multiple",
+    }
+    print0(f"world size {size} | MPI thread level {levels[MPI.Query_thread()]}", rank=rank)
     launched = [k for k in ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE") if int(os.environ.get(k, 1)) > 1]
     if size == 1 and launched:
         print(

@@ -64,6 +64,8 @@ class Module:
                         yield f"{name}.{i}", item
 
     def named_parameters(self, prefix: str = "") -> Iterator[tuple[str, Parameter]]:
+        """(dotted name, parameter): this module's own, in assignment order, then each
+        child's, depth first (the order DDP's buckets and optimizers see)."""
         for name, value in vars(self).items():
             if isinstance(value, Parameter):
                 yield prefix + name, value

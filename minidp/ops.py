@@ -1,7 +1,8 @@
 """Nonlinearities, joining ops and losses, each with its backward right beside its forward.
 
-Every function takes Tensors (or arrays) and returns a Tensor built by `_result`, whose
-backward closure maps the output gradient `g` to one gradient per input.
+Every function takes Tensors (targets, masks and conditions may be plain arrays) and returns
+a Tensor built by `_result`, whose backward closure maps the output gradient `g` to one
+gradient per input.
 """
 
 import math

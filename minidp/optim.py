@@ -146,7 +146,8 @@ class AdamW(Adam):
 
 
 def global_grad_norm(params) -> float:
-    """sqrt(sum of squares of every gradient), in float64."""
+    """sqrt(sum of squares of every gradient): each gradient's in its own dtype (as torch
+    does), their total in float64."""
     return math.sqrt(sum(float(np.vdot(g, g)) for g in (p.grad for p in params) if g is not None))
 
 

@@ -124,7 +124,7 @@ assert np.allclose(logits.grad[1], (np.full(3, 1 / 3) - [0, 0, 1]) / 2)
 # Backward visits operations in reverse topological order, so a parameter's gradient is
 # final once every op that used it has run. A grad-ready hook fires exactly then. Data
 # parallelism (tutorial 05) starts sending gradients from these hooks while backward goes
-# on. Here the last layer's weight is ready first.
+# on. Here the last layer's parameters (its bias, then its weight) are ready first.
 
 # %%
 mlp = minidp.nn.MLP([4, 8, 8, 2], rng=np.random.default_rng(0))

@@ -55,7 +55,7 @@ def print_table(rows: list[dict], columns: list[tuple[str, str]]) -> None:
 
 
 def write_json(path: str | None, records: list[dict]) -> None:
-    """Append-free write: one JSON object per line."""
+    """Write the records to path (replacing it), one JSON object per line."""
     if not path:
         return
     with open(path, "w") as f:

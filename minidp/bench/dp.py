@@ -28,12 +28,11 @@ from minidp.bench._common import (
     torch_mlp_step,
     write_json,
 )
-from minidp.bench.autograd import BATCH, LR, SIZES, minidp_step
+from minidp.bench.autograd import BATCH, LR, SIZES, minidp_step  # its MLP, batch (per rank), lr
 from minidp.cli import Parser
 from minidp.log import die, print0
 from minidp.parallel import DistributedDataParallel
 
-# the network, batch (here per rank) and learning rate of the autograd benchmark
 ALGOS = ("ring", "recursive_doubling", "rabenseifner", "tree", "mpi")
 
 
