@@ -15,6 +15,30 @@ import numpy as np
 from minidp.log import print0
 
 
+def blas_info() -> str:
+    """'openblas 0.3.27 (Haswell), 1 thread' style summary of the BLAS numpy uses."""
+    try:
+        from threadpoolctl import threadpool_info
+
+        pools = [p for p in threadpool_info() if p.get("user_api") == "blas"]
+    except Exception:  # threadpoolctl missing or unable to inspect: say so, do not fail
+        return "blas: unknown"
+    if not pools:
+        return "blas: none found"
+    p = pools[0]
+    return (
+        f"{p.get('internal_api')} {p.get('version')} ({p.get('architecture')}), "
+        f"{p.get('num_threads')} threads"
+    )
+
+
+def mpi_library() -> str:
+    """The first line of MPI_Get_library_version, e.g. 'MPICH Version: 5.0.2'."""
+    from mpi4py import MPI
+
+    return " ".join(MPI.Get_library_version().splitlines()[0].split())
+
+
 def main(argv: list[str]) -> int:
     if argv:
         from minidp.log import die
@@ -23,7 +47,6 @@ def main(argv: list[str]) -> int:
     from mpi4py import MPI
 
     import minidp
-    from minidp.bench._common import blas_info
 
     comm = MPI.COMM_WORLD
     rank, size = comm.Get_rank(), comm.Get_size()
@@ -42,8 +65,7 @@ def main(argv: list[str]) -> int:
     except ImportError:
         print0("torch: not installed (optional: pip install 'minidp[torch]')", rank=rank)
     print0(
-        f"mpi4py {__import__('mpi4py').__version__} | MPI library: "
-        f"{MPI.Get_library_version().splitlines()[0].strip()}",
+        f"mpi4py {__import__('mpi4py').__version__} | MPI library: {mpi_library()}",
         rank=rank,
     )
     levels = {

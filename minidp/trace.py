@@ -55,8 +55,12 @@ class Timeline:
 
     def save(self, path: str, group: comm.Group) -> None:
         """Collective: gather every rank's spans; rank 0 writes the Chrome-trace file."""
-        mine = json.dumps(self.events)
-        texts = gather_text(mine, root=0, group=group)
+        # perf_counter is one clock for all processes of a machine: shift every rank's spans
+        # to the earliest rank's start so that the ranks line up (across machines, roughly)
+        start = comm.allreduce(np.array([self._t0]), op="min", group=group)[0]
+        shift = (self._t0 - start) * 1e6
+        mine = json.dumps([{**event, "ts": event["ts"] + shift} for event in self.events])
+        texts = comm.gather_text(mine, root=0, group=group)
         if group.rank != 0:
             return
         trace = []
@@ -77,16 +81,3 @@ class Timeline:
             trace.extend({**event, "pid": rank} for event in json.loads(text))
         with open(path, "w") as f:
             json.dump({"traceEvents": trace, "displayTimeUnit": "ms"}, f)
-
-
-def gather_text(text: str, root: int, group: comm.Group) -> list[str] | None:
-    """Every rank's string at `root` (None elsewhere): lengths first, then padded bytes."""
-    data = np.frombuffer(text.encode(), dtype=np.uint8)
-    lengths = comm.allgather(np.array([data.size], dtype=np.int64), group=group).ravel()
-    padded = np.zeros(int(lengths.max()), dtype=np.uint8)
-    padded[: data.size] = data
-    gathered = comm.gather(padded, root=root, group=group)
-    if group.rank != root:
-        return None
-    rows = np.asarray(gathered).reshape(group.size, -1)
-    return [row[: int(n)].tobytes().decode() for row, n in zip(rows, lengths)]

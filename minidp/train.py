@@ -21,9 +21,9 @@ import numpy as np
 
 from minidp import comm, data, nn, optim
 from minidp.autograd import Tensor, no_grad
-from minidp.bench._common import blas_info
 from minidp.comm.chunks import chunk_range
 from minidp.config import BadConfig, TrainConfig
+from minidp.info import blas_info, mpi_library
 from minidp.log import RankLog, print0
 from minidp.parallel import DistributedDataParallel
 from minidp.trace import Timeline
@@ -210,15 +210,13 @@ def _train(config: TrainConfig, group: comm.Group) -> dict:
     opt = optim.AdamW(ddp.parameters(), lr=config.lr, weight_decay=config.weight_decay)
     log = RankLog(config.log_dir, rank)
 
-    from mpi4py import MPI
-
     print0(
         f"minidp train | model {config.model} ({task.model.num_parameters():,} parameters) | "
         f"strategy {config.strategy} | world size {world} | numpy {np.__version__} | "
         f"{blas_info()}"
     )
     print0(
-        f"MPI: {MPI.Get_library_version().splitlines()[0].strip()} | allreduce "
+        f"MPI: {mpi_library()} | allreduce "
         f"{config.allreduce} | buckets {len(ddp.buckets)} of <= {config.bucket_mb} MiB | "
         f"overlap {'on' if ddp.overlap else 'off'} | grad accumulation {K}"
     )

@@ -2,30 +2,31 @@
 
 import json
 import platform
+import resource
 import statistics
+import time
 
 import numpy as np
+
+from minidp.info import blas_info
 
 
 def median(values) -> float:
     return float(statistics.median(values))
 
 
-def blas_info() -> str:
-    """'openblas 0.3.27 (Haswell), 1 thread' style summary of the BLAS numpy uses."""
-    try:
-        from threadpoolctl import threadpool_info
+def timed(call, mpi) -> tuple[float, int]:
+    """One timed call, as MEASURE.md says: Barrier, time, max over ranks. Returns (the
+    slowest rank's seconds, this rank's minor page faults during the call)."""
+    from mpi4py import MPI  # here: the serial benchmarks never start MPI
 
-        pools = [p for p in threadpool_info() if p.get("user_api") == "blas"]
-    except Exception:  # threadpoolctl missing or unable to inspect: say so, do not fail
-        return "blas: unknown"
-    if not pools:
-        return "blas: none found"
-    p = pools[0]
-    return (
-        f"{p.get('internal_api')} {p.get('version')} ({p.get('architecture')}), "
-        f"{p.get('num_threads')} threads"
-    )
+    mpi.Barrier()
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    start = time.perf_counter()
+    call()
+    elapsed = time.perf_counter() - start
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
+    return mpi.allreduce(elapsed, op=MPI.MAX), faults
 
 
 def environment() -> dict:

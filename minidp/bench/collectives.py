@@ -20,15 +20,14 @@ MINIDP_CHECKS is ignored here: the group runs with checks off, as a trained job 
 """
 
 import argparse
-import resource
-import time
 
 import numpy as np
 from mpi4py import MPI
 
 from minidp import comm
-from minidp.bench._common import environment, median, print_table, write_json
+from minidp.bench._common import environment, median, print_table, timed, write_json
 from minidp.cli import Parser
+from minidp.info import mpi_library
 from minidp.log import die
 
 BUS_FACTOR = {
@@ -98,17 +97,6 @@ def contenders(op: str, algo: str, nbytes: int, dtype: np.dtype, group: comm.Gro
             lambda: mpi.Alltoall(rows, got),
         )
     raise AssertionError(op)
-
-
-def timed(call, mpi: MPI.Comm) -> tuple[float, int]:
-    """(slowest rank's seconds, this rank's minor page faults) for one call."""
-    mpi.Barrier()
-    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-    start = time.perf_counter()
-    call()
-    elapsed = time.perf_counter() - start
-    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
-    return mpi.allreduce(elapsed, op=MPI.MAX), faults
 
 
 def measure(
@@ -221,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
     if group.rank == 0:
         print(
             f"# {group.size} ranks, {dtype}, median of {args.iters} after {args.warmup} "
-            f"warm-up; {env['blas']}; MPI: {MPI.Get_library_version().splitlines()[0]}",
+            f"warm-up; {env['blas']}; MPI: {mpi_library()}",
             flush=True,
         )
     records = []

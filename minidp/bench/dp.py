@@ -14,7 +14,6 @@ ratios are reported.
 """
 
 import socket
-import time
 
 import numpy as np
 from mpi4py import MPI
@@ -25,6 +24,7 @@ from minidp.bench._common import (
     environment,
     median,
     print_table,
+    timed,
     torch_mlp_step,
     write_json,
 )
@@ -34,16 +34,6 @@ from minidp.log import die, print0
 from minidp.parallel import DistributedDataParallel
 
 ALGOS = ("ring", "recursive_doubling", "rabenseifner", "tree", "mpi")
-
-
-def timed(step, world) -> float:
-    """Wall time of one collective step, as the slowest rank saw it."""
-    world.Barrier()
-    start = time.perf_counter()
-    step()
-    elapsed = np.array([time.perf_counter() - start])
-    world.Allreduce(MPI.IN_PLACE, elapsed, op=MPI.MAX)
-    return float(elapsed[0])
 
 
 def make_model(seed: int = 0) -> nn.MLP:
@@ -141,7 +131,7 @@ def main(argv: list[str]) -> int:
                         ddp.exposed_seconds = ddp.comm_seconds = 0.0
                 else:
                     step = entry
-                elapsed = timed(step, world)
+                elapsed = timed(step, world)[0]
                 if i >= args.warmup:
                     times[name].append(elapsed)
     rows = []

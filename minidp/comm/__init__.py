@@ -2,8 +2,9 @@
 
 Read in this order: chunks.py (how a vector is cut), p2p.py (the only sends and receives),
 ring.py (Baidu's ring), recursive.py (butterflies), tree.py (binomial trees), naive.py,
-alltoall.py, barrier.py; then group.py, checks.py and buffers.py for what surrounds them, and
-collectives.py / rooted.py for the public functions and their contract.
+alltoall.py, barrier.py; then group.py, checks.py and buffers.py for what surrounds them,
+collectives.py / rooted.py for the public functions and their contract, and text.py for
+strings sent over them.
 
     from minidp import comm
     g = comm.world()
@@ -37,6 +38,7 @@ from minidp.comm.rooted import (
     reduce,
     scatter,
 )
+from minidp.comm.text import broadcast_text, gather_text
 
 ALGORITHMS = {
     "allreduce": tuple(ALLREDUCE),
@@ -64,10 +66,12 @@ __all__ = [
     "alltoall",
     "barrier",
     "broadcast",
+    "broadcast_text",
     "choose",
     "chunk_bounds",
     "chunk_range",
     "gather",
+    "gather_text",
     "reduce",
     "reduce_scatter",
     "scatter",

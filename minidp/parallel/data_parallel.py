@@ -99,7 +99,7 @@ def check_same_model(model: Module, group: comm.Group) -> None:
     digests = comm.allgather(digest, group=group).reshape(group.size, 2)
     if (digests == digests[0]).all():
         return
-    theirs = _broadcast_text("\n".join(mine), root=0, group=group).split("\n")
+    theirs = comm.broadcast_text("\n".join(mine), root=0, group=group).split("\n")
     first = next(
         (i for i, (a, b) in enumerate(zip(mine, theirs)) if a != b), min(len(mine), len(theirs))
     )
@@ -107,21 +107,13 @@ def check_same_model(model: Module, group: comm.Group) -> None:
     culprit = int(np.flatnonzero(firsts >= 0)[0])
     index = int(firsts[culprit])
     mine_there = mine[index] if index < len(mine) else "(no parameter)"
-    theirs_there = _broadcast_text(mine_there, root=culprit, group=group)
+    theirs_there = comm.broadcast_text(mine_there, root=culprit, group=group)
     ours = theirs[index] if index < len(theirs) else "(no parameter)"
     raise ModelMismatch(
         f"ranks hold different models: rank {culprit} has {int(digests[culprit, 1])} parameters, "
         f"rank 0 has {int(digests[0, 1])}; first difference at parameter #{index}: "
         f"rank 0 has {ours!r}, rank {culprit} has {theirs_there!r}"
     )
-
-
-def _broadcast_text(text: str, root: int, group: comm.Group) -> str:
-    """A string from `root` to every rank, as two broadcasts (length, then bytes)."""
-    data = np.frombuffer(text.encode(), dtype=np.uint8)
-    length = comm.broadcast(np.array([data.size], dtype=np.int64), root=root, group=group)
-    buffer = data.copy() if group.rank == root else np.empty(int(length[0]), dtype=np.uint8)
-    return comm.broadcast(buffer, root=root, group=group).tobytes().decode()
 
 
 class DistributedDataParallel:
