@@ -5,7 +5,8 @@ MPICH" (IJHPCA 2005). Ranks pair up across a distance that doubles (or halves) e
 so log2(p) steps replace the ring's p - 1.
 
 Recursive doubling allreduce, p = 8: partners differ in one bit of the rank; each sends its
-whole vector and adds the partner's (a ⊕ b and b ⊕ a are the same bits, so partners agree):
+whole vector and combines it with the partner's, both computing lower ⊕ higher (the same
+operands in the same order, so partners hold the same bits; see ops.py):
 
     step 0 (mask 1)  0↔1  2↔3  4↔5  6↔7       lg(p)·(α + nβ + nγ)
     step 1 (mask 2)  0↔2  1↔3  4↔6  5↔7       latency-optimal: for short messages
