@@ -88,8 +88,9 @@ class TrainConfig:
     def validate(self) -> None:
         """Raise BadConfig with one clear line for a value that cannot work.
 
-        Comparisons are written `not (x > 0)` so that nan fails them too. Output paths are
-        checked here, before training, so a typo never costs a finished run's results."""
+        Range checks are written `not (0 < x < inf)` so that nan and inf fail them too.
+        Output paths are checked here, before training, so a typo never costs a finished
+        run's results."""
         positive = (
             "steps",
             "batch_size",
@@ -107,7 +108,9 @@ class TrainConfig:
         for name in positive:
             value = getattr(self, name)
             if not (0 < value < math.inf):
-                raise BadConfig(f"--{name.replace('_', '-')} must be positive, got {value}")
+                raise BadConfig(
+                    f"--{name.replace('_', '-')} must be positive and finite, got {value}"
+                )
         if self.n_embd % self.n_head:
             raise BadConfig(f"--n-embd ({self.n_embd}) must divide by --n-head ({self.n_head})")
         if not 0.0 <= self.dropout < 1.0:
@@ -117,7 +120,7 @@ class TrainConfig:
         for name in ("threads", "warmup", "sample_tokens", "grad_clip", "weight_decay"):
             value = getattr(self, name)
             if not (0 <= value < math.inf):
-                raise BadConfig(f"--{name.replace('_', '-')} must not be negative, got {value}")
+                raise BadConfig(f"--{name.replace('_', '-')} must be >= 0 and finite, got {value}")
         for flag, path in (("--json", self.json), ("--trace", self.trace)):
             if path is not None:
                 if os.path.isdir(path):
