@@ -380,19 +380,11 @@ def matmul(a: Tensor, b: Tensor) -> Tensor:
             f"matmul: batch shapes of {a.shape} and {b.shape} do not broadcast"
         ) from None
 
-    def backward(g):
+    def backward(g):  # C = A B  ->  dA = g B^T,  dB = A^T g  (then undo batch broadcasting)
         g = g.reshape(out.shape)  # put back the axes a 1-D operand dropped
-        # C = A B  ->  dA = g B^T,  dB = A^T g  (then undo batch broadcasting)
-        da = (
-            _unbroadcast(g @ B.swapaxes(-1, -2), A.shape).reshape(a.shape)
-            if a.requires_grad
-            else None
-        )
-        db = (
-            _unbroadcast(A.swapaxes(-1, -2) @ g, B.shape).reshape(b.shape)
-            if b.requires_grad
-            else None
-        )
+        At, Bt = A.swapaxes(-1, -2), B.swapaxes(-1, -2)  # views, no copies
+        da = _unbroadcast(g @ Bt, A.shape).reshape(a.shape) if a.requires_grad else None
+        db = _unbroadcast(At @ g, B.shape).reshape(b.shape) if b.requires_grad else None
         return da, db
 
     result = out
