@@ -16,7 +16,7 @@ import sys
 import types
 
 from minidp.config import BadConfig, TrainConfig, config_fields
-from minidp.log import die
+from minidp.log import die, print0, world_rank
 
 SUBCOMMANDS = ("train", "bench", "info")
 
@@ -28,6 +28,10 @@ class Parser(argparse.ArgumentParser):
 
     def error(self, message):
         raise die(f"{message} (see `python -m {self.prog} --help`)")
+
+    def print_help(self, file=None):  # --help under mpiexec: once, not once per rank
+        if world_rank() == 0:
+            super().print_help(file)
 
 
 def _field_type(annotation):
@@ -77,7 +81,7 @@ def benchmarks() -> list[str]:
 def run_bench(argv: list[str]) -> int:
     names = benchmarks()
     if not argv or argv[0] in ("-h", "--help"):
-        print("usage: python -m minidp bench NAME [options]\n\nbenchmarks: " + ", ".join(names))
+        print0("usage: python -m minidp bench NAME [options]\n\nbenchmarks: " + ", ".join(names))
         return 0
     name, rest = argv[0], argv[1:]
     if name not in names:
@@ -89,7 +93,7 @@ def run_bench(argv: list[str]) -> int:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in ("-h", "--help"):
-        print(__doc__.strip())
+        print0(__doc__.strip())
         return 0
     command = argv.pop(0) if argv and argv[0] in SUBCOMMANDS else "train"
     if command == "info":

@@ -7,8 +7,9 @@ import os
 import sys
 
 
-def _world_rank() -> int:
-    # Read the rank from the launcher's environment so printing never initializes MPI itself.
+def world_rank() -> int:
+    """This process's world rank, read from the launcher's environment (0 without one), so
+    printing never initializes MPI itself."""
     for name in ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK"):
         if name in os.environ:
             return int(os.environ[name])
@@ -17,14 +18,14 @@ def _world_rank() -> int:
 
 def print0(*args, rank: int | None = None, **kwargs) -> None:
     """print() on rank 0 only, flushed at once."""
-    if (_world_rank() if rank is None else rank) == 0:
+    if (world_rank() if rank is None else rank) == 0:
         print(*args, **kwargs, flush=True)
 
 
 def die(message: str, code: int = 2) -> "SystemExit":
     """One clear line on stderr (from rank 0 only: every rank finds the same bad input) and
     an exit code, for bad input. No traceback. Raise what it returns."""
-    if _world_rank() == 0:
+    if world_rank() == 0:
         print(f"minidp: error: {message}", file=sys.stderr, flush=True)
     return SystemExit(code)
 

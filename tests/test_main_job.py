@@ -158,3 +158,9 @@ def test_a_bad_benchmark_argument_is_one_line_and_exit_code_2(args):
     assert result.returncode == 2, result.stderr
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("minidp: error:"), result.stderr
+
+
+def test_help_under_mpiexec_prints_once():
+    for args in (("train", "--help"), ("bench", "dp", "--help")):
+        result = run(2, *args)
+        assert result.returncode == 0 and result.stdout.count("usage:") == 1, result.stdout
