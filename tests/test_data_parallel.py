@@ -196,3 +196,16 @@ def test_unused_parameters_no_sync_and_replaced_grads_give_the_mean_gradient():
     ddp.zero_grad()
     assert all(not w.grad.any() for w in model.parameters())
     ddp.close()
+
+
+def test_closing_restores_the_gil_switch_interval_after_the_last_thread():
+    import sys
+
+    before = sys.getswitchinterval()
+    models = [Task(TrainConfig(model="mlp", **TINY), np.float64).model for _ in range(2)]
+    first, second = (DistributedDataParallel(m, comm.world(), overlap=True) for m in models)
+    assert sys.getswitchinterval() < before  # shortened while a communication thread runs
+    first.close()
+    assert sys.getswitchinterval() < before  # the second thread still runs
+    second.close()
+    assert sys.getswitchinterval() == before
