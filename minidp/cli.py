@@ -41,8 +41,12 @@ def _field_type(annotation):
 
 
 def train_parser() -> argparse.ArgumentParser:
+    from minidp.parallel import STRATEGIES  # the one table of --strategy names
+
     parser = Parser(prog="minidp train", description="Train a model (see config.py).")
     for name, default, annotation, meta in config_fields():
+        if name == "strategy":
+            meta = {**meta, "choices": tuple(STRATEGIES)}
         flag = "--" + name.replace("_", "-")
         kind = _field_type(annotation)
         if kind is bool:

@@ -21,7 +21,8 @@ class BadConfig(ValueError):
 @dataclass
 class TrainConfig:
     strategy: str = field(
-        default="dp", metadata={"help": "how ranks share the work", "choices": ("dp",)}
+        default="dp",
+        metadata={"help": "how ranks share the work (minidp.parallel.STRATEGIES names them)"},
     )
     model: str = field(
         default="gpt", metadata={"help": "model to train", "choices": ("gpt", "mlp")}
@@ -75,8 +76,13 @@ class TrainConfig:
         },
     )
     bucket_mb: float = field(default=0.25, metadata={"help": "gradient bucket size in MiB"})
-    no_overlap: bool = field(
-        default=False, metadata={"help": "reduce gradients after backward, not during it"}
+    overlap: str = field(
+        default="auto",
+        metadata={
+            "help": "reduce gradients during backward (on), after it (off), or on when every "
+            "rank has a spare core (auto)",
+            "choices": ("auto", "on", "off"),
+        },
     )
     grad_accum: int = field(default=1, metadata={"help": "micro-batches per optimizer step"})
     threads: int = field(

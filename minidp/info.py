@@ -39,6 +39,21 @@ def mpi_library() -> str:
     return " ".join(MPI.Get_library_version().splitlines()[0].split())
 
 
+def cores() -> int:
+    """The cores this process may run on (its affinity mask where the OS has one)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+def local_ranks() -> int:
+    """How many ranks of this job share this machine, from the launcher (1 without one)."""
+    for name in ("MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE"):
+        if name in os.environ:
+            return int(os.environ[name])
+    return 1
+
+
 def main(argv: list[str]) -> int:
     if argv:
         from minidp.log import die

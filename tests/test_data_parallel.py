@@ -2,6 +2,8 @@
 losses and parameters (float64: 1e-10 relative), and every rank holds identical parameters.
 """
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
@@ -10,8 +12,9 @@ from minidp.autograd import Tensor
 from minidp.config import TrainConfig
 from minidp.data import DistributedSampler
 from minidp.nn import Module, Parameter
-from minidp.parallel import DistributedDataParallel, ModelMismatch
-from minidp.train import Task, max_param_difference, train_step
+from minidp.parallel import DataParallel, DistributedDataParallel, ModelMismatch
+from minidp.parallel.strategy import replica_spread
+from minidp.tasks import Task
 
 STEPS = 3
 TINY = dict(n_layer=1, n_embd=16, n_head=2, block_size=8, hidden=16, seed=3)
@@ -38,22 +41,31 @@ def reference(config, opt_name):
     return losses, [p.data.copy() for p in task.model.parameters()]
 
 
+def max_param_difference(model, group):
+    return replica_spread([p.data for p in model.parameters()], group)
+
+
 def data_parallel(config, opt_name, group, overlap=True, grad_accum=1, algo="auto"):
+    """Train STEPS steps with the "dp" strategy, as the training loop drives it."""
     task = Task(config, np.dtype(config.dtype))
     # a tiny bucket cap: several buckets, so overlap really launches them during backward
-    ddp = DistributedDataParallel(
-        task.model, group, bucket_cap_mb=0.002, algo=algo, overlap=overlap
+    config = replace(
+        config,
+        bucket_mb=0.002,
+        allreduce=algo,
+        overlap="on" if overlap else "off",
+        grad_accum=grad_accum,
+        grad_clip=0.0,
     )
-    opt = make_optimizer(opt_name, ddp.parameters())
+    opt = make_optimizer(opt_name, task.model.parameters())
+    strategy = DataParallel(task, config, group, optimizer=opt)
+    ddp = strategy.ddp
     sampler = DistributedSampler(
-        task.num_examples, config.batch_size, group.rank, group.size, seed=config.seed
+        task.num_examples, config.batch_size, *strategy.data_shard, seed=config.seed
     )
-    losses = [
-        train_step(ddp, task, opt, sampler.local_indices(s), config.batch_size, grad_accum)[0]
-        for s in range(STEPS)
-    ]
-    assert max_param_difference(task.model, group) == 0.0, "ranks' parameters differ"
-    ddp.close()
+    losses = [strategy.step(sampler.local_indices(s), opt.lr).loss for s in range(STEPS)]
+    assert strategy.max_param_diff() == 0.0, "ranks' parameters differ"
+    strategy.close()
     assert ddp.comm_group.broken == "freed", "close() must free the thread's communicator"
     ddp.close()  # twice is harmless
     return losses, [p.data.copy() for p in task.model.parameters()], len(ddp.buckets)

@@ -8,26 +8,27 @@ and the ranks average their gradients before each optimizer step (PyTorch DDP, H
     ddp.finish_gradient_sync()           # wait for the last bucket; grads are now averaged
     opt.step()
 
-Buckets. Gradients live in a few flat, contiguous buckets, filled in *reverse* parameter
-order (the order backward produces them); each `p.grad` is a view into its bucket, so a
-bucket is allreduced in place with no packing copy. One large message per bucket instead of
-one per parameter pays the α (latency) term once per bucket.
+Buckets (buckets.py). Gradients live in a few flat, contiguous buckets, filled in *reverse*
+parameter order (the order backward produces them); each `p.grad` is a view into its
+bucket, so a bucket is reduced in place with no packing copy, one message per bucket:
 
     params   W0 b0 W1 b1 W2 b2            (forward order)
     buckets  [b2 W2 b1] [W1 b0] [W0]      (reverse order, each up to bucket_cap_mb)
 
-Overlap. Without it (`overlap=False`), every bucket is reduced after backward, in
-`finish_gradient_sync`: all communication is exposed. With it, each parameter's grad-ready
-hook (autograd.py) counts down its bucket; the hook that completes a bucket hands it to a
-**communication thread**, which runs the bucket's allreduce on its own duplicated group
-while the main thread goes on with backward. We chose a thread
-over non-blocking point-to-point advanced between backward ops because the collectives in
-minidp.comm are ordinary blocking code a reader can follow; NumPy's BLAS and MPI's blocking
-calls release the GIL, so the thread's messages really do proceed beside the matmuls of the
-rest of backward (both threads still take turns holding the GIL for their Python code, so
-while a thread runs we shorten Python's switch interval from 5 ms to 0.2 ms). On a machine
-with no spare core, communication is CPU work too (copies, reductions): overlap then hides
-waiting, not work. Buckets are launched in index order (the order backward normally
+The communication hook. Each bucket is reduced by `hook(bucket, group)`, by default an
+allreduce(sum) with `algo` (comm_thread.allreduce_hook); `register_comm_hook` swaps in
+another (gradient compression), as PyTorch DDP's `register_comm_hook` does.
+
+Overlap. Without it, every bucket is reduced after backward, in `finish_gradient_sync`: all
+communication is exposed. With it, each parameter's grad-ready hook (autograd.py) counts
+down its bucket; the hook that completes a bucket hands it to a **communication thread**
+(comm_thread.py, which says why a thread), which reduces it on its own duplicated group
+while the main thread goes on with backward. Communication is CPU work too (copies,
+reductions, polling): on a machine with no spare core the thread takes the core from
+backward, and overlap costs more than it hides (measured: 0.72 weak-scaling efficiency with
+it, 0.90 without, 2 ranks on 2 cores). So `overlap="auto"`, the default, turns it on only
+when every rank of the machine has a core to spare (`overlap_helps`); True or False force
+it. Buckets are launched in index order (the order backward normally
 completes them), each once every bucket before it has gone, as PyTorch's reducer does: so
 all ranks run the same collectives in the same order, even when a parameter gets no gradient
 on some rank (its bucket then goes at `finish_gradient_sync`, carrying zeros for it).
@@ -40,52 +41,22 @@ buckets and the next synchronized backward reduces the total.
 """
 
 import contextlib
-import queue
-import sys
-import threading
 import time
+import weakref
 import zlib
 
 import numpy as np
 
 from minidp import comm
+from minidp.info import cores, local_ranks
 from minidp.nn import Module
+from minidp.parallel.buckets import Bucket, assign_buckets
+from minidp.parallel.comm_thread import CommThread, Reducer, allreduce_hook
 from minidp.trace import Timeline
-
-SWITCH_INTERVAL_S = 2e-4  # how often the GIL changes hands while a comm thread runs
-_threads = {"running": 0, "saved_interval": 0.0}  # comm threads alive in this process
 
 
 class ModelMismatch(RuntimeError):
     """The ranks do not hold the same model (names, shapes or parameter count)."""
-
-
-class Bucket:
-    """A flat gradient buffer and the parameters whose .grad are views into it."""
-
-    def __init__(self, index: int, params: list, dtype):
-        self.index = index
-        self.params = params
-        self.data = np.zeros(sum(p.size for p in params), dtype=dtype)
-        self.views = []
-        offset = 0
-        for p in params:
-            self.views.append(self.data[offset : offset + p.size].reshape(p.shape))
-            offset += p.size
-        self.pending = len(params)
-
-    def attach(self) -> None:
-        """Point every parameter's .grad at its slot in this bucket (zero_grad's half)."""
-        for p, view in zip(self.params, self.views):
-            p.grad = view
-
-    def collect(self) -> None:
-        """Before the allreduce: a .grad made elsewhere (after an optimizer's set-to-None
-        zero_grad, or assigned by hand) is copied into its slot; no .grad at all is zeros."""
-        for p, view in zip(self.params, self.views):
-            if p.grad is not view:
-                view[...] = 0 if p.grad is None else p.grad
-                p.grad = view
 
 
 def describe_model(model: Module) -> list[str]:
@@ -116,8 +87,37 @@ def check_same_model(model: Module, group: comm.Group) -> None:
     )
 
 
+def overlap_helps(group_size: int) -> tuple[bool, str]:
+    """What overlap="auto" means here: (on?, why), from the cores and the ranks per machine.
+
+    The communication thread needs a core of its own to hide anything: with none to spare it
+    takes the core from backward (see the module docstring for the measurement)."""
+    if group_size == 1:
+        return False, "auto: one rank, nothing to communicate"
+    n_cores, ranks = cores(), local_ranks()
+    if n_cores >= 2 * ranks:
+        return True, f"auto: {ranks} ranks on {n_cores} cores leave a core per rank to spare"
+    return False, f"auto: {ranks} ranks on {n_cores} cores leave no core to spare"
+
+
+def _weak_hook(method):
+    """A grad-ready hook that does not keep its DDP alive (the model outlives the wrapper)."""
+    ref = weakref.WeakMethod(method)
+
+    def hook(p):
+        bound = ref()
+        if bound is not None:
+            bound(p)
+
+    return hook
+
+
 class DistributedDataParallel:
-    """Wrap `model` for data-parallel training over `group` (default: the world)."""
+    """Wrap `model` for data-parallel training over `group` (default: the world).
+
+    `overlap`: "auto" (on when every rank has a spare core, see `overlap_helps`), True or
+    False; `ddp.overlap` says what was chosen and `ddp.overlap_reason` why. Use it as a
+    context manager, or call `close()`, to stop its communication thread."""
 
     def __init__(
         self,
@@ -125,62 +125,73 @@ class DistributedDataParallel:
         group: comm.Group | None = None,
         bucket_cap_mb: float = 0.25,
         algo: str = "auto",
-        overlap: bool = True,
+        overlap: bool | str = "auto",
         timeline: Timeline | None = None,
     ):
-        if bucket_cap_mb <= 0:
+        if not bucket_cap_mb > 0:
             raise ValueError(f"bucket_cap_mb must be positive, got {bucket_cap_mb}")
+        if overlap not in (True, False, "auto"):
+            raise ValueError(f"overlap must be True, False or 'auto', got {overlap!r}")
         self.model = model
         self.group = group or comm.world()
-        self.algo, self.overlap = algo, overlap
-        self.timeline = timeline or Timeline(enabled=False)
+        self.algo = algo
         if algo != "auto" and algo not in comm.ALLREDUCE:  # a local check, before any message
             raise ValueError(
                 f"unknown allreduce algo {algo!r}; choose from auto, {', '.join(comm.ALLREDUCE)}"
             )
+        if overlap == "auto":
+            self.overlap, self.overlap_reason = overlap_helps(self.group.size)
+        else:
+            self.overlap, self.overlap_reason = overlap, "forced"
         check_same_model(model, self.group)
         for p in model.parameters():  # every rank starts from rank 0's weights
             comm.broadcast(p.data, root=0, group=self.group)
 
-        params = model.parameters()[::-1]
-        cap = max(1, int(bucket_cap_mb * 2**20))
-        groups: list[list] = [[]]
-        for p in params:
-            if groups[-1] and sum(q.data.nbytes for q in groups[-1]) + p.data.nbytes > cap:
-                groups.append([])
-            groups[-1].append(p)
-        self.buckets = [Bucket(i, ps, params[0].dtype) for i, ps in enumerate(groups)]
+        params = model.parameters()[::-1]  # the order backward produces their gradients
+        self.buckets = assign_buckets(params, max(1, int(bucket_cap_mb * 2**20)))
         self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
-        self._unhook = [p.register_grad_ready_hook(self._grad_ready) for p in params]
+        hook = _weak_hook(self._grad_ready)
+        self._unhook = [p.register_grad_ready_hook(hook) for p in params]
 
         self.share = 1.0 / self.group.size  # n_r / B: this rank's weight in the global mean
         self.sync_enabled = True
-        self.comm_group = self.group.dup()  # the communication thread's own communicator
-        # it waits by napping, not spinning: the compute thread beside it keeps the core
-        self.comm_group.patient = overlap
-        self.comm_seconds = 0.0  # time spent inside allreduce, in total (read differences)
+        self.comm_group = self.group.dup()  # communication's own communicator
+        # with overlap it waits by napping, not spinning: the compute thread keeps the core
+        self.comm_group.patient = self.overlap
+        self.reducer = Reducer(allreduce_hook(algo), self.comm_group, timeline or Timeline(False))
         self.exposed_seconds = 0.0  # time the main thread waited for communication, in total
-        self._work: queue.Queue = queue.Queue()
-        self._done: queue.Queue = queue.Queue()
         self._next = 0  # index of the next bucket to launch
-        self._thread = None
-        if overlap:
-            # Two threads share the GIL; by default one may wait 5 ms for the other to let go
-            # of it, a convoy that cost 10% of a step here. Hand it over every 0.2 ms instead,
-            # while any communication thread runs (the last one to stop restores it).
-            if _threads["running"] == 0:
-                _threads["saved_interval"] = sys.getswitchinterval()
-                sys.setswitchinterval(min(_threads["saved_interval"], SWITCH_INTERVAL_S))
-            _threads["running"] += 1
-            self._thread = threading.Thread(target=self._serve, daemon=True, name="minidp-comm")
-            self._thread.start()
+        self._thread = CommThread(self.reducer) if self.overlap else None
+        # a DDP dropped without close() must not leave its thread (and GIL setting) behind
+        self._stop_thread = weakref.finalize(self, _stop, self._thread)
         self.zero_grad()
 
     def __call__(self, *args, **kwargs):
         return self.model(*args, **kwargs)
 
+    def __enter__(self) -> "DistributedDataParallel":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     def parameters(self):
         return self.model.parameters()
+
+    def register_comm_hook(self, hook) -> None:
+        """Reduce each bucket with `hook(bucket, group)` instead of the allreduce: it must
+        leave in bucket.data the sum over the group of every rank's (weighted) bucket."""
+        self.reducer.hook = hook
+
+    @property
+    def comm_seconds(self) -> float:
+        """Time spent reducing buckets, in total (read differences)."""
+        return self.reducer.seconds
+
+    @property
+    def buckets_launched(self) -> int:
+        """How many buckets this backward has handed to communication so far."""
+        return self._next
 
     # ---- the step's bookkeeping ----------------------------------------------------------
     def set_batch_share(self, local_examples: int, global_examples: int) -> None:
@@ -216,7 +227,7 @@ class DistributedDataParallel:
         self._bucket_of[id(p)].pending -= 1
         if self.sync_enabled and self.overlap:
             # In index order, as PyTorch's reducer does: a complete bucket waits for those
-            # before it, so every rank runs the same allreduces in the same order, even when
+            # before it, so every rank runs the same reductions in the same order, even when
             # some parameter gets no gradient on some rank (its bucket goes at the finish).
             while self._next < len(self.buckets) and self.buckets[self._next].pending == 0:
                 self._launch(self.buckets[self._next])
@@ -224,38 +235,10 @@ class DistributedDataParallel:
     def _launch(self, bucket: Bucket) -> None:
         bucket.collect()
         self._next += 1
-        if self.overlap:
-            self._work.put(bucket)
+        if self._thread is not None:
+            self._thread.submit(bucket, self.share)
         else:
-            self._allreduce(bucket)
-
-    def _allreduce(self, bucket: Bucket) -> None:
-        start = time.perf_counter()
-        bucket.data *= bucket.data.dtype.type(self.share)
-        comm.allreduce(
-            bucket.data, op="sum", algo=self.algo, group=self.comm_group, out=bucket.data
-        )
-        end = time.perf_counter()
-        self.comm_seconds += end - start
-        self.timeline.add(
-            f"allreduce bucket {bucket.index}",
-            "communication",
-            start,
-            end,
-            bytes=bucket.data.nbytes,
-            algo=self.algo,
-        )
-
-    def _serve(self) -> None:
-        while True:
-            bucket = self._work.get()
-            if bucket is None:
-                return
-            try:
-                self._allreduce(bucket)
-                self._done.put(None)
-            except BaseException as error:  # hand it to the main thread
-                self._done.put(error)
+            self.reducer(bucket, self.share)
 
     def finish_gradient_sync(self) -> None:
         """After backward: launch any bucket not yet launched, wait for all of them."""
@@ -264,29 +247,17 @@ class DistributedDataParallel:
         start = time.perf_counter()
         while self._next < len(self.buckets):  # the rest (all of them without overlap)
             self._launch(self.buckets[self._next])
-        if self.overlap:
-            errors = [self._done.get() for _ in self.buckets]
-            if any(errors):
-                raise next(e for e in errors if e)
+        if self._thread is not None:
+            self._thread.wait(len(self.buckets))
         self.exposed_seconds += time.perf_counter() - start
         self._rearm()
 
     def close(self) -> None:
         """Stop the communication thread, free its communicator, unhook the model.
 
-        The model can be wrapped again afterwards; `comm_group.counters` stay readable.
-        """
-        stuck = False
-        if self._thread is not None:
-            self._work.put(None)
-            # bounded: after an error elsewhere the thread may wait on a peer that never comes,
-            # and the error must still reach MPI_Abort (cli.py) rather than hang here
-            self._thread.join(timeout=10.0)
-            stuck = self._thread.is_alive()
-            self._thread = None
-            _threads["running"] -= 1
-            if _threads["running"] == 0:
-                sys.setswitchinterval(_threads["saved_interval"])
+        The model can be wrapped again afterwards; `comm_group.counters` stay readable."""
+        stuck = self._stop_thread()  # runs once: later calls return None
+        self._thread = None
         if not stuck and not self.comm_group.broken:
             # MPI_Comm_free completes locally in MPICH and Open MPI: safe on an error path too.
             # A group a collective error broke, or a thread still inside one, keeps its own.
@@ -294,3 +265,8 @@ class DistributedDataParallel:
         for unhook in self._unhook:
             unhook()
         self._unhook = []
+
+
+def _stop(thread: CommThread | None) -> bool:
+    """Stop the communication thread, if any; True if it is still stuck."""
+    return thread is not None and thread.stop()

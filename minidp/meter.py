@@ -1,0 +1,58 @@
+"""StepMeter: the training loop's logging window, as a small object of its own.
+
+Between two log lines the loop runs a few steps. The meter remembers where every running
+total stood at the last line (the clock, communication seconds, exposed seconds, bytes
+sent), so that each line reports its own window only:
+
+    meter = StepMeter(strategy)       # the totals as they stand before the first step
+    for step in ...:
+        ...; meter.count()            # one more step in the open window
+        if it is time to log:
+            w = meter.window()        # w.steps, w.seconds, w.comm_s, w.exposed_s, w.bytes_sent
+    meter.total()                     # the same sums over the whole run
+"""
+
+import time
+from typing import NamedTuple
+
+
+class Totals(NamedTuple):
+    seconds: float  # the wall clock (perf_counter)
+    comm_s: float  # time communicating
+    exposed_s: float  # the part of it that nothing hid
+    bytes_sent: int  # data bytes this rank sent, over every axis
+
+
+class Window(NamedTuple):
+    steps: int
+    seconds: float
+    comm_s: float
+    exposed_s: float
+    bytes_sent: int
+
+
+class StepMeter:
+    def __init__(self, strategy):
+        self.strategy = strategy
+        self.start = self.last = self.totals()
+        self.steps = self.all_steps = 0
+
+    def totals(self) -> Totals:
+        s = self.strategy
+        by_axis = s.bytes_sent_by_axis()
+        return Totals(time.perf_counter(), s.comm_seconds, s.exposed_seconds, sum(by_axis.values()))
+
+    def count(self) -> None:
+        self.steps += 1
+        self.all_steps += 1
+
+    def window(self) -> Window:
+        """The steps since the last window (or the start); the next window opens now."""
+        now = self.totals()
+        window = Window(self.steps, *(b - a for a, b in zip(self.last, now)))
+        self.last, self.steps = now, 0
+        return window
+
+    def total(self) -> Window:
+        """Every step since the meter was made."""
+        return Window(self.all_steps, *(b - a for a, b in zip(self.start, self.totals())))

@@ -1,0 +1,129 @@
+"""The communication thread: reduces buckets beside backward, on a group of its own.
+
+    main thread (backward)            communication thread
+    ─ grad of W2, b2, b1 ready ──┐
+                                 └──► work queue ──► hook(bucket 0, group) ──► done queue
+    ─ grad of W1, b0 ready ──────┐                                               │
+                                 └──► work queue ──► hook(bucket 1, group) ──► done queue
+    ─ finish: wait for every "done" ◄────────────────────────────────────────────┘
+
+Why a thread, and not non-blocking messages advanced between backward ops: the collectives
+in minidp.comm are ordinary blocking code a reader can follow, and NumPy's BLAS and MPI's
+blocking calls release the GIL, so the thread's messages really do proceed beside the
+matmuls of the rest of backward. Both threads still take turns holding the GIL for their
+Python code; by default one may wait 5 ms for the other to let go of it, a convoy that cost
+10% of a step here, so while any communication thread runs, Python's switch interval is
+0.2 ms (`quick_gil_handover`, restored when the last such thread ends).
+
+Nothing here refers back to the DistributedDataParallel that started the thread: the thread
+holds only its queues and a `Reducer`, so a DDP that is dropped without `close()` is still
+collected, and its finalizer stops the thread (and with it the short switch interval).
+"""
+
+import contextlib
+import queue
+import sys
+import threading
+import time
+
+from minidp import comm
+from minidp.parallel.buckets import Bucket
+from minidp.trace import Timeline
+
+SWITCH_INTERVAL_S = 2e-4  # how often the GIL changes hands while a comm thread runs
+_handover = {"threads": 0, "saved": 0.0}  # how many threads hold the short interval now
+_handover_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def quick_gil_handover():
+    """Shorten sys.setswitchinterval while the block runs; the last block out restores it."""
+    with _handover_lock:
+        if _handover["threads"] == 0:
+            _handover["saved"] = sys.getswitchinterval()
+            sys.setswitchinterval(min(_handover["saved"], SWITCH_INTERVAL_S))
+        _handover["threads"] += 1
+    try:
+        yield
+    finally:
+        with _handover_lock:
+            _handover["threads"] -= 1
+            if _handover["threads"] == 0:
+                sys.setswitchinterval(_handover["saved"])
+
+
+def allreduce_hook(algo: str = "auto"):
+    """The default communication hook: sum the bucket over the group, in place, with `algo`.
+
+    A hook is any callable `hook(bucket, group)` that leaves in `bucket.data` the sum over
+    the group's ranks of what each put there (their gradients, already weighted by n_r / B);
+    gradient compression plugs in here (as PyTorch DDP's `register_comm_hook`)."""
+
+    def allreduce_bucket(bucket: Bucket, group: comm.Group) -> None:
+        comm.allreduce(bucket.data, op="sum", algo=algo, group=group, out=bucket.data)
+
+    allreduce_bucket.algo = algo
+    return allreduce_bucket
+
+
+class Reducer:
+    """Reduces one bucket with the hook on `group`, and keeps the time it took."""
+
+    def __init__(self, hook, group: comm.Group, timeline: Timeline):
+        self.hook, self.group, self.timeline = hook, group, timeline
+        self.seconds = 0.0  # time inside the hook, in total (read differences)
+
+    def __call__(self, bucket: Bucket, share: float) -> None:
+        start = time.perf_counter()
+        bucket.data *= bucket.data.dtype.type(share)  # n_r / B: see data_parallel.py
+        self.hook(bucket, self.group)
+        end = time.perf_counter()
+        self.seconds += end - start
+        self.timeline.add(
+            f"allreduce bucket {bucket.index}",
+            "communication",
+            start,
+            end,
+            bytes=bucket.data.nbytes,
+            algo=getattr(self.hook, "algo", type(self.hook).__name__),
+        )
+
+
+class CommThread:
+    """A thread that runs `reducer(bucket, share)` for each submitted bucket, in order."""
+
+    def __init__(self, reducer: Reducer):
+        self._work: queue.Queue = queue.Queue()
+        self._done: queue.Queue = queue.Queue()
+        self._thread = threading.Thread(
+            target=_serve, args=(reducer, self._work, self._done), daemon=True, name="minidp-comm"
+        )
+        self._thread.start()
+
+    def submit(self, bucket: Bucket, share: float) -> None:
+        self._work.put((bucket, share))
+
+    def wait(self, count: int) -> None:
+        """Wait for `count` submitted buckets; re-raise the first error the thread hit."""
+        errors = [self._done.get() for _ in range(count)]
+        if any(errors):
+            raise next(e for e in errors if e)
+
+    def stop(self, timeout: float = 10.0) -> bool:
+        """Ask the thread to end and wait up to `timeout` s. True if it is still stuck (after
+        an error elsewhere it may wait on a peer that never comes: the error must still reach
+        MPI_Abort in cli.py rather than hang here)."""
+        if self._thread.is_alive():
+            self._work.put(None)
+            self._thread.join(timeout)
+        return self._thread.is_alive()
+
+
+def _serve(reducer: Reducer, work: queue.Queue, done: queue.Queue) -> None:
+    with quick_gil_handover():
+        while (item := work.get()) is not None:
+            try:
+                reducer(*item)
+                done.put(None)
+            except BaseException as error:  # hand it to the main thread
+                done.put(error)

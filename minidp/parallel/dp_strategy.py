@@ -1,0 +1,148 @@
+"""`--strategy dp`: data parallelism as the training loop drives it (strategy.py).
+
+Every rank holds the whole model and an AdamW of its own, and reads its slice of the global
+batch (its data-parallel coordinate is its rank). One step, on this rank's examples:
+
+    zero the buckets; weight = n_r / B
+    for each of the K micro-batches:           # all but the last under no_sync()
+        loss_k = mean loss of micro-batch k * (m_k / n_r)     # the K sum to the local mean
+        backward                                # buckets reduced as they fill (overlap)
+    finish the gradient sync                    # every rank now holds the mean gradient
+    global loss = allreduce(n_r / B * local loss)
+    clip by the global norm; AdamW              # skipped when the loss is not finite
+
+Replicas stay identical bit for bit, so the norm of the gradient and of the parameters are
+the same on every rank: each computes them alone, with nothing to gather.
+"""
+
+import contextlib
+
+import numpy as np
+
+from minidp import comm, optim
+from minidp.comm import chunk_range
+from minidp.config import BadConfig
+from minidp.memory import activation_bytes, nbytes, optimizer_bytes
+from minidp.parallel.data_parallel import DistributedDataParallel
+from minidp.parallel.strategy import (
+    StepResult,
+    Strategy,
+    bytes_sent,
+    clip_global_norm,
+    global_l2,
+    global_loss,
+    replica_spread,
+)
+
+OVERLAP = {"auto": "auto", "on": True, "off": False}  # --overlap -> DDP's overlap=
+
+
+class DataParallel(Strategy):
+    """DistributedDataParallel and an optimizer over `group`, with gradient accumulation.
+
+    The optimizer is AdamW with the config's weight decay unless `optimizer` is given."""
+
+    name = "dp"
+
+    def __init__(self, task, config, group: comm.Group, timeline=None, optimizer=None):
+        super().__init__(task, config, group, timeline)
+        B, K = config.batch_size, config.grad_accum
+        if B // group.size < K:  # found alike on every rank, before any message
+            raise BadConfig(
+                f"--batch-size {B} over {group.size} ranks leaves {B // group.size} examples "
+                f"per rank, fewer than --grad-accum {K} micro-batches"
+            )
+        self.ddp = DistributedDataParallel(
+            task.model,
+            group,
+            bucket_cap_mb=config.bucket_mb,
+            algo=config.allreduce,
+            overlap=OVERLAP[config.overlap],
+            timeline=self.timeline,
+        )
+        self.optimizer = optimizer or optim.AdamW(
+            task.model.parameters(), lr=config.lr, weight_decay=config.weight_decay
+        )
+        self.data_shard = (group.rank, group.size)
+        self.activations_peak = 0  # measured on the first step (every step is alike)
+        self._measure = True
+
+    def step(self, local: np.ndarray, lr: float) -> StepResult:
+        ddp, task, K, span = self.ddp, self.task, self.config.grad_accum, self.timeline.span
+        self.optimizer.lr = lr
+        ddp.zero_grad()
+        ddp.set_batch_share(len(local), self.config.batch_size)
+        local_loss = 0.0
+        for k in range(K):
+            lo, hi = chunk_range(len(local), K, k)
+            with ddp.no_sync() if k < K - 1 else contextlib.nullcontext():
+                with span("forward"):  # weight (m_k / n_r): the K losses sum to the local mean
+                    loss = task.loss(*task.batch(local[lo:hi])) * ((hi - lo) / len(local))
+                if self._measure:
+                    self.activations_peak = max(self.activations_peak, activation_bytes(loss))
+                with span("backward"):
+                    loss.backward()
+            local_loss += loss.item()
+        self._measure = False
+        with span("gradient sync wait"):
+            ddp.finish_gradient_sync()
+        step_loss = global_loss(local_loss, ddp.share, self.group)
+        if np.isfinite(step_loss):
+            with span("optimizer"):
+                if self.config.grad_clip:  # replicas: the local norm is the global one
+                    clip_global_norm(ddp.parameters(), self.config.grad_clip)
+                self.optimizer.step()
+        return StepResult(step_loss, local_loss)
+
+    # ---- what the loop reports -------------------------------------------------------------
+    def param_l2(self) -> float:
+        return global_l2([p.data for p in self.ddp.parameters()])
+
+    def max_param_diff(self) -> float:
+        return replica_spread([p.data for p in self.ddp.parameters()], self.group)
+
+    def bytes_sent_by_axis(self) -> dict[str, int]:
+        return {"dp": bytes_sent(self.ddp.comm_group, self.group)}
+
+    @property
+    def comm_seconds(self) -> float:
+        return self.ddp.comm_seconds
+
+    @property
+    def exposed_seconds(self) -> float:
+        return self.ddp.exposed_seconds
+
+    def memory_bytes(self) -> dict[str, int]:
+        return {
+            "parameters": nbytes(p.data for p in self.ddp.parameters()),
+            "gradients": nbytes(b.data for b in self.ddp.buckets),
+            "optimizer": optimizer_bytes(self.optimizer),
+            "activations_peak": self.activations_peak,
+            "buffers": self.group.scratch.nbytes + self.ddp.comm_group.scratch.nbytes,
+        }
+
+    def describe(self) -> str:
+        ddp, config = self.ddp, self.config
+        return (
+            f"allreduce {config.allreduce} | buckets {len(ddp.buckets)} of <= "
+            f"{config.bucket_mb} MiB | overlap {'on' if ddp.overlap else 'off'} "
+            f"({ddp.overlap_reason}) | grad accumulation {config.grad_accum}"
+        )
+
+    def record(self) -> dict:
+        return {
+            "allreduce": self.config.allreduce,
+            "overlap": self.ddp.overlap,
+            "buckets": len(self.ddp.buckets),
+        }
+
+    # ---- resuming -----------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        return {"model": self.task.model.state_dict(), "optimizer": self.optimizer.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.task.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+
+    def close(self) -> None:
+        self.ddp.close()

@@ -1,0 +1,150 @@
+"""The strategy protocol: what the one training loop (train.py) drives.
+
+A strategy is one way for the ranks of a group to share the work of training a model: data
+parallelism, a parameter server, tensor or pipeline parallelism, ZeRO, a hybrid. The loop
+knows nothing of how; it asks the strategy, for every step, to do the step:
+
+    strategy = STRATEGIES[config.strategy](task, config, group, timeline)
+    coordinate, count = strategy.data_shard       # which slice of the global batch is mine
+    sampler = DistributedSampler(task.num_examples, B, coordinate, count, seed)
+    for step in range(steps):
+        result = strategy.step(sampler.local_indices(step), lr)     # forward .. optimizer
+    strategy.param_l2(), strategy.max_param_diff()                  # collective, every rank
+    strategy.bytes_sent_by_axis(), strategy.memory_bytes()          # this rank's
+    state = strategy.state_dict(); strategy.load_state_dict(state)  # all that resumes it
+    strategy.close()
+
+What a strategy must say, and why the loop cannot work it out itself:
+- `data_shard`: (c, C), this rank reads slice c of C of the global batch (its coordinate
+  on the data-parallel axis), or None for a rank that reads no data (a parameter server).
+  Every rank that reads data gets the same examples whatever the layout, so every scheme can
+  be checked against one process.
+- `step(local, lr)`: one optimizer step on this rank's examples: forward, backward, the
+  communication the scheme needs, clipping with the global norm (each parameter shard
+  counted once, `clip_global_norm`), the optimizer. It returns the *global* batch's loss,
+  the same on every rank, and skips the update when that loss is not finite.
+- `param_l2()`: the L2 norm of all the model's parameters, gathered over shards;
+  `max_param_diff()`: the largest spread among ranks that hold the same parameters (0 when
+  replicas agree bit for bit).
+- `bytes_sent_by_axis()`: data bytes this rank sent per mesh axis ("dp", "tp", "pp"), and
+  `comm_seconds` / `exposed_seconds`: time communicating, and the part nothing hid.
+- `memory_bytes()`: this rank's bytes by category, counted from the arrays (memory.py).
+- `state_dict()` / `load_state_dict()`: everything training needs to resume (model,
+  optimizer, the scheme's own state), for this rank's shard.
+- `describe()` and `record()`: the scheme's own fields for the header and the final record.
+"""
+
+import math
+from typing import NamedTuple
+
+import numpy as np
+
+from minidp import comm, optim
+from minidp.trace import Timeline
+
+
+class StepResult(NamedTuple):
+    """What one step reports: the global batch's loss and this rank's own part of it."""
+
+    loss: float
+    local_loss: float
+
+
+class Strategy:
+    """The base class every strategy derives from; see the module docstring.
+
+    A subclass sets `name` and `data_shard` and implements the methods that raise here."""
+
+    name = ""  # the --strategy name
+    data_shard: tuple[int, int] | None = None
+    comm_seconds = 0.0  # totals since the strategy was built: the loop reads differences
+    exposed_seconds = 0.0
+
+    def __init__(self, task, config, group: comm.Group, timeline: Timeline | None = None):
+        self.task, self.config, self.group = task, config, group
+        self.timeline = timeline or Timeline(enabled=False)
+
+    def step(self, local: np.ndarray, lr: float) -> StepResult:
+        raise NotImplementedError
+
+    def param_l2(self) -> float:
+        raise NotImplementedError
+
+    def max_param_diff(self) -> float:
+        raise NotImplementedError
+
+    def bytes_sent_by_axis(self) -> dict[str, int]:
+        raise NotImplementedError
+
+    def memory_bytes(self) -> dict[str, int]:
+        raise NotImplementedError
+
+    def state_dict(self) -> dict:
+        raise NotImplementedError
+
+    def load_state_dict(self, state: dict) -> None:
+        raise NotImplementedError
+
+    def describe(self) -> str:
+        """The scheme's part of the second header line."""
+        return ""
+
+    def record(self) -> dict:
+        """The scheme's own fields of the final JSON record."""
+        return {}
+
+    def close(self) -> None:
+        """Stop threads and free communicators; the loop calls it whatever happens."""
+
+    def __enter__(self) -> "Strategy":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+# ---- pieces every strategy needs ----------------------------------------------------------
+def sum_of_squares(arrays) -> float:
+    """sum of x*x over the arrays, each in its own dtype, the total in float64."""
+    return sum(float(np.vdot(a, a)) for a in arrays if a is not None)
+
+
+def global_l2(arrays, shard_group: comm.Group | None = None) -> float:
+    """The L2 norm of `arrays`, this rank's shard, summed over `shard_group` (None: the
+    arrays are whole here). Each element must be held by exactly one rank of shard_group."""
+    total = sum_of_squares(arrays)
+    if shard_group is not None and shard_group.size > 1:
+        total = float(comm.allreduce(np.array([total]), group=shard_group)[0])
+    return math.sqrt(total)
+
+
+def clip_global_norm(params, max_norm: float, shard_group: comm.Group | None = None) -> float:
+    """Clip gradients by their global norm, each shard counted once (see global_l2)."""
+    params = list(params)
+    norm = global_l2([p.grad for p in params], shard_group)
+    return optim.clip_grad_norm(params, max_norm, total_norm=norm)
+
+
+def replica_spread(arrays, group: comm.Group) -> float:
+    """max over elements of (largest - smallest value across the group): 0.0 when in sync."""
+    if not arrays:
+        return 0.0
+    flat = np.concatenate([a.ravel() for a in arrays]).astype(np.float64)
+    high = comm.allreduce(flat, op="max", group=group)
+    low = comm.allreduce(flat, op="min", group=group)
+    return float((high - low).max())
+
+
+def bytes_sent(*groups: comm.Group) -> int:
+    """Data bytes this rank sent on the groups (not the fingerprints of the checks)."""
+    return sum(
+        c["bytes_sent"]
+        for group in groups
+        for name, c in group.counters.items()
+        if name != "checks"
+    )
+
+
+def global_loss(local_loss: float, share: float, group: comm.Group) -> float:
+    """The global batch's mean loss: the sum over ranks of (n_r / B) * this rank's mean."""
+    return float(comm.allreduce(np.array([local_loss * share]), group=group)[0])
