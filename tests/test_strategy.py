@@ -1,0 +1,194 @@
+"""The strategy protocol, as the training loop drives it, on its first implementation ("dp"):
+resuming from state_dict, the memory report, bytes by axis, the communication hook, the
+overlap default, the step meter, and who writes when train() runs on a sub-group."""
+
+import gc
+import json
+import sys
+import threading
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from minidp import comm, optim
+from minidp.cli import train_parser
+from minidp.config import TrainConfig
+from minidp.data import DistributedSampler
+from minidp.meter import StepMeter
+from minidp.parallel import STRATEGIES, DataParallel, DistributedDataParallel, Strategy
+from minidp.parallel import data_parallel as dp_module
+from minidp.parallel.comm_thread import allreduce_hook
+from minidp.tasks import Task
+from minidp.train import train
+
+TINY = dict(
+    model="mlp", n_layer=1, n_embd=16, n_head=2, block_size=8, hidden=16, seed=3,
+    batch_size=10, dtype="float64", bucket_mb=0.002, overlap="on", grad_accum=2,
+)  # fmt: skip
+
+
+def run(strategy: Strategy, steps: range) -> list[float]:
+    task, config = strategy.task, strategy.config
+    sampler = DistributedSampler(
+        task.num_examples, config.batch_size, *strategy.data_shard, seed=config.seed
+    )
+    return [strategy.step(sampler.local_indices(s), 1e-2).loss for s in steps]
+
+
+def params(strategy: Strategy) -> list[np.ndarray]:
+    return [p.data.copy() for p in strategy.task.model.parameters()]
+
+
+@pytest.mark.parallel(nprocs=[2])
+@pytest.mark.timeout(120)
+def test_state_dict_resumes_training_exactly():
+    config, group = TrainConfig(**TINY), comm.world()
+    with DataParallel(Task(config, np.float64), config, group) as straight:
+        want_losses, want = run(straight, range(4)), params(straight)
+    with DataParallel(Task(config, np.float64), config, group) as first:
+        losses = run(first, range(2))
+        state = first.state_dict()
+    other = Task(config, np.float64)
+    for p in other.model.parameters():  # everything must come from the state
+        p.data[...] = np.random.default_rng(7).standard_normal(p.shape)
+    with DataParallel(other, config, group) as second:
+        second.load_state_dict(state)
+        losses += run(second, range(2, 4))
+        got = params(second)
+    assert losses == want_losses
+    for a, b in zip(got, want, strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parallel(nprocs=[2])
+@pytest.mark.timeout(120)
+def test_memory_and_bytes_are_counted_from_the_arrays():
+    config, group = TrainConfig(**TINY), comm.world()
+    with DataParallel(Task(config, np.float64), config, group) as strategy:
+        before = strategy.bytes_sent_by_axis()["dp"]
+        run(strategy, range(1))
+        memory = strategy.memory_bytes()
+        model_bytes = sum(p.data.nbytes for p in strategy.task.model.parameters())
+        assert memory["parameters"] == model_bytes
+        assert memory["gradients"] == model_bytes  # the buckets hold one gradient each
+        adam_moments = sum(v.nbytes for s in strategy.optimizer.state for v in s.values())
+        assert memory["optimizer"] == adam_moments >= 2 * model_bytes
+        assert memory["activations_peak"] > 0
+        assert memory["buffers"] > 0  # the ring's scratch chunks
+        sent = strategy.bytes_sent_by_axis()["dp"] - before
+        counters = strategy.ddp.comm_group.counters["allreduce"]["bytes_sent"]
+        assert sent >= counters > 0
+        assert set(strategy.bytes_sent_by_axis()) == {"dp"}
+
+
+@pytest.mark.parallel(nprocs=[2])
+@pytest.mark.timeout(120)
+def test_a_communication_hook_reduces_every_bucket():
+    config, group = TrainConfig(**TINY), comm.world()
+    with DataParallel(Task(config, np.float64), config, group) as plain:
+        want = run(plain, range(2))
+    with DataParallel(Task(config, np.float64), config, group) as hooked:
+        calls = []
+        default = allreduce_hook("ring")
+
+        def hook(bucket, g):
+            calls.append(bucket.index)
+            default(bucket, g)
+
+        hooked.ddp.register_comm_hook(hook)
+        got = run(hooked, range(2))
+        n = len(hooked.ddp.buckets)
+    assert n > 1
+    assert calls == list(range(n)) * 2  # each bucket once a step (not per micro-batch), in order
+    np.testing.assert_allclose(got, want, rtol=1e-12)
+
+
+def test_a_dropped_ddp_stops_its_thread_and_restores_the_switch_interval():
+    task = Task(TrainConfig(**TINY), np.float64)
+    before = sys.getswitchinterval()
+    ddp = DistributedDataParallel(task.model, comm.world(), overlap=True)
+    assert sys.getswitchinterval() < before
+    del ddp  # never closed
+    gc.collect()
+    for thread in threading.enumerate():
+        if thread.name == "minidp-comm":
+            thread.join(5)
+    assert not [t for t in threading.enumerate() if t.name == "minidp-comm"]
+    assert sys.getswitchinterval() == before
+    with DistributedDataParallel(task.model, comm.world(), overlap=True) as ddp:
+        pass
+    assert ddp.comm_group.broken == "freed"  # the context manager closed it
+
+
+def test_overlap_auto_follows_the_cores(monkeypatch):
+    monkeypatch.setattr(dp_module, "cores", lambda: 2)
+    monkeypatch.setattr(dp_module, "local_ranks", lambda: 2)
+    on, why = dp_module.overlap_helps(2)
+    assert not on and "no core to spare" in why
+    monkeypatch.setattr(dp_module, "cores", lambda: 8)
+    assert dp_module.overlap_helps(2)[0]
+    assert not dp_module.overlap_helps(1)[0]  # one rank: nothing to overlap
+    task = Task(TrainConfig(**TINY), np.float64)
+    with DistributedDataParallel(task.model, comm.world(), overlap=False) as ddp:
+        assert not ddp.overlap and ddp.overlap_reason == "forced"
+
+
+def test_the_strategy_table_is_the_flag_choices():
+    action = next(a for a in train_parser()._actions if a.dest == "strategy")
+    assert tuple(action.choices) == tuple(STRATEGIES)
+    assert all(issubclass(c, Strategy) and c.name == n for n, c in STRATEGIES.items())
+
+
+class _Counting:
+    comm_seconds, exposed_seconds, sent = 0.0, 0.0, 0
+
+    def bytes_sent_by_axis(self):
+        return {"dp": self.sent, "tp": 2 * self.sent}
+
+
+def test_the_step_meter_reports_each_window_alone():
+    s = _Counting()
+    meter = StepMeter(s)
+    for _ in range(3):
+        s.comm_seconds += 1.0
+        s.exposed_seconds += 0.5
+        s.sent += 10
+        meter.count()
+    first = meter.window()
+    assert (first.steps, first.comm_s, first.exposed_s, first.bytes_sent) == (3, 3.0, 1.5, 90)
+    s.comm_seconds += 2.0
+    s.sent += 1
+    meter.count()
+    second = meter.window()
+    assert (second.steps, second.comm_s, second.exposed_s, second.bytes_sent) == (1, 2.0, 0, 3)
+    total = meter.total()
+    assert (total.steps, total.comm_s, total.bytes_sent) == (4, 5.0, 93)
+
+
+@pytest.mark.parallel(nprocs=[2])
+@pytest.mark.timeout(120)
+def test_on_a_sub_group_its_rank_0_writes_everything(tmp_path_factory, capsys):
+    world = comm.world()
+    path = str(tmp_path_factory.getbasetemp() / f"r{world.rank}.json")
+    group = world.split(0 if world.rank == 1 else None)  # world rank 1 trains alone
+    if group is not None:
+        config = replace(TrainConfig(**TINY), steps=2, log_every=1, json=path, overlap="auto")
+        train(config, group)
+    out = capsys.readouterr().out
+    if world.rank == 1:  # rank 0 of its group: it prints and writes the records
+        assert "minidp train" in out and "done: 2 steps" in out
+        records = [json.loads(line) for line in open(path)]
+        assert records[-1]["world_size"] == 1 and len(records) == 3
+    else:
+        assert out == ""
+    world.comm.Barrier()
+
+
+@pytest.mark.parallel(nprocs=[2])
+@pytest.mark.timeout(120)
+def test_adamw_is_the_default_optimizer_with_the_config_weight_decay():
+    config, group = TrainConfig(**TINY), comm.world()
+    with DataParallel(Task(config, np.float64), config, group) as strategy:
+        assert type(strategy.optimizer) is optim.AdamW
+        assert strategy.optimizer.hyper["weight_decay"] == config.weight_decay
