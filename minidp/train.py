@@ -21,7 +21,7 @@ import numpy as np
 
 from minidp import comm, data, nn, optim
 from minidp.autograd import Tensor, no_grad
-from minidp.comm.chunks import chunk_range
+from minidp.chunks import chunk_range
 from minidp.config import BadConfig, TrainConfig
 from minidp.info import blas_info, mpi_library
 from minidp.log import RankLog, print0
