@@ -104,11 +104,11 @@ rows = [
     for size in (64 << 10, 1 << 20, 8 << 20)
     for algo in ("ring", "recursive_doubling")
 ]
-print0(f"\n{'algo':>18} size  ours us   mpi us  busbw GB/s    mpi  ratio")
+print0(f"\n{'algo':>18} size  ours us   mpi us  busbw GB/s: ours   mpi  ratio")
 for r in rows:
     print0(
         f"{r['algo']:>18} {r['size']:>4} {r['time_us']:8.0f} {r['mpi_us']:8.0f} "
-        f"{r['busbw_gbs']:10.2f} {r['builtin_busbw_gbs']:6.2f} {r['ratio']:5.2f}"
+        f"{r['busbw_gbs']:17.2f} {r['builtin_busbw_gbs']:5.2f} {r['ratio']:6.2f}"
     )
 picks = ", ".join(f"{s}: {comm.choose('allreduce', s, p)}" for s in (4 << 10, 1 << 20, 64 << 20))
 print0(f"\nauto picks: {picks}")
