@@ -4,8 +4,12 @@
     x = minidp.Tensor([[1.0, 2.0]], requires_grad=True)
     (x * x).sum().backward()          # x.grad == 2 x
 
-Modules: autograd (Tensor, backward), ops (nonlinearities, losses), nn (layers up to GPT),
-optim, data, comm (hand-written collectives), parallel (the training strategies), train.
+Modules, bottom up: chunks (how a vector is cut into one piece per rank), autograd (Tensor,
+backward), ops (nonlinearities, losses), nn (layers up to GPT), optim, data, log (print0:
+printing from rank 0), config; then, on MPI: comm (hand-written collectives), trace (the
+Timeline of what each rank did), parallel (the training strategies), train. Everything below
+comm imports without MPI. Public: what these modules document, except names that start
+with "_" (minidp.comm's docstring says which of its modules are public).
 """
 
 from minidp import nn, ops, optim

@@ -16,22 +16,10 @@ import sys
 import types
 
 from minidp.config import BadConfig, TrainConfig, config_fields
-from minidp.log import die, print0, world_rank
+from minidp.log import die, print0
+from minidp.parser import Parser  # below cli.py: the benchmarks take it from there
 
 SUBCOMMANDS = ("train", "bench", "info")
-
-
-class Parser(argparse.ArgumentParser):
-    """argparse that exits with one line (`minidp: error: ...`) instead of usage + message,
-    printed once (rank 0); `prog` is "minidp train", "minidp bench dp", ... The benchmarks
-    use it too."""
-
-    def error(self, message):
-        raise die(f"{message} (see `python -m {self.prog} --help`)")
-
-    def print_help(self, file=None):  # --help under mpiexec: once, not once per rank
-        if world_rank() == 0:
-            super().print_help(file)
 
 
 def _field_type(annotation):
@@ -149,4 +137,4 @@ def abort_others() -> None:
         os._exit(1)  # Abort may return before the launcher kills us: print nothing more
 
 
-__all__ = ["main", "parse_train_args", "train_parser", "abort_others", "Parser"]
+__all__ = ["main", "parse_train_args", "train_parser", "abort_others"]

@@ -17,7 +17,7 @@ from functools import lru_cache
 
 import numpy as np
 
-from minidp.comm.chunks import chunk_range
+from minidp.chunks import chunk_range
 
 
 def classification(

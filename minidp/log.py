@@ -1,6 +1,17 @@
 """Printing in a many-process job: rank 0 talks to the terminal, every rank may keep a log.
 
-`print0` is the one way minidp prints progress, so lines never interleave across ranks.
+Public: `print0`, `die`, `RankLog` and `world_rank` (tutorials and benchmarks use them).
+
+Who prints how, so lines never interleave across ranks:
+- the library, the command line and the multi-rank tutorials (03-05) print progress with
+  `print0` only;
+- bad input is one line on stderr from rank 0, through `die`; per-rank detail goes to a
+  `RankLog` file, never to the terminal;
+- the single-process tutorials (01, 02) use plain `print`: there is only one rank;
+- the benchmarks print their tables with plain `print`, from rank 0 only (bench autograd
+  is serial: from its one process).
+One exception: `minidp info` warns on stderr from every rank when MPI sees a world of one
+under a launcher of many, since then every process is its own rank 0.
 """
 
 import os

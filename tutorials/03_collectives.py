@@ -81,7 +81,7 @@ for algo, busiest in (("naive", p - 1), ("tree", lg), ("recursive_doubling", lg)
     sent = comm.gather(np.array([mine["bytes_sent"], mine["messages_sent"]]), group=group)
     if rank == 0:
         in_n = ", ".join(f"{b / n:g}" for b in sent[:, 0])
-        print(f"  {algo:>18}: [{in_n}]   messages: {sent[:, 1].tolist()}", flush=True)
+        print0(f"  {algo:>18}: [{in_n}]   messages: {sent[:, 1].tolist()}")
         assert sent[:, 0].max() == busiest * n
 
 # %% [markdown]
@@ -98,9 +98,8 @@ for algo, busiest in (("naive", p - 1), ("tree", lg), ("recursive_doubling", lg)
 # walks the tree down (parents send), reduce walks it up (children send, parents add).
 
 # %%
-if rank == 0:
-    for v in range(1, p):
-        print(f"  rank {v} <- parent {v & (v - 1)}", flush=True)
+for v in range(1, p):
+    print0(f"  rank {v} <- parent {v & (v - 1)}")
 seen = np.zeros(4) if rank else np.array([3.0, 1.0, 4.0, 1.0])
 comm.broadcast(seen, root=0, algo="tree", group=group)
 assert seen.tolist() == [3.0, 1.0, 4.0, 1.0]

@@ -23,7 +23,6 @@
 import numpy as np
 
 from minidp import comm
-from minidp.bench._common import print_table
 from minidp.bench.collectives import measure
 from minidp.comm import p2p
 from minidp.log import print0
@@ -50,11 +49,11 @@ def chunk(c):
 
 def show(title, rows):
     rows = comm.gather(np.array(rows), group=group)  # rows[r][k] from rank r
-    if rank == 0:
-        print(f"\n{title}\n  step  " + "".join(f"{'rank ' + str(r):<20}" for r in range(p)))
+    if rank == 0:  # only the root holds the gathered rows
+        print0(f"\n{title}\n  step  " + "".join(f"{'rank ' + str(r):<20}" for r in range(p)))
         for k in range(p - 1):
             cells = (f"chunk {rows[r][k][0]} -> {rows[r][k][1]:0{p}b}  " for r in range(p))
-            print(f"  {k:>4}  " + "".join(f"{c:<20}" for c in cells), flush=True)
+            print0(f"  {k:>4}  " + "".join(f"{c:<20}" for c in cells))
 
 
 steps = []
@@ -105,22 +104,12 @@ rows = [
     for size in (64 << 10, 1 << 20, 8 << 20)
     for algo in ("ring", "recursive_doubling")
 ]
-if rank == 0:
-    print()
-    print_table(
-        rows,
-        [
-            ("algo", ""),
-            ("size", ""),
-            ("time_us", ".0f"),
-            ("mpi_us", ".0f"),
-            ("busbw_gbs", ".2f"),
-            ("builtin_busbw_gbs", ".2f"),
-            ("ratio", ".2f"),
-        ],
+print0(f"\n{'algo':>18} size  ours us   mpi us  busbw GB/s: ours   mpi  ratio")
+for r in rows:
+    print0(
+        f"{r['algo']:>18} {r['size']:>4} {r['time_us']:8.0f} {r['mpi_us']:8.0f} "
+        f"{r['busbw_gbs']:17.2f} {r['builtin_busbw_gbs']:5.2f} {r['ratio']:6.2f}"
     )
-    print(
-        "\nauto picks: "
-        + ", ".join(f"{s}: {comm.choose('allreduce', s, p)}" for s in (4 << 10, 1 << 20, 64 << 20))
-    )
+picks = ", ".join(f"{s}: {comm.choose('allreduce', s, p)}" for s in (4 << 10, 1 << 20, 64 << 20))
+print0(f"\nauto picks: {picks}")
 print0("\n04_ring_allreduce: all checks passed")

@@ -16,8 +16,9 @@ def median(values) -> float:
 
 
 def timed(call, mpi) -> tuple[float, int]:
-    """One timed call, as MEASURE.md says: Barrier, time, max over ranks. Returns (the
-    slowest rank's seconds, this rank's minor page faults during the call)."""
+    """One timed call: Barrier (all start together), time it, then the max over ranks (a
+    collective takes as long as its slowest rank). Returns (the slowest rank's seconds, this
+    rank's minor page faults during the call)."""
     from mpi4py import MPI  # here: the serial benchmarks never start MPI
 
     mpi.Barrier()

@@ -23,7 +23,7 @@ from minidp.bench._common import (
     torch_mlp_step,
     write_json,
 )
-from minidp.cli import Parser
+from minidp.parser import Parser
 
 SIZES = (784, 1024, 1024, 10)
 BATCH = 256

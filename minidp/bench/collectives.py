@@ -26,9 +26,9 @@ from mpi4py import MPI
 
 from minidp import comm
 from minidp.bench._common import environment, median, print_table, timed, write_json
-from minidp.cli import Parser
 from minidp.info import mpi_library
 from minidp.log import die
+from minidp.parser import Parser
 
 BUS_FACTOR = {
     "allreduce": lambda p: 2 * (p - 1) / p,
@@ -102,6 +102,10 @@ def contenders(op: str, algo: str, nbytes: int, dtype: np.dtype, group: comm.Gro
 def measure(
     op: str, algo: str, nbytes: int, dtype: np.dtype, group: comm.Group, warmup: int, iters: int
 ) -> dict:
+    """One row of the table: `op` by `algo` against MPI's own on nbytes of dtype, alternated
+    (warmup calls of each, then iters timed pairs); medians, busbw, ratio and page faults as
+    the module docstring defines them. Every rank of group calls it and gets the same row.
+    Public: tutorial 04 measures its ring with it."""
     ours, builtin = contenders(op, algo, nbytes, dtype, group)
     for _ in range(warmup):
         ours()
@@ -202,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     from threadpoolctl import threadpool_limits
 
-    threadpool_limits(1)  # one BLAS thread per rank (MEASURE.md); collectives use none
+    threadpool_limits(1)  # one BLAS thread per rank: ranks share the cores; collectives use none
     group = comm.Group(MPI.COMM_WORLD.Dup(), checks=False, timeout=None)
     dtype, sizes, plan = check_args(args)
     env = environment()

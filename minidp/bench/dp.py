@@ -29,9 +29,9 @@ from minidp.bench._common import (
     write_json,
 )
 from minidp.bench.autograd import BATCH, LR, SIZES, minidp_step  # its MLP, batch (per rank), lr
-from minidp.cli import Parser
 from minidp.log import die, print0
 from minidp.parallel import DistributedDataParallel
+from minidp.parser import Parser
 
 ALGOS = ("ring", "recursive_doubling", "rabenseifner", "tree", "mpi")
 

@@ -1,18 +1,32 @@
 """minidp.comm: collectives written by hand on MPI point-to-point messages.
 
-Read in this order: chunks.py (how a vector is cut), p2p.py (the only sends and receives),
-ring.py (Baidu's ring), recursive.py (butterflies), tree.py (binomial trees), naive.py,
-alltoall.py, barrier.py; then group.py, checks.py and buffers.py for what surrounds them,
-collectives.py / rooted.py for the public functions and their contract, and text.py for
-strings sent over them.
-
     from minidp import comm
     g = comm.world()
     total = comm.allreduce(x, op="sum", algo="ring", group=g)
+
+How a vector is cut into one chunk per rank is pure arithmetic, below this package:
+`minidp/chunks.py` (`chunk_bounds`, `chunk_range`, re-exported here). Read the package in
+this order, every module of it:
+
+  the messages      p2p.py (the only sends and receives), ops.py (the reduction operators,
+                    applied on the receiving side), errors.py (what a collective raises)
+  the algorithms    ring.py (Baidu's ring), recursive.py (butterflies: recursive doubling,
+                    halving, Rabenseifner), tree.py (binomial trees), naive.py (one rank
+                    talks to all: the baseline), alltoall.py, barrier.py (dissemination),
+                    builtin.py (MPI's own collectives, algo="mpi", for comparison)
+  around them       group.py (Group: the communicator, counters, deadline), buffers.py
+                    (scratch a Group reuses), checks.py (cross-rank fingerprints)
+  the public calls  auto.py (algo="auto" by size), args.py (local argument checks),
+                    collectives.py and rooted.py (the functions and their contract),
+                    text.py (strings over collectives)
+
+Public: the names in `__all__` below, and `minidp.comm.p2p` (`send`, `recv`, `sendrecv`,
+`isend`, `irecv`, `waitall`): the teaching layer the tutorials build collectives from.
+The other modules are the implementation; import them to read them, not to rely on them.
 """
 
+from minidp.chunks import chunk_bounds, chunk_range
 from minidp.comm.auto import choose
-from minidp.comm.chunks import chunk_bounds, chunk_range
 from minidp.comm.collectives import (
     ALLGATHER,
     ALLREDUCE,

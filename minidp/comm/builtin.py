@@ -10,7 +10,7 @@ does; otherwise it is reduced in float32 and rounded once).
 import numpy as np
 from mpi4py import MPI
 
-from minidp.comm.chunks import Bounds
+from minidp.chunks import Bounds
 from minidp.comm.p2p import waitall
 
 _OPS = {"sum": MPI.SUM, "avg": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN, "prod": MPI.PROD}

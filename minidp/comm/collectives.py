@@ -32,6 +32,7 @@ import functools
 
 import numpy as np
 
+from minidp.chunks import chunk_bounds
 from minidp.comm.alltoall import naive_alltoall, pairwise_alltoall
 from minidp.comm.args import flat, pick, result, same_memory, writable
 from minidp.comm.barrier import dissemination_barrier
@@ -42,7 +43,6 @@ from minidp.comm.builtin import (
     mpi_barrier,
     mpi_reduce_scatter,
 )
-from minidp.comm.chunks import chunk_bounds
 from minidp.comm.group import Group, world
 from minidp.comm.naive import naive_allgather, naive_allreduce, naive_reduce_scatter
 from minidp.comm.ops import check_op, finish

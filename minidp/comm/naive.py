@@ -17,7 +17,7 @@ fine for two or three ranks.
 
 import numpy as np
 
-from minidp.comm.chunks import Bounds
+from minidp.chunks import Bounds
 from minidp.comm.ops import combine
 from minidp.comm.p2p import irecv, isend, recv, send, waitall
 

@@ -33,7 +33,7 @@ one hands its data to the odd one above it and sits out, so p' "virtual" ranks r
 
 import numpy as np
 
-from minidp.comm.chunks import Bounds, chunk_bounds
+from minidp.chunks import Bounds, chunk_bounds
 from minidp.comm.ops import combine
 from minidp.comm.p2p import recv, send, sendrecv
 

@@ -22,9 +22,9 @@ the chunks gathered at the root: ~2nβ + nγ instead of lg(p)·n(β + γ)). "aut
 
 import numpy as np
 
+from minidp.chunks import chunk_bounds
 from minidp.comm.args import flat, pick, result, root_in, same_memory
 from minidp.comm.builtin import mpi_broadcast, mpi_gather, mpi_reduce, mpi_scatter
-from minidp.comm.chunks import chunk_bounds
 from minidp.comm.group import Group, world
 from minidp.comm.naive import linear_broadcast, linear_gather, linear_reduce, linear_scatter
 from minidp.comm.ops import check_op, finish

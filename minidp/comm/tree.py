@@ -23,7 +23,7 @@ root other than 0 rotate first.
 
 import numpy as np
 
-from minidp.comm.chunks import Bounds
+from minidp.chunks import Bounds
 from minidp.comm.ops import combine
 from minidp.comm.p2p import isend, recv, send, waitall
 

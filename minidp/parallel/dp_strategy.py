@@ -20,7 +20,7 @@ import contextlib
 import numpy as np
 
 from minidp import comm, optim
-from minidp.comm import chunk_range
+from minidp.chunks import chunk_range
 from minidp.config import BadConfig
 from minidp.memory import activation_bytes, nbytes, optimizer_bytes
 from minidp.parallel.data_parallel import DistributedDataParallel

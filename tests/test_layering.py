@@ -1,0 +1,172 @@
+"""Layering that reads bottom up: what imports without MPI, and who may import whom.
+
+    chunks  autograd  ops  nn  optim  data  log  config  parser     no MPI
+    comm  trace  parallel  train  cli  bench                        on MPI (mpi4py)
+
+Everything in the first row must import, and tutorials 01 and 02 must run, where mpi4py
+cannot load an MPI library. The tests block mpi4py in a fresh interpreter with a
+`sys.meta_path` finder that refuses it, so a new path from the first row to mpi4py fails
+here, not on a laptop without MPI.
+"""
+
+import ast
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).parent.parent
+NO_MPI_MODULES = (
+    "minidp",
+    "minidp.chunks",
+    "minidp.data",
+    "minidp.nn",
+    "minidp.optim",
+    "minidp.config",
+    "minidp.log",
+    "minidp.parser",
+)
+BLOCK_MPI4PY = """
+import sys
+assert "mpi4py" not in sys.modules, "mpi4py was imported before the block"
+
+class NoMPI:  # as if mpi4py could not load an MPI library
+    def find_spec(self, name, path=None, target=None):
+        if name == "mpi4py" or name.startswith("mpi4py."):
+            raise ImportError(f"{name} is blocked: this process has no MPI")
+        return None
+
+sys.meta_path.insert(0, NoMPI())
+"""
+
+
+def python(code: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    """Run code in a fresh interpreter at the repository root (so `minidp` is this tree)."""
+    return subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=timeout
+    )
+
+
+def imports(modules) -> str:
+    return "".join(f"import {m}\n" for m in modules)
+
+
+def test_the_block_refuses_mpi4py():
+    """Without this, the tests below could pass with mpi4py importable after all."""
+    result = python(BLOCK_MPI4PY + "import minidp.comm\n")
+    assert result.returncode != 0 and "mpi4py is blocked" in result.stderr
+
+
+def test_lower_modules_import_without_mpi():
+    result = python(BLOCK_MPI4PY + imports(NO_MPI_MODULES))
+    assert result.returncode == 0, result.stderr
+
+
+def test_lower_modules_do_not_import_mpi4py():
+    code = imports(NO_MPI_MODULES) + 'import sys\nassert "mpi4py" not in sys.modules\n'
+    result = python(code)
+    assert result.returncode == 0, result.stderr
+
+
+def test_tutorial_01_runs_without_mpi():
+    code = f"import runpy\nrunpy.run_path({'tutorials/01_autograd.py'!r}, run_name='__main__')\n"
+    result = python(BLOCK_MPI4PY + code)
+    assert result.returncode == 0, result.stderr
+
+
+def import_lines(path: Path) -> str:
+    """The import statements of a script, in order, as source."""
+    tree = ast.parse(path.read_text())
+    nodes = [n for n in ast.walk(tree) if isinstance(n, ast.Import | ast.ImportFrom)]
+    return "".join(ast.unparse(n) + "\n" for n in nodes)
+
+
+# Tutorial 02 in short: its own imports, then each library call it makes, a step or two each
+# (the whole tutorial trains for ~15 s of CPU; test_tutorials.py runs it in full).
+TUTORIAL_02_SHORT = """
+x, y, _, _ = data.classification(n=256, seed=0)
+model = nn.MLP([32, 16, 10], rng=np.random.default_rng(0))
+opt = optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+idx = data.DistributedSampler(len(x), global_batch=64, seed=0).local_indices(0)
+loss = cross_entropy(model(Tensor(x[idx])), y[idx])
+opt.zero_grad()
+loss.backward()
+opt.step()
+with no_grad():
+    model(Tensor(x))
+train_ids, _, tok = data.char_corpus()
+cfg = nn.GPTConfig(vocab_size=tok.vocab_size, block_size=8, n_layer=1, n_head=2, n_embd=16)
+gpt = nn.GPT(cfg, seed=0)
+opt = optim.AdamW(gpt.parameters(), lr=3e-3)
+sampler = data.DistributedSampler(len(train_ids) - cfg.block_size, global_batch=4, seed=0)
+for step in range(2):
+    opt.lr = optim.warmup_cosine(step, 3e-3, warmup=1, total=2)
+    xb, yb = data.lm_batch(train_ids, sampler.local_indices(step), cfg.block_size)
+    loss = cross_entropy(gpt(xb), yb)
+    opt.zero_grad()
+    loss.backward()
+    optim.clip_grad_norm(gpt.parameters(), 1.0)
+    opt.step()
+tok.decode(gpt.generate(np.array([tok.encode("\\n")]), 4, rng=np.random.default_rng(0))[0])
+"""
+
+
+def test_tutorial_02_runs_without_mpi_in_short():
+    code = import_lines(ROOT / "tutorials" / "02_training.py") + TUTORIAL_02_SHORT
+    result = python(BLOCK_MPI4PY + code)
+    assert result.returncode == 0, result.stderr
+
+
+def test_chunks_stay_reexported_by_comm():
+    from minidp import chunks, comm
+
+    assert comm.chunk_bounds is chunks.chunk_bounds and comm.chunk_range is chunks.chunk_range
+
+
+def test_benchmarks_do_not_import_the_command_line():
+    """A benchmark takes its Parser from minidp.parser, below cli.py (and the trainer)."""
+    names = sorted(p.stem for p in (ROOT / "minidp" / "bench").glob("[!_]*.py"))
+    code = imports(f"minidp.bench.{n}" for n in names) + (
+        'import sys\nassert "minidp.cli" not in sys.modules, "a benchmark imports minidp.cli"\n'
+    )
+    result = python(code)
+    assert result.returncode == 0, result.stderr
+
+
+# ---- what the tutorials and docstrings promise ---------------------------------------------
+
+TUTORIALS = sorted((ROOT / "tutorials").glob("[0-9][0-9]_*.py"))
+
+
+@pytest.mark.parametrize("path", TUTORIALS, ids=[p.stem for p in TUTORIALS])
+def test_tutorials_import_only_public_names(path):
+    """No module or name with a leading underscore: what a tutorial shows, a reader may use."""
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            dotted = [*node.module.split("."), *(a.name for a in node.names)]
+        elif isinstance(node, ast.Import):
+            dotted = [part for a in node.names for part in a.name.split(".")]
+        else:
+            continue
+        private = [part for part in dotted if part.startswith("_")]
+        assert not private, f"{path.name} line {node.lineno} imports private {private}"
+
+
+def test_comm_reading_order_names_every_module():
+    import minidp.comm
+
+    modules = sorted(p.name for p in (ROOT / "minidp" / "comm").glob("[!_]*.py"))
+    missing = [m for m in modules if m not in minidp.comm.__doc__]
+    assert not missing, f"minidp.comm's reading order skips {missing}"
+
+
+def test_docs_point_only_at_markdown_files_in_the_repository():
+    """A docstring that says "see X.md" must name a file a reader of the repository has."""
+    sources = [ROOT / "README.md", *ROOT.glob("minidp/**/*.py"), *ROOT.glob("tutorials/*.py")]
+    sources += [p for p in ROOT.glob("tests/*.py") if p.name != Path(__file__).name]
+    have = {p.name for p in ROOT.rglob("*.md") if ".venv" not in p.parts}
+    for path in sources:
+        for name in re.findall(r"[\w.-]+\.md\b", path.read_text()):
+            assert name in have, f"{path.relative_to(ROOT)} points at {name}, not in the repo"
