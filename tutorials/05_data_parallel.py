@@ -127,8 +127,10 @@ ddp.close()
 
 # %% [markdown]
 # ## 5. Training: every rank stays identical, and matches one process
-# The trainer's step (`minidp.train.train_step`) adds micro-batches (`no_sync`) and uneven
-# batches (each rank's share n_r / B) on top of this; `mpiexec -n 4 python -m minidp` runs it.
+# The training loop drives this through the "dp" strategy (`minidp.parallel.DataParallel`,
+# the first implementation of the strategy protocol every scheme follows), which adds
+# micro-batches (`no_sync`) and uneven batches (each rank's share n_r / B) on top of this;
+# `mpiexec -n 4 python -m minidp` runs it.
 
 # %%
 from minidp import optim  # noqa: E402
