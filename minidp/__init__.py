@@ -4,12 +4,15 @@
     x = minidp.Tensor([[1.0, 2.0]], requires_grad=True)
     (x * x).sum().backward()          # x.grad == 2 x
 
-Modules: autograd (Tensor, backward), ops (nonlinearities, losses), nn (layers up to GPT),
+A new op (a communication op of a parallel scheme, say) is written with `minidp.op`, the
+public `minidp.autograd.op`; autograd.py's docstring states its contract.
+
+Modules: autograd (Tensor, backward, op), ops (nonlinearities, losses), nn (layers up to GPT),
 optim, data, comm (hand-written collectives), parallel (the training strategies), train.
 """
 
-from minidp import nn, ops, optim
-from minidp.autograd import Tensor, is_grad_enabled, no_grad
+from minidp import autograd, nn, ops, optim
+from minidp.autograd import Tensor, is_grad_enabled, no_grad, op
 from minidp.ops import (
     concatenate,
     cross_entropy,
@@ -24,8 +27,10 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Tensor",
+    "op",
     "no_grad",
     "is_grad_enabled",
+    "autograd",
     "nn",
     "ops",
     "optim",
