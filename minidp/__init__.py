@@ -5,15 +5,18 @@
     (x * x).sum().backward()          # x.grad == 2 x
 
 Modules, bottom up: chunks (how a vector is cut into one piece per rank), autograd (Tensor,
-backward), ops (nonlinearities, losses), nn (layers up to GPT), optim, data, log (print0:
+backward, op), ops (nonlinearities, losses), nn (layers up to GPT), optim, data, log (print0:
 printing from rank 0), config; then, on MPI: comm (hand-written collectives), trace (the
 Timeline of what each rank did), parallel (the training strategies), train. Everything below
 comm imports without MPI. Public: what these modules document, except names that start
 with "_" (minidp.comm's docstring says which of its modules are public).
+
+A new op (a communication op of a parallel scheme, say) is written with `minidp.op`, the
+public `minidp.autograd.op`; autograd.py's docstring states its contract.
 """
 
-from minidp import nn, ops, optim
-from minidp.autograd import Tensor, is_grad_enabled, no_grad
+from minidp import autograd, nn, ops, optim
+from minidp.autograd import Tensor, is_grad_enabled, no_grad, op
 from minidp.ops import (
     concatenate,
     cross_entropy,
@@ -28,8 +31,10 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Tensor",
+    "op",
     "no_grad",
     "is_grad_enabled",
+    "autograd",
     "nn",
     "ops",
     "optim",

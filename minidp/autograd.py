@@ -1,42 +1,57 @@
 """A tiny reverse-mode autograd engine over NumPy arrays.
 
-A `Tensor` wraps an array (`.data`). Every op builds its output with `_result(...)`, handing
-over a `backward(g)` closure written right beside the forward: given the gradient of the
-loss with respect to the output, it returns the gradient with respect to each input (or None
-where an input needs none). `loss.backward()` walks the graph once in reverse topological
-order, so each tensor's gradient is complete before it flows further back.
-
-Leaves that require a gradient (parameters) accumulate into `.grad`, as in PyTorch, and fire
-their grad-ready hooks the moment that gradient is final: data parallelism launches its
+A `Tensor` wraps an array (`.data`). `loss.backward()` walks the recorded graph once in
+reverse topological order, so each tensor's gradient is complete before it flows further
+back. Leaves that require a gradient (parameters) accumulate into `.grad`, as in PyTorch, and
+fire their grad-ready hooks the moment that gradient is final: data parallelism launches its
 communication from those hooks while backward goes on.
 
-Rules every backward here keeps: never write into the incoming `g` (it may be shared), and
-undo broadcasting (`_unbroadcast`) so a gradient always has its input's shape.
-The nonlinearities, losses and joining ops live in ops.py; this file holds the engine,
-arithmetic, matmul, reductions and shape ops.
+Writing an op, the contract (for every op here, in ops.py, and outside minidp): compute the
+forward on arrays and return `op(data, parents, backward)`. `backward(g)`, written right
+beside the forward, maps the gradient of the loss with respect to the output to a tuple with
+one entry per parent: that parent's gradient, or None where it needs none. A backward
+- never writes into `g` (it may be shared, or a read-only view), and
+- returns gradients of its inputs' shapes: `unbroadcast(grad, shape)` undoes broadcasting.
+Parallel schemes write their communication ops this way, outside this file: Megatron's f
+(identity forward, allreduce backward), pipeline send / recv, ZeRO's gather-on-use.
+
+Grad mode is per thread: `no_grad()` stops recording in the thread that enters it only, and
+every new thread starts with grad enabled (DDP's communication thread never sees another's).
+This file holds the engine, arithmetic, reductions and shape ops; matmul, nonlinearities,
+losses and joining ops live in ops.py.
 """
 
 import contextlib
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
 
 import numpy as np
 
-_grad_enabled = True
+
+class _GradMode(threading.local):
+    """Whether ops record a graph, one flag per thread."""
+
+    enabled = True  # a class attribute: what every thread sees until it sets its own
+
+
+_grad_mode = _GradMode()
 
 
 @contextlib.contextmanager
-def no_grad():
-    """Inside this block ops record no graph (evaluation, optimizer updates)."""
-    global _grad_enabled
-    previous, _grad_enabled = _grad_enabled, False
+def no_grad() -> Iterator[None]:
+    """Inside this block ops of this thread record no graph (evaluation, optimizer updates).
+
+    Other threads keep their own setting; the previous one comes back on exit, even on error."""
+    previous, _grad_mode.enabled = _grad_mode.enabled, False
     try:
         yield
     finally:
-        _grad_enabled = previous
+        _grad_mode.enabled = previous
 
 
 def is_grad_enabled() -> bool:
-    return _grad_enabled
+    """Whether ops in this thread record a graph (False inside `no_grad()`)."""
+    return _grad_mode.enabled
 
 
 def _as_array(data, dtype=None) -> np.ndarray:
@@ -52,8 +67,11 @@ def _as_array(data, dtype=None) -> np.ndarray:
     return array.astype(np.float32) if array.dtype == np.float64 else array
 
 
-def _unbroadcast(g: np.ndarray, shape: tuple) -> np.ndarray:
-    """Sum g down to `shape`: the gradient of numpy broadcasting (undo broadcasting)."""
+def unbroadcast(g: np.ndarray, shape: tuple) -> np.ndarray:
+    """Sum g down to `shape`: the gradient of NumPy broadcasting (undo broadcasting).
+
+    For an input of shape (3,) added to a batch (4, 3), `unbroadcast(g, (3,))` is g.sum(0).
+    Returns g itself when it has the shape already (so: never write into the result)."""
     if g.shape == shape:
         return g
     extra = g.ndim - len(shape)
@@ -66,11 +84,37 @@ def _unbroadcast(g: np.ndarray, shape: tuple) -> np.ndarray:
     return summed.reshape(shape)
 
 
-def _broadcast_shape(op: str, a: np.ndarray, b: np.ndarray) -> None:
+def _broadcast_shape(name: str, a: np.ndarray, b: np.ndarray) -> None:
     try:
         np.broadcast_shapes(a.shape, b.shape)
     except ValueError:
-        raise ValueError(f"{op}: shapes {a.shape} and {b.shape} do not broadcast") from None
+        raise ValueError(f"{name}: shapes {a.shape} and {b.shape} do not broadcast") from None
+
+
+def op(data: np.ndarray, parents: tuple, backward: Callable) -> "Tensor":
+    """The output Tensor of an op: `data`, recorded in the graph with `parents` and
+    `backward` only when grad is enabled in this thread and some parent requires a gradient.
+
+    `data` is the forward's result, a NumPy array (kept, not copied); `parents` a tuple of
+    Tensors; `backward(g)` returns one gradient (or None) per parent, in order: see the
+    contract at the top of this file. An op whose forward is the identity and whose backward
+    hands g to a function (Megatron's f has `allreduce` there):
+
+        def call_on_gradient(x: Tensor, fn) -> Tensor:
+            return op(x.data, (x,), lambda g: (fn(g),))
+
+    Nothing is checked here (this runs once per op, on the hot path); backward checks that
+    each leaf's gradient has the leaf's shape.
+    """
+    out = Tensor(data)
+    if _grad_mode.enabled:
+        for parent in parents:  # a loop, not any(...): no generator per op
+            if parent.requires_grad:
+                out.requires_grad = True
+                out._parents = parents
+                out._backward = backward
+                break
+    return out
 
 
 class Tensor:
@@ -191,15 +235,15 @@ class Tensor:
     def __add__(self, other):
         a, b = self, self._lift(other)
         _broadcast_shape("add", a.data, b.data)
-        return _result(
-            a.data + b.data, (a, b), lambda g: (_unbroadcast(g, a.shape), _unbroadcast(g, b.shape))
+        return op(
+            a.data + b.data, (a, b), lambda g: (unbroadcast(g, a.shape), unbroadcast(g, b.shape))
         )
 
     def __sub__(self, other):
         a, b = self, self._lift(other)
         _broadcast_shape("sub", a.data, b.data)
-        return _result(
-            a.data - b.data, (a, b), lambda g: (_unbroadcast(g, a.shape), _unbroadcast(-g, b.shape))
+        return op(
+            a.data - b.data, (a, b), lambda g: (unbroadcast(g, a.shape), unbroadcast(-g, b.shape))
         )
 
     def __mul__(self, other):
@@ -208,11 +252,11 @@ class Tensor:
 
         def backward(g):
             return (
-                _unbroadcast(g * b.data, a.shape) if a.requires_grad else None,
-                _unbroadcast(g * a.data, b.shape) if b.requires_grad else None,
+                unbroadcast(g * b.data, a.shape) if a.requires_grad else None,
+                unbroadcast(g * a.data, b.shape) if b.requires_grad else None,
             )
 
-        return _result(a.data * b.data, (a, b), backward)
+        return op(a.data * b.data, (a, b), backward)
 
     def __truediv__(self, other):
         a, b = self, self._lift(other)
@@ -220,14 +264,14 @@ class Tensor:
 
         def backward(g):  # d(a/b) = da/b - a db/b^2
             return (
-                _unbroadcast(g / b.data, a.shape) if a.requires_grad else None,
-                _unbroadcast(-g * a.data / (b.data * b.data), b.shape) if b.requires_grad else None,
+                unbroadcast(g / b.data, a.shape) if a.requires_grad else None,
+                unbroadcast(-g * a.data / (b.data * b.data), b.shape) if b.requires_grad else None,
             )
 
-        return _result(a.data / b.data, (a, b), backward)
+        return op(a.data / b.data, (a, b), backward)
 
     def __neg__(self):
-        return _result(-self.data, (self,), lambda g: (-g,))
+        return op(-self.data, (self,), lambda g: (-g,))
 
     def __pow__(self, exponent):
         if not isinstance(exponent, int | float):
@@ -237,7 +281,7 @@ class Tensor:
         def backward(g):  # d/dx x^k = k x^(k-1); x^0 is constant (no 0 * 0^-1 = nan at 0)
             return (np.zeros_like(g) if exponent == 0 else g * (exponent * x ** (exponent - 1)),)
 
-        return _result(x**exponent, (self,), backward)
+        return op(x**exponent, (self,), backward)
 
     def __radd__(self, other):
         return self + other
@@ -252,10 +296,10 @@ class Tensor:
         return self._lift(other) / self
 
     def __matmul__(self, other):
-        return matmul(self, self._lift(other))
+        return ops.matmul(self, self._lift(other))
 
     def __rmatmul__(self, other):
-        return matmul(self._lift(other), self)
+        return ops.matmul(self._lift(other), self)
 
     # ---- reductions ---------------------------------------------------------------------
     def sum(self, axis=None, keepdims: bool = False):
@@ -266,7 +310,7 @@ class Tensor:
                 g = np.expand_dims(g, axis)
             return (np.broadcast_to(g, shape),)
 
-        return _result(self.data.sum(axis=axis, keepdims=keepdims), (self,), backward)
+        return op(self.data.sum(axis=axis, keepdims=keepdims), (self,), backward)
 
     def mean(self, axis=None, keepdims: bool = False):
         axes = range(self.ndim) if axis is None else np.atleast_1d(axis)
@@ -285,20 +329,20 @@ class Tensor:
             mask = (x == m).astype(x.dtype)  # in x's dtype: float32 stays float32
             return (g * mask / mask.sum(axis=axis, keepdims=True),)
 
-        return _result(out, (self,), backward)
+        return op(out, (self,), backward)
 
     # ---- shapes and indexing ----------------------------------------------------------
     def reshape(self, *shape):
         shape = shape[0] if len(shape) == 1 and isinstance(shape[0], tuple | list) else shape
         old = self.shape
-        return _result(self.data.reshape(shape), (self,), lambda g: (g.reshape(old),))
+        return op(self.data.reshape(shape), (self,), lambda g: (g.reshape(old),))
 
     def transpose(self, *axes):
         axes = axes[0] if len(axes) == 1 and isinstance(axes[0], tuple | list) else axes
         axes = tuple(axes) or tuple(reversed(range(self.ndim)))
         out = self.data.transpose(axes)  # NumPy checks the axes
         inverse = tuple(np.argsort([a % self.ndim for a in axes]))  # -1 means the last axis
-        return _result(out, (self,), lambda g: (g.transpose(inverse),))
+        return op(out, (self,), lambda g: (g.transpose(inverse),))
 
     permute = transpose
 
@@ -323,7 +367,7 @@ class Tensor:
                 full[index] = g  # basic slicing never repeats an element
             return (full,)
 
-        return _result(self.data[index], (self,), backward)
+        return op(self.data[index], (self,), backward)
 
     # ---- elementwise math and friends, defined in ops.py -------------------------------
     def exp(self):
@@ -355,44 +399,6 @@ class Tensor:
 
     def masked_fill(self, mask, value: float):
         return ops.masked_fill(self, mask, value)
-
-
-def _result(data: np.ndarray, parents: tuple, backward: Callable) -> Tensor:
-    """The output of an op: recorded in the graph only if some input needs a gradient."""
-    out = Tensor(data)
-    if _grad_enabled and any(p.requires_grad for p in parents):
-        out.requires_grad = True
-        out._parents = parents
-        out._backward = backward
-    return out
-
-
-def matmul(a: Tensor, b: Tensor) -> Tensor:
-    """a @ b with NumPy's rules: batched over leading axes, 1-D operands promoted."""
-    A = a.data[None, :] if a.ndim == 1 else a.data
-    B = b.data[:, None] if b.ndim == 1 else b.data
-    if a.ndim == 0 or b.ndim == 0 or A.shape[-1] != B.shape[-2]:
-        raise ValueError(f"matmul: shapes {a.shape} and {b.shape} do not align")
-    try:
-        out = A @ B
-    except ValueError:
-        raise ValueError(
-            f"matmul: batch shapes of {a.shape} and {b.shape} do not broadcast"
-        ) from None
-
-    def backward(g):  # C = A B  ->  dA = g B^T,  dB = A^T g  (then undo batch broadcasting)
-        g = g.reshape(out.shape)  # put back the axes a 1-D operand dropped
-        At, Bt = A.swapaxes(-1, -2), B.swapaxes(-1, -2)  # views, no copies
-        da = _unbroadcast(g @ Bt, A.shape).reshape(a.shape) if a.requires_grad else None
-        db = _unbroadcast(At @ g, B.shape).reshape(b.shape) if b.requires_grad else None
-        return da, db
-
-    result = out
-    if a.ndim == 1:
-        result = result[..., 0, :]
-    if b.ndim == 1:
-        result = result[..., 0]
-    return _result(result, (a, b), backward)
 
 
 from minidp import ops  # noqa: E402  (ops builds on Tensor, defined above)

@@ -5,8 +5,12 @@ Conventions:
   paper (Y = XA), so "split A by columns" means split the output features.
 - Every layer is initialized from a `np.random.Generator`, so every rank that builds a model
   from the same seed holds the identical model.
-- `named_parameters()` walks attributes in the order they were assigned in `__init__`
-  (lists of modules by index): the same order on every rank, every run.
+- `named_parameters()` yields, for each module, first its own Parameter attributes in the
+  order each attribute was first assigned, then each sub-module's parameters, depth first,
+  sub-modules also in first-assignment order (a list or tuple of modules in index order,
+  named `blocks.0.`, `blocks.1.`, ...). So a module that assigns a child before a Parameter
+  still lists the Parameter first; a Parameter inside a list, or a module inside a dict, is
+  not found. The order depends only on the code: the same on every rank, every run.
 """
 
 import math

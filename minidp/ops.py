@@ -1,50 +1,80 @@
-"""Nonlinearities, joining ops and losses, each with its backward right beside its forward.
+"""Matmul, nonlinearities, joining ops and losses, each backward right beside its forward.
 
 Every function takes Tensors (targets, masks and conditions may be plain arrays) and returns
-a Tensor built by `_result`, whose backward closure maps the output gradient `g` to one
-gradient per input.
+a Tensor built by the public `op(data, parents, backward)`, whose backward closure maps the
+output gradient `g` to one gradient per input: the contract at the top of autograd.py, which
+an op written outside minidp follows too.
 """
 
 import math
 
 import numpy as np
 
-from minidp.autograd import Tensor, _result, _unbroadcast
+from minidp.autograd import Tensor, op, unbroadcast
 
 
 def _tensor(x) -> Tensor:
     return x if isinstance(x, Tensor) else Tensor(x)
 
 
+# ---- matrix product ----------------------------------------------------------------------
+def matmul(a: Tensor, b: Tensor) -> Tensor:
+    """a @ b with NumPy's rules: batched over leading axes, 1-D operands promoted."""
+    A = a.data[None, :] if a.ndim == 1 else a.data
+    B = b.data[:, None] if b.ndim == 1 else b.data
+    if a.ndim == 0 or b.ndim == 0 or A.shape[-1] != B.shape[-2]:
+        raise ValueError(f"matmul: shapes {a.shape} and {b.shape} do not align")
+    try:
+        out = A @ B
+    except ValueError:
+        raise ValueError(
+            f"matmul: batch shapes of {a.shape} and {b.shape} do not broadcast"
+        ) from None
+
+    def backward(g):  # C = A B  ->  dA = g B^T,  dB = A^T g  (then undo batch broadcasting)
+        g = g.reshape(out.shape)  # put back the axes a 1-D operand dropped
+        At, Bt = A.swapaxes(-1, -2), B.swapaxes(-1, -2)  # views, no copies
+        da = unbroadcast(g @ Bt, A.shape).reshape(a.shape) if a.requires_grad else None
+        db = unbroadcast(At @ g, B.shape).reshape(b.shape) if b.requires_grad else None
+        return da, db
+
+    result = out
+    if a.ndim == 1:
+        result = result[..., 0, :]
+    if b.ndim == 1:
+        result = result[..., 0]
+    return op(result, (a, b), backward)
+
+
 # ---- elementwise ------------------------------------------------------------------------
 def exp(x: Tensor) -> Tensor:
     out = np.exp(x.data)
-    return _result(out, (x,), lambda g: (g * out,))  # d/dx e^x = e^x
+    return op(out, (x,), lambda g: (g * out,))  # d/dx e^x = e^x
 
 
 def log(x: Tensor) -> Tensor:
-    return _result(np.log(x.data), (x,), lambda g: (g / x.data,))  # d/dx log x = 1/x
+    return op(np.log(x.data), (x,), lambda g: (g / x.data,))  # d/dx log x = 1/x
 
 
 def sqrt(x: Tensor) -> Tensor:
     out = np.sqrt(x.data)
-    return _result(out, (x,), lambda g: (g * 0.5 / out,))  # d/dx sqrt x = 1 / (2 sqrt x)
+    return op(out, (x,), lambda g: (g * 0.5 / out,))  # d/dx sqrt x = 1 / (2 sqrt x)
 
 
 def tanh(x: Tensor) -> Tensor:
     out = np.tanh(x.data)
-    return _result(out, (x,), lambda g: (g * (1 - out * out),))
+    return op(out, (x,), lambda g: (g * (1 - out * out),))
 
 
 def sigmoid(x: Tensor) -> Tensor:
     out = 1 / (1 + np.exp(-x.data))
-    return _result(out, (x,), lambda g: (g * out * (1 - out),))
+    return op(out, (x,), lambda g: (g * out * (1 - out),))
 
 
 def relu(x: Tensor) -> Tensor:
     positive = x.data > 0
     # maximum, not x * positive: -inf * 0 would be nan
-    return _result(np.maximum(x.data, 0), (x,), lambda g: (g * positive,))
+    return op(np.maximum(x.data, 0), (x,), lambda g: (g * positive,))
 
 
 _GELU_C = math.sqrt(2 / math.pi)  # a Python float: keeps float32 arrays float32
@@ -60,21 +90,21 @@ def gelu(x: Tensor) -> Tensor:
         du = _GELU_C * (1 + 3 * 0.044715 * v * v)
         return (g * (0.5 * (1 + t) + 0.5 * v * (1 - t * t) * du),)
 
-    return _result(0.5 * v * (1 + t), (x,), backward)
+    return op(0.5 * v * (1 + t), (x,), backward)
 
 
 def softmax(x: Tensor, axis: int = -1) -> Tensor:
     e = np.exp(x.data - x.data.max(axis=axis, keepdims=True))  # shift: no overflow
     s = e / e.sum(axis=axis, keepdims=True)
     # Jacobian-vector product: ds = s * (g - sum(g * s))
-    return _result(s, (x,), lambda g: (s * (g - (g * s).sum(axis=axis, keepdims=True)),))
+    return op(s, (x,), lambda g: (s * (g - (g * s).sum(axis=axis, keepdims=True)),))
 
 
 def log_softmax(x: Tensor, axis: int = -1) -> Tensor:
     shifted = x.data - x.data.max(axis=axis, keepdims=True)
     out = shifted - np.log(np.exp(shifted).sum(axis=axis, keepdims=True))
     # d log_softmax: g - softmax * sum(g)
-    return _result(out, (x,), lambda g: (g - np.exp(out) * g.sum(axis=axis, keepdims=True),))
+    return op(out, (x,), lambda g: (g - np.exp(out) * g.sum(axis=axis, keepdims=True),))
 
 
 # ---- selection ----------------------------------------------------------------------------
@@ -86,18 +116,18 @@ def where(condition, a, b) -> Tensor:
 
     def backward(g):
         return (
-            _unbroadcast(np.where(cond, g, 0), a.shape) if a.requires_grad else None,
-            _unbroadcast(np.where(cond, 0, g), b.shape) if b.requires_grad else None,
+            unbroadcast(np.where(cond, g, 0), a.shape) if a.requires_grad else None,
+            unbroadcast(np.where(cond, 0, g), b.shape) if b.requires_grad else None,
         )
 
-    return _result(out, (a, b), backward)
+    return op(out, (a, b), backward)
 
 
 def masked_fill(x: Tensor, mask, value: float) -> Tensor:
     """x with `value` where mask is True (a causal mask fills the future with -inf)."""
     mask = mask.data if isinstance(mask, Tensor) else np.asarray(mask, bool)
     out = np.where(mask, np.asarray(value, dtype=x.dtype), x.data)
-    return _result(out, (x,), lambda g: (_unbroadcast(np.where(mask, 0, g), x.shape),))
+    return op(out, (x,), lambda g: (unbroadcast(np.where(mask, 0, g), x.shape),))
 
 
 def dropout(x: Tensor, p: float, rng: np.random.Generator, training: bool = True) -> Tensor:
@@ -107,7 +137,7 @@ def dropout(x: Tensor, p: float, rng: np.random.Generator, training: bool = True
     if not 0.0 <= p < 1.0:
         raise ValueError(f"dropout probability must be in [0, 1), got {p}")
     keep = (rng.random(x.shape) >= p).astype(x.dtype) * x.dtype.type(1.0 / (1.0 - p))
-    return _result(x.data * keep, (x,), lambda g: (g * keep,))
+    return op(x.data * keep, (x,), lambda g: (g * keep,))
 
 
 # ---- joining and splitting -------------------------------------------------------------
@@ -119,7 +149,7 @@ def concatenate(tensors: list, axis: int = 0) -> Tensor:
         shapes = ", ".join(str(t.shape) for t in tensors)
         raise ValueError(f"concatenate(axis={axis}): shapes {shapes} do not fit") from None
     edges = np.cumsum([t.shape[axis] for t in tensors])[:-1]
-    return _result(out, tuple(tensors), lambda g: tuple(np.split(g, edges, axis=axis)))
+    return op(out, tuple(tensors), lambda g: tuple(np.split(g, edges, axis=axis)))
 
 
 def stack(tensors: list, axis: int = 0) -> Tensor:
@@ -129,7 +159,7 @@ def stack(tensors: list, axis: int = 0) -> Tensor:
         raise ValueError(f"stack: all shapes must match, got {sorted(shapes)}")
     out = np.stack([t.data for t in tensors], axis=axis)
     n = len(tensors)
-    return _result(out, tuple(tensors), lambda g: tuple(np.take(g, i, axis=axis) for i in range(n)))
+    return op(out, tuple(tensors), lambda g: tuple(np.take(g, i, axis=axis) for i in range(n)))
 
 
 def split(x: Tensor, sections, axis: int = 0) -> list[Tensor]:
@@ -181,7 +211,7 @@ def cross_entropy(logits: Tensor, targets) -> Tensor:
         d *= g / N
         return (d.reshape(logits.shape),)
 
-    return _result(np.asarray(loss.mean(), dtype=logits.dtype), (logits,), backward)
+    return op(np.asarray(loss.mean(), dtype=logits.dtype), (logits,), backward)
 
 
 def mse(prediction: Tensor, target) -> Tensor:

@@ -4,11 +4,14 @@ One shared table, `OPS`, lists each op once: its minidp form, the same op in PyT
 to draw an input (shapes from Hypothesis, broadcast-compatible pairs for binary ops; values in
 the op's domain: log and sqrt see positive inputs, relu and division stay away from 0).
 Three tests walk the table: central differences in float64, PyTorch autograd in float64 (forward
-and every input gradient), and float32 in -> float32 out and gradients. The engine's own
-behaviour (seeds, accumulation, no_grad, grad-ready hooks, errors, aliasing) and dropout follow.
+and every input gradient), and float32 in -> float32 out and gradients. One row is an op written
+outside minidp with the public `minidp.op` only, as parallel schemes write theirs. The engine's
+own behaviour (seeds, accumulation, no_grad per thread, grad-ready hooks, errors, aliasing) and
+dropout follow.
 """
 
 import operator
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -271,6 +274,19 @@ def torch_causal_softmax(x):
     return x.masked_fill(future, -torch.inf).softmax(dim=-1)
 
 
+def mul_exp(a: Tensor, b: Tensor) -> Tensor:
+    """a * e^b, broadcasting, written as an outside op would be: public API only."""
+    e = np.exp(b.data)
+
+    def backward(g):  # d(a e^b)/da = e^b, d(a e^b)/db = a e^b
+        return (
+            minidp.autograd.unbroadcast(g * e, a.shape),
+            minidp.autograd.unbroadcast(g * a.data * e, b.shape),
+        )
+
+    return minidp.op(a.data * e, (a, b), backward)
+
+
 @dataclass(frozen=True)
 class Op:
     name: str
@@ -425,6 +441,8 @@ OPS = [
         cross_entropy_example,
     ),
     Op("mse", mse, lambda a, b: F.mse_loss(a, b), mse_example),
+    # written outside minidp with the public op API
+    Op("public_op_mul_exp", mul_exp, lambda a, b: a * torch.exp(b), binary()),
 ]
 
 
@@ -565,6 +583,57 @@ def test_no_grad_records_no_graph_and_restores_afterwards():
     with pytest.raises(KeyError), no_grad():
         raise KeyError("an error inside the block")
     assert minidp.is_grad_enabled()
+
+
+def in_another_thread(fn):
+    """fn()'s result, computed in a fresh thread (its exception re-raised here)."""
+    results = []
+    thread = threading.Thread(target=lambda: results.append(fn()))
+    thread.start()
+    thread.join(timeout=30)
+    assert results, "the other thread failed (its traceback is above) or hung"
+    return results[0]
+
+
+def records_a_graph() -> tuple[bool, bool]:
+    x = Tensor(np.ones(2), requires_grad=True)
+    return minidp.is_grad_enabled(), (x * 2.0).requires_grad
+
+
+def test_no_grad_in_the_main_thread_leaves_another_thread_recording():
+    with no_grad():
+        assert in_another_thread(records_a_graph) == (True, True)
+        assert records_a_graph() == (False, False)
+
+
+def test_no_grad_in_another_thread_leaves_the_main_thread_recording():
+    inside, release = threading.Event(), threading.Event()
+
+    def hold_no_grad():
+        with no_grad():
+            inside.set()
+            release.wait(timeout=30)
+            return records_a_graph()
+
+    results = []
+    thread = threading.Thread(target=lambda: results.append(hold_no_grad()))
+    thread.start()
+    try:
+        assert inside.wait(timeout=30)
+        assert records_a_graph() == (True, True)  # while the other thread is inside no_grad
+    finally:
+        release.set()
+        thread.join(timeout=30)
+    assert results == [(False, False)]
+    assert records_a_graph() == (True, True)
+
+
+def test_the_op_api_is_public_and_one_function():
+    assert minidp.op is minidp.autograd.op
+    x, y = Tensor(np.ones(2), requires_grad=True), Tensor(np.ones(2))
+    assert minidp.op(x.data, (y,), lambda g: (g,)).requires_grad is False  # no parent needs grad
+    with no_grad():
+        assert minidp.op(x.data, (x,), lambda g: (g,)).requires_grad is False
 
 
 def test_an_input_without_requires_grad_gets_no_gradient():

@@ -71,7 +71,7 @@ assert np.allclose(t.grad, numeric, rtol=1e-7, atol=1e-9)
 # %% [markdown]
 # ## 3. Broadcasting has a gradient too
 # Adding a bias of shape (3,) to a batch of shape (4, 3) copies it down 4 rows; the reverse
-# of copying is **summing**, so the bias gradient sums over the batch (`_unbroadcast`).
+# of copying is **summing**, so the bias gradient sums over the batch (`unbroadcast`).
 
 # %%
 X = Tensor(np.ones((4, 3)))
@@ -143,4 +143,39 @@ assert sorted(ready) == sorted(name for name, _ in mlp.named_parameters())
 with minidp.no_grad():
     out = mlp(Tensor(np.ones((1, 4))))
 assert not out.requires_grad
+
+# %% [markdown]
+# ## 9. Writing a new op
+# An op computes its forward on arrays and hands `minidp.op(data, parents, backward)` a
+# closure mapping the output gradient `g` to one gradient per parent (never writing into
+# `g`; `minidp.autograd.unbroadcast` undoes broadcasting). Here softplus(x) = log(1 + eˣ),
+# whose derivative is the sigmoid, checked by central differences like every op above.
+
+
+# %%
+def softplus(x: Tensor) -> Tensor:
+    s = 1 / (1 + np.exp(-x.data))  # d/dx log(1 + e^x) = sigmoid(x)
+    return minidp.op(np.logaddexp(0, x.data), (x,), lambda g: (g * s,))
+
+
+t = Tensor(x0.copy(), requires_grad=True)
+(softplus(t) * t).sum().backward()
+numeric = numerical_grad(lambda t: (softplus(t) * t).sum(), x0.copy())
+assert np.allclose(t.grad, numeric, rtol=1e-7, atol=1e-9)
+print("softplus gradient matches")
+
+# %% [markdown]
+# Parallel schemes write their communication ops the same way. Megatron's f is the identity
+# forward and an allreduce of `g` backward; with a plain function in place of the allreduce:
+
+
+# %%
+def on_gradient(x: Tensor, fn) -> Tensor:
+    """Identity forward; backward hands `fn(g)` on (Megatron's f: fn = allreduce)."""
+    return minidp.op(x.data, (x,), lambda g: (fn(g),))
+
+
+t = Tensor(x0.copy(), requires_grad=True)
+on_gradient(t, lambda g: 0.5 * g).sum().backward()  # a "scale gradient" op
+assert np.array_equal(t.grad, np.full(3, 0.5))
 print("done: every gradient above matched its check")
