@@ -19,14 +19,14 @@ truncation error, or, worst, a silently wrong answer. Three guards, all on by de
 
 2. The deadline (`group.timeout` seconds). Unless set on the group (`Group(timeout=...)` or
    `group.timeout = ...`; None: no deadline), it follows `group.checks`: `MINIDP_TIMEOUT`
-   seconds if that is set (0/off/none: no deadline, whatever the checks), else 300 s while
+   seconds if that is set, checks on or off (0/off/none: no deadline), else 300 s while
    checks are on and none while they are off. The environment is read when the group is
    made. One deadline covers a whole collective call: it is fixed when the call starts
    (group.py), and every wait of the call (p2p.waitall, MPI's own non-blocking collectives
    in builtin.py) compares the clock with it every 64 polls. A rank still waiting past it
    raises `CollectiveTimeout` naming the peers of the requests it still waits for. A rank
    that never entered the collective cannot raise; every rank that did, does. Without a
-   deadline, waits are MPI's own blocking calls (the fast path), which can wait forever.
+   deadline a wait can last forever (it is MPI's own blocking call: p2p.py's fast path).
 
 3. The size of every message (p2p.py, always on): a receive that gets fewer bytes than it
    posted, or more (MPI's truncation error), raises `MessageSizeMismatch`, a
