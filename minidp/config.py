@@ -13,6 +13,8 @@ import os
 import tempfile
 from dataclasses import dataclass, field, fields
 
+from minidp.names import ALGORITHMS, AUTO
+
 
 class BadConfig(ValueError):
     """A flag value that cannot work: reported as one line, on rank 0, exit code 2."""
@@ -64,15 +66,7 @@ class TrainConfig:
         default="auto",
         metadata={
             "help": "gradient allreduce algorithm",
-            "choices": (
-                "auto",
-                "ring",
-                "recursive_doubling",
-                "rabenseifner",
-                "tree",
-                "naive",
-                "mpi",
-            ),
+            "choices": (AUTO, *ALGORITHMS["allreduce"]),
         },
     )
     bucket_mb: float = field(default=0.25, metadata={"help": "gradient bucket size in MiB"})

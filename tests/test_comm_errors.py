@@ -3,14 +3,22 @@
 Each case runs on its own duplicate of the world group with a short timeout, because a group
 that saw a CollectiveTimeout or CollectiveMismatch is broken afterwards (messages of the
 failed call may still be in flight); the world group itself stays healthy throughout.
+The default settings (checks and deadline on, with MINIDP_CHECKS unset) are tested in a
+subprocess, since conftest.py sets MINIDP_CHECKS for the suite.
 """
+
+import json
+import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 from mpi4py import MPI
 
-from minidp import comm
-from minidp.comm import collectives
+from minidp import comm, config, names
+from minidp.comm import collectives, rooted
+from minidp.comm.errors import MessageSizeMismatch
 from minidp.comm.p2p import irecv
 
 
@@ -143,3 +151,165 @@ def test_one_group_refuses_a_second_thread():
     else:
         MPI.COMM_WORLD.Barrier()
         comm.allreduce(np.ones(8), group=g)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parallel(nprocs=2)
+def test_a_shorter_or_longer_message_raises_on_its_receiver_on_every_wait_path():
+    r = comm.world().rank
+    n = 5 if r == 0 else 4  # rank 0 gets 32 bytes for its 40; rank 1 gets 40 for its 32
+    patient = group(timeout=None, checks=False)
+    patient.patient = True
+    paths = {  # checks off: only the size of what arrives can tell
+        "Sendrecv (the fast path)": (group(None, False), comm.allgather, "ring", np.ones(n)),
+        "Waitall": (group(None, False), comm.alltoall, "naive", np.ones((2, n))),
+        "Testall against a deadline": (group(30.0, False), comm.allgather, "ring", np.ones(n)),
+        "Testall, patient": (patient, comm.allgather, "ring", np.ones(n)),
+    }
+    for path, (g, collective, algo, x) in paths.items():
+        message = expect(
+            MessageSizeMismatch,
+            lambda: collective(x, algo=algo, group=g),  # noqa: B023 (called at once)
+            f"rank {r} of 2 (world {r}): {collective.__name__} #1 (algo={algo}) got ",
+            "different shapes",
+        )
+        if r == 0:
+            assert "got 32 bytes from rank 1 (world 1), 40 expected" in message, path
+        else:
+            assert "more bytes than the 32 expected from rank 0 (world 0)" in message, path
+        assert g.broken, path
+    MPI.COMM_WORLD.Barrier()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parallel(nprocs=[2, 3])
+def test_turning_checks_on_after_construction_turns_the_deadline_on(monkeypatch):
+    monkeypatch.delenv("MINIDP_TIMEOUT", raising=False)
+    monkeypatch.setattr(
+        "minidp.comm.checks.DEFAULT_TIMEOUT_S", 1.0
+    )  # the default, short for the test
+    world = comm.world()
+    g = comm.Group(world.comm.Dup(), checks=False)
+    assert g.timeout is None
+    g.checks = True  # what tutorial 03 does
+    assert g.timeout == 1.0 and g.dup().timeout == 1.0
+    fixed = comm.Group(MPI.COMM_SELF, checks=True, timeout=5.0)
+    fixed.checks = False
+    assert fixed.timeout == 5.0  # set explicitly: it stays
+    if world.rank != world.size - 1:  # the last rank never arrives
+        expect(comm.CollectiveTimeout, lambda: comm.allreduce(np.ones(4), group=g), "within 1 s")
+    world.comm.Barrier()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parallel(nprocs=2)
+def test_every_algorithm_of_every_collective_runs_a_checked_call():
+    g = group(timeout=30.0)
+    x, rows = np.arange(6.0), np.arange(12.0).reshape(2, 6)
+    calls = {
+        "allreduce": lambda a: comm.allreduce(x, algo=a, group=g),
+        "reduce_scatter": lambda a: comm.reduce_scatter(x, algo=a, group=g),
+        "allgather": lambda a: comm.allgather(x, algo=a, group=g),
+        "broadcast": lambda a: comm.broadcast(x.copy(), root=1, algo=a, group=g),
+        "reduce": lambda a: comm.reduce(x, root=1, algo=a, group=g),
+        "gather": lambda a: comm.gather(x, root=1, algo=a, group=g),
+        "scatter": lambda a: comm.scatter(rows, root=1, algo=a, group=g),
+        "alltoall": lambda a: comm.alltoall(rows, algo=a, group=g),
+        "barrier": lambda a: comm.barrier(algo=a, group=g),
+    }
+    assert tuple(calls) == names.COLLECTIVES
+    for collective, algos in comm.ALGORITHMS.items():
+        for algo in algos:
+            calls[collective](algo)
+    assert g.counters["checks"]["calls"] == sum(len(a) for a in names.ALGORITHMS.values())
+
+
+def test_one_list_of_names_for_the_tables_auto_checks_and_config():
+    tables = {
+        "allreduce": collectives.ALLREDUCE,
+        "reduce_scatter": collectives.REDUCE_SCATTER,
+        "allgather": collectives.ALLGATHER,
+        "broadcast": rooted.BROADCAST,
+        "reduce": rooted.REDUCE,
+        "gather": rooted.GATHER,
+        "scatter": rooted.SCATTER,
+        "alltoall": collectives.ALLTOALL,
+        "barrier": collectives.BARRIER,
+    }
+    assert {c: tuple(t) for c, t in tables.items()} == names.ALGORITHMS == comm.ALGORITHMS
+    assert comm.OPS == names.OPS
+    choices = {f.name: f.metadata.get("choices") for f in config.fields(config.TrainConfig)}
+    assert choices["allreduce"] == ("auto", *names.ALGORITHMS["allreduce"])
+    with pytest.raises(ValueError, match="names.py"):  # a new algorithm must be listed there
+        names.table("allreduce", {**collectives.ALLREDUCE, "butterfly": None})
+
+
+DEFAULTS_SCRIPT = """
+import json
+import sys
+import numpy as np
+from mpi4py import MPI
+from minidp import comm
+
+world = MPI.COMM_WORLD
+rank, last = world.rank, world.size - 1
+outcome = {}
+
+def attempt(case, call):
+    try:
+        call()
+        outcome[case] = "returned"
+    except comm.CollectiveError as error:
+        outcome[case] = type(error).__name__ + ": " + " ".join(str(error).split())
+    world.Barrier()  # the next case starts together
+
+x = np.arange(23.0)  # chunks of 5, 5, 5, 4, 4 on five ranks
+g = comm.Group(world.Dup())  # the default settings
+assert g.checks and g.timeout == 3.0, (g.checks, g.timeout)
+part = comm.reduce_scatter(x, op="sum", group=g)
+attempt("defect", lambda: comm.allgather(part, group=g))  # ranks pass different shapes
+
+g = comm.Group(world.Dup())
+attempt("skip", lambda: rank == last or comm.allreduce(np.ones(4), group=g))
+
+g = comm.Group(world.Dup(), checks=False)  # no fingerprints: the sizes and the deadline
+part = comm.reduce_scatter(x, op="sum", group=g)
+attempt("unchecked", lambda: comm.allgather(part, group=g))
+with open(f"{sys.argv[1]}/{rank}.json", "w") as file:
+    json.dump(outcome, file)
+"""
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("nprocs", [3, 5])
+def test_by_default_mismatched_shapes_raise_on_every_rank_and_the_job_ends(tmp_path, nprocs):
+    script = tmp_path / "defaults.py"
+    script.write_text(DEFAULTS_SCRIPT)
+    env = {k: v for k, v in os.environ.items() if k != "MINIDP_CHECKS"}
+    env["MINIDP_TIMEOUT"] = "3"
+    job = subprocess.run(
+        ["mpiexec", "-n", str(nprocs), sys.executable, str(script), str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=150,  # the job ends: no rank hangs, and MPI_Finalize returns
+        env=env,
+    )
+    assert job.returncode == 0, job.stdout + job.stderr
+    outcome = {r: json.loads((tmp_path / f"{r}.json").read_text()) for r in range(nprocs)}
+    sizes = np.diff(comm.chunk_bounds(23, nprocs))
+    p, last = nprocs, nprocs - 1
+    for r in range(p):
+        defect = outcome[r]["defect"]
+        assert defect.startswith("CollectiveMismatch: "), defect
+        assert f"allgather(algo=ring, dtype=float64, shape=({p}, {sizes[-1]}))" in defect
+        assert f"allgather(algo=ring, dtype=float64, shape=({p}, {sizes[0]}))" in defect
+        skip = outcome[r]["skip"]
+        if r == last:
+            assert skip == "returned"
+        else:
+            assert skip.startswith("CollectiveTimeout: ") and f"rank(s) {last} " in skip, skip
+        # without fingerprints: a wrong size raises where it lands (ring: from the left),
+        # the ranks waiting on those raise CollectiveTimeout; none returns a wrong result
+        unchecked = outcome[r]["unchecked"]
+        landed = "MessageSizeMismatch" if sizes[r - 1] != sizes[r] else "CollectiveTimeout"
+        assert unchecked.startswith(landed + ": "), (r, unchecked)

@@ -12,6 +12,7 @@ import numpy as np
 
 from minidp.comm.auto import choose
 from minidp.comm.ops import MOVE_KINDS
+from minidp.names import AUTO
 
 
 def flat(x, name: str = "x") -> np.ndarray:
@@ -69,11 +70,11 @@ def root_in(root, size: int) -> int:
 
 def pick(algo: str, table: dict, collective: str, nbytes: int, p: int) -> str:
     """The algorithm to run: `algo` itself, or auto.choose() for "auto"; ValueError if unknown."""
-    if algo == "auto":
+    if algo == AUTO:
         return choose(collective, nbytes, p)
     if algo not in table:
-        choices = tuple(table)
+        choices = (AUTO, *table)
         raise ValueError(
-            f"unknown algo {algo!r} for {collective}; choose from {', '.join(('auto',) + choices)}"
+            f"unknown algo {algo!r} for {collective}; choose from {', '.join(choices)}"
         )
     return algo

@@ -22,7 +22,10 @@ machine (one run's table is in the README's "Benchmarks" section):
     barrier          dissemination
 
 Rerun the benchmark to retune these for another machine: the crossover moves with α/β.
+Every name choose() can return is one of minidp/names.py's, checked when this module loads.
 """
+
+from minidp.names import ALGORITHMS
 
 SHORT = 64 * 1024
 LONG = 8 * 1024 * 1024
@@ -45,3 +48,22 @@ def choose(collective: str, nbytes: int, p: int) -> str:
     if collective in ("gather", "scatter"):
         return "tree" if p > 2 else "naive"
     return {"alltoall": "pairwise", "barrier": "dissemination"}[collective]
+
+
+def _check_choices() -> None:
+    """ValueError unless every branch of choose() names an algorithm names.ALGORITHMS lists.
+
+    These sizes and group sizes reach every branch above: n small or past each threshold,
+    p = 1, 2, 4 (powers of two, p <= 2) and 3 (neither)."""
+    for collective, listed in ALGORITHMS.items():
+        for nbytes in (0, SHORT + 1, LONG + 1):
+            for p in (1, 2, 3, 4):
+                algo = choose(collective, nbytes, p)
+                if algo not in listed:
+                    raise ValueError(
+                        f"auto.choose({collective!r}, {nbytes}, {p}) returns {algo!r}, which "
+                        f"minidp/names.py does not list for {collective}: {listed}"
+                    )
+
+
+_check_choices()

@@ -1,16 +1,19 @@
 """MPI's own collectives (algo="mpi"), for comparison with the hand-written ones.
 
-These are the only calls in minidp.comm to MPI collectives. With a deadline set (checks on,
-or MINIDP_TIMEOUT), the non-blocking variant (MPI_Iallreduce, ...) is polled instead, so a
-missing rank raises CollectiveTimeout here too. Data-movement collectives ship raw bytes;
-reductions use MPI's datatype for the dtype (float16 too, where the MPI has one, as MPICH
-does; otherwise it is reduced in float32 and rounded once).
+These are the only calls in minidp.comm to MPI collectives. With a deadline set (the
+default, checks.py), the non-blocking variant (MPI_Iallreduce, ...) is polled instead, so a
+missing rank raises CollectiveTimeout here too. A message MPI truncates (a rank passed more
+than its peer expected) raises MessageSizeMismatch; MPI's own collectives give no count to
+check a short one against, so there only the fingerprint catches it. Data-movement
+collectives ship raw bytes; reductions use MPI's datatype for the dtype (float16 too, where
+the MPI has one, as MPICH does; otherwise it is reduced in float32 and rounded once).
 """
 
 import numpy as np
 from mpi4py import MPI
 
 from minidp.chunks import Bounds
+from minidp.comm.errors import MessageSizeMismatch
 from minidp.comm.p2p import waitall
 
 _OPS = {"sum": MPI.SUM, "avg": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN, "prod": MPI.PROD}
@@ -26,7 +29,12 @@ def _native(dtype: np.dtype) -> bool:
 def _run(group, name: str, *args) -> None:
     """comm.<name>(*args), or its non-blocking twin polled against the deadline."""
     if group.deadline is None:
-        getattr(group.comm, name)(*args)
+        try:
+            getattr(group.comm, name)(*args)
+        except MPI.Exception as error:
+            if error.Get_error_class() == MPI.ERR_TRUNCATE:  # a rank passed a longer message
+                raise MessageSizeMismatch(group.size_message(None, None, None)) from error
+            raise
         return
     request = getattr(group.comm, "I" + name[0].lower() + name[1:])(*args)
     waitall(group, [request], [i for i in range(group.size) if i != group.rank])

@@ -2,26 +2,38 @@
 
 Every rank of a group must call the same collectives in the same order with matching
 arguments. When one does not, MPI alone gives you a hang (a message never sent), a
-truncation error, or, worst, a silently wrong answer. With checks on (`MINIDP_CHECKS=1`,
-`group.checks = True`; the test suite turns them on) each collective begins by exchanging a
-fingerprint of 16 int64s:
+truncation error, or, worst, a silently wrong answer. Three guards, all on by default:
 
-    seq | collective | algo | op | dtype | root | size | ndim | dims[0..7]
+1. The fingerprint (`group.checks`; from `MINIDP_CHECKS`, on unless it is 0/false/no/off).
+   Each collective begins by exchanging a fingerprint of 16 int64s:
 
-`seq` counts this rank's collectives on the group. The exchange is done by hand, every rank
-sending its fingerprint to every other rank (p - 1 tiny Isend/Irecv pairs on their own tag, so
-they never match a data message), because that lets each rank see for itself who sent what
-and who never arrived: cost (p - 1)α, a few microseconds for the group sizes minidp runs.
-Then every rank holds the same table, so either all ranks go on or all raise
-`CollectiveMismatch`, with one line per distinct call naming its ranks.
+       seq | collective | algo | op | dtype | root | size | ndim | dims[0..7]
 
-Every wait inside a collective has a deadline (`group.timeout` seconds, from
-`MINIDP_TIMEOUT`; 300 s by default when checks are on, none otherwise). A rank that waits
-past it raises `CollectiveTimeout` naming the ranks it still waits for. A rank that never
-entered the collective cannot raise; every rank that did, does.
+   `seq` counts this rank's collectives on the group; collective, algo and op are indices
+   into minidp/names.py's lists. The exchange is done by hand, every rank sending its
+   fingerprint to every other rank (p - 1 tiny Isend/Irecv pairs on their own tag, so they
+   never match a data message), because that lets each rank see for itself who sent what and
+   who never arrived: cost (p - 1)α, a few microseconds for the group sizes minidp runs. Then
+   every rank holds the same table, so either all ranks go on or all raise
+   `CollectiveMismatch`, with one line per distinct call naming its ranks.
 
-After either error, or any other raised inside a collective, the group is marked broken on
-that rank (messages of the failed call may still be in flight) and refuses further
+2. The deadline (`group.timeout` seconds). Unless set on the group (`Group(timeout=...)` or
+   `group.timeout = ...`; None: no deadline), it follows `group.checks`: `MINIDP_TIMEOUT`
+   seconds if that is set, checks on or off (0/off/none: no deadline), else 300 s while
+   checks are on and none while they are off. The environment is read when the group is
+   made. One deadline covers a whole collective call: it is fixed when the call starts
+   (group.py), and every wait of the call (p2p.waitall, MPI's own non-blocking collectives
+   in builtin.py) compares the clock with it every 64 polls. A rank still waiting past it
+   raises `CollectiveTimeout` naming the peers of the requests it still waits for. A rank
+   that never entered the collective cannot raise; every rank that did, does. Without a
+   deadline a wait can last forever (it is MPI's own blocking call: p2p.py's fast path).
+
+3. The size of every message (p2p.py, always on): a receive that gets fewer bytes than it
+   posted, or more (MPI's truncation error), raises `MessageSizeMismatch`, a
+   `CollectiveMismatch`, on the rank that received it.
+
+After any of these errors, or any other raised inside a collective, the group is marked broken
+on that rank (messages of the failed call may still be in flight) and refuses further
 collectives: make a new group from a healthy one.
 """
 
@@ -32,44 +44,27 @@ import numpy as np
 
 from minidp.comm.errors import CollectiveMismatch
 from minidp.comm.p2p import CHECK_TAG, irecv, isend, waitall
+from minidp.names import ALGORITHMS, COLLECTIVES
+from minidp.names import OPS as OP_NAMES
 
 FIELDS = 16
 MAX_DIMS = FIELDS - 8
 DEFAULT_TIMEOUT_S = 300.0
 
-COLLECTIVES = (
-    "allreduce",
-    "reduce_scatter",
-    "allgather",
-    "broadcast",
-    "reduce",
-    "gather",
-    "scatter",
-    "alltoall",
-    "barrier",
-)
-ALGOS = (
-    "auto",
-    "ring",
-    "recursive_doubling",
-    "recursive_halving",
-    "rabenseifner",
-    "tree",
-    "naive",
-    "pairwise",
-    "dissemination",
-    "mpi",
-)
-OPS = ("-", "sum", "avg", "max", "min", "prod")
+ALGOS = tuple(dict.fromkeys(a for listed in ALGORITHMS.values() for a in listed))
+"""Every algorithm name once; a fingerprint's algo field is an index into it."""
+OPS = ("-", *OP_NAMES)  # "-": a collective without an op
 _DTYPE_CODES = {zlib.crc32(np.dtype(c).str.encode()): np.dtype(c).name for c in "?bBhHiIlLqQefd"}
 
 
 def checks_from_env() -> bool:
-    return os.environ.get("MINIDP_CHECKS", "0").strip().lower() in ("1", "true", "yes", "on")
+    """MINIDP_CHECKS: on unless it is 0, false, no or off (case and spaces ignored)."""
+    return os.environ.get("MINIDP_CHECKS", "1").strip().lower() not in ("0", "false", "no", "off")
 
 
 def timeout_from_env(checks: bool) -> float | None:
-    """Seconds from MINIDP_TIMEOUT ('0' or 'off' = none); else 300 with checks, none without."""
+    """MINIDP_TIMEOUT seconds ('0', 'off', 'none': no deadline); unset: 300 s with checks,
+    none without."""
     value = os.environ.get("MINIDP_TIMEOUT", "").strip().lower()
     if value in ("0", "off", "none"):
         return None

@@ -2,7 +2,7 @@
 barrier. (Those with a root are in rooted.py.)
 
 The contract, once. Every rank of the group calls the same collective, in the same order,
-with the same shape, dtype, op and algo (checks.py verifies this when MINIDP_CHECKS=1).
+with the same shape, dtype, op and algo (checks.py verifies this unless MINIDP_CHECKS=0).
 Inputs are C-contiguous NumPy arrays of any shape, treated as flat; they are only read,
 unless you pass `out=x`. `out=` takes a preallocated result (the fast path: nothing is
 allocated after the first call); without it the result is a new array. Pass everything but x
@@ -54,33 +54,42 @@ from minidp.comm.recursive import (
 )
 from minidp.comm.ring import ring_allgather, ring_allreduce, ring_reduce_scatter
 from minidp.comm.tree import tree_allreduce
+from minidp.names import table
 
-ALLREDUCE = {
-    "ring": ring_allreduce,
-    "recursive_doubling": recursive_doubling_allreduce,
-    "rabenseifner": rabenseifner_allreduce,
-    "tree": tree_allreduce,
-    "naive": naive_allreduce,
-    "mpi": mpi_allreduce,
-}
-
-
-REDUCE_SCATTER = {
-    "ring": functools.partial(ring_reduce_scatter, full=False),
-    "recursive_halving": halving_reduce_scatter_chunks,
-    "naive": naive_reduce_scatter,
-    "mpi": mpi_reduce_scatter,
-}
-
-
-ALLGATHER = {
-    "ring": ring_allgather,
-    "recursive_doubling": doubling_allgather_chunks,
-    "naive": naive_allgather,
-    "mpi": mpi_allgather,
-}
-ALLTOALL = {"pairwise": pairwise_alltoall, "naive": naive_alltoall, "mpi": mpi_alltoall}
-BARRIER = {"dissemination": dissemination_barrier, "mpi": mpi_barrier}
+# The tables of functions; names.table() checks each against the one list in minidp/names.py.
+ALLREDUCE = table(
+    "allreduce",
+    {
+        "ring": ring_allreduce,
+        "recursive_doubling": recursive_doubling_allreduce,
+        "rabenseifner": rabenseifner_allreduce,
+        "tree": tree_allreduce,
+        "naive": naive_allreduce,
+        "mpi": mpi_allreduce,
+    },
+)
+REDUCE_SCATTER = table(
+    "reduce_scatter",
+    {
+        "ring": functools.partial(ring_reduce_scatter, full=False),
+        "recursive_halving": halving_reduce_scatter_chunks,
+        "naive": naive_reduce_scatter,
+        "mpi": mpi_reduce_scatter,
+    },
+)
+ALLGATHER = table(
+    "allgather",
+    {
+        "ring": ring_allgather,
+        "recursive_doubling": doubling_allgather_chunks,
+        "naive": naive_allgather,
+        "mpi": mpi_allgather,
+    },
+)
+ALLTOALL = table(
+    "alltoall", {"pairwise": pairwise_alltoall, "naive": naive_alltoall, "mpi": mpi_alltoall}
+)
+BARRIER = table("barrier", {"dissemination": dissemination_barrier, "mpi": mpi_barrier})
 
 
 def _reduction(x, op: str, algo: str, group, table: dict, name: str):

@@ -11,3 +11,8 @@ class CollectiveMismatch(CollectiveError):
 
 class CollectiveTimeout(CollectiveError):
     """A collective did not complete in time; the message names the ranks never heard from."""
+
+
+class MessageSizeMismatch(CollectiveMismatch):
+    """A message arrived shorter or longer than the receive posted for it: the ranks disagree
+    on a size (shape, dtype or count). Raised on the rank that received it."""

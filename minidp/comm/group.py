@@ -7,7 +7,8 @@ A Group wraps one MPI communicator and adds what the algorithms need:
     world_ranks         world rank of each group rank (for error messages and logs)
     scratch             reusable work buffers (buffers.py), owned by this group alone
     counters            {collective: {"calls", "bytes_sent", "bytes_recv", "messages_sent"}}
-    checks, timeout     cross-rank fingerprints and the wait deadline (checks.py)
+    checks, timeout     cross-rank fingerprints and the wait deadline (checks.py); the
+                        deadline follows `checks` unless `timeout` was set explicitly
 
 Groups are made from other groups, and every rank of the parent must take part:
 
@@ -61,12 +62,16 @@ class Group:
             comm.Get_group().Translate_ranks(list(range(self.size)), MPI.COMM_WORLD.Get_group())
         )
         self.checks = checks_from_env() if checks is None else checks
-        self.timeout = timeout_from_env(self.checks) if timeout is _FROM_ENV else timeout
+        self._timeout = timeout  # _FROM_ENV: follow self.checks (the timeout property)
+        self._timeout_for = (timeout_from_env(False), timeout_from_env(True))  # [checks]
         self.scratch = Scratch()
         self.deadline: float | None = None  # set while a collective runs with a timeout
         self.broken: str | None = None  # why this group refuses further collectives
         self.abandoned: list = []  # requests left by a failed call, kept alive for MPI
-        self.receiving: list = []  # receives posted by the running collective
+        # receives posted by the running collective: id(request) -> (request, bytes posted),
+        # for p2p.waitall's size check and for cancelling after an error
+        self.receiving: dict[int, tuple[MPI.Request, int]] = {}
+        self.statuses = [MPI.Status(), MPI.Status()]  # reused by p2p.py; grows in waitall
         self.patient = False  # wait by napping, not spinning (p2p.py); dup() starts impatient
         self._counts: dict[str, list[int]] = {}
         self._outside = [0, 0, 0, 0]  # messages sent outside any collective ("p2p")
@@ -79,11 +84,23 @@ class Group:
     def __repr__(self) -> str:
         return f"Group(rank={self.rank}, size={self.size}, world_ranks={self.world_ranks})"
 
+    @property
+    def timeout(self) -> float | None:
+        """Seconds one collective call may wait (None: forever). Set it to fix it; otherwise
+        it follows `checks`: MINIDP_TIMEOUT if set, else 300 s with checks, none without."""
+        if self._timeout is _FROM_ENV:
+            return self._timeout_for[bool(self.checks)]
+        return self._timeout
+
+    @timeout.setter
+    def timeout(self, seconds: float | None) -> None:
+        self._timeout = seconds
+
     # -- making groups -------------------------------------------------------------------------
     def _wrap(self, comm: MPI.Comm) -> "Group | None":
         if comm == MPI.COMM_NULL:
             return None
-        return Group(comm, checks=self.checks, timeout=self.timeout)
+        return Group(comm, checks=self.checks, timeout=self._timeout)
 
     def split(self, color: int | None, key: int | None = None) -> "Group | None":
         """Ranks passing the same color form one group, ordered by key (default: rank)."""
@@ -153,14 +170,35 @@ class Group:
         """`with group.collective(...):` wraps the messages of one collective call."""
         return _Running(self, name, algo, op, dtype, root, shape)
 
+    # -- error messages ------------------------------------------------------------------------
+    def _where(self) -> str:
+        """'rank 0 of 5 (world 0): allgather #3 (algo=ring)', or '...: a point-to-point message'."""
+        me = f"rank {self.rank} of {self.size} (world {self.world_ranks[self.rank]}): "
+        if self.current is self._outside:
+            return me + "a point-to-point message"
+        name, algo, _ = self._doing
+        return me + f"{name} #{self._seq} (algo={algo})"
+
     def timeout_message(self, missing: list[int]) -> str:
-        name, algo, phase = self._doing
         world = ", ".join(str(self.world_ranks[r]) for r in missing)
         return (
-            f"rank {self.rank} of {self.size} (world {self.world_ranks[self.rank]}): "
-            f"{name} #{self._seq} (algo={algo}) heard nothing from rank(s) "
-            f"{ranges(missing)} (world {world}) within {self.timeout:g} s, during the "
-            f"{phase}; this group is unusable now"
+            f"{self._where()} heard nothing from rank(s) {ranges(missing)} (world {world}) "
+            f"within {self.timeout:g} s, during the {self._doing[2]}; this group is unusable now"
+        )
+
+    def size_message(self, peer: int | None, posted: int | None, got: int | None) -> str:
+        """A receive from peer posted for `posted` bytes got `got` (None: more, truncated)."""
+        source = "a peer" if peer is None else f"rank {peer} (world {self.world_ranks[peer]})"
+        if got is None:
+            expected = "than expected" if posted is None else f"than the {posted} expected"
+            arrived = f"more bytes {expected} from {source} (MPI truncated the message)"
+        else:
+            arrived = f"{got} bytes from {source}, {posted} expected"
+        if self.current is self._outside:  # a p2p call outside any collective breaks nothing
+            return f"{self._where()} got {arrived}"
+        return (
+            f"{self._where()} got {arrived}, during the {self._doing[2]}. The ranks passed "
+            "different shapes, dtypes or arguments; this group is unusable now"
         )
 
 
@@ -204,7 +242,7 @@ class _Running:
         g = self.group
         if error is not None:  # messages of this call may still be in flight: never reuse
             g.broken = f"{type(error).__name__}: {error}"
-            for request in g.receiving:
+            for request, _ in g.receiving.values():
                 if request != MPI.REQUEST_NULL:
                     request.Cancel()  # best effort: a message already matched still lands
                     g.abandoned.append(request)  # MPI may still write its buffer

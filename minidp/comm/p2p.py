@@ -11,12 +11,20 @@ the reduction happens in NumPy on the receiving side, so MPI never needs to know
 (float16 has no standard MPI datatype). Each call adds its bytes to the group's counters under
 the collective in progress.
 
-Waiting: with no deadline (checks off) a wait is MPI's own blocking call, which spins on
-the core. A *patient* group (`group.patient = True`, what data parallelism's communication
-thread uses) polls `Testall`, briefly, then naps between polls, so the thread computing
-beside it keeps the core and the GIL (the first polls catch quick handshakes). With a
-deadline, the wait polls `Testall`, yielding the core between polls (ranks often outnumber
-cores), and at the deadline raises `CollectiveTimeout` naming the peers it never heard from.
+Sizes: every receive checks the bytes that arrived (its MPI status, `Get_count`, a few
+hundred nanoseconds) against the bytes it posted. Fewer is an error on the receiving rank,
+never a silently short buffer; more is MPI's truncation error (ERR_TRUNCATE), turned into the
+same `MessageSizeMismatch` (a CollectiveMismatch) naming the peer, the sizes and the
+collective. Ranks that pass different shapes without the fingerprint check (checks.py) still
+get an error where a message of the wrong size lands, instead of a wrong answer.
+
+Waiting: with no deadline (`group.timeout` None) a wait is MPI's own blocking call, which
+spins on the core (the fast path). A *patient* group (`group.patient = True`, what data
+parallelism's communication thread uses) polls `Testall`, briefly, then naps between polls,
+so the thread computing beside it keeps the core and the GIL (the first polls catch quick
+handshakes). With a deadline (the default, checks.py), the wait polls `Testall`, yielding
+the core between polls (ranks often outnumber cores), and past the deadline raises
+`CollectiveTimeout` naming the peers it never heard from.
 
 Any error inside a collective leaves the group broken (group.py): it cancels the receives
 still pending, which is best effort (a message MPI has already matched still lands, so the
@@ -30,7 +38,7 @@ import time
 import numpy as np
 from mpi4py import MPI
 
-from minidp.comm.errors import CollectiveTimeout
+from minidp.comm.errors import CollectiveTimeout, MessageSizeMismatch
 
 DATA_TAG = 7001  # data of every algorithm; messages between one pair never overtake
 CHECK_TAG = 7002  # fingerprints (checks.py), kept apart from the data
@@ -53,18 +61,35 @@ def isend(group, buf: np.ndarray, dest: int, tag: int = DATA_TAG) -> MPI.Request
 def irecv(group, buf: np.ndarray, source: int, tag: int = DATA_TAG) -> MPI.Request:
     group.traffic(0, buf.nbytes, 0)
     request = group.comm.Irecv(_msg(buf), source, tag)
-    group.receiving.append(request)  # cancellable after an error (sends are not, safely)
+    # waitall checks the size that arrives; after an error the receive is cancelled (sends
+    # are not, safely). The dict keeps the request alive, so its id() stays unique.
+    group.receiving[id(request)] = (request, buf.nbytes)
     return request
 
 
 def waitall(group, requests: list, peers: list[int]) -> None:
     """Wait for every request; peers[i] is the rank at the other end of requests[i]."""
-    deadline = group.deadline
-    if deadline is None and not group.patient:
-        MPI.Request.Waitall(requests)
-        return
-    polls = 0
-    while not MPI.Request.Testall(requests):
+    statuses = group.statuses
+    if len(statuses) < len(requests):
+        statuses += [MPI.Status() for _ in range(len(requests) - len(statuses))]
+    try:
+        if group.deadline is None and not group.patient:
+            MPI.Request.Waitall(requests, statuses)
+        else:
+            _poll(group, requests, peers, statuses)
+    except MPI.Exception as error:
+        _truncated(group, error, requests, peers, statuses)
+        raise
+    receiving = group.receiving
+    for request, peer, status in zip(requests, peers, statuses):
+        posted = receiving.pop(id(request), None)  # done: nothing left to cancel
+        if posted is not None and status.Get_count(BYTE) != posted[1]:
+            raise MessageSizeMismatch(group.size_message(peer, posted[1], status.Get_count(BYTE)))
+
+
+def _poll(group, requests: list, peers: list[int], statuses: list) -> None:
+    deadline, polls = group.deadline, 0
+    while not MPI.Request.Testall(requests, statuses):
         polls += 1
         if polls > _SPIN:
             if group.patient:
@@ -72,19 +97,28 @@ def waitall(group, requests: list, peers: list[int]) -> None:
             else:
                 os.sched_yield()
         if deadline is not None and polls % _SPIN == 0 and time.monotonic() > deadline:
-            _give_up(group, requests, peers)
+            missing = sorted({peer for req, peer in zip(requests, peers) if not req.Test()})
+            _abandon(group, requests)
+            raise CollectiveTimeout(group.timeout_message(missing))
 
 
-def _give_up(group, requests: list, peers: list[int]) -> None:
-    missing = sorted({peer for req, peer in zip(requests, peers) if not req.Test()})
-    # Sends still pending stay referenced: MPI may still read their buffers. (Receives are
-    # in group.receiving; the collective's exit cancels them, see group.py.)
+def _abandon(group, requests: list) -> None:
+    """Keep the sends still pending referenced: MPI may still read their buffers. (Receives
+    are in group.receiving; the collective's exit cancels them, see group.py.)"""
     group.abandoned += [
-        req
-        for req in requests
-        if req != MPI.REQUEST_NULL and not any(req == r for r in group.receiving)
+        req for req in requests if req != MPI.REQUEST_NULL and id(req) not in group.receiving
     ]
-    raise CollectiveTimeout(group.timeout_message(missing))
+
+
+def _truncated(group, error: MPI.Exception, requests: list, peers: list[int], statuses) -> None:
+    """Raise MessageSizeMismatch if error is MPI truncating one of the receives."""
+    in_status = error.Get_error_class() == MPI.ERR_IN_STATUS  # else: the error of them all
+    for i, (request, status) in enumerate(zip(requests, statuses)):
+        code = status.Get_error() if in_status else error.Get_error_code()
+        if MPI.Get_error_class(code) == MPI.ERR_TRUNCATE and id(request) in group.receiving:
+            _abandon(group, requests)
+            posted = group.receiving[id(request)][1]
+            raise MessageSizeMismatch(group.size_message(peers[i], posted, None)) from error
 
 
 def sendrecv(group, send_buf: np.ndarray, dest: int, recv_buf: np.ndarray, source: int) -> None:
@@ -94,7 +128,19 @@ def sendrecv(group, send_buf: np.ndarray, dest: int, recv_buf: np.ndarray, sourc
         counts[1] += send_buf.nbytes
         counts[2] += recv_buf.nbytes
         counts[3] += 1
-        group.comm.Sendrecv([send_buf, BYTE], dest, DATA_TAG, [recv_buf, BYTE], source, DATA_TAG)
+        status = group.statuses[0]
+        try:
+            group.comm.Sendrecv(
+                [send_buf, BYTE], dest, DATA_TAG, [recv_buf, BYTE], source, DATA_TAG, status
+            )
+        except MPI.Exception as error:
+            if error.Get_error_class() == MPI.ERR_TRUNCATE:
+                message = group.size_message(source, recv_buf.nbytes, None)
+                raise MessageSizeMismatch(message) from error
+            raise
+        if status.Get_count(BYTE) != recv_buf.nbytes:
+            got = status.Get_count(BYTE)
+            raise MessageSizeMismatch(group.size_message(source, recv_buf.nbytes, got))
     else:
         reqs = [irecv(group, recv_buf, source), isend(group, send_buf, dest)]
         waitall(group, reqs, [source, dest])

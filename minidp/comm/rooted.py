@@ -36,6 +36,7 @@ from minidp.comm.tree import (
     binomial_scatter,
     subtree_chunks,
 )
+from minidp.names import table
 
 
 def _scatter_allgather_broadcast(group, buf: np.ndarray, root: int) -> None:
@@ -84,27 +85,40 @@ def _tree_scatter(group, rows: np.ndarray | None, row: np.ndarray, root: int) ->
     np.copyto(row, held[:m])
 
 
-BROADCAST = {
-    "tree": binomial_broadcast,
-    "ring": _scatter_allgather_broadcast,
-    "naive": linear_broadcast,
-    "mpi": mpi_broadcast,
-}
-REDUCE = {"tree": binomial_reduce, "ring": _ring_reduce, "naive": linear_reduce, "mpi": mpi_reduce}
-GATHER = {
-    "tree": _tree_gather,
-    "naive": lambda g, row, rows, root: linear_gather(
-        g, row, rows, [i * row.size for i in range(g.size + 1)], root
-    ),
-    "mpi": mpi_gather,
-}
-SCATTER = {
-    "tree": _tree_scatter,
-    "naive": lambda g, rows, row, root: linear_scatter(
-        g, rows, [i * row.size for i in range(g.size + 1)], row, root
-    ),
-    "mpi": mpi_scatter,
-}
+# The tables of functions; names.table() checks each against the one list in minidp/names.py.
+BROADCAST = table(
+    "broadcast",
+    {
+        "tree": binomial_broadcast,
+        "ring": _scatter_allgather_broadcast,
+        "naive": linear_broadcast,
+        "mpi": mpi_broadcast,
+    },
+)
+REDUCE = table(
+    "reduce",
+    {"tree": binomial_reduce, "ring": _ring_reduce, "naive": linear_reduce, "mpi": mpi_reduce},
+)
+GATHER = table(
+    "gather",
+    {
+        "tree": _tree_gather,
+        "naive": lambda g, row, rows, root: linear_gather(
+            g, row, rows, [i * row.size for i in range(g.size + 1)], root
+        ),
+        "mpi": mpi_gather,
+    },
+)
+SCATTER = table(
+    "scatter",
+    {
+        "tree": _tree_scatter,
+        "naive": lambda g, rows, row, root: linear_scatter(
+            g, rows, [i * row.size for i in range(g.size + 1)], row, root
+        ),
+        "mpi": mpi_scatter,
+    },
+)
 
 
 def broadcast(
