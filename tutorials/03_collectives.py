@@ -110,10 +110,11 @@ if rank == 0:
 # %% [markdown]
 # ## 4. When ranks disagree
 #
-# A collective is a promise that every rank calls it with matching arguments. With
-# `MINIDP_CHECKS=1` (on in the test suite) each collective first swaps a small fingerprint,
-# so a mismatch raises `CollectiveMismatch` on every rank, naming who called what, instead
-# of hanging or silently mixing up data.
+# A collective is a promise that every rank calls it with matching arguments. With checks
+# on (the default; `MINIDP_CHECKS=0` turns them off) each collective first swaps a small
+# fingerprint, so a mismatch raises `CollectiveMismatch` on every rank, naming who called
+# what, instead of hanging or silently mixing up data. (Setting `checks = True` below keeps
+# the cell true for a reader who runs it with checks off.)
 
 # %%
 strict = group.dup()

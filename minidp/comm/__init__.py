@@ -39,7 +39,12 @@ from minidp.comm.collectives import (
     barrier,
     reduce_scatter,
 )
-from minidp.comm.errors import CollectiveError, CollectiveMismatch, CollectiveTimeout
+from minidp.comm.errors import (
+    CollectiveError,
+    CollectiveMismatch,
+    CollectiveTimeout,
+    MessageSizeMismatch,
+)
 from minidp.comm.group import Group, world
 from minidp.comm.ops import OPS, REDUCE_DTYPES
 from minidp.comm.rooted import (
@@ -74,6 +79,7 @@ __all__ = [
     "CollectiveError",
     "CollectiveMismatch",
     "CollectiveTimeout",
+    "MessageSizeMismatch",
     "Group",
     "allgather",
     "allreduce",
