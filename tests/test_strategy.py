@@ -178,6 +178,7 @@ def test_on_a_sub_group_its_rank_0_writes_everything(tmp_path_factory, capsys):
     out = capsys.readouterr().out
     if world.rank == 1:  # rank 0 of its group: it prints and writes the records
         assert "minidp train" in out and "done: 2 steps" in out
+        assert "overlap off (auto: one rank, nothing to communicate)" in out  # says why
         records = [json.loads(line) for line in open(path)]
         assert records[-1]["world_size"] == 1 and len(records) == 3
     else:
