@@ -1,5 +1,9 @@
 """Every hand-written collective against MPI's own, on 1 to 5 ranks.
 
+This file walks dtypes x ops x lengths on one kind of group, `world().dup()` with checks on;
+test_comm_group_kinds.py runs every collective over other kinds of group (reversed, split,
+alternating, checks off: the fast path), on up to 7 ranks, and times the barrier.
+
 Each test loops over algorithms x ops x dtypes x lengths inside one MPI launch (a launch
 costs seconds on a small machine; a loop iteration costs microseconds). Inputs are small
 integers stored in each dtype, so sums, products, maxima and minima are exact in any order:
@@ -42,8 +46,10 @@ def same_on_every_rank(a: np.ndarray | None, what: str) -> None:
 
 
 def check(got: np.ndarray, want: np.ndarray, what: str) -> None:
+    """The same shape, dtype and bytes (stricter than ==, which takes -0.0 for 0.0)."""
     assert got.shape == want.shape and got.dtype == want.dtype, what
-    assert np.array_equal(got, want), f"{what}: got {got.ravel()[:6]}, want {want.ravel()[:6]}"
+    same = np.ascontiguousarray(got).tobytes() == np.ascontiguousarray(want).tobytes()
+    assert same, f"{what}: got {got.ravel()[:6]}, want {want.ravel()[:6]}"
 
 
 def fresh_group() -> comm.Group:
@@ -187,7 +193,7 @@ def test_rooted_collectives_from_every_root():
 
 @pytest.mark.timeout(120)
 @pytest.mark.parallel(nprocs=SIZES)
-def test_alltoall_transposes_and_barrier_waits_for_everyone():
+def test_alltoall_transposes():
     g = fresh_group()
     p, r = g.size, g.rank
     for m in (0, 1, 1000, 70_000):
@@ -195,12 +201,3 @@ def test_alltoall_transposes_and_barrier_waits_for_everyone():
         want = (r * 100 + np.arange(p)[:, None] + np.zeros((p, m))).astype(np.int64)
         for algo in comm.ALGORITHMS["alltoall"]:
             check(comm.alltoall(x, algo=algo, group=g), want, f"alltoall {algo} m={m}")
-    # barrier: a rank that arrives late holds everyone up (no timing asserted, only order)
-    for algo in comm.ALGORITHMS["barrier"]:
-        flag = np.zeros(1, np.int64)
-        if r == p - 1:
-            flag[0] = 1
-        comm.barrier(group=g, algo=algo)
-        comm.broadcast(flag, root=p - 1, group=g)
-        assert flag[0] == 1
-    assert g.counters["barrier"]["bytes_sent"] == 0

@@ -1,5 +1,6 @@
 """Groups and what they keep: sub-groups side by side, threads, byte counters, no new arrays."""
 
+import functools
 import threading
 import tracemalloc
 
@@ -37,11 +38,15 @@ def test_split_subgroups_run_side_by_side():
     if r in listed:
         assert sub.rank == listed.index(r) and sub.world_ranks == tuple(listed)
         got = comm.gather(np.array([r]), root=0, group=sub)
-        if sub.rank == 0:
-            assert got.ravel().tolist() == listed
+        assert (got.ravel().tolist() == listed) if sub.rank == 0 else got is None
     else:
         assert sub is None
-    assert world.split(None if r == 0 else 1) is None or r != 0
+    rest = world.split(None if r == 0 else 1)  # color None: rank 0 joins no group
+    if r == 0:
+        assert rest is None
+    else:
+        assert (rest.size, rest.rank, rest.world_ranks) == (p - 1, r - 1, tuple(range(1, p)))
+        assert comm.allreduce(np.array([r]), group=rest)[0] == sum(range(1, p))
 
 
 @pytest.mark.timeout(120)
@@ -109,28 +114,43 @@ def test_counters_show_the_bytes_each_algorithm_sends():
             assert g.counters["allreduce"]["bytes_sent"] == (p.bit_length() - 1) * n * 4
 
 
+def calls_with_out(g: comm.Group, n: int) -> dict:
+    """One call per entry of comm.ALGORITHMS ("allreduce ring", ...), each into out= where
+    the collective takes one (broadcast fills its x; barrier carries nothing)."""
+    p, r = g.size, g.rank
+    b, m = comm.chunk_bounds(n, p), n // p
+    x = np.random.default_rng(r).standard_normal(n).astype(np.float32)
+    out, chunk, mine = np.empty_like(x), np.empty(b[r + 1] - b[r], "f4"), x[b[r] : b[r + 1]].copy()
+    rows, row, stacked = x[: p * m].reshape(p, m), np.empty(m, np.float32), np.empty((p, m), "f4")
+    run = {
+        "allreduce": lambda a: comm.allreduce(x, algo=a, group=g, out=out),
+        "reduce_scatter": lambda a: comm.reduce_scatter(x, algo=a, group=g, out=chunk),
+        "allgather": lambda a: comm.allgather(mine, algo=a, group=g, out=out),
+        "broadcast": lambda a: comm.broadcast(out, algo=a, group=g),
+        "reduce": lambda a: comm.reduce(x, algo=a, group=g, out=out),
+        "gather": lambda a: comm.gather(row, algo=a, group=g, out=stacked),
+        "scatter": lambda a: comm.scatter(rows, algo=a, group=g, out=row),
+        "alltoall": lambda a: comm.alltoall(rows, algo=a, group=g, out=stacked),
+        "barrier": lambda a: comm.barrier(group=g, algo=a),
+    }
+    return {
+        f"{name} {a}": functools.partial(run[name], a)
+        for name, algos in comm.ALGORITHMS.items()
+        for a in algos
+    }
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parallel(nprocs=[2, 3])
 def test_repeated_calls_of_one_size_allocate_nothing():
-    g = comm.world().dup()
-    n = 1 << 20  # 4 MiB of float32: even one chunk-sized temporary is over 1 MiB
-    x = np.random.default_rng(g.rank).standard_normal(n).astype(np.float32)
-    out, chunk = np.empty_like(x), np.empty(comm.chunk_bounds(n, g.size)[1], np.float32)
-    b = comm.chunk_bounds(n, g.size)
-    mine = x[b[g.rank] : b[g.rank + 1]].copy()
+    """Every algorithm of every collective, with checks on and off (the fast path)."""
+    world = comm.world()
+    n = 1 << 18  # 1 MiB of float32: even one chunk-sized temporary is over 256 KiB
+    quick = comm.Group(world.comm.Dup(), checks=False, timeout=None)
     calls = {
-        **{
-            f"allreduce {a}": (lambda a=a: comm.allreduce(x, algo=a, group=g, out=out))
-            for a in comm.ALGORITHMS["allreduce"]
-            if a != "mpi"
-        },
-        "reduce_scatter": lambda: comm.reduce_scatter(
-            x, algo="ring", group=g, out=chunk[: b[g.rank + 1] - b[g.rank]]
-        ),
-        "allgather": lambda: comm.allgather(mine, algo="ring", group=g, out=out),
-        "broadcast ring": lambda: comm.broadcast(out, algo="ring", group=g),
-        "broadcast tree": lambda: comm.broadcast(out, algo="tree", group=g),
-        "reduce tree": lambda: comm.reduce(x, algo="tree", group=g, out=out),
+        f"{name}, checks {'on' if g.checks else 'off'}": call
+        for g in (world.dup(), quick)
+        for name, call in calls_with_out(g, n).items()
     }
     # NumPy reports every array it allocates to tracemalloc, so the peak of new allocations
     # over five calls is exact. (Counting page faults is not: glibc hands a freed block back
