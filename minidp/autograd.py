@@ -84,9 +84,10 @@ def unbroadcast(g: np.ndarray, shape: tuple) -> np.ndarray:
     return summed.reshape(shape)
 
 
-def _broadcast_shape(name: str, a: np.ndarray, b: np.ndarray) -> None:
+def _broadcasting(name: str, ufunc: np.ufunc, a: "Tensor", b: "Tensor") -> np.ndarray:
+    """ufunc(a.data, b.data), with an error that names the op when shapes do not broadcast."""
     try:
-        np.broadcast_shapes(a.shape, b.shape)
+        return ufunc(a.data, b.data)
     except ValueError:
         raise ValueError(f"{name}: shapes {a.shape} and {b.shape} do not broadcast") from None
 
@@ -154,26 +155,27 @@ class Tensor:
 
     # ---- the engine ---------------------------------------------------------------------
     def register_grad_ready_hook(self, hook: Callable[["Tensor"], None]) -> Callable[[], None]:
-        """Call `hook(self)` each time backward has finished this leaf's gradient.
-
-        Returns a function that removes the hook."""
+        """Call `hook(self)` each time backward has finished this leaf's gradient; returns a
+        function that removes the hook."""
         self._hooks.append(hook)
         return lambda: self._hooks.remove(hook)
 
     def _topological_order(self) -> list["Tensor"]:
-        order, seen, stack = [], set(), [(self, False)]
-        while stack:  # iterative post-order DFS: deep graphs need no recursion limit
-            node, done = stack.pop()
-            if done:
+        """The tensors behind this one that need a gradient, each after all of its parents:
+        the post-order of a depth-first walk that visits parents in order."""
+        order, seen, stack = [], {id(self)}, [(self, iter(self._parents))]
+        while stack:  # iterative DFS: deep graphs need no recursion limit
+            node, parents = stack[-1]
+            for p in parents:
+                if p.requires_grad and id(p) not in seen:
+                    seen.add(id(p))
+                    if p._parents:
+                        stack.append((p, iter(p._parents)))  # descend; come back for the rest
+                        break
+                    order.append(p)  # a leaf: nothing behind it
+            else:  # every parent is placed: now this node
+                stack.pop()
                 order.append(node)
-                continue
-            if id(node) in seen:
-                continue
-            seen.add(id(node))
-            stack.append((node, True))
-            stack.extend(
-                (p, False) for p in reversed(node._parents) if p.requires_grad and id(p) not in seen
-            )
         return order
 
     def backward(self, gradient=None) -> None:
@@ -191,7 +193,7 @@ class Tensor:
         if gradient.shape != self.shape:
             raise ValueError(f"backward(): seed shape {gradient.shape} != tensor {self.shape}")
 
-        grads = {id(self): gradient}
+        grads = {id(self): gradient}  # id(tensor) -> its gradient, summed over its consumers
         # arrays already stored somewhere (the caller's seed too): copy before keeping
         handed_out: set[int] = {id(gradient)}
         for node in reversed(self._topological_order()):
@@ -200,19 +202,18 @@ class Tensor:
                 continue
             if node._backward is None:  # a leaf: its gradient is final now
                 node._accumulate(g, owned=g.base is None and id(g) not in handed_out)
-                handed_out.add(id(g))
                 for hook in node._hooks:
                     hook(node)
                 continue
             for parent, pg in zip(node._parents, node._backward(g)):
-                if pg is None or not parent.requires_grad:
-                    continue
-                key = id(parent)
-                grads[key] = grads[key] + pg if key in grads else pg
-                handed_out.add(id(pg))
+                if pg is not None and parent.requires_grad:
+                    key = id(parent)
+                    total = grads.get(key)
+                    grads[key] = pg if total is None else total + pg
+                    handed_out.add(id(pg))
 
     def _accumulate(self, g: np.ndarray, owned: bool) -> None:
-        if g.shape != self.shape:  # += would broadcast a wrong gradient silently
+        if g.shape != self.data.shape:  # += would broadcast a wrong gradient silently
             raise ValueError(f"gradient of shape {g.shape} for a tensor of shape {self.shape}")
         if self.grad is not None:
             self.grad += g  # in place: data parallelism's gradients are views into buckets
@@ -234,21 +235,16 @@ class Tensor:
 
     def __add__(self, other):
         a, b = self, self._lift(other)
-        _broadcast_shape("add", a.data, b.data)
-        return op(
-            a.data + b.data, (a, b), lambda g: (unbroadcast(g, a.shape), unbroadcast(g, b.shape))
-        )
+        out = _broadcasting("add", np.add, a, b)
+        return op(out, (a, b), lambda g: (unbroadcast(g, a.shape), unbroadcast(g, b.shape)))
 
     def __sub__(self, other):
         a, b = self, self._lift(other)
-        _broadcast_shape("sub", a.data, b.data)
-        return op(
-            a.data - b.data, (a, b), lambda g: (unbroadcast(g, a.shape), unbroadcast(-g, b.shape))
-        )
+        out = _broadcasting("sub", np.subtract, a, b)
+        return op(out, (a, b), lambda g: (unbroadcast(g, a.shape), unbroadcast(-g, b.shape)))
 
     def __mul__(self, other):
         a, b = self, self._lift(other)
-        _broadcast_shape("mul", a.data, b.data)
 
         def backward(g):
             return (
@@ -256,11 +252,10 @@ class Tensor:
                 unbroadcast(g * a.data, b.shape) if b.requires_grad else None,
             )
 
-        return op(a.data * b.data, (a, b), backward)
+        return op(_broadcasting("mul", np.multiply, a, b), (a, b), backward)
 
     def __truediv__(self, other):
         a, b = self, self._lift(other)
-        _broadcast_shape("div", a.data, b.data)
 
         def backward(g):  # d(a/b) = da/b - a db/b^2
             return (
@@ -268,7 +263,7 @@ class Tensor:
                 unbroadcast(-g * a.data / (b.data * b.data), b.shape) if b.requires_grad else None,
             )
 
-        return op(a.data / b.data, (a, b), backward)
+        return op(_broadcasting("div", np.divide, a, b), (a, b), backward)
 
     def __neg__(self):
         return op(-self.data, (self,), lambda g: (-g,))

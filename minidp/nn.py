@@ -20,12 +20,13 @@ from dataclasses import dataclass
 import numpy as np
 
 from minidp import ops
-from minidp.autograd import Tensor, no_grad
+from minidp.autograd import Tensor, no_grad, op
 from minidp.ops import cross_entropy, mse
 
 __all__ = [
     "Parameter",
     "Module",
+    "linear",
     "Linear",
     "MLP",
     "LayerNorm",
@@ -119,6 +120,36 @@ def _uniform(rng, shape, bound, dtype):
     return rng.uniform(-bound, bound, size=shape).astype(dtype)
 
 
+def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """y = x W + b as one op, for x of shape (..., in): what `x @ weight + bias` computes.
+
+    Why fused: composed, a Linear records two graph nodes (four for a (B, T, C) input: a
+    reshape in and out), each with a Tensor, a closure and an unbroadcast in backward. On a
+    small model that bookkeeping costs as much as the arithmetic; one op does the same NumPy
+    calls, so the same float bits, with one node. It is also the op API at its plainest:
+    arrays in, `op(data, parents, backward)` out, the three gradients beside the forward.
+    """
+    x = x if isinstance(x, Tensor) else Tensor(x)
+    X = x.data if x.ndim == 2 else x.data.reshape(-1, x.shape[-1])  # (N, in): one plain product
+    W = weight.data
+    if X.shape[-1] != W.shape[0]:
+        raise ValueError(f"linear: input {x.shape} does not fit a weight of shape {W.shape}")
+    y = X @ W
+    if bias is not None:
+        y = y + bias.data
+
+    def backward(g):  # y = X W + b  ->  dX = g W^T,  dW = X^T g,  db = sum of g over rows
+        g = g.reshape(y.shape)
+        dx = (g @ W.T).reshape(x.shape) if x.requires_grad else None
+        dw = X.T @ g if weight.requires_grad else None
+        if bias is None:
+            return dx, dw
+        return dx, dw, (g.sum(axis=0) if bias.requires_grad else None)
+
+    parents = (x, weight) if bias is None else (x, weight, bias)
+    return op(y if x.ndim == 2 else y.reshape(*x.shape[:-1], W.shape[1]), parents, backward)
+
+
 class Linear(Module):
     """y = x W + b, W: (in_features, out_features). PyTorch's default init: U(+-1/sqrt(in))."""
 
@@ -146,13 +177,7 @@ class Linear(Module):
             self.bias = Parameter(b, dtype=dtype)
 
     def forward(self, x: Tensor) -> Tensor:
-        lead = x.shape[:-1]
-        if x.ndim != 2:  # (B, T, C) -> (B*T, C): one plain matrix product, not a batch of them
-            x = x.reshape(-1, x.shape[-1])
-        y = x @ self.weight
-        if self.bias is not None:
-            y = y + self.bias
-        return y if len(lead) == 1 else y.reshape(*lead, y.shape[-1])
+        return linear(x, self.weight, self.bias)
 
 
 class MLP(Module):

@@ -24,7 +24,7 @@ from hypothesis import given, settings
 
 import minidp
 from minidp import Tensor, concatenate, cross_entropy, mse, no_grad, ops, split, stack, where
-from minidp.nn import MLP, Linear
+from minidp.nn import MLP, Linear, linear
 
 try:
     import torch
@@ -104,6 +104,13 @@ def matmul_example(draw):
     shape_a = (k,) if draw(st.booleans()) else (*lead_a, n, k)
     shape_b = (k,) if draw(st.booleans()) else (*lead_b, k, m)
     return [values(draw, shape_a), values(draw, shape_b)], {}
+
+
+def linear_example(draw):
+    """x (..., in) with up to two leading axes (a (B, T, C) batch too), W (in, out), b (out,)."""
+    lead = draw(hnp.array_shapes(min_dims=0, max_dims=2, min_side=1, max_side=3))
+    k, m = draw(st.integers(1, 4)), draw(st.integers(1, 4))
+    return [values(draw, (*lead, k)), values(draw, (k, m)), values(draw, (m,))], {}
 
 
 def reshape_example(draw):
@@ -321,6 +328,7 @@ OPS = [
     Op("pow_real", power, power, unary(exponent=REAL_POWERS)),
     Op("pow_positive", power, power, unary("positive", exponent=POSITIVE_POWERS)),
     Op("matmul", operator.matmul, operator.matmul, matmul_example),
+    Op("linear", linear, lambda x, w, b: x @ w + b, linear_example),
     # reductions
     Op(
         "sum",
@@ -651,6 +659,26 @@ def test_a_deep_chain_needs_no_recursion_limit():
         y = y * 1.0
     y.sum().backward()
     np.testing.assert_array_equal(x.grad, [1.0])
+
+
+def test_backward_visits_nodes_in_the_post_order_of_a_depth_first_walk():
+    """The order fixes which gradients are summed first: float bits depend on it."""
+
+    def post_order(node, seen, order):  # the definition, recursive: parents in order
+        seen.add(id(node))
+        for p in node._parents:
+            if p.requires_grad and id(p) not in seen:
+                post_order(p, seen, order)
+        order.append(node)
+        return order
+
+    x = Tensor(np.ones((2, 3)), requires_grad=True)
+    w = Tensor(np.ones((3, 3)), requires_grad=True)
+    h = (x @ w).tanh()
+    loss = (h + x * 2.0 + (h @ w).exp() * h).sum()  # shared nodes reached by several paths
+    assert [id(t) for t in loss._topological_order()] == [
+        id(t) for t in post_order(loss, set(), [])
+    ]
 
 
 def test_ndarray_on_the_left_defers_to_tensor():

@@ -221,3 +221,13 @@ def test_closing_restores_the_gil_switch_interval_after_the_last_thread():
     assert sys.getswitchinterval() < before  # the second thread still runs
     second.close()
     assert sys.getswitchinterval() == before
+
+
+def test_grad_ready_hooks_only_with_overlap():
+    """Without overlap every bucket goes at the finish: no hook runs per parameter."""
+    for overlap in (False, True):
+        model = Task(TrainConfig(model="mlp", **TINY), np.float64).model
+        ddp = DistributedDataParallel(model, comm.world(), overlap=overlap)
+        assert all(len(p._hooks) == overlap for p in model.parameters())
+        ddp.close()
+        assert all(not p._hooks for p in model.parameters())

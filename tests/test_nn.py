@@ -10,7 +10,7 @@ import pytest
 from gradcheck import check_gradients
 
 from minidp import Tensor, cross_entropy, no_grad
-from minidp.nn import GPT, MLP, Dropout, Embedding, GPTConfig, LayerNorm, Linear, Module
+from minidp.nn import GPT, MLP, Dropout, Embedding, GPTConfig, LayerNorm, Linear, Module, linear
 
 try:
     import torch
@@ -192,6 +192,32 @@ def test_linear_gradients_by_central_differences():
         linear,
         [rng.standard_normal((2, 5, 4)), rng.standard_normal((4, 3)), rng.standard_normal(3)],
     )
+
+
+def composed_linear(x, weight, bias):
+    """What Linear computed before it was one op: reshape, matmul, add, reshape back."""
+    x2 = x if x.ndim == 2 else x.reshape(-1, x.shape[-1])
+    y = x2 @ weight
+    y = y if bias is None else y + bias
+    return y if x.ndim == 2 else y.reshape(*x.shape[:-1], y.shape[-1])
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("shape", [(16, 37), (3, 5, 37), (37,), (1, 37)])
+@pytest.mark.parametrize("bias", [True, False])
+def test_fused_linear_has_the_bits_of_matmul_then_add(dtype, shape, bias):
+    """Forward and every gradient equal, bit for bit, to the composed ops (losses too)."""
+    rng = np.random.default_rng(0)
+    arrays = [rng.standard_normal(shape), rng.standard_normal((37, 23)), rng.standard_normal(23)]
+    results = []
+    for f in (linear, composed_linear):
+        x, w, b = (Tensor(a.astype(dtype), requires_grad=True) for a in arrays)
+        y = f(x, w, b if bias else None)
+        (y * Tensor(np.cos(np.arange(y.size)).reshape(y.shape).astype(dtype))).sum().backward()
+        results.append([y.data, x.grad, w.grad] + ([b.grad] if bias else []))
+    for ours, theirs in zip(*results):
+        assert ours.dtype == theirs.dtype and ours.shape == theirs.shape
+        assert ours.tobytes() == theirs.tobytes()
 
 
 def test_gpt_gradients_by_central_differences_on_sampled_entries():

@@ -150,8 +150,10 @@ class DistributedDataParallel:
         params = model.parameters()[::-1]  # the order backward produces their gradients
         self.buckets = assign_buckets(params, max(1, int(bucket_cap_mb * 2**20)))
         self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
+        # Grad-ready hooks only with overlap: without it every bucket goes at the finish, and
+        # a hook per parameter per backward would count for nothing.
         hook = _weak_hook(self._grad_ready)
-        self._unhook = [p.register_grad_ready_hook(hook) for p in params]
+        self._unhook = [p.register_grad_ready_hook(hook) for p in params] if self.overlap else []
 
         self.share = 1.0 / self.group.size  # n_r / B: this rank's weight in the global mean
         self.sync_enabled = True
@@ -223,9 +225,9 @@ class DistributedDataParallel:
             self._rearm()
 
     # ---- communication --------------------------------------------------------------------
-    def _grad_ready(self, p) -> None:
+    def _grad_ready(self, p) -> None:  # hooked only with overlap
         self._bucket_of[id(p)].pending -= 1
-        if self.sync_enabled and self.overlap:
+        if self.sync_enabled:
             # In index order, as PyTorch's reducer does: a complete bucket waits for those
             # before it, so every rank runs the same reductions in the same order, even when
             # some parameter gets no gradient on some rank (its bucket goes at the finish).
