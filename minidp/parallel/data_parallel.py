@@ -182,6 +182,11 @@ class DistributedDataParallel:
     def parameters(self):
         return self.model.parameters()
 
+    @property
+    def buckets_launched(self) -> int:
+        """How many buckets this backward has handed to communication so far (read-only)."""
+        return self._next
+
     # ---- the step's bookkeeping ----------------------------------------------------------
     def set_batch_share(self, local_examples: int, global_examples: int) -> None:
         """This rank averages over local_examples of global_examples: weight n_r / B."""
