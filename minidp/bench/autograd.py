@@ -1,7 +1,7 @@
 """How much does the autograd engine cost? One training step three ways, side by side.
 
     python -m minidp bench autograd [--iters 20] [--threads 1,2] [--json FILE]
-        [--sizes 784,1024,1024,10] [--batch 256]
+        [--sizes 784,1024,1024,10] [--batch 256] [--no-torch]
 
 The step: forward, cross-entropy, backward, SGD update of an MLP 784-1024-1024-10 on a batch
 of 256 (--sizes, --batch), float32. Contenders, alternated step by step in one process
@@ -34,7 +34,9 @@ from minidp.log import die
 PAUSE_S = 0.15
 
 
-def measure(threads: int, iters: int, warmup: int, sizes=SIZES, batch: int = BATCH) -> dict:
+def measure(
+    threads: int, iters: int, warmup: int, sizes=SIZES, batch: int = BATCH, torch_too=True
+) -> dict:
     from threadpoolctl import threadpool_limits
 
     x, y = make_data(sizes, batch, seed=1)
@@ -43,13 +45,14 @@ def measure(threads: int, iters: int, warmup: int, sizes=SIZES, batch: int = BAT
         "minidp": minidp_sgd_step(model, x, y),
         "numpy": numpy_step(weights_of(model), x, y),
     }
-    try:
-        import torch
-
+    if torch_too:
+        try:
+            import torch
+        except ImportError:  # torch is optional: the table shows "-"
+            torch_too = False
+    if torch_too:
         torch.set_num_threads(threads)
         contenders["torch"] = torch_mlp_step(torch, model, x, y)
-    except ImportError:
-        pass
     times: dict[str, list[float]] = {name: [] for name in contenders}
     with threadpool_limits(limits=threads, user_api="blas"):
         for i in range(warmup + iters):
@@ -77,6 +80,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--threads", default="1,2", help="BLAS/torch thread counts (default 1,2)")
     parser.add_argument("--sizes", default=",".join(map(str, SIZES)), help="MLP layer sizes")
     parser.add_argument("--batch", type=int, default=BATCH, help=f"batch (default {BATCH})")
+    parser.add_argument("--no-torch", action="store_true", help="leave torch out")
     parser.add_argument("--json", metavar="FILE", help="write JSON lines")
     args = parser.parse_args(argv)
     try:
@@ -91,7 +95,8 @@ def main(argv: list[str]) -> int:
         flush=True,
     )
     rows = [
-        measure(int(t), args.iters, args.warmup, sizes, args.batch) for t in args.threads.split(",")
+        measure(int(t), args.iters, args.warmup, sizes, args.batch, not args.no_torch)
+        for t in args.threads.split(",")
     ]
     columns = [
         ("threads", "d"),

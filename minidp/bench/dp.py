@@ -204,7 +204,7 @@ def parse_args(argv: list[str]):
     return args
 
 
-def header(args, world, env: dict) -> str:
+def header(args, world, env: dict, checks: str) -> str:
     if args.case == "shallowspeed":
         batch = (
             f"global batch {_dp_shallowspeed.GLOBAL_BATCH}, "
@@ -215,7 +215,7 @@ def header(args, world, env: dict) -> str:
     return (
         f"bench dp: case {args.case} | MLP {'-'.join(map(str, args.sizes))}, {batch}, "
         f"float32 | {world.size} ranks x 1 BLAS thread | bucket {args.bucket_mb} MiB | "
-        f"checks {args.checks} | {env['blas']}"
+        f"checks {checks} | {env['blas']}"
     )
 
 
@@ -228,14 +228,15 @@ def main(argv: list[str]) -> int:
         print0("bench dp needs at least 2 ranks: mpiexec -n 2 python -m minidp bench dp")
         return 2
     group = comm.Group(world.Dup(), checks=args.checks == "on")
+    checks = "on" if group.checks else "off"  # what the groups do, DDP's dup() included
     measure = _dp_shallowspeed.measure if args.case == "shallowspeed" else weak_scaling
     with threadpool_limits(limits=1, user_api="blas"):
         env = environment()  # inside: it reports the BLAS threads the steps run with
-        print0(header(args, world, env))
+        print0(header(args, world, env, checks))
         rows, columns, goals = measure(args, group, world)
     group.free()
     if world.rank == 0:
         print_table(rows, columns)
         print(goals, flush=True)
-        write_json(args.json, [{"bench": "dp", **env, "checks": args.checks, **r} for r in rows])
+        write_json(args.json, [{"bench": "dp", **env, "checks": checks, **r} for r in rows])
     return 0
