@@ -2,6 +2,7 @@
 losses and parameters (float64: 1e-10 relative), and every rank holds identical parameters.
 """
 
+import hashlib
 from dataclasses import replace
 
 import numpy as np
@@ -45,6 +46,13 @@ def max_param_difference(model, group):
     return replica_spread([p.data for p in model.parameters()], group)
 
 
+def assert_replicas_bitwise_identical(model, group, step):
+    """Every rank's parameters hash to the same sha256 (compared through mpi4py itself)."""
+    digest = hashlib.sha256(b"".join(p.data.tobytes() for p in model.parameters())).hexdigest()
+    digests = group.comm.allgather(digest)
+    assert len(set(digests)) == 1, f"after step {step} the replicas differ: {digests}"
+
+
 def data_parallel(config, opt_name, group, overlap=True, grad_accum=1, algo="auto"):
     """Train STEPS steps with the "dp" strategy, as the training loop drives it."""
     task = Task(config, np.dtype(config.dtype))
@@ -63,7 +71,10 @@ def data_parallel(config, opt_name, group, overlap=True, grad_accum=1, algo="aut
     sampler = DistributedSampler(
         task.num_examples, config.batch_size, *strategy.data_shard, seed=config.seed
     )
-    losses = [strategy.step(sampler.local_indices(s), opt.lr).loss for s in range(STEPS)]
+    losses = []
+    for step in range(STEPS):
+        losses.append(strategy.step(sampler.local_indices(step), opt.lr).loss)
+        assert_replicas_bitwise_identical(task.model, group, step)
     assert strategy.max_param_diff() == 0.0, "ranks' parameters differ"
     strategy.close()
     assert ddp.comm_group.broken == "freed", "close() must free the thread's communicator"
@@ -74,7 +85,7 @@ def data_parallel(config, opt_name, group, overlap=True, grad_accum=1, algo="aut
 def assert_same_training(got, want, rtol):
     (losses, params), (ref_losses, ref_params) = got[:2], want
     np.testing.assert_allclose(losses, ref_losses, rtol=rtol)
-    for p, q in zip(params, ref_params):
+    for p, q in zip(params, ref_params, strict=True):
         np.testing.assert_allclose(p, q, rtol=rtol, atol=rtol * np.abs(q).max())
 
 
@@ -107,13 +118,32 @@ def test_matches_single_process_float32_gpt():
     np.testing.assert_allclose(got[0], want[0], rtol=1e-5)
 
 
-@pytest.mark.parallel(nprocs=[3])
+@pytest.mark.parallel(nprocs=[2, 4])
 @pytest.mark.timeout(200)
-def test_every_allreduce_algorithm_trains_the_same():
-    config = TrainConfig(model="mlp", batch_size=9, dtype="float64", **TINY)
-    want = reference(config, "sgd")
-    for algo in ("ring", "recursive_doubling", "rabenseifner", "tree", "naive", "mpi"):
-        assert_same_training(data_parallel(config, "sgd", comm.world(), algo=algo), want, 1e-10)
+def test_every_allreduce_algorithm_trains_like_one_process():
+    # 11 examples: 6 + 5 at 2 ranks, 3 + 3 + 3 + 2 at 4; each slice in 2 micro-batches
+    config = TrainConfig(model="mlp", batch_size=11, dtype="float64", **TINY)
+    want = reference(config, "adamw")
+    for algo in comm.ALGORITHMS["allreduce"]:
+        got = data_parallel(config, "adamw", comm.world(), grad_accum=2, algo=algo)
+        assert_same_training(got, want, 1e-10)
+
+
+@pytest.mark.parallel(nprocs=[2])
+@pytest.mark.timeout(60)
+def test_overlap_launches_every_bucket_during_backward():
+    task = Task(TrainConfig(model="mlp", **TINY), np.float64)
+    for overlap in (True, False):
+        ddp = DistributedDataParallel(
+            task.model, comm.world(), bucket_cap_mb=0.002, overlap=overlap
+        )
+        assert len(ddp.buckets) >= 3, "the test needs several buckets"
+        ddp.zero_grad()
+        task.loss(*task.batch(np.arange(4))).backward()
+        # before finish_gradient_sync: with overlap the hooks have handed over every bucket
+        assert ddp.buckets_launched == (len(ddp.buckets) if overlap else 0)
+        ddp.finish_gradient_sync()
+        ddp.close()
 
 
 @pytest.mark.parallel(nprocs=[2])
@@ -125,7 +155,7 @@ def test_parameters_start_from_rank_0():
     ddp = DistributedDataParallel(task.model, group)
     assert max_param_difference(task.model, group) == 0.0
     want = Task(TrainConfig(model="mlp", **{**TINY, "seed": 10}), np.float64).model
-    for p, q in zip(task.model.parameters(), want.parameters()):
+    for p, q in zip(task.model.parameters(), want.parameters(), strict=True):
         np.testing.assert_array_equal(p.data, q.data)
     ddp.close()
 

@@ -2,8 +2,10 @@
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -57,7 +59,8 @@ def test_four_ranks_train_like_one_process(tmp_path):
     )
     assert four.returncode == 0, four.stderr
     a, b = records(tmp_path / "one.json"), records(tmp_path / "four.json")
-    for x, y in zip(a[:-1], b[:-1]):
+    assert len(a) == len(b) == 4, (a, b)  # steps 0, 2, 3 and the final record
+    for x, y in zip(a[:-1], b[:-1], strict=True):
         assert x["step"] == y["step"] and x["loss"] == pytest.approx(y["loss"], rel=1e-10)
     final = b[-1]
     assert final["world_size"] == 4 and final["strategy"] == "dp"
@@ -74,7 +77,7 @@ def test_four_ranks_train_like_one_process(tmp_path):
     # the ranks share one clock: no rank can finish an allreduce before every rank began it
     calls = [[e for e in spans if e["pid"] == r and "allreduce" in e["name"]] for r in range(4)]
     assert calls[0] and len({len(c) for c in calls}) == 1
-    for same_call in zip(*calls):
+    for same_call in zip(*calls, strict=True):
         assert max(e["ts"] for e in same_call) <= min(e["ts"] + e["dur"] for e in same_call)
     assert sorted(os.listdir(tmp_path / "logs")) == [f"rank{r}.log" for r in range(4)]
 
@@ -82,7 +85,7 @@ def test_four_ranks_train_like_one_process(tmp_path):
 @pytest.mark.timeout(120)
 def test_bad_flag_under_mpiexec_is_one_line():
     result = run(3, "--allreduce", "carrier-pigeon")
-    assert result.returncode != 0
+    assert result.returncode == 2, result.stderr
     assert result.stderr.count("minidp: error:") == 1 and "Traceback" not in result.stderr
 
 
@@ -94,31 +97,58 @@ def test_batch_smaller_than_ranks_times_accumulation_is_a_clear_error():
 
 
 @pytest.mark.timeout(120)
+def test_a_diverging_run_under_mpiexec_exits_1_on_every_rank():
+    args = ("--model", "mlp", "--hidden", "16", "--lr", "1e6", "--grad-clip", "0")
+    result = run(2, *args, "--warmup", "0", "--steps", "50", "--dtype", "float32")
+    assert result.returncode == 1, result.stderr
+    assert result.stderr.count("minidp: error:") == 1 and "at step" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+FAIL_ON_RANK_1 = """
+import sys
+from mpi4py import MPI
+from minidp import autograd
+from minidp.cli import main
+
+if MPI.COMM_WORLD.rank == 1:  # rank 1's third backward raises: mid-training, inside the CLI
+    backward, calls = autograd.Tensor.backward, []
+
+    def failing_backward(self, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("boom on rank 1")
+        return backward(self, *args, **kwargs)
+
+    autograd.Tensor.backward = failing_backward
+sys.exit(main(["--model", "mlp", "--hidden", "16", "--steps", "200", "--log-every", "50"]))
+"""
+
+
+@pytest.mark.timeout(120)
 def test_an_exception_on_one_rank_ends_the_job(tmp_path):
     script = tmp_path / "fail.py"
-    script.write_text(
-        "from minidp import comm\n"
-        "from minidp.cli import abort_others\n"
-        "group = comm.world()\n"
-        "try:\n"
-        "    if group.rank == 1:\n"
-        "        raise RuntimeError('boom on rank 1')\n"
-        "    comm.barrier(group=group)  # the others would wait here forever\n"
-        "except BaseException:\n"
-        "    abort_others()\n"
-        "    raise\n"
-    )
+    script.write_text(FAIL_ON_RANK_1)
     env = dict(os.environ, MINIDP_TIMEOUT="600")  # the abort, not a timeout, must end it
-    result = subprocess.run(
+    start = time.monotonic()
+    job = subprocess.Popen(
         ["mpiexec", "-n", "3", sys.executable, str(script)],
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
-        timeout=90,
         env=env,
+        start_new_session=True,  # so that a hung job can be ended whole, ranks included
     )
-    assert result.returncode != 0
-    assert result.stderr.count("RuntimeError: boom on rank 1") == 1, result.stderr
-    assert "rank 1 failed; aborting all ranks" in result.stderr
+    try:
+        _, stderr = job.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(job.pid, signal.SIGTERM)
+        job.communicate()
+        pytest.fail("one rank failed and the job still ran after 60 s: no abort")
+    assert time.monotonic() - start < 60
+    assert job.returncode != 0  # MPI_Abort's code: the launcher's to choose
+    assert stderr.count("RuntimeError: boom on rank 1") == 1, stderr
+    assert "rank 1 failed; aborting all ranks" in stderr
 
 
 @pytest.mark.timeout(120)

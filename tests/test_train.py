@@ -12,6 +12,7 @@ import sys
 import numpy as np
 import pytest
 
+from minidp import optim
 from minidp.config import TrainConfig
 from minidp.train import TrainingDiverged, train
 
@@ -84,6 +85,11 @@ def test_json_records_hold_the_contract_fields(tmp_path):
     records, final = run(tmp_path, **{**MLP_RUN, "log_every": 10})
     assert [r["step"] for r in records] == [0, 10, 20, 29]  # every log step and the last one
     assert all(np.isfinite(r["loss"]) for r in records)
+    ratio = TrainConfig().min_lr_ratio
+    for r in records:  # the rate the step ran with, and how fast it went
+        want = optim.warmup_cosine(r["step"], MLP_RUN["lr"], MLP_RUN["warmup"], 30, ratio)
+        assert r["lr"] == pytest.approx(want, rel=1e-12), r
+        assert np.isfinite(r["examples_per_s"]) and r["examples_per_s"] > 0, r
     assert final["final_loss"] == records[-1]["loss"]
     assert final["steps"] == 30 and final["world_size"] == 1
     assert isinstance(final["strategy"], str) and final["strategy"]
@@ -133,7 +139,7 @@ def test_a_bad_flag_or_value_is_one_line_and_exit_code_2(args):
     assert "Traceback" not in result.stderr + result.stdout
 
 
-def test_diverging_run_exits_non_zero_with_the_step_named():
+def test_diverging_run_exits_1_with_the_step_named():
     result = minidp_cli(
         "--model",
         "mlp",
@@ -150,7 +156,7 @@ def test_diverging_run_exits_non_zero_with_the_step_named():
         "--log-every",
         "10",
     )
-    assert result.returncode != 0
+    assert result.returncode == 1, result.stderr
     errors = [line for line in result.stderr.splitlines() if line.startswith("minidp: error:")]
     assert len(errors) == 1 and "step" in errors[0], result.stderr
     assert "Traceback" not in result.stderr

@@ -15,6 +15,12 @@ def median(values) -> float:
     return float(statistics.median(values))
 
 
+def median_ratio(times_a: list[float], times_b: list[float]) -> float:
+    """The median over rounds of time_a / time_b (the per-round ratio: drift that slows one
+    round slows both of its contenders alike)."""
+    return median(a / b for a, b in zip(times_a, times_b, strict=True))
+
+
 def timed(call, mpi) -> tuple[float, int]:
     """One timed call: Barrier (all start together), time it, then the max over ranks (a
     collective takes as long as its slowest rank). Returns (the slowest rank's seconds, this
@@ -28,6 +34,42 @@ def timed(call, mpi) -> tuple[float, int]:
     elapsed = time.perf_counter() - start
     faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
     return mpi.allreduce(elapsed, op=MPI.MAX), faults
+
+
+def rotated_rounds(steps: dict, warmup: int, iters: int, mpi, on_timing=None) -> dict:
+    """Call every step once per round, warmup + iters rounds, the order rotated by one each
+    round (A B C, B C A, C A B, ...) so that no contender always runs after the same one.
+    Each call is timed as the slowest rank's (`timed`); `on_timing()` runs once before the
+    first timed round. Returns {name: [seconds, one per timed round]}."""
+    names = list(steps)
+    times: dict = {name: [] for name in names}
+    for i in range(warmup + iters):
+        if i == warmup and on_timing is not None:
+            on_timing()
+        k = i % len(names)
+        for name in names[k:] + names[:k]:
+            elapsed = timed(steps[name], mpi)[0]
+            if i >= warmup:
+                times[name].append(elapsed)
+    return times
+
+
+def max_over_ranks(value: float, mpi) -> float:
+    from mpi4py import MPI
+
+    return mpi.allreduce(value, op=MPI.MAX)
+
+
+def per_timed_step_ms(seconds: float, iters: int, mpi) -> float:
+    """A DDP's comm_seconds or exposed_seconds over `iters` steps: the slowest rank's, in
+    milliseconds per step."""
+    return 1e3 * max_over_ranks(seconds, mpi) / iters
+
+
+def zero_comm_seconds(ddps) -> None:
+    """Forget the warm-up rounds: count communication and exposed time from here on."""
+    for ddp in ddps:
+        ddp.exposed_seconds = ddp.comm_seconds = 0.0
 
 
 def environment() -> dict:
@@ -63,27 +105,3 @@ def write_json(path: str | None, records: list[dict]) -> None:
     with open(path, "w") as f:
         for r in records:
             f.write(json.dumps(r) + "\n")
-
-
-def torch_mlp_step(torch, model, x, y, lr: float, wrap=None):
-    """A torch twin of a minidp MLP (same weights; W is (in, out) here, (out, in) in torch)
-    and one SGD training step on (x, y). `wrap` wraps the torch model (e.g. in DDP)."""
-    layers = []
-    for i, layer in enumerate(model.layers):
-        linear = torch.nn.Linear(*layer.weight.shape)
-        with torch.no_grad():
-            linear.weight.copy_(torch.from_numpy(layer.weight.data.T.copy()))
-            linear.bias.copy_(torch.from_numpy(layer.bias.data))
-        layers += [linear] + ([torch.nn.ReLU()] if i < len(model.layers) - 1 else [])
-    net = torch.nn.Sequential(*layers)
-    net = wrap(net) if wrap else net
-    opt = torch.optim.SGD(net.parameters(), lr=lr)
-    tx, ty = torch.from_numpy(x), torch.from_numpy(y)
-
-    def step():
-        loss = torch.nn.functional.cross_entropy(net(tx), ty)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-
-    return step

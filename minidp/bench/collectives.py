@@ -14,9 +14,12 @@ call (ru_minflt) show who allocates temporaries.
     busbw = algbw * 2(p-1)/p        allreduce
             algbw * (p-1)/p         reduce_scatter, allgather, alltoall
             algbw                   broadcast, reduce
-    ratio = our busbw / MPI's busbw (= MPI's time / ours; > 1: ours is faster)
+    ratio = the median over pairs of MPI's time / ours (> 1: ours is faster)
 
-MINIDP_CHECKS is ignored here: the group runs with checks off, as a trained job would.
+Before timing, each algorithm's result at each size is compared with the builtin's (same
+input, float tolerance); a mismatch ends the run with exit code 1: a fast wrong answer is
+not a result. MINIDP_CHECKS is ignored here: the group runs with checks off (the header says
+so), as a trained job would, and as MPI's builtin does.
 """
 
 import argparse
@@ -25,7 +28,14 @@ import numpy as np
 from mpi4py import MPI
 
 from minidp import comm
-from minidp.bench._common import environment, median, print_table, timed, write_json
+from minidp.bench._common import (
+    environment,
+    median,
+    median_ratio,
+    print_table,
+    timed,
+    write_json,
+)
 from minidp.info import mpi_library
 from minidp.log import die
 from minidp.parser import Parser
@@ -50,7 +60,8 @@ def parse_size(text: str) -> int:
 
 
 def contenders(op: str, algo: str, nbytes: int, dtype: np.dtype, group: comm.Group):
-    """(ours, builtin) zero-argument callables on buffers allocated once, here."""
+    """(ours, builtin, output): zero-argument callables on buffers allocated once, here;
+    output() is what the last call wrote (None where this rank gets nothing)."""
     p, r, mpi = group.size, group.rank, group.comm
     n = max(nbytes // dtype.itemsize, 1)
     rng = np.random.default_rng(r)
@@ -60,6 +71,7 @@ def contenders(op: str, algo: str, nbytes: int, dtype: np.dtype, group: comm.Gro
         return (
             lambda: comm.allreduce(x, algo=algo, group=group, out=out),
             lambda: mpi.Allreduce(x, out, op=MPI.SUM),
+            out.copy,
         )
     if op == "reduce_scatter":
         bounds = comm.chunk_bounds(n, p)
@@ -68,6 +80,7 @@ def contenders(op: str, algo: str, nbytes: int, dtype: np.dtype, group: comm.Gro
         return (
             lambda: comm.reduce_scatter(x, algo=algo, group=group, out=mine),
             lambda: mpi.Reduce_scatter(x, mine, counts, op=MPI.SUM),
+            mine.copy,
         )
     if op == "allgather":
         bounds = comm.chunk_bounds(n, p)
@@ -78,16 +91,19 @@ def contenders(op: str, algo: str, nbytes: int, dtype: np.dtype, group: comm.Gro
             lambda: mpi.Allgatherv(
                 mine, [out, counts, bounds[:-1], MPI.Datatype.fromcode(dtype.char)]
             ),
+            out.copy,
         )
     if op == "broadcast":
         return (
             lambda: comm.broadcast(x, root=0, algo=algo, group=group),
             lambda: mpi.Bcast(x, root=0),
+            x.copy,  # in place: ours runs first, on the ranks' own data
         )
     if op == "reduce":
         return (
             lambda: comm.reduce(x, root=0, algo=algo, group=group, out=out),
             lambda: mpi.Reduce(x, out if r == 0 else None, op=MPI.SUM, root=0),
+            lambda: out.copy() if r == 0 else None,
         )
     if op == "alltoall":
         rows = x[: n // p * p].reshape(p, -1)
@@ -95,8 +111,34 @@ def contenders(op: str, algo: str, nbytes: int, dtype: np.dtype, group: comm.Gro
         return (
             lambda: comm.alltoall(rows, algo=algo, group=group, out=got),
             lambda: mpi.Alltoall(rows, got),
+            got.copy,
         )
     raise AssertionError(op)
+
+
+def check_result(op: str, algo: str, nbytes: int, dtype: np.dtype, group: comm.Group, calls):
+    """Run ours, then the builtin, on the same input; die (exit code 1, every rank) unless
+    the outputs agree to a float tolerance (sums in another order round differently)."""
+    ours, builtin, output = calls
+    ours()
+    got = output()
+    builtin()
+    want = output()
+    error = 0.0  # this rank's max |difference| beyond the tolerance (NaN counts)
+    if want is not None:
+        diff = float(np.abs(got.astype(np.float64) - want.astype(np.float64)).max(initial=0))
+        scale = float(np.abs(want).max(initial=1.0))
+        tol = 0.0 if dtype.kind in "iu" else 8 * group.size * float(np.finfo(dtype).eps) * scale
+        error = 0.0 if diff <= tol else diff
+    errors = group.comm.allgather(error)
+    if any(errors):
+        rank = int(np.argmax(errors))
+        raise die(
+            f"bench collectives: {op} algo {algo} at {human(nbytes)} {dtype} gives another "
+            f"result than MPI's builtin (max |difference| {errors[rank]:.3g} on rank {rank}); "
+            "not timing a wrong answer",
+            code=1,
+        )
 
 
 def measure(
@@ -106,7 +148,9 @@ def measure(
     (warmup calls of each, then iters timed pairs); medians, busbw, ratio and page faults as
     the module docstring defines them. Every rank of group calls it and gets the same row.
     Public: tutorial 04 measures its ring with it."""
-    ours, builtin = contenders(op, algo, nbytes, dtype, group)
+    calls = contenders(op, algo, nbytes, dtype, group)
+    check_result(op, algo, nbytes, dtype, group, calls)
+    ours, builtin, _ = calls
     for _ in range(warmup):
         ours()
         builtin()
@@ -137,7 +181,7 @@ def measure(
         "algbw_gbs": nbytes / t_ours / 1e9,
         "busbw_gbs": nbytes / t_ours / 1e9 * bus,
         "builtin_busbw_gbs": nbytes / t_mpi / 1e9 * bus,
-        "ratio": t_mpi / t_ours,
+        "ratio": median_ratio(times["mpi"], times["ours"]),
         "faults_per_call": worst / iters,
         "builtin_faults_per_call": worst_mpi / iters,
     }
@@ -213,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
     if group.rank == 0:
         print(
             f"# {group.size} ranks, {dtype}, median of {args.iters} after {args.warmup} "
-            f"warm-up; {env['blas']}; MPI: {mpi_library()}",
+            f"warm-up; checks off; {env['blas']}; MPI: {mpi_library()}",
             flush=True,
         )
     records = []

@@ -1,0 +1,139 @@
+"""The benchmarks run, say what they ran with, and refuse to time a wrong answer.
+
+Tiny sizes and one or two rounds: these check the benchmarks' plumbing and records, never a
+time (the README's "Benchmarks" section has the measured figures).
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+from minidp import comm
+from minidp.bench._common import median_ratio, per_timed_step_ms, rotated_rounds
+
+TINY_MLP = ("--sizes", "784,32,10", "--batch", "16")
+ONE_ROUND = ("--iters", "1", "--warmup", "1")
+
+
+def minidp(nprocs: int, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "minidp", *args]
+    if nprocs > 1:
+        cmd = ["mpiexec", "-n", str(nprocs), *cmd]
+    env = dict(os.environ, PYTHONUNBUFFERED="1")  # MINIDP_CHECKS=1 too (conftest.py)
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def records(path) -> list[dict]:
+    return [json.loads(line) for line in open(path)]
+
+
+def finite_positive(*values) -> bool:
+    return all(np.isfinite(v) and v > 0 for v in values)
+
+
+# ---- the pieces ---------------------------------------------------------------------------------
+def test_the_ratio_is_the_median_of_per_round_ratios():
+    ours, theirs = [1.0, 2.0, 10.0], [1.0, 4.0, 1.0]  # ratios 1, 0.5, 10
+    assert median_ratio(ours, theirs) == 1.0  # the ratio of the medians would be 2
+    with pytest.raises(ValueError):
+        median_ratio(ours, theirs[:2])  # a round without its pair is an error, not dropped
+
+
+def test_rounds_rotate_the_order_of_the_contenders():
+    calls = []
+    steps = {name: (lambda name=name: calls.append(name)) for name in "ABC"}
+    times = rotated_rounds(steps, warmup=1, iters=3, mpi=MPI.COMM_SELF)
+    assert "".join(calls) == "ABC" + "BCA" + "CAB" + "ABC"
+    assert {name: len(ts) for name, ts in times.items()} == {"A": 3, "B": 3, "C": 3}
+
+
+def test_communication_times_are_the_slowest_ranks():
+    class OtherRankTookThreeSeconds:
+        def allreduce(self, value, op):
+            assert op == MPI.MAX
+            return max(value, 3.0)
+
+    assert per_timed_step_ms(1.0, iters=2, mpi=OtherRankTookThreeSeconds()) == 1500.0
+
+
+# ---- the benchmarks, end to end ---------------------------------------------------------------
+@pytest.mark.timeout(120)
+def test_bench_dp_covers_every_algorithm_with_checks_off_by_default(tmp_path):
+    out = tmp_path / "dp.json"
+    result = minidp(2, "bench", "dp", *ONE_ROUND, *TINY_MLP, "--json", str(out))
+    assert result.returncode == 0, result.stderr
+    assert "case weak" in result.stdout and "| checks off |" in result.stdout  # despite the env
+    rows = records(out)
+    want = {(algo, overlap) for algo in comm.ALGORITHMS["allreduce"] for overlap in (True, False)}
+    assert {(r["algo"], r["overlap"]) for r in rows} == want and len(rows) == len(want)  # naive too
+    for r in rows:
+        assert r["checks"] == "off" and r["nprocs"] == 2 and r["sizes"] == "784-32-10"
+        assert finite_positive(r["step_ms"], r["solo_ms"], r["efficiency"], r["vs_mpi_dp"])
+        assert r["comm_ms"] >= 0 and r["exposed_ms"] >= 0
+        if r.get("torch_ddp_ms") is not None:
+            assert finite_positive(r["torch_ddp_ms"], r["vs_torch_ddp"])
+
+
+@pytest.mark.timeout(120)
+def test_bench_dp_shallowspeed_checks_minidp_against_the_hand_written_loop(tmp_path):
+    out = tmp_path / "shallowspeed.json"
+    args = ("--case", "shallowspeed", "--checks", "on", "--iters", "1", "--warmup", "0")
+    result = minidp(2, "bench", "dp", *args, "--json", str(out))
+    assert result.returncode == 0, result.stderr
+    assert "| checks on |" in result.stdout and "checked:" in result.stdout, result.stdout
+    rows = records(out)
+    assert [(r["algo"], r["overlap"]) for r in rows] == [("auto", True), ("auto", False)]
+    for r in rows:
+        assert r["sizes"] == "784-128-127-126-125-124-123-10" and r["global_batch"] == 128
+        assert r["micro_batches"] == 4 and r["checks"] == "on" and r["buckets"] > 1
+        assert finite_positive(r["minidp_ms"], r["hand_ms"], r["minidp/hand"])
+
+
+@pytest.mark.timeout(60)
+def test_bench_autograd_runs(tmp_path):
+    out = tmp_path / "autograd.json"
+    args = ("--threads", "1", "--no-torch", *ONE_ROUND, *TINY_MLP)
+    result = minidp(1, "bench", "autograd", *args, "--json", str(out))
+    assert result.returncode == 0, result.stderr
+    (row,) = records(out)
+    assert row["threads"] == 1 and row["sizes"] == "784-32-10" and row["batch"] == 16
+    assert finite_positive(row["minidp_ms"], row["numpy_ms"], row["minidp/numpy"])
+
+
+BROKEN_RING = """
+import sys
+from minidp.comm import collectives
+from minidp.cli import main
+
+collectives.ALLREDUCE["ring"] = lambda group, src, dst, op: None  # a ring that does nothing
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    "args",
+    [
+        ("bench", "collectives", "--ops", "allreduce", "--algos", "ring", "--sizes", "1K"),
+        ("bench", "dp", "--case", "shallowspeed", "--algos", "ring"),
+    ],
+    ids=["collectives", "dp-shallowspeed"],
+)
+def test_a_wrong_answer_is_not_timed(tmp_path, args):
+    script = tmp_path / "broken_ring.py"
+    script.write_text(BROKEN_RING)
+    result = subprocess.run(
+        ["mpiexec", "-n", "2", sys.executable, str(script), *args, *ONE_ROUND],
+        capture_output=True,
+        text=True,
+        timeout=100,
+    )
+    assert result.returncode == 1, result.stderr
+    assert result.stderr.count("minidp: error:") == 1, result.stderr
+    assert "not timing a wrong answer" in result.stderr and "ring" in result.stderr
+    assert "Traceback" not in result.stderr
