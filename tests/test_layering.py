@@ -70,55 +70,6 @@ def test_lower_modules_do_not_import_mpi4py():
     assert result.returncode == 0, result.stderr
 
 
-def test_tutorial_01_runs_without_mpi():
-    code = f"import runpy\nrunpy.run_path({'tutorials/01_autograd.py'!r}, run_name='__main__')\n"
-    result = python(BLOCK_MPI4PY + code)
-    assert result.returncode == 0, result.stderr
-
-
-def import_lines(path: Path) -> str:
-    """The import statements of a script, in order, as source."""
-    tree = ast.parse(path.read_text())
-    nodes = [n for n in ast.walk(tree) if isinstance(n, ast.Import | ast.ImportFrom)]
-    return "".join(ast.unparse(n) + "\n" for n in nodes)
-
-
-# Tutorial 02 in short: its own imports, then each library call it makes, a step or two each
-# (the whole tutorial trains for ~15 s of CPU; test_tutorials.py runs it in full).
-TUTORIAL_02_SHORT = """
-x, y, _, _ = data.classification(n=256, seed=0)
-model = nn.MLP([32, 16, 10], rng=np.random.default_rng(0))
-opt = optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-idx = data.DistributedSampler(len(x), global_batch=64, seed=0).local_indices(0)
-loss = cross_entropy(model(Tensor(x[idx])), y[idx])
-opt.zero_grad()
-loss.backward()
-opt.step()
-with no_grad():
-    model(Tensor(x))
-train_ids, _, tok = data.char_corpus()
-cfg = nn.GPTConfig(vocab_size=tok.vocab_size, block_size=8, n_layer=1, n_head=2, n_embd=16)
-gpt = nn.GPT(cfg, seed=0)
-opt = optim.AdamW(gpt.parameters(), lr=3e-3)
-sampler = data.DistributedSampler(len(train_ids) - cfg.block_size, global_batch=4, seed=0)
-for step in range(2):
-    opt.lr = optim.warmup_cosine(step, 3e-3, warmup=1, total=2)
-    xb, yb = data.lm_batch(train_ids, sampler.local_indices(step), cfg.block_size)
-    loss = cross_entropy(gpt(xb), yb)
-    opt.zero_grad()
-    loss.backward()
-    optim.clip_grad_norm(gpt.parameters(), 1.0)
-    opt.step()
-tok.decode(gpt.generate(np.array([tok.encode("\\n")]), 4, rng=np.random.default_rng(0))[0])
-"""
-
-
-def test_tutorial_02_runs_without_mpi_in_short():
-    code = import_lines(ROOT / "tutorials" / "02_training.py") + TUTORIAL_02_SHORT
-    result = python(BLOCK_MPI4PY + code)
-    assert result.returncode == 0, result.stderr
-
-
 def test_chunks_stay_reexported_by_comm():
     from minidp import chunks, comm
 

@@ -1,7 +1,9 @@
 """Tutorials are tests: each runs under the launch line its header declares, with a timeout.
 
 A tutorial's header names its launch line, `python tutorials/NN_name.py` or
-`mpiexec -n N python tutorials/NN_name.py`; the tutorial checks itself with asserts.
+`mpiexec -n N python tutorials/NN_name.py`; the tutorial checks itself with asserts. A
+one-process tutorial runs with mpi4py's import blocked: it must work where no MPI library
+loads (test_layering.py has the block).
 """
 
 import os
@@ -11,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from test_layering import BLOCK_MPI4PY
 
 TUTORIALS = sorted((Path(__file__).parent.parent / "tutorials").glob("[0-9][0-9]_*.py"))
 LAUNCH = re.compile(r"^#\s+(?:mpiexec -n (\d+) )?python (tutorials/\S+\.py)\s*$", re.MULTILINE)
@@ -31,7 +34,8 @@ def test_there_are_tutorials():
 @pytest.mark.parametrize("path", TUTORIALS, ids=[p.stem for p in TUTORIALS])
 def test_tutorial_runs(path):
     nprocs, script = launch_line(path)
-    cmd = [sys.executable, script]
+    run = f"import runpy\nrunpy.run_path({script!r}, run_name='__main__')\n"
+    cmd = [sys.executable, "-c", BLOCK_MPI4PY + run]
     if nprocs > 1:  # `-m mpi4py`: an uncaught error on one rank aborts all, never a hang
         cmd = ["mpiexec", "-n", str(nprocs), sys.executable, "-m", "mpi4py", script]
     env = dict(os.environ, MPLBACKEND="Agg", PYTHONUNBUFFERED="1")
