@@ -58,6 +58,7 @@ from minidp.bench._mlp import (
 )
 from minidp.log import die, print0
 from minidp.parallel import DistributedDataParallel
+from minidp.parallel.data_parallel import overlap_helps
 from minidp.parser import Parser
 
 ALGOS = comm.ALGORITHMS["allreduce"]  # every hand-written allreduce, and "mpi"
@@ -147,6 +148,7 @@ def weak_scaling(args, group: comm.Group, world) -> tuple[list[dict], list, str]
             f"solo step {rows[0]['solo_ms']:.2f} ms"
             + (f" | torch DDP step {rows[0]['torch_ddp_ms']:.2f} ms" if "torch" in times else "")
         )
+        print0(default_settings(rows, world.size))
     columns = [
         ("algo", "s"),
         ("overlap", ""),
@@ -163,6 +165,19 @@ def weak_scaling(args, group: comm.Group, world) -> tuple[list[dict], list, str]
         "vs_torch_ddp <= 0.8"
     )
     return rows, columns, goals
+
+
+def default_settings(rows: list[dict], nprocs: int) -> str:
+    """The row a user gets without flags: algo auto, overlap as overlap="auto" decides here."""
+    overlap, why = overlap_helps(nprocs)
+    row = next((r for r in rows if r["algo"] == "auto" and r["overlap"] == overlap), None)
+    if row is None:
+        return "default settings (algo auto) not measured: add auto to --algos"
+    torch = f", {row['vs_torch_ddp']:.3f}x torch DDP's step" if "vs_torch_ddp" in row else ""
+    return (
+        f"default settings (algo auto, overlap {'on' if overlap else 'off'}: {why}): "
+        f"efficiency {row['efficiency']:.3f}{torch}"
+    )
 
 
 def parse_args(argv: list[str]):
@@ -186,7 +201,7 @@ def parse_args(argv: list[str]):
     parser.add_argument("--json", metavar="FILE", help="write JSON lines (rank 0)")
     args = parser.parse_args(argv)
     shallow = args.case == "shallowspeed"
-    args.algos = (args.algos or ("auto" if shallow else ",".join(ALGOS))).split(",")
+    args.algos = (args.algos or ("auto" if shallow else ",".join(("auto", *ALGOS)))).split(",")
     known = ("auto", *ALGOS)
     unknown = [a for a in args.algos if a not in known]
     if unknown:
@@ -198,7 +213,9 @@ def parse_args(argv: list[str]):
     if shallow and args.sizes:
         raise die("bench dp: --case shallowspeed has its own network; drop --sizes")
     try:
-        args.sizes = _dp_shallowspeed.SIZES if shallow else parse_sizes(args.sizes or "")
+        args.sizes = (
+            _dp_shallowspeed.SIZES if shallow else parse_sizes(args.sizes) if args.sizes else SIZES
+        )
     except ValueError as error:
         raise die(f"bench dp: bad --sizes: {error}") from None
     return args
