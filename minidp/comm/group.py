@@ -28,15 +28,12 @@ import functools
 import threading
 import time
 
-import numpy as np
 from mpi4py import MPI
 
 from minidp.comm.buffers import Scratch
 from minidp.comm.checks import (
-    FIELDS,
+    Fingerprints,
     checks_from_env,
-    exchange_fingerprints,
-    fingerprint,
     ranges,
     timeout_from_env,
 )
@@ -79,7 +76,7 @@ class Group:
         self._seq = 0
         self._doing = ("", "", "")  # (collective, algo, phase) for error messages
         self._lock = threading.Lock()
-        self._fingerprint = np.zeros(FIELDS, np.int64)
+        self._fingerprints: Fingerprints | None = None  # made at the first checked call
 
     def __repr__(self) -> str:
         return f"Group(rank={self.rank}, size={self.size}, world_ranks={self.world_ranks})"
@@ -123,6 +120,8 @@ class Group:
 
     def free(self) -> None:
         """Release the communicator (collective over the group); the group is unusable after."""
+        if self._fingerprints is not None and not self.broken:
+            self._fingerprints.free()
         if self.comm not in (MPI.COMM_WORLD, MPI.COMM_SELF, MPI.COMM_NULL):
             self.comm.Free()
         self.broken = "freed"
@@ -228,8 +227,14 @@ class _Running:
                 g._doing = (name, self.algo, "fingerprint exchange")
                 g.current = g._counts.setdefault("checks", [0, 0, 0, 0])
                 g.current[0] += 1
+                if g._fingerprints is None:
+                    g._fingerprints = Fingerprints(g)
                 call = (name, self.algo, self.op, self.dtype, self.root, self.shape)
-                exchange_fingerprints(g, fingerprint(g._fingerprint, g._seq, *call))
+                g._fingerprints.exchange(g, g._seq, call)
+                # Every rank is now inside this very call, with the same arguments: the data
+                # exchange cannot wait on a rank that is not coming, so it needs no deadline
+                # and runs on MPI's blocking calls (the fast path of p2p.py).
+                g.deadline = None
             g._doing = (name, self.algo, "data exchange")
             g.current = g._counts.setdefault(name, [0, 0, 0, 0])
             g.current[0] += 1

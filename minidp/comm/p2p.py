@@ -69,14 +69,12 @@ def irecv(group, buf: np.ndarray, source: int, tag: int = DATA_TAG) -> MPI.Reque
 
 def waitall(group, requests: list, peers: list[int]) -> None:
     """Wait for every request; peers[i] is the rank at the other end of requests[i]."""
-    statuses = group.statuses
-    if len(statuses) < len(requests):
-        statuses += [MPI.Status() for _ in range(len(requests) - len(statuses))]
+    statuses = statuses_for(group, len(requests))
     try:
         if group.deadline is None and not group.patient:
             MPI.Request.Waitall(requests, statuses)
         else:
-            _poll(group, requests, peers, statuses)
+            poll(group, requests, peers, statuses)
     except MPI.Exception as error:
         _truncated(group, error, requests, peers, statuses)
         raise
@@ -87,7 +85,17 @@ def waitall(group, requests: list, peers: list[int]) -> None:
             raise MessageSizeMismatch(group.size_message(peer, posted[1], status.Get_count(BYTE)))
 
 
-def _poll(group, requests: list, peers: list[int], statuses: list) -> None:
+def statuses_for(group, n: int) -> list:
+    """The group's reusable MPI.Status objects, at least n of them."""
+    statuses = group.statuses
+    if len(statuses) < n:
+        statuses += [MPI.Status() for _ in range(n - len(statuses))]
+    return statuses
+
+
+def poll(group, requests: list, peers: list[int], statuses: list) -> None:
+    """Test the requests until all are done: napping (patient) or yielding the core, and
+    raising CollectiveTimeout past the group's deadline, naming the peers not heard from."""
     deadline, polls = group.deadline, 0
     while not MPI.Request.Testall(requests, statuses):
         polls += 1
