@@ -69,8 +69,10 @@ def test_bench_dp_covers_every_algorithm_with_checks_off_by_default(tmp_path):
     assert result.returncode == 0, result.stderr
     assert "case weak" in result.stdout and "| checks off |" in result.stdout  # despite the env
     rows = records(out)
-    want = {(algo, overlap) for algo in comm.ALGORITHMS["allreduce"] for overlap in (True, False)}
+    algos = ("auto", *comm.ALGORITHMS["allreduce"])
+    want = {(algo, overlap) for algo in algos for overlap in (True, False)}
     assert {(r["algo"], r["overlap"]) for r in rows} == want and len(rows) == len(want)  # naive too
+    assert "default settings (algo auto, overlap " in result.stdout  # the no-flags row, named
     for r in rows:
         assert r["checks"] == "off" and r["nprocs"] == 2 and r["sizes"] == "784-32-10"
         assert finite_positive(r["step_ms"], r["solo_ms"], r["efficiency"], r["vs_mpi_dp"])
