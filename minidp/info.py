@@ -54,6 +54,14 @@ def local_ranks() -> int:
     return 1
 
 
+def cores_per_rank() -> float:
+    """The cores this rank can count on. A launcher that binds ranks to cores leaves each an
+    affinity mask smaller than the machine: that mask is the rank's share. Unbound, the
+    ranks on the machine share all its cores."""
+    mask, machine = cores(), os.cpu_count() or 1
+    return mask if mask < machine else machine / local_ranks()
+
+
 def main(argv: list[str]) -> int:
     if argv:
         from minidp.log import die

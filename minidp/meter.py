@@ -10,6 +10,10 @@ sent), so that each line reports its own window only:
         if it is time to log:
             w = meter.window()        # w.steps, w.seconds, w.comm_s, w.exposed_s, w.bytes_sent
     meter.total()                     # the same sums over the whole run
+    meter.bytes_by_axis()             # what the run sent, per mesh axis ("dp", "tp", "pp")
+
+Everything is counted from the meter's making, so what a strategy sends while it is built,
+or for the reports after training (the spread between replicas), is not in it.
 """
 
 import time
@@ -34,6 +38,7 @@ class Window(NamedTuple):
 class StepMeter:
     def __init__(self, strategy):
         self.strategy = strategy
+        self._start_by_axis = strategy.bytes_sent_by_axis()
         self.start = self.last = self.totals()
         self.steps = self.all_steps = 0
 
@@ -56,3 +61,8 @@ class StepMeter:
     def total(self) -> Window:
         """Every step since the meter was made."""
         return Window(self.all_steps, *(b - a for a, b in zip(self.start, self.totals())))
+
+    def bytes_by_axis(self) -> dict[str, int]:
+        """Bytes this rank sent since the meter was made, per axis."""
+        now = self.strategy.bytes_sent_by_axis()
+        return {axis: sent - self._start_by_axis.get(axis, 0) for axis, sent in now.items()}

@@ -145,10 +145,15 @@ class AdamW(Adam):
         super().__init__(params, lr, betas, eps, weight_decay)
 
 
-def global_grad_norm(params) -> float:
-    """sqrt(sum of squares of every gradient): each gradient's in its own dtype (as torch
+def sum_of_squares(arrays) -> float:
+    """sum of x*x over the arrays (None skipped): each array's in its own dtype (as torch
     does), their total in float64."""
-    return math.sqrt(sum(float(np.vdot(g, g)) for g in (p.grad for p in params) if g is not None))
+    return sum(float(np.vdot(a, a)) for a in arrays if a is not None)
+
+
+def global_grad_norm(params) -> float:
+    """sqrt(sum of squares of every gradient)."""
+    return math.sqrt(sum_of_squares(p.grad for p in params))
 
 
 def clip_grad_norm(params, max_norm: float, total_norm: float | None = None) -> float:

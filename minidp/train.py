@@ -19,7 +19,7 @@ import numpy as np
 
 from minidp import comm, data, optim
 from minidp.config import BadConfig, TrainConfig
-from minidp.info import blas_info, cores, local_ranks, mpi_library
+from minidp.info import blas_info, cores_per_rank, mpi_library
 from minidp.log import RankLog, print0
 from minidp.meter import StepMeter, Window
 from minidp.parallel import STRATEGIES
@@ -36,7 +36,7 @@ def blas_threads_per_rank(requested: int) -> int:
 
     Ranks that outnumber cores must not each start a pool of spinning BLAS threads: with 4
     ranks on 2 cores that alone made training 15x slower here."""
-    return requested or max(1, cores() // local_ranks())
+    return requested or max(1, int(cores_per_rank()))
 
 
 def train(config: TrainConfig, group: comm.Group | None = None) -> dict:
@@ -96,7 +96,8 @@ def _train(config: TrainConfig, group: comm.Group) -> dict:
                     records.append(log_line(step, loss, lr, meter.window(), task, config, say))
         finally:
             log.close()
-        total = meter.total()
+        # what training sent and held, read before the reports below add their own
+        total, by_axis, memory = meter.total(), meter.bytes_by_axis(), strategy.memory_bytes()
         final = {
             "final_loss": loss,
             "val_loss": task.validation_loss(),
@@ -109,8 +110,8 @@ def _train(config: TrainConfig, group: comm.Group) -> dict:
             "comm_s": total.comm_s,
             "exposed_comm_s": total.exposed_s,
             "bytes_sent_per_rank": total.bytes_sent,
-            "bytes_sent_by_axis": strategy.bytes_sent_by_axis(),
-            "memory_bytes": strategy.memory_bytes(),
+            "bytes_sent_by_axis": by_axis,
+            "memory_bytes": memory,
             "model": config.model,
             "dtype": config.dtype,
             **strategy.record(),

@@ -11,6 +11,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -96,6 +97,29 @@ def test_a_rank_that_skips_a_collective_times_out_the_others():
                 assert f"rank(s) {last} (world {last})" in message
                 assert "fingerprint exchange" in message
             expect(comm.CollectiveError, lambda g=g: comm.barrier(group=g), "broken")
+        world.comm.Barrier()
+    assert comm.allreduce(np.ones(3), group=world)[0] == world.size
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parallel(nprocs=[2, 3])
+def test_a_rank_later_than_the_deadline_gives_up_too_instead_of_waiting_alone():
+    """The others timed out after sending their fingerprints: the late rank finds every
+    fingerprint, and must still raise rather than go on into the data exchange alone."""
+    world = comm.world()
+    late = world.size - 1
+    for algo in ("ring", "mpi"):
+        g = group(timeout=1.0, checks=True)
+        if world.rank == late:
+            time.sleep(1.6)
+            expected = "have given up"
+        else:
+            expected = "heard nothing from rank(s)"
+        expect(
+            comm.CollectiveTimeout,
+            lambda a=algo, g=g: comm.allreduce(np.ones(50_000), algo=a, group=g),
+            expected,
+        )
         world.comm.Barrier()
     assert comm.allreduce(np.ones(3), group=world)[0] == world.size
 

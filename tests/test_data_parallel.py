@@ -201,11 +201,17 @@ def by_hand(x: np.ndarray) -> np.ndarray:
 @pytest.mark.timeout(60)
 def test_unused_parameters_no_sync_and_replaced_grads_give_the_mean_gradient():
     group = comm.world()
-    p, r = group.size, group.rank
+    p = group.size
     xs = [np.random.default_rng(k).standard_normal((2, 4)) for k in range(p)]  # rank k's data
+    for overlap in (True, False):  # the ordering matters with overlap: buckets go from hooks
+        unused_parameters_give_the_mean_gradient(group, xs, overlap)
+
+
+def unused_parameters_give_the_mean_gradient(group, xs, overlap):
+    p, r = group.size, group.rank
     model = ThreeWeights()
-    ddp = DistributedDataParallel(model, group, bucket_cap_mb=1e-6)  # one weight per bucket
-    assert len(ddp.buckets) == 3
+    ddp = DistributedDataParallel(model, group, bucket_cap_mb=1e-6, overlap=overlap)
+    assert len(ddp.buckets) == 3  # one weight per bucket
 
     # w2 fills bucket 0, yet only rank 0 uses it: its bucket must wait for the finish on
     # every rank, or the ranks would run their allreduces in different orders

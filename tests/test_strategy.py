@@ -122,11 +122,19 @@ def test_a_dropped_ddp_stops_its_thread_and_restores_the_switch_interval():
 
 
 def test_overlap_auto_follows_the_cores(monkeypatch):
-    monkeypatch.setattr(dp_module, "cores", lambda: 2)
-    monkeypatch.setattr(dp_module, "local_ranks", lambda: 2)
+    from minidp import info
+
+    monkeypatch.setattr(info, "cores", lambda: 2)  # an unbound rank sees the whole machine
+    monkeypatch.setattr(info.os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(info, "local_ranks", lambda: 2)
     on, why = dp_module.overlap_helps(2)
-    assert not on and "no core to spare" in why
-    monkeypatch.setattr(dp_module, "cores", lambda: 8)
+    assert not on and "none to spare" in why
+    monkeypatch.setattr(info.os, "cpu_count", lambda: 8)
+    monkeypatch.setattr(info, "cores", lambda: 8)
+    assert dp_module.overlap_helps(2)[0]  # 8 cores for 2 ranks
+    monkeypatch.setattr(info, "cores", lambda: 1)  # bound by the launcher to one core each
+    assert not dp_module.overlap_helps(2)[0]
+    monkeypatch.setattr(info, "cores", lambda: 2)  # bound to two cores each
     assert dp_module.overlap_helps(2)[0]
     assert not dp_module.overlap_helps(1)[0]  # one rank: nothing to overlap
     task = Task(TrainConfig(**TINY), np.float64)
@@ -193,3 +201,50 @@ def test_adamw_is_the_default_optimizer_with_the_config_weight_decay():
     with DataParallel(Task(config, np.float64), config, group) as strategy:
         assert type(strategy.optimizer) is optim.AdamW
         assert strategy.optimizer.hyper["weight_decay"] == config.weight_decay
+
+
+@pytest.mark.parallel(nprocs=[2])
+@pytest.mark.timeout(120)
+def test_a_failing_comm_hook_stops_the_reductions_instead_of_pairing_the_wrong_buckets():
+    """After a hook fails on one rank, that rank must reduce no later bucket: its next
+    allreduce would pair with the other rank's previous bucket (same shapes, so the
+    fingerprints agree). The error reaches the main thread; the other rank times out."""
+    world = comm.world()
+    task = Task(TrainConfig(**TINY), np.float64)
+    ddp = DistributedDataParallel(task.model, world, bucket_cap_mb=0.002, overlap=True)
+    ddp.comm_group.timeout = 2.0
+    calls, default = [], allreduce_hook("ring")
+
+    def hook(bucket, g):
+        calls.append(bucket.index)
+        if world.rank == 0 and bucket.index == 0:
+            raise RuntimeError("planted hook failure")
+        default(bucket, g)
+
+    ddp.register_comm_hook(hook)
+    x, y = task.batch(np.arange(4))
+    ddp.zero_grad()
+    task.loss(x, y).backward()
+    assert len(ddp.buckets) >= 3
+    if world.rank == 0:
+        with pytest.raises(RuntimeError, match="planted"):
+            ddp.finish_gradient_sync()
+        assert calls == [0]  # nothing after the failure
+    else:
+        with pytest.raises(comm.CollectiveTimeout):
+            ddp.finish_gradient_sync()
+    ddp.close()
+    world.comm.Barrier()
+
+
+@pytest.mark.parallel(nprocs=[2])
+@pytest.mark.timeout(120)
+def test_the_final_record_counts_training_traffic_only():
+    config = replace(TrainConfig(**TINY), steps=3, log_every=1)
+    final = train(config)
+    assert set(final["bytes_sent_by_axis"]) == {"dp"}
+    # not the first broadcast, nor the spread check after training
+    assert final["bytes_sent_by_axis"]["dp"] == final["bytes_sent_per_rank"] > 0
+    assert set(final["memory_bytes"]) == {
+        "parameters", "gradients", "optimizer", "activations_peak", "buffers"
+    }  # fmt: skip

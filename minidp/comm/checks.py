@@ -44,12 +44,13 @@ collectives: make a new group from a healthy one.
 """
 
 import os
+import time
 import zlib
 
 import numpy as np
 from mpi4py import MPI
 
-from minidp.comm.errors import CollectiveMismatch
+from minidp.comm.errors import CollectiveMismatch, CollectiveTimeout
 from minidp.comm.p2p import BYTE, CHECK_TAG, poll, statuses_for
 from minidp.names import ALGORITHMS, COLLECTIVES
 from minidp.names import OPS as OP_NAMES
@@ -151,11 +152,21 @@ class Fingerprints:
     A table of p rows, and *persistent* requests (MPI_Recv_init / MPI_Send_init) from and to
     every peer, so that a call costs one `Startall` and one wait, not 2(p - 1) new requests;
     and each distinct call's fingerprint is built once (everything but `seq` is the same
-    every time training repeats a call)."""
+    every time training repeats a call).
+
+    Each row also carries the wall-clock time its rank entered the call (a last column, not
+    compared). It lets the ranks agree on who gave up. A rank that waited past its deadline
+    has raised, but its fingerprint was already sent; a rank arriving later still finds every
+    fingerprint and would go on into the data exchange alone, and wait there forever. So
+    after the exchange every rank looks at the entry times: if the earliest entered more than
+    the timeout (less a margin for clocks and polling) before the latest, the earliest have
+    given up, and every rank raises CollectiveTimeout too. All ranks that finish the exchange
+    hold the same table, so they all decide alike; a rank that really timed out always falls
+    inside the margin's verdict."""
 
     def __init__(self, group):
         p, me = group.size, group.rank
-        self.table = np.zeros((p, FIELDS), np.int64)
+        self.table = np.zeros((p, FIELDS + 1), np.int64)  # + the entry time, in µs
         self.mine = self.table[me]
         others = [r for r in range(p) if r != me]
         recvs = [group.comm.Recv_init([self.table[r], BYTE], r, CHECK_TAG) for r in others]
@@ -165,25 +176,40 @@ class Fingerprints:
         self._calls: dict[tuple, np.ndarray] = {}  # call -> its fingerprint, seq left 0
 
     def exchange(self, group, seq: int, call: tuple) -> None:
-        """Send this call's fingerprint to every peer, receive theirs; raise on a difference."""
+        """Send this call's fingerprint to every peer, receive theirs; raise on a difference,
+        or when some rank entered so much earlier than another that it has given up."""
         row = self._calls.get(call)
         if row is None:
             if len(self._calls) > 1024:  # many distinct calls: start over
                 self._calls.clear()
             row = self._calls[call] = fingerprint(np.zeros(FIELDS, np.int64), 0, *call)
-        self.mine[:] = row
-        self.mine[0] = seq
+        mine, table = self.mine, self.table
+        mine[:FIELDS] = row
+        mine[0] = seq
+        mine[FIELDS] = int(time.time() * 1e6)
         group.traffic(self.nbytes, self.nbytes, len(self.peers) // 2)
         MPI.Prequest.Startall(self.requests)
         if group.deadline is None and not group.patient:
             MPI.Request.Waitall(self.requests)
         else:
             poll(group, self.requests, self.peers, statuses_for(group, len(self.requests)))
-        if (self.table != self.mine).any():
+        if (table[:, :FIELDS] != mine[:FIELDS]).any():
             raise CollectiveMismatch(
                 f"rank {group.rank} of {group.size}: ranks called different collectives or "
-                f"passed different arguments:\n{mismatch_report(self.table)}"
+                f"passed different arguments:\n{mismatch_report(table[:, :FIELDS])}"
             )
+        if group.timeout is not None:
+            entered = table[:, FIELDS]
+            limit = 1e6 * (group.timeout - min(1.0, 0.1 * group.timeout))
+            if entered.max() - entered.min() > limit:
+                early = [int(r) for r in np.flatnonzero(entered < entered.max() - limit)]
+                spread = (entered.max() - entered.min()) / 1e6
+                raise CollectiveTimeout(
+                    f"rank {group.rank} of {group.size}: {group._doing[0]} #{seq}: rank(s) "
+                    f"{ranges(early)} entered it {spread:.1f} s before the last rank did, past "
+                    f"the {group.timeout:g} s deadline, and have given up; so does every rank "
+                    "(this group is unusable now)"
+                )
 
     def free(self) -> None:
         """Release the persistent requests (only when none is active: after a healthy call)."""

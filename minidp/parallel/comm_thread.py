@@ -95,6 +95,7 @@ class CommThread:
     def __init__(self, reducer: Reducer):
         self._work: queue.Queue = queue.Queue()
         self._done: queue.Queue = queue.Queue()
+        self._in_flight = 0  # submitted, not yet waited for
         self._thread = threading.Thread(
             target=_serve, args=(reducer, self._work, self._done), daemon=True, name="minidp-comm"
         )
@@ -102,10 +103,15 @@ class CommThread:
 
     def submit(self, bucket: Bucket, share: float) -> None:
         self._work.put((bucket, share))
+        self._in_flight += 1
 
-    def wait(self, count: int) -> None:
-        """Wait for `count` submitted buckets; re-raise the first error the thread hit."""
-        errors = [self._done.get() for _ in range(count)]
+    def wait(self) -> None:
+        """Wait for every submitted bucket; re-raise the error the thread hit, if any.
+
+        Once a bucket fails, the thread reduces no later one (their collectives would pair
+        with the wrong buckets of the other ranks): each reports the same error."""
+        errors = [self._done.get() for _ in range(self._in_flight)]
+        self._in_flight = 0
         if any(errors):
             raise next(e for e in errors if e)
 
@@ -121,9 +127,11 @@ class CommThread:
 
 def _serve(reducer: Reducer, work: queue.Queue, done: queue.Queue) -> None:
     with quick_gil_handover():
+        failed = None  # after an error, no further bucket is reduced: each reports the error
         while (item := work.get()) is not None:
-            try:
-                reducer(*item)
-                done.put(None)
-            except BaseException as error:  # hand it to the main thread
-                done.put(error)
+            if failed is None:
+                try:
+                    reducer(*item)
+                except BaseException as error:  # hand it to the main thread
+                    failed = error
+            done.put(failed)

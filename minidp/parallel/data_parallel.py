@@ -48,7 +48,7 @@ import zlib
 import numpy as np
 
 from minidp import comm
-from minidp.info import cores, local_ranks
+from minidp.info import cores_per_rank
 from minidp.nn import Module
 from minidp.parallel.buckets import Bucket, assign_buckets
 from minidp.parallel.comm_thread import CommThread, Reducer, allreduce_hook
@@ -88,16 +88,16 @@ def check_same_model(model: Module, group: comm.Group) -> None:
 
 
 def overlap_helps(group_size: int) -> tuple[bool, str]:
-    """What overlap="auto" means here: (on?, why), from the cores and the ranks per machine.
+    """What overlap="auto" means here: (on?, why), from the cores each rank can count on.
 
     The communication thread needs a core of its own to hide anything: with none to spare it
     takes the core from backward (see the module docstring for the measurement)."""
     if group_size == 1:
         return False, "auto: one rank, nothing to communicate"
-    n_cores, ranks = cores(), local_ranks()
-    if n_cores >= 2 * ranks:
-        return True, f"auto: {ranks} ranks on {n_cores} cores leave a core per rank to spare"
-    return False, f"auto: {ranks} ranks on {n_cores} cores leave no core to spare"
+    share = cores_per_rank()
+    if share >= 2:
+        return True, f"auto: {share:g} cores per rank, one to spare for communication"
+    return False, f"auto: {share:g} cores per rank, none to spare"
 
 
 def _weak_hook(method):
@@ -250,7 +250,7 @@ class DistributedDataParallel:
         while self._next < len(self.buckets):  # the rest (all of them without overlap)
             self._launch(self.buckets[self._next])
         if self._thread is not None:
-            self._thread.wait(len(self.buckets))
+            self._thread.wait()
         self.exposed_seconds += time.perf_counter() - start
         self._rearm()
 

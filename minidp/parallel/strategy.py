@@ -104,15 +104,10 @@ class Strategy:
 
 
 # ---- pieces every strategy needs ----------------------------------------------------------
-def sum_of_squares(arrays) -> float:
-    """sum of x*x over the arrays, each in its own dtype, the total in float64."""
-    return sum(float(np.vdot(a, a)) for a in arrays if a is not None)
-
-
 def global_l2(arrays, shard_group: comm.Group | None = None) -> float:
     """The L2 norm of `arrays`, this rank's shard, summed over `shard_group` (None: the
     arrays are whole here). Each element must be held by exactly one rank of shard_group."""
-    total = sum_of_squares(arrays)
+    total = optim.sum_of_squares(arrays)
     if shard_group is not None and shard_group.size > 1:
         total = float(comm.allreduce(np.array([total]), group=shard_group)[0])
     return math.sqrt(total)
