@@ -5,9 +5,10 @@ arguments. When one does not, MPI alone gives you a hang (a message never sent),
 truncation error, or, worst, a silently wrong answer. Three guards, all on by default:
 
 1. The fingerprint (`group.checks`; from `MINIDP_CHECKS`, on unless it is 0/false/no/off).
-   Each collective begins by exchanging a fingerprint of 16 int64s:
+   Each collective begins by exchanging a fingerprint of 16 int64s, plus the time the rank
+   entered the call (compared separately, see `Fingerprints`):
 
-       seq | collective | algo | op | dtype | root | size | ndim | dims[0..7]
+       seq | collective | algo | op | dtype | root | size | ndim | dims[0..7] | entered
 
    `seq` counts this rank's collectives on the group; collective, algo and op are indices
    into minidp/names.py's lists. The exchange is done by hand, every rank sending its
@@ -27,10 +28,12 @@ truncation error, or, worst, a silently wrong answer. Three guards, all on by de
    (p2p.waitall, MPI's own non-blocking collectives in builtin.py) compares the clock with it
    every 64 polls. A rank still waiting past it raises `CollectiveTimeout` naming the peers
    of the requests it still waits for. A rank that never entered the collective cannot
-   raise; every rank that did, does. With checks on, the deadline covers the fingerprint
-   exchange, the rendezvous: once every rank has shown the same fingerprint, all are inside
-   the same call with the same arguments, so the data moves on MPI's blocking calls (p2p.py's
-   fast path; polling with a deadline cost 7-9% of the main job's time here). With checks
+   raise; every rank that did, does: one that arrives after the others gave up learns it
+   from their entry times (`Fingerprints`). With checks on, the deadline covers the
+   fingerprint exchange, the rendezvous: once every rank has shown the same fingerprint and
+   none has given up, all are inside the same call with the same arguments, so the data
+   moves on MPI's blocking calls (p2p.py's fast path; polling with a deadline cost 7-9% of
+   the main job's time here). With checks
    off and a deadline set, it covers every wait of the call. Without a deadline a wait can
    last forever (MPI's own blocking call).
 
