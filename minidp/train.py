@@ -121,10 +121,10 @@ def _train(config: TrainConfig, group: comm.Group) -> dict:
         sample = task.sample()
         if sample is not None:
             say("sample:\n" + sample)
-    if group.rank == 0 and config.json:
-        with open(config.json, "w") as f:
-            for record in [*records, final]:
-                f.write(json.dumps(record) + "\n")
+        if config.json:
+            with open(config.json, "w") as f:
+                for record in [*records, final]:
+                    f.write(json.dumps(record) + "\n")
     if config.trace:
         timeline.save(config.trace, group)
         say(f"timeline: {config.trace} (open in ui.perfetto.dev)")

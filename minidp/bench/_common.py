@@ -69,7 +69,7 @@ def per_timed_step_ms(seconds: float, iters: int, mpi) -> float:
 def zero_comm_seconds(ddps) -> None:
     """Forget the warm-up rounds: count communication and exposed time from here on."""
     for ddp in ddps:
-        ddp.exposed_seconds = ddp.reducer.seconds = 0.0
+        ddp.reset_timers()
 
 
 def environment() -> dict:

@@ -190,6 +190,10 @@ class DistributedDataParallel:
         """Time spent reducing buckets, in total (read differences)."""
         return self.reducer.seconds
 
+    def reset_timers(self) -> None:
+        """Count communication and exposed time from zero again (after a warm-up, say)."""
+        self.reducer.seconds = self.exposed_seconds = 0.0
+
     @property
     def buckets_launched(self) -> int:
         """How many buckets this backward has handed to communication so far."""
