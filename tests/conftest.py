@@ -16,7 +16,7 @@ import os
 
 import pytest
 
-os.environ.setdefault("MINIDP_CHECKS", "1")  # cross-rank fingerprint checks on in tests
+os.environ.setdefault("MINIDP_CHECKS", "1")  # checks on, as by default (unless set to 0)
 
 
 def _in_parallel_child() -> bool:

@@ -22,8 +22,9 @@ rotated by one every round (A B C, B C A, ...); reported are medians of per-roun
 and communication and exposed times as the maximum over ranks, per timed step.
 
 Checks: `--checks off` (the default) runs minidp's groups without cross-rank fingerprints,
-as MPI and torch DDP run (they check nothing); `--checks on` measures what MINIDP_CHECKS=1
-costs. MINIDP_CHECKS in the environment is ignored; the header says which ran.
+as MPI and torch DDP run (they check nothing); `--checks on` measures what minidp's
+default (fingerprints and deadlines) costs. MINIDP_CHECKS in the environment is ignored;
+the header says which ran.
 """
 
 import functools

@@ -27,7 +27,8 @@ What a strategy must say, and why the loop cannot work it out itself:
   `max_param_diff()`: the largest spread among ranks that hold the same parameters (0 when
   replicas agree bit for bit).
 - `bytes_sent_by_axis()`: data bytes this rank sent per mesh axis ("dp", "tp", "pp"), and
-  `comm_seconds` / `exposed_seconds`: time communicating, and the part nothing hid.
+  `comm_seconds` / `exposed_seconds`: time communicating, and the part nothing hid; all
+  running totals since the strategy was built (the loop's StepMeter reads differences).
 - `memory_bytes()`: this rank's bytes by category, counted from the arrays (memory.py).
 - `state_dict()` / `load_state_dict()`: everything training needs to resume (model,
   optimizer, the scheme's own state), for this rank's shard.
