@@ -85,6 +85,18 @@ class TrainConfig:
     trace: str | None = field(default=None, metadata={"help": "write a Chrome-trace timeline"})
     log_dir: str | None = field(default=None, metadata={"help": "one log file per rank here"})
 
+    # Each scheme's own flags go in its section below. A field whose metadata names
+    # "strategies" belongs to those: set to anything but its default with another
+    # --strategy, it is a BadConfig (one line), never silently ignored.
+
+    # parameter server (--strategy ps)
+
+    # the rank mesh and tensor parallelism (--strategy tp, hybrid)
+
+    # ZeRO (--strategy zero, hybrid)
+
+    # gradient compression and pruning (--strategy dp, hybrid)
+
     def validate(self) -> None:
         """Raise BadConfig with one clear line for a value that cannot work.
 
@@ -126,6 +138,13 @@ class TrainConfig:
                 if os.path.isdir(path):
                     raise BadConfig(f"{flag} {path} is a directory; give a file name")
                 _check_can_write(flag, os.path.dirname(os.path.abspath(path)))
+        for f in fields(self):
+            owners = f.metadata.get("strategies")
+            if owners and self.strategy not in owners and getattr(self, f.name) != f.default:
+                raise BadConfig(
+                    f"--{f.name.replace('_', '-')} is a flag of --strategy "
+                    f"{' or '.join(owners)}, not of --strategy {self.strategy}"
+                )
         if self.log_dir is not None:
             existing = os.path.abspath(self.log_dir)
             while not os.path.exists(existing):  # the directories it would create

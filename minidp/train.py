@@ -98,6 +98,7 @@ def _train(config: TrainConfig, group: comm.Group) -> dict:
             log.close()
         # what training sent and held, read before the reports below add their own
         total, by_axis, memory = meter.total(), meter.bytes_by_axis(), strategy.memory_bytes()
+        strategy.gather_model()  # the whole trained model in task.model, for what follows
         final = {
             "final_loss": loss,
             "val_loss": task.validation_loss(),

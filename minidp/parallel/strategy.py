@@ -9,6 +9,7 @@ knows nothing of how; it asks the strategy, for every step, to do the step:
     sampler = DistributedSampler(task.num_examples, B, coordinate, count, seed)
     for step in range(steps):
         result = strategy.step(sampler.local_indices(step), lr)     # forward .. optimizer
+    strategy.gather_model()          # collective: task.model holds the trained weights
     strategy.param_l2(), strategy.max_param_diff()                  # collective, every rank
     strategy.bytes_sent_by_axis(), strategy.memory_bytes()          # this rank's
     state = strategy.state_dict(); strategy.load_state_dict(state)  # all that resumes it
@@ -32,6 +33,10 @@ What a strategy must say, and why the loop cannot work it out itself:
 - `memory_bytes()`: this rank's bytes by category, counted from the arrays (memory.py).
 - `state_dict()` / `load_state_dict()`: everything training needs to resume (model,
   optimizer, the scheme's own state), for this rank's shard.
+- `gather_model()`: collective, called once after training: leave the trained weights in
+  `task.model` on every rank, whole (gathered from shards or fetched from servers), so the
+  loop's validation loss and sample, which run on the group's rank 0, see them. Data
+  parallelism trains `task.model` itself and has nothing to do.
 - `describe()` and `record()`: the scheme's own fields for the header and the final record.
 """
 
@@ -85,6 +90,9 @@ class Strategy:
 
     def load_state_dict(self, state: dict) -> None:
         raise NotImplementedError
+
+    def gather_model(self) -> None:
+        """Collective: make `task.model` hold the whole trained model on every rank."""
 
     def describe(self) -> str:
         """The scheme's part of the second header line."""
