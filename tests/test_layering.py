@@ -1,6 +1,6 @@
 """Layering that reads bottom up: what imports without MPI, and who may import whom.
 
-    chunks  autograd  ops  nn  optim  data  log  config  parser     no MPI
+    chunks  autograd  ops  nn  optim  data  log  config  parser  plots  no MPI
     comm  trace  parallel  train  cli  bench                        on MPI (mpi4py)
 
 Everything in the first row must import, and tutorials 01 and 02 must run, where mpi4py
@@ -27,6 +27,7 @@ NO_MPI_MODULES = (
     "minidp.config",
     "minidp.log",
     "minidp.parser",
+    "minidp.plots",
 )
 BLOCK_MPI4PY = """
 import sys
