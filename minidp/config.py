@@ -96,6 +96,15 @@ class TrainConfig:
     # ZeRO (--strategy zero, hybrid)
 
     # gradient compression and pruning (--strategy dp, hybrid)
+    compress: str = field(
+        default="none",
+        metadata={
+            "help": "gradient compression NAME[:PARAM]: none, fp16, bf16, topk:DENSITY, "
+            "randomk:DENSITY, sign, sign-noef, qsgd:LEVELS, powersgd:RANK "
+            "(minidp/parallel/compress.py)",
+            "strategies": ("dp",),
+        },
+    )
 
     def validate(self) -> None:
         """Raise BadConfig with one clear line for a value that cannot work.

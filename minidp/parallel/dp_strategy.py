@@ -23,6 +23,7 @@ from minidp import comm, optim
 from minidp.chunks import chunk_range
 from minidp.config import BadConfig
 from minidp.memory import activation_bytes, nbytes, optimizer_bytes
+from minidp.parallel.compress import compression_line, compression_record, make_compressor
 from minidp.parallel.data_parallel import DistributedDataParallel
 from minidp.parallel.strategy import (
     StepResult,
@@ -52,6 +53,10 @@ class DataParallel(Strategy):
                 f"--batch-size {B} over {group.size} ranks leaves {B // group.size} examples "
                 f"per rank, fewer than --grad-accum {K} micro-batches"
             )
+        try:  # --compress: a bad value is found alike on every rank, before any message
+            self.compressor = make_compressor(config.compress, config.allreduce, config.seed)
+        except ValueError as error:
+            raise BadConfig(str(error)) from None
         self.ddp = DistributedDataParallel(
             task.model,
             group,
@@ -60,6 +65,9 @@ class DataParallel(Strategy):
             overlap=OVERLAP[config.overlap],
             timeline=self.timeline,
         )
+        if self.compressor is not None:
+            self.ddp.register_comm_hook(self.compressor)
+        self.steps_done = 0
         self.optimizer = optimizer or optim.AdamW(
             task.model.parameters(), lr=config.lr, weight_decay=config.weight_decay
         )
@@ -84,6 +92,7 @@ class DataParallel(Strategy):
                     loss.backward()
             local_loss += loss.item()
         self._measure = False
+        self.steps_done += 1
         with span("gradient sync wait"):
             ddp.finish_gradient_sync()
         step_loss = global_loss(local_loss, ddp.share, self.group)
@@ -126,7 +135,8 @@ class DataParallel(Strategy):
         return (
             f"allreduce {config.allreduce} | buckets {len(ddp.buckets)} of <= "
             f"{config.bucket_mb} MiB | overlap {'on' if ddp.overlap else 'off'} "
-            f"({ddp.overlap_reason}) | grad accumulation {config.grad_accum}"
+            f"({ddp.overlap_reason}) | grad accumulation {config.grad_accum} | "
+            f"compress {config.compress}"
         )
 
     def record(self) -> dict:
@@ -134,15 +144,35 @@ class DataParallel(Strategy):
             "allreduce": self.config.allreduce,
             "overlap": self.ddp.overlap,
             "buckets": len(self.ddp.buckets),
+            **self._compression(),
         }
+
+    def summary(self) -> str:
+        return compression_line(self._compression()) if self.compressor is not None else ""
+
+    def _compression(self) -> dict:
+        sent = bytes_sent(self.ddp.comm_group)  # the comm group carries the buckets only
+        return compression_record(
+            self.config.compress,
+            self.compressor,
+            self.ddp.buckets,
+            sent,
+            self.steps_done,
+            self.group.size,
+        )
 
     # ---- resuming -----------------------------------------------------------------------
     def state_dict(self) -> dict:
-        return {"model": self.task.model.state_dict(), "optimizer": self.optimizer.state_dict()}
+        state = {"model": self.task.model.state_dict(), "optimizer": self.optimizer.state_dict()}
+        if self.compressor is not None:  # error-feedback residuals are training state
+            state["compressor"] = self.compressor.state_dict()
+        return state
 
     def load_state_dict(self, state: dict) -> None:
         self.task.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
+        if self.compressor is not None:
+            self.compressor.load_state_dict(state["compressor"])
 
     def close(self) -> None:
         self.ddp.close()
