@@ -45,7 +45,9 @@ def from_bf16(u: np.ndarray) -> np.ndarray:
 
 
 def to_fp16(x: np.ndarray) -> np.ndarray:
-    return x.astype(np.float16).view(np.uint16)  # NumPy rounds to nearest even
+    """fp16 bit patterns (NumPy rounds to nearest even; past 65504 is infinity)."""
+    with np.errstate(over="ignore"):
+        return x.astype(np.float16).view(np.uint16)
 
 
 def from_fp16(u: np.ndarray) -> np.ndarray:
