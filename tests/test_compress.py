@@ -207,3 +207,13 @@ def test_bad_values_are_one_clear_line(spec, message):
 def test_compression_is_a_flag_of_data_parallelism_only():
     with pytest.raises(BadConfig, match="--compress is a flag of --strategy dp"):
         TrainConfig(strategy="ps", compress="topk").validate()
+
+
+def test_the_command_line_says_a_bad_value_in_one_line_and_exits_2(capsys):
+    from minidp.cli import main
+
+    with pytest.raises(SystemExit) as done:
+        main(["--compress", "powersgd:0", "--steps", "1", "--model", "mlp", "--hidden", "8"])
+    assert done.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "the rank must be an integer >= 1" in err
