@@ -49,6 +49,8 @@ CONTENDERS = (
     "none,fp16,bf16,topk:0.001,randomk:0.01,sign,sign-noef,qsgd:4,powersgd:1,powersgd:2,powersgd:4"
 )
 TAIL = 10  # the final loss: the mean of this many last steps' losses
+OPTIMIZERS = ("adamw", "sgd")
+SGD_LR, SGD_MOMENTUM = 0.3, 0.9
 
 
 def parse_args(argv: list[str]):
@@ -57,6 +59,13 @@ def parse_args(argv: list[str]):
     parser.add_argument("--compressors", default=CONTENDERS, help="comma-separated; none first")
     parser.add_argument("--json", metavar="FILE", help="write JSON lines (rank 0)")
     parser.add_argument("--plot", metavar="PNG", default=None, help="loss curves (default: runs/)")
+    parser.add_argument(
+        "--optimizer",
+        choices=OPTIMIZERS,
+        default="adamw",
+        help="adamw (the default task's) or sgd (momentum 0.9, the papers' setting)",
+    )
+    parser.add_argument("--lr", type=float, default=None, help="peak lr (adamw 3e-3, sgd 0.3)")
     for name in ("n_layer", "n_embd", "n_head", "block_size", "batch_size"):  # the task's size
         default = getattr(TrainConfig, name)
         flag = "--" + name.replace("_", "-")
@@ -70,6 +79,8 @@ def parse_args(argv: list[str]):
             parse_compress(spec)
         except ValueError as error:
             raise die(f"bench compress: {error}") from None
+    if args.lr is None:
+        args.lr = TrainConfig.lr if args.optimizer == "adamw" else SGD_LR
     if args.steps <= TAIL:
         raise die(f"bench compress: --steps must be more than {TAIL}")
     return args
@@ -81,11 +92,16 @@ def train_side_by_side(args, group: comm.Group) -> dict:
         steps=args.steps,
         **{k: getattr(args, k) for k in ("n_layer", "n_embd", "n_head", "block_size")},
         batch_size=args.batch_size,
+        lr=args.lr,
     )
     runs = {}
     for spec in args.compressors:
         config = replace(base, compress=spec)
-        strategy = DataParallel(Task(config, np.dtype(config.dtype)), config, group)
+        task = Task(config, np.dtype(config.dtype))
+        sgd = None
+        if args.optimizer == "sgd":  # no weight decay
+            sgd = optim.SGD(task.model.parameters(), lr=config.lr, momentum=SGD_MOMENTUM)
+        strategy = DataParallel(task, config, group, optimizer=sgd)
         sampler = data.DistributedSampler(
             strategy.task.num_examples, config.batch_size, *strategy.data_shard, seed=config.seed
         )
@@ -197,7 +213,8 @@ def main(argv: list[str]) -> int:
         env = environment()
         print0(
             f"bench compress: GPT {args.n_layer} layers x {args.n_embd} channels, batch "
-            f"{args.batch_size} x {args.block_size} tokens, {args.steps} steps, float32 | "
+            f"{args.batch_size} x {args.block_size} tokens, {args.steps} steps, float32, "
+            f"{args.optimizer} lr {args.lr:g} | "
             f"{world.size} ranks x {blas_threads_per_rank(0)} BLAS threads | checks off | "
             f"{env['blas']}"
         )
