@@ -7,10 +7,10 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
+from test_strategy import run as steps  # one step per index, lr 1e-2: the global losses
 
 from minidp import comm
 from minidp.config import TrainConfig
-from minidp.data import DistributedSampler
 from minidp.parallel import DataParallel
 from minidp.parallel.comm_thread import allreduce_hook
 from minidp.parallel.compress import COMPRESSORS, make_compressor
@@ -24,14 +24,6 @@ TINY_GPT = dict(
     dtype="float64", bucket_mb=0.01, overlap="on", sample_tokens=0, eval_batches=1,
     log_every=100,
 )  # fmt: skip
-
-
-def steps(strategy: DataParallel, which: range) -> list[float]:
-    task, config = strategy.task, strategy.config
-    sampler = DistributedSampler(
-        task.num_examples, config.batch_size, *strategy.data_shard, seed=config.seed
-    )
-    return [strategy.step(sampler.local_indices(s), 1e-2).loss for s in which]
 
 
 def params(strategy: DataParallel) -> np.ndarray:

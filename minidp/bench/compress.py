@@ -28,14 +28,7 @@ import numpy as np
 from mpi4py import MPI
 
 from minidp import comm, data, optim
-from minidp.bench._common import (
-    environment,
-    median,
-    median_ratio,
-    print_table,
-    timed,
-    write_json,
-)
+from minidp.bench._common import environment, median, median_ratio, print_table, timed, write_json
 from minidp.config import TrainConfig
 from minidp.log import die, print0
 from minidp.parallel import DataParallel
