@@ -57,7 +57,8 @@ def test_bf16_rounds_to_nearest_even_like_integer_arithmetic_and_torch():
 # ---- each compressor's round trip on known inputs ----------------------------------------------
 def test_casts_send_what_a_16_bit_cast_keeps():
     x = np.array([1.0, 1 + 2**-9, -3e-8, 70000.0, 0.1], np.float32)
-    np.testing.assert_array_equal(compress_once("fp16", x), x.astype(np.float16))
+    with np.errstate(over="ignore"):  # 70000 is past fp16: infinity
+        np.testing.assert_array_equal(compress_once("fp16", x), x.astype(np.float16))
     np.testing.assert_array_equal(compress_once("bf16", x), from_bf16(to_bf16(x)))
 
 
@@ -94,7 +95,7 @@ def test_qsgd_lands_on_its_levels_and_is_unbiased_over_seeds():
     x = np.array([0.3, -1.2, 0.05, 0.0, 2.0, -0.7])
     S, norm = 4, np.linalg.norm(x)
     draws = np.array([compress_once("qsgd:4", x, compressor=make_compressor("qsgd:4", seed=s))
-                      for s in range(4000)])  # fmt: skip
+                      for s in range(2000)])  # fmt: skip
     levels = draws / norm * S
     np.testing.assert_allclose(levels, np.round(levels), atol=1e-9)
     assert np.all(np.abs(levels) <= S) and np.all(draws[:, 3] == 0)

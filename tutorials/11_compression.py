@@ -156,9 +156,9 @@ tail = {spec: np.mean(c[-10:]) for spec, c in curves.items()}
 assert tail["topk:0.01"] < curves["none"][0] - 0.5  # it learns, on 1% of the values
 assert bytes_per_step["none"] / bytes_per_step["topk:0.01"] > 40
 assert max(tail["sign"], tail["sign-noef"]) < curves["none"][0] - 0.3  # both learn
-# Which sign wins here is measured, not promised: with AdamW, which already divides each
-# coordinate by its own scale, the residual's bursts can cost more than the bias it repays
-# (`python -m minidp bench compress` compares them on the default GPT, with AdamW or SGD).
+# Which sign wins here is measured, not promised: the residual goes back into the gradient
+# before AdamW, whose momentum amplifies its delayed bursts; on the quadratic above there was
+# no momentum. (`python -m minidp bench compress` compares them on the default GPT.)
 
 plt = pyplot()
 if plt is not None and rank == 0:

@@ -153,10 +153,12 @@ def plot(rows: list[dict], path: str) -> None:
     if plt is None:
         return
     fig, (every, signs) = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
-    for row in rows:
-        line = every.plot(smooth(row["losses"]), label=row["compress"], lw=1)
+    tab20 = plt.get_cmap("tab20").colors
+    colors = tab20[::2] + tab20[1::2]  # 20 distinct: the dark ones first
+    for row, color in zip(rows, colors):
+        every.plot(smooth(row["losses"]), label=row["compress"], lw=1, color=color)
         if row["compress"] in ("none", "sign", "sign-noef"):
-            signs.plot(smooth(row["losses"]), label=row["compress"], color=line[0].get_color())
+            signs.plot(smooth(row["losses"]), label=row["compress"], color=color)
     for ax, title in ((every, "every compressor"), (signs, "sign: with and without EF")):
         ax.set(title=title, xlabel="step", ylabel="training loss (10-step mean)")
         ax.legend(fontsize=8)
