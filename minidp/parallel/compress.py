@@ -16,7 +16,8 @@ float32 values on p ranks, against the allreduce's 2(p-1)/p·4n (ratios at p = 2
                                 allreduced
     sign         -              1 bit per value + a scale, allgathered   yes  32 / 16
     sign-noef    -              the same, without error feedback         no   32 / 16
-    qsgd         levels S (4)   log2(2S+1) bits per value, allgathered   no   16/b / 8/b
+    qsgd         levels S (4)   b = bit_length(2S) bits per value,       no   32/b / 16/b
+                                allgathered
     powersgd     rank r (2)     P and Q factors, allreduced              yes  nm / r(n+m)
 
 Where each idea lives: compress_base.py (error feedback, the residual, the shared
