@@ -89,7 +89,42 @@ class TrainConfig:
     # "strategies" belongs to those: set to anything but its default with another
     # --strategy, it is a BadConfig (one line), never silently ignored.
 
-    # parameter server (--strategy ps)
+    # parameter server (--strategy ps): the last S ranks serve, the others work
+    servers: int = field(
+        default=1,
+        metadata={"help": "server ranks (the last S of the world)", "strategies": ("ps",)},
+    )
+    consistency: str = field(
+        default="bsp",
+        metadata={
+            "help": "bsp (every clock together), asp (each push as it comes) or ssp:K "
+            "(no worker more than K clocks ahead of the slowest)",
+            "strategies": ("ps",),
+        },
+    )
+    ps_optimizer: str = field(
+        default="adamw",
+        metadata={
+            "help": "the servers' optimizer (momentum: SGD with momentum 0.9)",
+            "choices": ("sgd", "momentum", "adamw"),
+            "strategies": ("ps",),
+        },
+    )
+    ps_slow_worker_ms: float = field(
+        default=0.0,
+        metadata={
+            "help": "the last worker sleeps this long every step (to show ASP's gain)",
+            "strategies": ("ps",),
+        },
+    )
+    ps_timeout: float = field(
+        default=60.0,
+        metadata={
+            "help": "seconds a server waits for a silent worker (asp/ssp: dropped; bsp: an "
+            "error) and a worker for a server's reply",
+            "strategies": ("ps",),
+        },
+    )
 
     # the rank mesh and tensor parallelism (--strategy tp, hybrid)
 
@@ -133,6 +168,13 @@ class TrainConfig:
             value = getattr(self, name)
             if not (0 <= value < math.inf):
                 raise BadConfig(f"--{name.replace('_', '-')} must be >= 0 and finite, got {value}")
+        if self.servers < 1:
+            raise BadConfig(f"--servers must be >= 1, got {self.servers}")
+        staleness_bound(self.consistency)  # raises BadConfig on a bad value
+        for name in ("ps_slow_worker_ms", "ps_timeout"):
+            value = getattr(self, name)
+            if not (0 <= value < math.inf) or (name == "ps_timeout" and value == 0):
+                raise BadConfig(f"--{name.replace('_', '-')} must be positive, got {value}")
         for flag, path in (("--json", self.json), ("--trace", self.trace)):
             if path is not None:
                 if os.path.isdir(path):
@@ -150,6 +192,21 @@ class TrainConfig:
             while not os.path.exists(existing):  # the directories it would create
                 existing = os.path.dirname(existing)
             _check_can_write("--log-dir", existing)
+
+
+def staleness_bound(consistency: str) -> float:
+    """--consistency as the bound K on how far a worker may run ahead of the slowest:
+    bsp -> 0 (and updates wait for the whole clock), ssp:K -> K, asp -> infinity."""
+    if consistency == "bsp":
+        return 0
+    if consistency == "asp":
+        return math.inf
+    name, _, k = consistency.partition(":")
+    if name == "ssp" and k.isdigit():
+        return int(k)
+    raise BadConfig(
+        f"--consistency {consistency!r}: choose bsp, asp or ssp:K with an integer K >= 0"
+    )
 
 
 def _check_can_write(flag: str, directory: str) -> None:

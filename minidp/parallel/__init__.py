@@ -6,10 +6,12 @@ follows the protocol in strategy.py. A new scheme is a module here and one line 
 
 from minidp.parallel.data_parallel import DistributedDataParallel, ModelMismatch
 from minidp.parallel.dp_strategy import DataParallel
+from minidp.parallel.param_server import ParameterServer
 from minidp.parallel.strategy import StepResult, Strategy
 
 STRATEGIES: dict[str, type[Strategy]] = {
     DataParallel.name: DataParallel,
+    ParameterServer.name: ParameterServer,
 }
 
 __all__ = [
@@ -17,6 +19,7 @@ __all__ = [
     "DataParallel",
     "DistributedDataParallel",
     "ModelMismatch",
+    "ParameterServer",
     "StepResult",
     "Strategy",
 ]
