@@ -113,8 +113,8 @@ def test_bsp_is_single_process_training(monkeypatch):
 def test_asp_and_ssp_converge_and_ssp_staleness_is_bounded():
     group = comm.world()
     base = TrainConfig(
-        model="mlp", strategy="ps", steps=30, servers=1, ps_slow_worker_ms=4, ps_optimizer="momentum",
-        **{**TINY, "grad_clip": 1.0, "lr": 0.1, "warmup": 5},
+        model="mlp", strategy="ps", steps=30, servers=1, ps_slow_worker_ms=4,
+        ps_optimizer="momentum", **{**TINY, "grad_clip": 1.0, "lr": 0.1, "warmup": 5},
     )  # fmt: skip
     final = {}
     for consistency in ("bsp", "ssp:1", "asp"):

@@ -48,3 +48,21 @@ def test_a_silent_worker_is_dropped_under_asp_and_an_error_under_bsp(tmp_path):
     bsp = mpiexec(3, *MLP, *SILENT, "--consistency", "bsp")
     assert bsp.returncode != 0
     assert "worker 1 (rank 1) sent nothing to server rank 2 for 0.3 s" in bsp.stderr, bsp.stderr
+
+
+@pytest.mark.timeout(120)
+def test_bench_ps_smoke(tmp_path):
+    out = tmp_path / "bench.json"
+    args = ["bench", "ps", "--model", "mlp", "--steps", "2", "--rounds", "1", "--slow-ms", "1"]
+    result = mpiexec(3, *args, "--json", str(out), "--out", str(tmp_path))
+    assert result.returncode == 0, result.stderr
+    rows = {r["contender"]: r for r in map(json.loads, open(out))}
+    assert set(rows) == {
+        "dp ring", "ps S=1 bsp", "ps S=2 bsp", "ps S=1 bsp slow", "ps S=1 asp slow",
+        "ps S=1 ssp:2 slow",
+    }  # fmt: skip
+    model_kb = rows["ps S=2 bsp"]["server_in_kb"] * 2  # 1 worker, half the model each
+    # one server takes every worker's whole gradient; the ring rank sends 2(p-1)/p of it
+    assert rows["ps S=1 bsp"]["server_in_kb"] > 1.9 * model_kb
+    assert rows["dp ring"]["ring_rank_kb"] < 1.5 * model_kb
+    assert (tmp_path / "bench_ps_3ranks.png").exists()
