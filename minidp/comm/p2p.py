@@ -52,7 +52,7 @@ DATA_TAG = 7001  # data of every algorithm; messages between one pair never over
 CHECK_TAG = 7002  # fingerprints (checks.py), kept apart from the data
 _SPIN = 64  # polls before the waiting loop starts to yield the core
 _NAP_S = 50e-6  # a patient group's nap between polls
-_MAX_NAP_S = 1e-3  # probe's longest nap: a waiting server costs ~1-2% of a core (measured)
+_MAX_NAP_S = 1e-3  # probe's longest nap: idle, a probe costs <2% of a core (measured)
 
 
 BYTE = MPI.BYTE  # every message is raw bytes
