@@ -1,8 +1,9 @@
 """The parameter server (--strategy ps) is single-process training under BSP: same losses and
 parameters (float64, 1e-10), with SGD and AdamW, clipping on, 1 or 2 servers, 2 or 3
 workers; a resent push is applied once; after shutdown every worker holds the servers'
-parameters bitwise; each server's bytes are what the message layout says; ASP and SSP
-converge, and SSP's staleness stays within K."""
+parameters bitwise; each server's bytes are what the message layout says; state_dict
+resumes; ASP and SSP converge, and SSP's staleness stays within K; a silent server is a
+clear error."""
 
 from dataclasses import replace
 
@@ -45,8 +46,9 @@ def reference(config):
     return losses, [p.data.copy() for p in params]
 
 
-def parameter_server(config, group):
-    """Train as the loop does: step, then gather_model; returns (losses, params, strategy)."""
+def parameter_server(config, group, resume_at=None):
+    """Train as the loop does: step, then gather_model; returns (losses, params, strategy).
+    resume_at: stop after that many steps, and go on in a fresh strategy from state_dict."""
     strategy = ParameterServer(Task(config, np.float64), config, group)
     sampler = None
     if strategy.data_shard is not None:
@@ -55,6 +57,11 @@ def parameter_server(config, group):
         )
     losses = []
     for step in range(config.steps):
+        if step == resume_at:
+            state = strategy.state_dict()
+            strategy.close()
+            strategy = ParameterServer(Task(replace(config, seed=99), np.float64), config, group)
+            strategy.load_state_dict(state)
         local = sampler.local_indices(step) if sampler else None
         losses.append(strategy.step(local, schedule(config, step)).loss)
     strategy.gather_model()
@@ -106,6 +113,12 @@ def test_bsp_is_single_process_training(monkeypatch):
         np.testing.assert_array_equal(p, q)
     if strategy.is_server:
         assert strategy.server.duplicates == (group.size - 2) * STEPS
+    # resuming from state_dict after step 1, in a strategy built from another seed
+    monkeypatch.undo()
+    losses, got, _ = parameter_server(config, group, resume_at=2)
+    assert losses == want_losses
+    for p, q in zip(got, want, strict=True):
+        np.testing.assert_array_equal(p, q)
 
 
 @pytest.mark.parallel(nprocs=[4])
@@ -132,3 +145,19 @@ def test_asp_and_ssp_converge_and_ssp_staleness_is_bounded():
     for consistency in ("ssp:1", "asp"):  # well below the start, BSP's loss within 0.25
         assert final[consistency] < 0.5 * first, (first, final)
         assert final[consistency] < final["bsp"] + 0.25, final
+
+
+@pytest.mark.parallel(nprocs=[2])
+@pytest.mark.timeout(60)
+def test_a_server_that_does_not_answer_is_a_clear_error_naming_it():
+    ps = comm.world().dup()
+    ps.patient = True
+    if ps.rank == 0:  # a worker whose server (rank 1) never answers
+        params = np.zeros(4)
+        with pytest.raises(ps_comm.ServerLost, match=r"no reply from server rank\(s\) \[1\]"):
+            ps_comm.pull(ps, [1], [(0, 4)], params, worker=0, clock=5, timeout=0.2)
+    comm.barrier(group=comm.world())
+    if ps.rank == 1:  # the pull that came: its header names the worker, clock and keys
+        tag, header = ps_comm.next_header(ps, ps_comm.empty_header(), timeout=5)
+        assert (tag, header[:4]) == (ps_comm.PULL, (0, 5, 0, 4))
+    ps.free()

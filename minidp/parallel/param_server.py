@@ -230,19 +230,33 @@ class ParameterServer(Strategy):
         }
 
     # ---- resuming -------------------------------------------------------------------------
+    # Taken between steps under BSP, every rank is at the same clock and no message is in
+    # flight: that is the state this resumes (under ASP/SSP, the clocks as they stood).
     def state_dict(self) -> dict:
         state = {"model": self.task.model.state_dict(), "clock": self.clock}
+        state["histogram"] = self.histogram.copy()
         if self.is_server:
             s = self.server
+            s.serve_pulls(self.clock)  # the workers' pulls for this clock, still coming
             state |= {"shard": s.param.data.copy(), "optimizer": s.optimizer.state_dict()}
+            state |= {"done": list(s.done), "complete": s.complete, "losses": list(s.losses)}
+        else:
+            state["versions"] = list(self.versions)
         return state
 
     def load_state_dict(self, state: dict) -> None:
         self.task.model.load_state_dict(state["model"])
         self.clock = state["clock"]
+        self.histogram[...] = state["histogram"]
         if self.is_server:
-            self.server.param.data[...] = state["shard"]
-            self.server.optimizer.load_state_dict(state["optimizer"])
+            s = self.server
+            s.param.data[...] = state["shard"]
+            s.optimizer.load_state_dict(state["optimizer"])
+            s.done, s.complete, s.losses = list(state["done"]), state["complete"], state["losses"]
+            s.answered = [self.clock] * len(s.done)
+        else:
+            self.versions = list(state["versions"])
+            self.flat[...] = np.concatenate([p.data.ravel() for p in self.params])
 
     def close(self) -> None:
         if self.server_group is not None and self.server_group.broken != "freed":

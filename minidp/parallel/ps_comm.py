@@ -98,6 +98,10 @@ def pull(
         p2p.waitall_within(group, requests, peers, timeout)
     except CollectiveTimeout:
         late = [s for i, s in enumerate(servers) if not requests[2 * i].Test()]
+        for request, _ in group.receiving.values():  # no reply may land later
+            request.Cancel()
+            group.abandoned.append(request)
+        group.receiving.clear()
         raise ServerLost(
             f"worker {worker} (rank {group.rank}): no reply from server rank(s) "
             f"{late or servers} within {timeout:g} s to the pull for clock {clock}: "

@@ -73,7 +73,7 @@ class ShardServer:
         self.complete, self.losses = 0, []  # losses[c]: clock c's global loss
         self.pending: list[Header] = []  # pulls not yet allowed
         self.outbox: list = []  # replies in flight: [requests, buffers]
-        self.finished: set[int] = set()  # workers whose last pull was answered
+        self.answered = [0] * n_workers  # the clock of each worker's last answered pull
         self.duplicates, self.dropped = 0, []
         self.header = ps_comm.empty_header()
         self.scratch = np.empty_like(self.param.data)
@@ -82,14 +82,19 @@ class ShardServer:
     def serve_until(self, clock: int, last: bool) -> float:
         """Serve until clock `clock` is complete (and, when `last`, every live worker holds
         the final shard); return that clock's global loss."""
-        everyone = range(len(self.done))  # a dropped worker too gets the final shard
-        while self.complete <= clock or (last and not self.finished.issuperset(everyone)):
+        while self.complete <= clock:
             self.serve_one()
-        if last:
+        if last:  # every worker, a dropped one too, gets the final shard
+            self.serve_pulls(self.config.steps)
             for requests, _ in self.outbox:
                 p2p.waitall(self.ps, requests, [None] * len(requests))
             self.outbox = []
         return self.losses[clock]
+
+    def serve_pulls(self, clock: int) -> None:
+        """Serve until every worker's pull for `clock` (or a later one) is answered."""
+        while min(self.answered) < clock:
+            self.serve_one()
 
     def serve_one(self) -> None:
         wait = min(1.0, self.config.ps_timeout)  # wake now and then to look for silence
@@ -175,8 +180,7 @@ class ShardServer:
                 waiting.append(h)
                 continue
             self.send_reply(h, self.complete)
-            if h.clock >= last_clock:
-                self.finished.add(h.worker)
+            self.answered[h.worker] = h.clock
         self.pending = waiting
         self.outbox = [sent for sent in self.outbox if not _done(sent[0])]
 
@@ -191,7 +195,8 @@ class ShardServer:
         now, timeout = time.monotonic(), self.config.ps_timeout
         asking = {h.worker for h in self.pending}
         for w in list(self.live):
-            if w in asking or w in self.finished or now - self.heard[w] <= timeout:
+            finished = self.answered[w] >= self.config.steps
+            if w in asking or finished or now - self.heard[w] <= timeout:
                 continue
             if self.bsp:
                 for h in self.pending:  # tell every waiting worker who stopped
