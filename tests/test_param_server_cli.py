@@ -45,6 +45,9 @@ def test_a_silent_worker_is_dropped_under_asp_and_an_error_under_bsp(tmp_path):
     assert "worker 1 sent nothing for 0.3 s; dropped, training goes on with 1 workers" in asp.stderr
     final = [json.loads(line) for line in open(tmp_path / "a.json")][-1]
     assert final["max_param_diff"] == 0.0  # the dropped worker too ends with the final model
+    assert final["consistency"] == "asp" and final["staleness_histogram"]
+    roles = [r["role"] for r in final["ps_traffic"]]
+    assert roles == ["worker", "worker", "server"] and "staleness histogram" in asp.stdout
     bsp = mpiexec(3, *MLP, *SILENT, "--consistency", "bsp")
     assert bsp.returncode != 0
     assert "worker 1 (rank 1) sent nothing to server rank 2 for 0.3 s" in bsp.stderr, bsp.stderr
