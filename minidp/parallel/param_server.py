@@ -52,7 +52,13 @@ from minidp.memory import activation_bytes, nbytes, optimizer_bytes
 from minidp.parallel import ps_comm
 from minidp.parallel.ps_comm import Header
 from minidp.parallel.ps_server import ShardServer, WorkerLost, lost_message
-from minidp.parallel.strategy import StepResult, Strategy, bytes_sent, global_l2
+from minidp.parallel.strategy import (
+    StepResult,
+    Strategy,
+    bytes_sent,
+    clip_global_norm,
+    global_l2,
+)
 
 
 class ParameterServer(Strategy):
@@ -109,16 +115,14 @@ class ParameterServer(Strategy):
             p.grad = None
         with span("backward"):
             loss.backward()
+        if config.grad_clip and config.consistency != "bsp":  # the servers clip under BSP
+            clip_global_norm(self.params, config.grad_clip)  # this worker's own gradient
         offset = 0
         for p in self.params:  # unused parameters get a zero gradient
             n = p.data.size
             self.grad[offset : offset + n] = 0 if p.grad is None else p.grad.ravel()
             offset += n
         local_loss, share = loss.item(), len(local) / config.batch_size
-        if config.grad_clip and config.consistency != "bsp":  # the servers clip under BSP
-            norm = float(np.sqrt(np.vdot(self.grad, self.grad)))
-            if config.grad_clip / (norm + 1e-6) < 1:
-                self.grad *= self.grad.dtype.type(config.grad_clip / (norm + 1e-6))
         start = time.perf_counter()
         with span("push and pull"):
             header = Header(self.ps.rank, self.clock, 0, 0, 0, local_loss, share, lr)

@@ -38,11 +38,12 @@ import time
 
 import numpy as np
 
-from minidp import comm, optim
+from minidp import optim
 from minidp.autograd import Tensor
 from minidp.comm import p2p
 from minidp.parallel import ps_comm
 from minidp.parallel.ps_comm import PULL, PUSH, Header
+from minidp.parallel.strategy import clip_global_norm
 
 OPTIMIZERS = {
     "sgd": lambda params, c: optim.SGD(params, lr=c.lr),
@@ -149,13 +150,9 @@ class ShardServer:
         # every server computes the same loss, so all skip together (no reduction hangs)
         if not math.isfinite(loss):
             return
-        if self.config.grad_clip:
+        if self.config.grad_clip:  # the norm over every server's shard: one allreduce
             self.param.grad = g
-            norm = math.sqrt(optim.sum_of_squares([g]))
-            if self.server_group.size > 1:
-                total = comm.allreduce(np.array([norm * norm]), group=self.server_group)
-                norm = math.sqrt(float(total[0]))
-            optim.clip_grad_norm([self.param], self.config.grad_clip, total_norm=norm)
+            clip_global_norm([self.param], self.config.grad_clip, self.server_group)
         self.apply(g, reports[0][3])
 
     def apply(self, g: np.ndarray, lr: float) -> None:
