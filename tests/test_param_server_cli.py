@@ -46,6 +46,7 @@ def test_a_silent_worker_is_dropped_under_asp_and_an_error_under_bsp(tmp_path):
     final = [json.loads(line) for line in open(tmp_path / "a.json")][-1]
     assert final["max_param_diff"] == 0.0  # the dropped worker too ends with the final model
     assert final["consistency"] == "asp" and final["staleness_histogram"]
+    assert final["dropped_workers"] == [1] and final["duplicates_dropped"] == 0
     roles = [r["role"] for r in final["ps_traffic"]]
     assert roles == ["worker", "worker", "server"] and "staleness histogram" in asp.stdout
     bsp = mpiexec(3, *MLP, *SILENT, "--consistency", "bsp")

@@ -39,6 +39,7 @@ task.model then holds the servers' copy, and max_param_diff() is the largest dif
 between what the workers pulled and that copy (0.0: bitwise the same).
 """
 
+import functools
 import time
 
 import numpy as np
@@ -85,6 +86,7 @@ class ParameterServer(Strategy):
         self.server_group = group.split(0 if self.is_server else None)
         self.histogram = np.zeros(config.steps + 1, dtype=np.int64)  # staleness 0..steps
         self.mismatch, self.traffic, self.clock = 0.0, None, 0
+        self.duplicates, self.dropped = 0, []  # gathered by gather_model
         self.activations_peak, self._measure = 0, True
         if self.is_server:
             lo, hi = self.shards[group.rank - W]
@@ -166,7 +168,13 @@ class ParameterServer(Strategy):
         counters = self.ps.counters.get("p2p", {"bytes_sent": 0, "bytes_recv": 0})
         mine = np.array([counters["bytes_sent"], counters["bytes_recv"]], dtype=np.int64)
         self.traffic = comm.allgather(mine, group=self.group)
-        say = lambda line: print0(line, rank=self.group.rank)  # noqa: E731
+        lost = np.zeros(self.n_workers + 1, dtype=np.int64)  # [resends dropped, dropped?...]
+        if self.is_server:
+            lost[0] = self.server.duplicates
+            lost[1 + np.array(self.server.dropped, dtype=np.int64)] = 1
+        lost = comm.allreduce(lost, group=self.group)
+        self.duplicates, self.dropped = int(lost[0]), [int(w) for w in np.flatnonzero(lost[1:])]
+        say = functools.partial(print0, rank=self.group.rank)
         say("staleness histogram (clocks: updates): " + staleness_line(self.histogram))
         for r, (out, into) in enumerate(self.traffic):
             role = "server" if r in self.servers else "worker"
@@ -222,15 +230,13 @@ class ParameterServer(Strategy):
             }
             for r, t in enumerate(self.traffic if self.traffic is not None else [])
         ]
-        extra = {}
-        if self.is_server:
-            extra = {"duplicates_dropped": self.server.duplicates, "dropped": self.server.dropped}
         return {
             "consistency": self.config.consistency,
             "servers": len(self.servers),
             "staleness_histogram": counts,
             "ps_traffic": traffic,
-            **extra,
+            "duplicates_dropped": self.duplicates,  # over every server
+            "dropped_workers": self.dropped,
         }
 
     # ---- resuming -------------------------------------------------------------------------

@@ -113,11 +113,12 @@ class ShardServer:
 
     def on_push(self, h: Header) -> None:
         w = h.worker
-        duplicate = h.clock < self.done[w] or w not in self.live
-        buf = self.scratch if duplicate else self.inbox[w if self.bsp else 0]
+        resent = h.clock < self.done[w]
+        ignored = resent or w not in self.live  # a dropped worker's pushes are ignored too
+        buf = self.scratch if ignored else self.inbox[w if self.bsp else 0]
         ps_comm.recv_push_data(self.ps, buf, w)
-        if duplicate:
-            self.duplicates += 1
+        self.duplicates += resent
+        if ignored:
             return
         self.done[w] = h.clock + 1
         self.pushed.setdefault(h.clock, []).append((w, h.share, h.loss, h.lr, h.version))
