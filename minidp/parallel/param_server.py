@@ -87,6 +87,7 @@ class ParameterServer(Strategy):
         self.histogram = np.zeros(config.steps + 1, dtype=np.int64)  # staleness 0..steps
         self.mismatch, self.traffic, self.clock = 0.0, None, 0
         self.duplicates, self.dropped = 0, []  # gathered by gather_model
+        self.staleness = self.histogram  # this rank's until gather_model sums them
         self.activations_peak, self._measure = 0, True
         if self.is_server:
             lo, hi = self.shards[group.rank - W]
@@ -164,7 +165,7 @@ class ParameterServer(Strategy):
         if not self.is_server:
             self.mismatch = float(np.max(np.abs(self.flat - full), initial=0.0))
         self._load(full)
-        self.histogram[...] = comm.allreduce(self.histogram, group=self.group)
+        self.staleness = comm.allreduce(self.histogram, group=self.group)  # every server's
         counters = self.ps.counters.get("p2p", {"bytes_sent": 0, "bytes_recv": 0})
         mine = np.array([counters["bytes_sent"], counters["bytes_recv"]], dtype=np.int64)
         self.traffic = comm.allgather(mine, group=self.group)
@@ -175,7 +176,7 @@ class ParameterServer(Strategy):
         lost = comm.allreduce(lost, group=self.group)
         self.duplicates, self.dropped = int(lost[0]), [int(w) for w in np.flatnonzero(lost[1:])]
         say = functools.partial(print0, rank=self.group.rank)
-        say("staleness histogram (clocks: updates): " + staleness_line(self.histogram))
+        say("staleness histogram (clocks: updates): " + staleness_line(self.staleness))
         for r, (out, into) in enumerate(self.traffic):
             role = "server" if r in self.servers else "worker"
             n = steps(self)
@@ -219,8 +220,9 @@ class ParameterServer(Strategy):
         )
 
     def record(self) -> dict:
-        """The staleness histogram and, after gather_model, each rank's PS traffic."""
-        counts = {str(s): int(n) for s, n in enumerate(self.histogram) if n}
+        """The staleness histogram (one count per update per server: a push to S servers is S
+        updates) and, after gather_model, each rank's PS traffic."""
+        counts = {str(s): int(n) for s, n in enumerate(self.staleness) if n}
         traffic = [
             {
                 "rank": r,
