@@ -185,7 +185,7 @@ class TrainConfig:
         """--prune and its schedule (minidp/prune.py): one line for each way they fail."""
         schedule = ("prune_start", "prune_end", "prune_every", "prune_scope")
         if not 0.0 <= self.prune < 1.0:
-            raise BadConfig(f"--prune must be in [0, 1) (a fraction of weights), got {self.prune}")
+            raise BadConfig(f"--prune must be in [0, 1), got {self.prune}")
         if not self.prune:
             given = [n for n in schedule if getattr(self, n) != _DEFAULTS[n]]
             if given:
