@@ -3,9 +3,9 @@ magnitudes (as torch.nn.utils.prune computes them), the cubic schedule, masked w
 stay exactly zero through AdamW, resuming with the masks, and one clear line per bad flag.
 """
 
-from dataclasses import replace
-
+import json
 import re
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -188,3 +188,19 @@ def test_the_command_line_says_it_in_one_line(capsys):
     assert err.count("\n") == 1 and "--prune must be in [0, 1), got 1.5" in err
     config = parse_train_args(["--prune", "0.9", "--prune-scope", "layer"])
     assert (config.prune, config.prune_scope) == (0.9, "layer")
+
+
+def test_bench_prune_smoke(tmp_path, capsys):
+    from minidp.bench import prune as bench
+
+    out = tmp_path / "rows.json"
+    tiny = "--steps 6 --sparsities 0,0.5 --widths 16,8 --n-layer 1 --block-size 8 --batch-size 4"
+    argv = [*tiny.split(), "--out", str(tmp_path), "--json", str(out)]
+    assert bench.main(argv) == 0
+    rows = [json.loads(line) for line in open(out)]
+    assert [(r["width"], r["sparsity"]) for r in rows] == [(16, 0), (16, 0.5), (8, 0), (8, 0.5)]
+    for dense, pruned in (rows[:2], rows[2:]):
+        assert pruned["nonzero_weights"] == dense["nonzero_weights"] // 2
+        assert np.isfinite(pruned["val_loss"]) and pruned["step_ms"] > 0
+    assert "val_vs_dense" in capsys.readouterr().out
+    assert (tmp_path / "prune_loss_vs_sparsity.png").stat().st_size > 0
