@@ -204,3 +204,11 @@ def test_bench_prune_smoke(tmp_path, capsys):
         assert np.isfinite(pruned["val_loss"]) and pruned["step_ms"] > 0
     assert "val_vs_dense" in capsys.readouterr().out
     assert (tmp_path / "prune_loss_vs_sparsity.png").stat().st_size > 0
+
+
+def test_the_pruner_needs_no_mpi():
+    """minidp/prune.py sits with nn and optim, below the comm layer (test_layering.py)."""
+    from test_layering import BLOCK_MPI4PY, python
+
+    result = python(BLOCK_MPI4PY + "import minidp.prune\n")
+    assert result.returncode == 0, result.stderr
