@@ -113,13 +113,8 @@ class MagnitudePruner:
         if scope not in SCOPES:
             raise ValueError(f"scope must be one of {SCOPES}, got {scope!r}")
         self.model, self.optimizer = model, optimizer
-        self.target, self.start, self.end, self.every, self.scope = (
-            target,
-            start,
-            end,
-            every,
-            scope,
-        )
+        self.target, self.scope = target, scope  # s_f, and how the threshold is counted
+        self.start, self.end, self.every = start, end, every  # t0, end, Δt
         self.named = prunable(model)
         self.params = [p for _, p in self.named]
         self.masks = [np.ones(p.shape, dtype=bool) for p in self.params]
