@@ -230,7 +230,9 @@ class ZeRO(Strategy):
             parameters = self.flat.nbytes
         else:
             parameters = self.param_shard.nbytes
-        gradients = nbytes(b.data for b in self.ddp.buckets) if self.ddp else self.grad_shard.nbytes
+        held = [b.data for b in self.ddp.buckets] if self.ddp else [self.grad_shard]
+        # and any whole gradient still on a parameter (none, after a step, at stages 2, 3)
+        gradients = nbytes([*held, *(p.grad for p in self.task.model.parameters())])
         buffers = self.group.scratch.nbytes + self.comm_group.scratch.nbytes
         memory = {
             "parameters": parameters,
