@@ -84,7 +84,7 @@ class GatheredUnits:
         self.gathers += 1
         for p, view in zip(self.layout.segments[u], self.layout.segment_views(buffer, u)):
             p.data = view
-        self._follow(self.slots[u % 2])
+        self._follow(buffer if buffer.base is None else buffer.base)
 
     def release(self, u: int) -> None:
         for p in self.layout.segments[u]:
