@@ -5,6 +5,10 @@ DP's (stages 1, 2) or 1.5x it (stage 3). One parallel launch checks dp 2, 3 and 
 sub-groups of 4 ranks.
 """
 
+import json
+import os
+import subprocess
+import sys
 from dataclasses import replace
 
 import numpy as np
@@ -217,3 +221,44 @@ def test_stage_3_on_one_rank_trains_and_reports_its_memory():
     final = train(TrainConfig(strategy="zero", zero_stage=3, **quiet))
     assert np.isfinite(final["final_loss"]) and final["zero_stage"] == 3
     assert final["memory_bytes"]["gathered_peak"] > 0
+
+
+# ---- the command line and the benchmark, end to end ---------------------------------------
+def minidp(nprocs: int, *args: str) -> subprocess.CompletedProcess:
+    cmd = ["mpiexec", "-n", str(nprocs), sys.executable, "-m", "minidp", *args]
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+
+
+GPT_TINY = ("--n-layer", "1", "--n-embd", "16", "--n-head", "2", "--block-size", "8")
+
+
+def test_cli_stage_3_prints_memory_per_rank_by_category(tmp_path):
+    path = tmp_path / "run.jsonl"
+    args = ("--strategy", "zero", "--zero-stage", "3", "--steps", "2", "--json", str(path))
+    result = minidp(2, *args, *GPT_TINY, "--sample-tokens", "0", "--eval-batches", "1")
+    assert result.returncode == 0, result.stderr
+    assert "memory per rank, MB: parameters" in result.stdout, result.stdout
+    final = json.loads(path.read_text().splitlines()[-1])
+    per_rank = final["memory_bytes_per_rank"]
+    assert final["zero_stage"] == 3 and len(per_rank["parameters"]) == 2
+    memory = final["memory_bytes"]  # rank 0's, float32: 4 bytes a parameter of its shard
+    assert per_rank["parameters"][0] == memory["parameters"] == 4 * final["shard_elements"]
+
+
+def test_bench_memory_smoke(tmp_path):
+    path, out = tmp_path / "bench.jsonl", tmp_path / "pictures"
+    args = ("--iters", "1", "--warmup", "0", "--batch-size", "4", "--json", str(path))
+    result = minidp(2, "bench", "memory", *GPT_TINY, *args, "--out", str(out))
+    assert result.returncode == 0, result.stderr
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    memory = [r for r in rows if "formula" in r]
+    assert {(r["N"], r["strategy"]) for r in memory} == {
+        (n, s) for n in (1, 2) for s in ("dp", "zero1", "zero2", "zero3")
+    }
+    for r in memory:  # model states within AdamW's step counters and Ψ/N rounding
+        assert abs(r["vs_formula"] - 1) < 0.01, r
+    timing = {r["strategy"]: r for r in rows if "step_ms" in r}
+    assert timing["zero1"]["bytes_vs_dp"] == timing["zero2"]["bytes_vs_dp"] == 1.0
+    assert timing["zero3"]["bytes_vs_dp"] == pytest.approx(1.5, rel=0.01)
+    assert (out / "memory_per_rank.png").stat().st_size > 0

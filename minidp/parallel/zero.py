@@ -37,6 +37,8 @@ stages 1 and 2 reduce-scatter and allgather (N-1)/N·Ψ each, the same bytes; st
 allgather of backward, 3(N-1)/N·Ψ = 1.5x. Not yet supported: --grad-accum > 1.
 """
 
+import time
+
 import numpy as np
 
 from minidp import comm, optim
@@ -149,6 +151,7 @@ class ZeRO(Strategy):
         self.data_shard = (group.rank, group.size)
         self.activations_peak = 0  # measured on the first step (every step is alike)
         self._measure = True
+        self.gather_seconds = 0.0  # stages 1, 2: the parameter allgathers, in total
 
     def _adamw(self, params):
         return optim.AdamW(params, lr=self.config.lr, weight_decay=self.config.weight_decay)
@@ -197,10 +200,11 @@ class ZeRO(Strategy):
 
     def _gather_flat(self) -> None:
         """Stages 1 and 2: every segment's updated chunks to every rank, into the model."""
-        layout = self.layout
+        layout, start = self.layout, time.perf_counter()
         for s, (lo, hi) in enumerate(layout.chunks):
             segment = self.flat[layout.offsets[s] : layout.offsets[s + 1]]
             comm.allgather(segment[lo:hi], algo=self.algo, group=self.comm_group, out=segment)
+        self.gather_seconds += time.perf_counter() - start
 
     # ---- what the loop reports -------------------------------------------------------------
     def shard(self) -> np.ndarray:
@@ -223,7 +227,14 @@ class ZeRO(Strategy):
 
     @property
     def comm_seconds(self) -> float:
-        return (self.ddp or self.grads).reducer.seconds
+        """Reductions (on a thread or not) and parameter allgathers (never hidden)."""
+        gathers = self.gathered.seconds if self.gathered else self.gather_seconds
+        return (self.ddp or self.grads).reducer.seconds + gathers
+
+    @property
+    def exposed_seconds(self) -> float:
+        gathers = self.gathered.seconds if self.gathered else self.gather_seconds
+        return (self.ddp or self.grads).exposed_seconds + gathers
 
     def memory_bytes(self) -> dict[str, int]:
         if self.stage < 3:

@@ -28,6 +28,7 @@ with slot[u % 2] when u gathers into it. Held at any time: 2 slots of the larges
 the distinct live arrays a gather wrote into (followed by weak references), not the formula.
 """
 
+import time
 import weakref
 
 import numpy as np
@@ -68,6 +69,7 @@ class GatheredUnits:
         largest = max(layout.lengths)
         self.slots = [np.empty(largest, shard.dtype) for _ in range(2)]
         self.gathers = 0  # allgathers run, forward and backward
+        self.seconds = 0.0  # time in them, in total
         self._live: dict[int, int] = {}  # id(buffer) -> bytes, for buffers still alive
         self.live_bytes = self.gathered_peak = 0
         for u, module in enumerate(modules):
@@ -80,7 +82,9 @@ class GatheredUnits:
         """All of unit u's weights into its slot; the unit's parameters point into it."""
         buffer = self.slots[u % 2][: self.layout.lengths[u]]
         mine = self.layout.my_chunk(self.shard, u)
+        start = time.perf_counter()
         comm.allgather(mine, algo=self.algo, group=self.group, out=buffer)
+        self.seconds += time.perf_counter() - start
         self.gathers += 1
         for p, view in zip(self.layout.segments[u], self.layout.segment_views(buffer, u)):
             p.data = view

@@ -17,6 +17,8 @@ reduce-scatter ends). With a communication thread (stage 2, overlap on) the redu
 run beside the rest of backward, exactly as DDP's allreduces do (comm_thread.py).
 """
 
+import time
+
 import numpy as np
 
 from minidp import comm
@@ -72,6 +74,7 @@ class ShardedGradients:
             p.register_grad_ready_hook(self._grad_ready) for seg in layout.segments for p in seg
         ]
         self.share = 1.0 / group.size
+        self.exposed_seconds = 0.0  # the main thread's time in reductions or waiting for them
         self.rearm()
 
     def rearm(self) -> None:
@@ -96,7 +99,9 @@ class ShardedGradients:
         if self._thread is not None:
             self._thread.submit(staged, self.share)
         else:
+            start = time.perf_counter()
             self.reducer(staged, self.share)
+            self.exposed_seconds += time.perf_counter() - start
         if self.launched is not None:
             self.launched(s)
 
@@ -105,7 +110,9 @@ class ShardedGradients:
         while self._next < len(self.order):
             self._launch(self.order[self._next])
         if self._thread is not None:
+            start = time.perf_counter()
             self._thread.wait()
+            self.exposed_seconds += time.perf_counter() - start
         self.rearm()
 
     def close(self) -> None:
