@@ -149,6 +149,13 @@ def check_memory_and_traffic(group):
                 assert z.gathered.gathers == 2 * len(z.units)
                 largest = 4 * max(z.layout.lengths)
                 assert got["gathered_peak"] <= 2 * largest < 4 * psi  # two slots, not Ψ
+            # resuming: a fresh strategy loaded with this state takes the same next step
+            state = z.state_dict()
+            z.step(local[::-1], config.lr)
+            with ZeRO(Task(z_config, np.float32), z_config, group) as again:
+                again.load_state_dict(state)
+                again.step(local[::-1], config.lr)
+                assert np.array_equal(again.shard(), z.shard()), f"stage {stage} resumed"
 
 
 @pytest.mark.parallel(nprocs=[4])

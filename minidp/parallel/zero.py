@@ -96,9 +96,10 @@ class ZeRO(Strategy):
             )
         self.algo = config.allreduce
         model = task.model
-        check_same_model(model, group)
-        for p in model.parameters():  # every rank starts from rank 0's weights
-            comm.broadcast(p.data, root=0, group=group)
+        if stage > 1:  # (at stage 1 DDP does both)
+            check_same_model(model, group)
+            for p in model.parameters():  # every rank starts from rank 0's weights
+                comm.broadcast(p.data, root=0, group=group)
         names = {id(p): name for name, p in model.named_parameters()}
         dtype = model.parameters()[0].dtype
         if stage < 3:  # the flat vector is cut as DDP's buckets: reverse parameter order
