@@ -295,8 +295,8 @@ class ZeRO(Strategy):
         if self.ddp is not None:
             self.ddp.close()
             return
-        self.grads.close()
+        stuck = self.grads.close()
         if self.gathered is not None:
             self.gathered.unwrap()
-        if not self.comm_group.broken:
+        if not stuck and not self.comm_group.broken:  # as DDP.close: never under a thread
             self.comm_group.free()

@@ -115,10 +115,12 @@ class ShardedGradients:
             self.exposed_seconds += time.perf_counter() - start
         self.rearm()
 
-    def close(self) -> None:
-        if self._thread is not None:
-            self._thread.stop()
-            self._thread = None
+    def close(self) -> bool:
+        """Stop the thread, unhook the parameters; True if the thread is still stuck (after
+        an error elsewhere), so its group must not be freed under it."""
+        stuck = self._thread is not None and self._thread.stop()
+        self._thread = None
         for unhook in self._unhook:
             unhook()
         self._unhook = []
+        return stuck
