@@ -94,6 +94,14 @@ class TrainConfig:
     # the rank mesh and tensor parallelism (--strategy tp, hybrid)
 
     # ZeRO (--strategy zero, hybrid)
+    zero_stage: int = field(
+        default=0,
+        metadata={
+            "help": "what ZeRO shards over the data-parallel ranks: 1 the optimizer state, "
+            "2 and the gradients, 3 and the parameters (0: not set)",
+            "strategies": ("zero", "hybrid"),
+        },
+    )
 
     # gradient compression and pruning (--strategy dp, hybrid)
     # pruning (minidp/prune.py): default run, the arithmetic: prune from step 50 to 200 every
@@ -175,6 +183,10 @@ class TrainConfig:
                     f"{' or '.join(owners)}, not of --strategy {self.strategy}"
                 )
         self._validate_prune()
+        if self.strategy == "zero" and self.zero_stage not in (1, 2, 3):
+            raise BadConfig(f"--strategy zero needs --zero-stage 1, 2 or 3, got {self.zero_stage}")
+        if self.strategy == "hybrid" and self.zero_stage:
+            raise BadConfig("--zero-stage with --strategy hybrid is not yet supported")
         if self.log_dir is not None:
             existing = os.path.abspath(self.log_dir)
             while not os.path.exists(existing):  # the directories it would create

@@ -7,9 +7,11 @@ follows the protocol in strategy.py. A new scheme is a module here and one line 
 from minidp.parallel.data_parallel import DistributedDataParallel, ModelMismatch
 from minidp.parallel.dp_strategy import DataParallel
 from minidp.parallel.strategy import StepResult, Strategy
+from minidp.parallel.zero import ZeRO
 
 STRATEGIES: dict[str, type[Strategy]] = {
     DataParallel.name: DataParallel,
+    ZeRO.name: ZeRO,
 }
 
 __all__ = [
@@ -19,4 +21,5 @@ __all__ = [
     "ModelMismatch",
     "StepResult",
     "Strategy",
+    "ZeRO",
 ]
