@@ -181,3 +181,19 @@ def test_a_bad_mesh_under_mpiexec_is_one_line_on_rank_0():
     assert (
         result.stderr.count("minidp: error:") == 1 and "= 3, but the world has 2" in result.stderr
     )
+
+
+@pytest.mark.timeout(120)
+def test_bench_tp_smoke(tmp_path):
+    out = tmp_path / "bench.json"
+    cmd = ["mpiexec", "-n", "2", sys.executable, "-m", "minidp", "bench", "tp", "--n-embd", "16",
+           "--n-head", "2", "--n-layer", "1", "--block-size", "8", "--batch-size", "4",
+           "--iters", "1", "--warmup", "0", "--json", str(out), "--out", str(tmp_path)]  # fmt: skip
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=100)
+    assert result.returncode == 0, result.stderr
+    rows = [json.loads(line) for line in open(out)]
+    assert [r["contender"] for r in rows] == ["dp2 tp1", "dp1 tp2", "dp1 tp2 sp"]
+    for r in rows[1:]:  # the formula counts the blocks' and the ends' traffic; the loss adds
+        assert r["formula_MB"] <= r["tp_MB_per_step"] < 1.2 * r["formula_MB"]
+    assert rows[1]["params_MB"] < rows[0]["params_MB"]  # the shards
+    assert rows[2]["act_KB_per_seq"] < rows[1]["act_KB_per_seq"]  # sequence parallelism

@@ -1,6 +1,9 @@
 """Each tensor-parallel layer against the whole layer it was cut from: forward and every
 gradient (input and each parameter), float64, at tp 2 and 3 (uneven vocabulary and feature
-splits), with and without sequence parallelism. One launch per group size checks them all."""
+splits), with and without sequence parallelism; then the whole TP GPT against nn.GPT with an
+uneven vocabulary. One launch per group size checks them all."""
+
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -16,6 +19,7 @@ from minidp.parallel.tensor_parallel import (
     RowParallelLinear,
 )
 from minidp.parallel.tp_comm import sequence_range
+from minidp.parallel.tp_gpt import TensorParallelGPT
 from minidp.parallel.vocab_parallel import VocabParallelEmbedding, vocab_parallel_cross_entropy
 
 F64 = np.float64
@@ -118,6 +122,22 @@ def every_layer(group):
     got.backward()
     np.testing.assert_allclose(zp.grad, zf.grad[..., cols], rtol=1e-12, atol=1e-15)
     assert p > 1 and comm.allreduce(np.array([1.0]), group=group)[0] == p
+
+    # the whole GPT, its vocabulary of 10 split unevenly at tp 3: loss and every gradient
+    gpt = nn.GPT(replace(cfg, n_layer=2), seed=2, dtype=F64)
+    want = nn.cross_entropy(gpt(tokens), targets)
+    want.backward()
+    for sp in (False, True):
+        tp_gpt = TensorParallelGPT(gpt, group, sequence_parallel=sp)
+        got = tp_gpt.loss(tokens, targets)
+        np.testing.assert_allclose(got.item(), want.item(), rtol=1e-13)
+        got.backward()
+        grads = tp_gpt.gather_whole("grad")
+        if sp:  # replicated gradients are partial sums over positions (the strategy adds them)
+            for q in tp_gpt.sharded_and_replicated()[1]:
+                grads[q.placement.name] = comm.allreduce(q.grad, group=group)
+        for name, q in gpt.named_parameters():
+            np.testing.assert_allclose(grads[name], q.grad, rtol=1e-10, atol=1e-14, err_msg=name)
 
 
 @pytest.mark.parallel(nprocs=[2, 3])
