@@ -18,11 +18,12 @@ With sequence parallelism each allreduce is a reduce-scatter plus an allgather, 
 each: the same bytes. What the formula leaves out: the loss's allreduces of N = (B/dp) T
 numbers and the clipping norm's one number (measured minus formula, "other" below).
 
-Memory is `memory_bytes()` of the strategy (counted from the arrays), the largest over
-ranks. A TP group reads dp times more sequences per rank than plain data parallelism on the
-same world, so activations are also shown per sequence a rank computes on (act_KB_per_seq):
-that is what tensor and sequence parallelism divide. Step times are the slowest rank's,
-medians over rounds, contenders rotated.
+Before the table, the contenders' first losses (the same batch, the same model) must agree
+(float32, 1e-4), or the benchmark stops with exit code 1. Memory is `memory_bytes()` of
+the strategy (counted from the arrays), the largest over ranks. A TP rank reads tp times
+more sequences than a rank of plain data parallelism on the same world, so activations are
+also shown per sequence a rank computes on (act_KB_per_seq): what TP and SP divide. Step
+times are the slowest rank's, medians over rounds, contenders rotated.
 """
 
 import numpy as np
@@ -90,7 +91,7 @@ def measure(args) -> int:
         f"{args.n_head} heads, block {args.block_size}, global batch {args.batch_size}, "
         f"float32 | {environment()['blas']}"
     )
-    strategies, steps, rows = {}, {}, []
+    strategies, steps, losses, rows = {}, {}, {}, []
     for dp, tp, sp in contenders(world.size):
         name = f"dp{dp} tp{tp}" + (" sp" if sp else "")
         strategy = "dp" if tp == 1 else "hybrid"
@@ -100,10 +101,12 @@ def measure(args) -> int:
         sampler = DistributedSampler(
             s.task.num_examples, config.batch_size, *s.data_shard, seed=config.seed
         )
-        counter = iter(range(10**9))
-        steps[name] = lambda s=s, sampler=sampler, counter=counter: s.step(
-            sampler.local_indices(next(counter)), 1e-3
-        )
+        losses[name] = []
+
+        def step(s=s, sampler=sampler, kept=losses[name]):
+            kept.append(s.step(sampler.local_indices(len(kept)), 1e-3).loss)
+
+        steps[name] = step
         strategies[name] = (s, config, dp, tp, sp)
     before = {}
     times = rotated_rounds(
@@ -115,6 +118,10 @@ def measure(args) -> int:
             {n: v[0].bytes_sent_by_axis() for n, v in strategies.items()}
         ),
     )
+    first = {name: kept[0] for name, kept in losses.items()}  # step 0: the same batch, model
+    if not np.allclose(list(first.values()), next(iter(first.values())), rtol=1e-4):
+        print0(f"bench tp: the contenders' first losses differ: {first}")
+        return 1
     for name, (s, config, dp, tp, sp) in strategies.items():
         after = s.bytes_sent_by_axis()
         tp_bytes = (after.get("tp", 0) - before[name].get("tp", 0)) / args.iters
