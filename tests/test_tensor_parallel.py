@@ -117,6 +117,13 @@ def test_tp_and_hybrid_train_like_one_process():
                 l2 = np.sqrt(sum(float(np.vdot(a, a)) for a in want_params.values()))
                 assert s.param_l2() == pytest.approx(l2, rel=1e-12)
                 assert set(s.bytes_sent_by_axis()) == {"dp", "tp", "pp"}
+                if config.strategy == "hybrid" and sp:  # resuming from this rank's state
+                    state = s.state_dict()  # its shard and the shard's AdamW moments
+                    with STRATEGIES["hybrid"](Task(config, np.float64), config, group) as again:
+                        again.load_state_dict(state)
+                        assert again.param_l2() == s.param_l2()
+                        assert again.step(np.arange(2), 1e-2) == s.step(np.arange(2), 1e-2)
+                        assert again.param_l2() == s.param_l2()  # the moments came too
     halves.free()
 
 

@@ -113,11 +113,8 @@ class ColumnParallelLinear(nn.Module):
         columns = my_range(out, group) if columns is None else columns
         if gather_output and out % group.size:
             raise ValueError(f"gather_output: {out} output features do not divide by {group.size}")
-        self.group, self.gather_output, self.sequence_parallel = (
-            group,
-            gather_output,
-            sequence_parallel,
-        )
+        self.group, self.sequence_parallel = group, sequence_parallel
+        self.gather_output = gather_output
         self.weight = shard(full.weight, name + "weight", 1, columns)
         self.bias = None if full.bias is None else shard(full.bias, name + "bias", 0, columns)
 
@@ -145,11 +142,8 @@ class RowParallelLinear(nn.Module):
         sequence_parallel: bool = False,
     ):
         rows = my_range(full.weight.shape[0], group) if rows is None else rows
-        self.group, self.input_is_parallel, self.sequence_parallel = (
-            group,
-            input_is_parallel,
-            sequence_parallel,
-        )
+        self.group, self.sequence_parallel = group, sequence_parallel
+        self.input_is_parallel = input_is_parallel
         self.weight = shard(full.weight, name + "weight", 0, rows)
         self.bias = None if full.bias is None else replica(full.bias, name + "bias")
 
