@@ -24,6 +24,7 @@ from minidp.chunks import chunk_range
 from minidp.config import BadConfig
 from minidp.memory import activation_bytes, nbytes, optimizer_bytes
 from minidp.parallel.data_parallel import DistributedDataParallel
+from minidp.parallel.prune_comm import attach_pruner
 from minidp.parallel.strategy import (
     StepResult,
     Strategy,
@@ -77,6 +78,7 @@ class DataParallel(Strategy):
         self.optimizer = optimizer or optim.AdamW(
             self.model.parameters(), lr=config.lr, weight_decay=config.weight_decay
         )
+        self.pruning = attach_pruner(self.ddp, self.optimizer, config)  # None: no --prune
         self.data_shard = (dp_group.rank, dp_group.size)
         self.activations_peak = 0  # measured on the first step (every step is alike)
         self._measure = True
@@ -84,6 +86,8 @@ class DataParallel(Strategy):
     def step(self, local: np.ndarray, lr: float) -> StepResult:
         ddp, K, span = self.ddp, self.config.grad_accum, self.timeline.span
         self.optimizer.lr = lr
+        if self.pruning is not None:  # on the schedule's steps: new masks, before forward
+            self.pruning.begin_step()
         ddp.zero_grad()
         ddp.set_batch_share(len(local), self.config.batch_size)
         local_loss = 0.0
@@ -153,22 +157,28 @@ class DataParallel(Strategy):
             f"allreduce {config.allreduce} | buckets {len(ddp.buckets)} of <= "
             f"{config.bucket_mb} MiB | overlap {'on' if ddp.overlap else 'off'} "
             f"({ddp.overlap_reason}) | grad accumulation {config.grad_accum}"
-        )
+        ) + (f" | {self.pruning.pruner.describe()}" if self.pruning else "")
 
     def record(self) -> dict:
         return {
             "allreduce": self.config.allreduce,
             "overlap": self.ddp.overlap,
             "buckets": len(self.ddp.buckets),
+            **(self.pruning.record() if self.pruning else {}),
         }
 
     # ---- resuming -----------------------------------------------------------------------
     def state_dict(self) -> dict:
-        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()}
+        state = {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()}
+        if self.pruning is not None:  # the masks and the schedule's step
+            state["prune"] = self.pruning.pruner.state_dict()
+        return state
 
     def load_state_dict(self, state: dict) -> None:
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
+        if self.pruning is not None:
+            self.pruning.pruner.load_state_dict(state["prune"])
 
     def close(self) -> None:
         self.ddp.close()
