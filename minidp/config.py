@@ -92,6 +92,28 @@ class TrainConfig:
     # parameter server (--strategy ps)
 
     # the rank mesh and tensor parallelism (--strategy tp, hybrid)
+    #   world = dp x tp (x pp): mpiexec -n 4 ... --strategy hybrid --dp 2 --tp 2
+    dp: int = field(
+        default=0,
+        metadata={
+            "help": "data-parallel size of the mesh (0: what the world leaves, world / tp)",
+            "strategies": ("hybrid",),
+        },
+    )
+    tp: int = field(
+        default=0,
+        metadata={
+            "help": "tensor-parallel size of the mesh (0: what the world leaves, world / dp)",
+            "strategies": ("tp", "hybrid"),
+        },
+    )
+    sequence_parallel: bool = field(
+        default=False,
+        metadata={
+            "help": "split LayerNorm and dropout regions along the sequence over the TP group",
+            "strategies": ("tp", "hybrid"),
+        },
+    )
 
     # ZeRO (--strategy zero, hybrid)
     zero_stage: int = field(
@@ -182,6 +204,11 @@ class TrainConfig:
                     f"--{f.name.replace('_', '-')} is a flag of --strategy "
                     f"{' or '.join(owners)}, not of --strategy {self.strategy}"
                 )
+        for name in ("dp", "tp"):
+            if getattr(self, name) < 0:
+                raise BadConfig(f"--{name} must be >= 0 (0: what the world leaves)")
+        if self.sequence_parallel and self.tp == 1:
+            raise BadConfig("--sequence-parallel needs --tp > 1 (it splits over the TP group)")
         self._validate_prune()
         if self.strategy == "zero" and self.zero_stage not in (1, 2, 3):
             raise BadConfig(f"--strategy zero needs --zero-stage 1, 2 or 3, got {self.zero_stage}")
