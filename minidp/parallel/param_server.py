@@ -189,8 +189,10 @@ class ParameterServer(Strategy):
         return float(comm.allreduce(np.array([self.mismatch]), op="max", group=self.group)[0])
 
     def bytes_sent_by_axis(self) -> dict[str, int]:
+        """Push, pull and the servers' norm: the data-parallel axis of the mesh contract
+        (the workers split the global batch); the record's ps_traffic splits it by role."""
         groups = [self.ps] + ([self.server_group] if self.is_server else [])
-        return {"ps": bytes_sent(*groups)}
+        return {"dp": bytes_sent(*groups)}
 
     def memory_bytes(self) -> dict[str, int]:
         if self.is_server:
