@@ -215,8 +215,12 @@ class ParameterServer(Strategy):
     def describe(self) -> str:
         W, S = self.n_workers, len(self.servers)
         keys = ", ".join(f"[{lo}:{hi})" for lo, hi in self.shards)
+
+        def ranks(lo: int, hi: int) -> str:
+            return f"rank {lo}" if lo == hi else f"ranks {lo}-{hi}"
+
         return (
-            f"parameter server | workers ranks 0-{W - 1} | servers ranks {W}-{W + S - 1} "
+            f"parameter server | workers {ranks(0, W - 1)} | servers {ranks(W, W + S - 1)} "
             f"(keys {keys}) | consistency {self.config.consistency} | "
             f"optimizer {self.config.ps_optimizer} on the servers"
         )
