@@ -89,11 +89,76 @@ class TrainConfig:
     # "strategies" belongs to those: set to anything but its default with another
     # --strategy, it is a BadConfig (one line), never silently ignored.
 
-    # parameter server (--strategy ps)
+    # parameter server (--strategy ps): the last S ranks serve, the others work
+    servers: int = field(
+        default=1,
+        metadata={"help": "server ranks (the last S of the world)", "strategies": ("ps",)},
+    )
+    consistency: str = field(
+        default="bsp",
+        metadata={
+            "help": "bsp (every clock together), asp (each push as it comes) or ssp:K "
+            "(no worker more than K clocks ahead of the slowest)",
+            "strategies": ("ps",),
+        },
+    )
+    ps_optimizer: str = field(
+        default="adamw",
+        metadata={
+            "help": "the servers' optimizer (momentum: SGD with momentum 0.9)",
+            "choices": ("sgd", "momentum", "adamw"),
+            "strategies": ("ps",),
+        },
+    )
+    ps_slow_worker_ms: float = field(
+        default=0.0,
+        metadata={
+            "help": "the last worker sleeps this long every step (to show ASP's gain)",
+            "strategies": ("ps",),
+        },
+    )
+    ps_timeout: float = field(
+        default=60.0,
+        metadata={
+            "help": "seconds a server waits for a silent worker (asp/ssp: dropped; bsp: an "
+            "error) and a worker for a server's reply",
+            "strategies": ("ps",),
+        },
+    )
 
     # the rank mesh and tensor parallelism (--strategy tp, hybrid)
+    #   world = dp x tp (x pp): mpiexec -n 4 ... --strategy hybrid --dp 2 --tp 2
+    dp: int = field(
+        default=0,
+        metadata={
+            "help": "data-parallel size of the mesh (0: what the world leaves, world / tp)",
+            "strategies": ("hybrid",),
+        },
+    )
+    tp: int = field(
+        default=0,
+        metadata={
+            "help": "tensor-parallel size of the mesh (0: what the world leaves, world / dp)",
+            "strategies": ("tp", "hybrid"),
+        },
+    )
+    sequence_parallel: bool = field(
+        default=False,
+        metadata={
+            "help": "split LayerNorm and dropout regions along the sequence over the TP group",
+            "strategies": ("tp", "hybrid"),
+        },
+    )
 
     # ZeRO (--strategy zero, hybrid)
+    zero_stage: int = field(
+        default=0,
+        metadata={
+            "help": "what ZeRO shards over the data-parallel ranks: 1 the optimizer state, "
+            "2 and the gradients, 3 and the parameters (0: not set)",
+            "strategies": ("zero", "hybrid"),
+        },
+    )
 
     # gradient compression and pruning (--strategy dp, hybrid)
     compress: str = field(
@@ -102,6 +167,36 @@ class TrainConfig:
             "help": "gradient compression NAME[:PARAM]: none, fp16, bf16, topk:DENSITY, "
             "randomk:DENSITY, sign, sign-noef, qsgd:LEVELS, powersgd:RANK "
             "(minidp/parallel/compress.py)",
+            "strategies": ("dp",),
+        },
+    )
+
+    # pruning (minidp/prune.py): default run, the arithmetic: prune from step 50 to 200 every
+    # 10 steps, 16 pruning steps on the cubic ramp; 114,688 of the GPT's 116,480 values are
+    # weight matrices, so --prune 0.9 leaves ~13,000 of them sent per step (11% of dense)
+    prune: float = field(
+        default=0.0,
+        metadata={
+            "help": "target sparsity of the weight matrices, in [0, 1) (0 = off; biases "
+            "and LayerNorm stay dense)",
+            "strategies": ("dp",),
+        },
+    )
+    prune_start: int = field(
+        default=50, metadata={"help": "step the cubic pruning ramp starts", "strategies": ("dp",)}
+    )
+    prune_end: int = field(
+        default=200,
+        metadata={"help": "step the target sparsity is reached", "strategies": ("dp",)},
+    )
+    prune_every: int = field(
+        default=10, metadata={"help": "steps between pruning steps", "strategies": ("dp",)}
+    )
+    prune_scope: str = field(
+        default="global",
+        metadata={
+            "help": "one magnitude threshold over all weight matrices, or one per matrix",
+            "choices": ("global", "layer"),
             "strategies": ("dp",),
         },
     )
@@ -142,6 +237,13 @@ class TrainConfig:
             value = getattr(self, name)
             if not (0 <= value < math.inf):
                 raise BadConfig(f"--{name.replace('_', '-')} must be >= 0 and finite, got {value}")
+        if self.servers < 1:
+            raise BadConfig(f"--servers must be >= 1, got {self.servers}")
+        staleness_bound(self.consistency)  # raises BadConfig on a bad value
+        for name in ("ps_slow_worker_ms", "ps_timeout"):
+            value = getattr(self, name)
+            if not (0 <= value < math.inf) or (name == "ps_timeout" and value == 0):
+                raise BadConfig(f"--{name.replace('_', '-')} must be positive, got {value}")
         for flag, path in (("--json", self.json), ("--trace", self.trace)):
             if path is not None:
                 if os.path.isdir(path):
@@ -154,11 +256,64 @@ class TrainConfig:
                     f"--{f.name.replace('_', '-')} is a flag of --strategy "
                     f"{' or '.join(owners)}, not of --strategy {self.strategy}"
                 )
+        for name in ("dp", "tp"):
+            if getattr(self, name) < 0:
+                raise BadConfig(f"--{name} must be >= 0 (0: what the world leaves)")
+        if self.sequence_parallel and self.tp == 1:
+            raise BadConfig("--sequence-parallel needs --tp > 1 (it splits over the TP group)")
+        self._validate_prune()
+        if self.strategy == "zero" and self.zero_stage not in (1, 2, 3):
+            raise BadConfig(f"--strategy zero needs --zero-stage 1, 2 or 3, got {self.zero_stage}")
+        if self.strategy == "hybrid" and self.zero_stage:
+            raise BadConfig("--zero-stage with --strategy hybrid is not yet supported")
         if self.log_dir is not None:
             existing = os.path.abspath(self.log_dir)
             while not os.path.exists(existing):  # the directories it would create
                 existing = os.path.dirname(existing)
             _check_can_write("--log-dir", existing)
+
+    def _validate_prune(self) -> None:
+        """--prune and its schedule (minidp/prune.py): one line for each way they fail."""
+        schedule = ("prune_start", "prune_end", "prune_every", "prune_scope")
+        if not 0.0 <= self.prune < 1.0:
+            raise BadConfig(f"--prune must be in [0, 1), got {self.prune}")
+        if not self.prune:
+            given = [n for n in schedule if getattr(self, n) != _DEFAULTS[n]]
+            if given:
+                flags = ", ".join("--" + n.replace("_", "-") for n in given)
+                raise BadConfig(f"{flags} shape the schedule of --prune SPARSITY: give --prune")
+            return
+        if getattr(self, "compress", "none") != "none":
+            raise BadConfig("--prune together with --compress is not yet supported: pick one")
+        if self.prune_scope not in ("global", "layer"):
+            raise BadConfig(f"--prune-scope must be global or layer, got {self.prune_scope!r}")
+        if self.prune_every < 1:
+            raise BadConfig(f"--prune-every must be >= 1, got {self.prune_every}")
+        if not 0 <= self.prune_start <= self.prune_end:
+            raise BadConfig(
+                f"bad pruning schedule: need 0 <= --prune-start ({self.prune_start}) <= "
+                f"--prune-end ({self.prune_end})"
+            )
+        if self.prune_end >= self.steps:
+            raise BadConfig(
+                f"--prune-end {self.prune_end} is past the last step (--steps {self.steps} "
+                f"runs steps 0 to {self.steps - 1}): lower --prune-end"
+            )
+
+
+def staleness_bound(consistency: str) -> float:
+    """--consistency as the bound K on how far a worker may run ahead of the slowest:
+    bsp -> 0 (and updates wait for the whole clock), ssp:K -> K, asp -> infinity."""
+    if consistency == "bsp":
+        return 0
+    if consistency == "asp":
+        return math.inf
+    name, _, k = consistency.partition(":")
+    if name == "ssp" and k.isdigit():
+        return int(k)
+    raise BadConfig(
+        f"--consistency {consistency!r}: choose bsp, asp or ssp:K with an integer K >= 0"
+    )
 
 
 def _check_can_write(flag: str, directory: str) -> None:
@@ -168,6 +323,9 @@ def _check_can_write(flag: str, directory: str) -> None:
             pass
     except OSError as error:
         raise BadConfig(f"{flag}: cannot write in {directory} ({error.strerror})") from None
+
+
+_DEFAULTS = {f.name: f.default for f in fields(TrainConfig)}
 
 
 def config_fields():

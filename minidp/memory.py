@@ -38,14 +38,18 @@ def optimizer_bytes(optimizer) -> int:
 
 def activation_bytes(loss) -> int:
     """Bytes of the op outputs in the graph behind `loss` (leaves, such as parameters and
-    inputs, are not activations): what one forward keeps alive until its backward."""
-    total, seen, stack = 0, set(), [loss]
+    inputs, are not activations): what one forward keeps alive until its backward. An output
+    that is a view (a reshape, a transpose, an identity op) shares its base's bytes, counted
+    once."""
+    outputs, leaves, seen, stack = [], set(), set(), [loss]
     while stack:
         node = stack.pop()
         if id(node) in seen:
             continue
         seen.add(id(node))
         if node._parents:  # an op's output, not a leaf
-            total += node.data.nbytes
+            outputs.append(node.data)
             stack.extend(node._parents)
-    return total
+        else:
+            leaves.add(id(node.data if node.data.base is None else node.data.base))
+    return nbytes(a for a in outputs if id(a if a.base is None else a.base) not in leaves)

@@ -21,6 +21,7 @@ from minidp import comm, data, optim
 from minidp.config import BadConfig, TrainConfig
 from minidp.info import blas_info, cores_per_rank, mpi_library
 from minidp.log import RankLog, print0
+from minidp.memory import CATEGORIES
 from minidp.meter import StepMeter, Window
 from minidp.parallel import STRATEGIES
 from minidp.tasks import Task
@@ -98,6 +99,7 @@ def _train(config: TrainConfig, group: comm.Group) -> dict:
             log.close()
         # what training sent and held, read before the reports below add their own
         total, by_axis, memory = meter.total(), meter.bytes_by_axis(), strategy.memory_bytes()
+        per_rank = memory_per_rank(memory, group)  # collective: shards differ by rank
         strategy.gather_model()  # the whole trained model in task.model, for what follows
         final = {
             "final_loss": loss,
@@ -113,6 +115,7 @@ def _train(config: TrainConfig, group: comm.Group) -> dict:
             "bytes_sent_per_rank": total.bytes_sent,
             "bytes_sent_by_axis": by_axis,
             "memory_bytes": memory,
+            "memory_bytes_per_rank": per_rank,
             "model": config.model,
             "dtype": config.dtype,
             **strategy.record(),
@@ -155,6 +158,14 @@ def log_line(step: int, loss: float, lr: float, w: Window, task: Task, config, s
     }
 
 
+def memory_per_rank(memory: dict, group: comm.Group) -> dict[str, list[int]]:
+    """Collective: {category: [bytes on rank 0, rank 1, ...]} from each rank's memory_bytes."""
+    names = sorted(memory)
+    mine = np.array([memory[name] for name in names], dtype=np.int64)
+    every = comm.allgather(mine, group=group).reshape(group.size, len(names))
+    return {name: every[:, i].tolist() for i, name in enumerate(names)}
+
+
 def report(final: dict, config, say) -> None:
     """The closing lines: losses, the spread between replicas, totals."""
     say(
@@ -166,4 +177,18 @@ def report(final: dict, config, say) -> None:
         f"max |param difference| across ranks: {final['max_param_diff']:.3g} | comm "
         f"{final['comm_s']:.2f}s (exposed {final['exposed_comm_s']:.2f}s) | "
         f"{final['bytes_sent_per_rank'] / 1e6:.1f} MB sent per rank"
+    )
+    per_rank = final["memory_bytes_per_rank"]
+    say(
+        "memory per rank, MB: "
+        + " | ".join(
+            f"{name} {'/'.join(f'{b / 1e6:.3f}' for b in per_rank[name])}"
+            for name in CATEGORIES
+            if name in per_rank
+        )
+        + "".join(
+            f" | {name} {'/'.join(f'{b / 1e6:.3f}' for b in per_rank[name])}"
+            for name in per_rank
+            if name not in CATEGORIES
+        )
     )

@@ -6,17 +6,45 @@ follows the protocol in strategy.py. A new scheme is a module here and one line 
 
 from minidp.parallel.data_parallel import DistributedDataParallel, ModelMismatch
 from minidp.parallel.dp_strategy import DataParallel
+from minidp.parallel.mesh import Mesh
+from minidp.parallel.param_server import ParameterServer
 from minidp.parallel.strategy import StepResult, Strategy
+from minidp.parallel.tensor_parallel import (
+    ColumnParallelLinear,
+    ParallelAttention,
+    ParallelMLP,
+    RowParallelLinear,
+)
+from minidp.parallel.tp_gpt import TensorParallelGPT
+from minidp.parallel.tp_strategy import Hybrid, TensorParallel
+from minidp.parallel.vocab_parallel import VocabParallelEmbedding, vocab_parallel_cross_entropy
+from minidp.parallel.zero import ZeRO
 
 STRATEGIES: dict[str, type[Strategy]] = {
     DataParallel.name: DataParallel,
+    ParameterServer.name: ParameterServer,
+    ZeRO.name: ZeRO,
+    TensorParallel.name: TensorParallel,
+    Hybrid.name: Hybrid,
 }
 
 __all__ = [
     "STRATEGIES",
+    "ColumnParallelLinear",
     "DataParallel",
     "DistributedDataParallel",
+    "Hybrid",
+    "Mesh",
     "ModelMismatch",
+    "ParallelAttention",
+    "ParallelMLP",
+    "ParameterServer",
+    "RowParallelLinear",
     "StepResult",
     "Strategy",
+    "TensorParallel",
+    "TensorParallelGPT",
+    "VocabParallelEmbedding",
+    "ZeRO",
+    "vocab_parallel_cross_entropy",
 ]

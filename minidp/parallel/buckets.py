@@ -51,6 +51,12 @@ class Bucket:
 def assign_buckets(params: list, cap_bytes: int) -> list[Bucket]:
     """Cut `params` (already in the order their gradients arrive) into buckets of at most
     cap_bytes each, keeping that order; every bucket has the first parameter's dtype."""
+    return [Bucket(i, ps, params[0].dtype) for i, ps in enumerate(bucket_groups(params, cap_bytes))]
+
+
+def bucket_groups(params: list, cap_bytes: int) -> list[list]:
+    """The parameters of each bucket assign_buckets would make, without their buffers (ZeRO
+    cuts its flat vector the same way, and keeps no whole-gradient buffer at stage 2)."""
     if not params:
         return []
     groups: list[list] = [[]]
@@ -61,4 +67,4 @@ def assign_buckets(params: list, cap_bytes: int) -> list[Bucket]:
             filled = 0
         groups[-1].append(p)
         filled += p.data.nbytes
-    return [Bucket(i, ps, params[0].dtype) for i, ps in enumerate(groups)]
+    return groups

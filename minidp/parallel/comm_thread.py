@@ -76,15 +76,16 @@ class Reducer:
     def __call__(self, bucket: Bucket, share: float) -> None:
         start = time.perf_counter()
         bucket.data *= bucket.data.dtype.type(share)  # n_r / B: see data_parallel.py
+        size = bucket.data.nbytes  # read first: a hook may drop the bucket's data (ZeRO-2)
         self.hook(bucket, self.group)
         end = time.perf_counter()
         self.seconds += end - start
         self.timeline.add(
-            f"allreduce bucket {bucket.index}",
+            f"{getattr(self.hook, 'label', 'allreduce')} bucket {bucket.index}",
             "communication",
             start,
             end,
-            bytes=bucket.data.nbytes,
+            bytes=size,
             algo=getattr(self.hook, "algo", type(self.hook).__name__),
         )
 

@@ -25,6 +25,7 @@ from minidp.config import BadConfig
 from minidp.memory import activation_bytes, nbytes, optimizer_bytes
 from minidp.parallel.compress import compression_line, compression_record, make_compressor
 from minidp.parallel.data_parallel import DistributedDataParallel
+from minidp.parallel.prune_comm import attach_pruner
 from minidp.parallel.strategy import (
     StepResult,
     Strategy,
@@ -41,25 +42,39 @@ OVERLAP = {"auto": "auto", "on": True, "off": False}  # --overlap -> DDP's overl
 class DataParallel(Strategy):
     """DistributedDataParallel and an optimizer over `group`, with gradient accumulation.
 
-    The optimizer is AdamW with the config's weight decay unless `optimizer` is given."""
+    The optimizer is AdamW with the config's weight decay unless `optimizer` is given.
+    A scheme that data-parallelizes something else passes `model` (default: task.model) and
+    `dp_group` (default: group), and overrides `loss`, `after_sync` and `clip_gradients`."""
 
     name = "dp"
 
-    def __init__(self, task, config, group: comm.Group, timeline=None, optimizer=None):
+    def __init__(
+        self,
+        task,
+        config,
+        group: comm.Group,
+        timeline=None,
+        optimizer=None,
+        *,
+        model=None,
+        dp_group: comm.Group | None = None,
+    ):
         super().__init__(task, config, group, timeline)
+        self.model = task.model if model is None else model
+        self.dp_group = dp_group = dp_group or group
         B, K = config.batch_size, config.grad_accum
-        if B // group.size < K:  # found alike on every rank, before any message
+        if B // dp_group.size < K:  # found alike on every rank, before any message
             raise BadConfig(
-                f"--batch-size {B} over {group.size} ranks leaves {B // group.size} examples "
-                f"per rank, fewer than --grad-accum {K} micro-batches"
+                f"--batch-size {B} over {dp_group.size} ranks leaves {B // dp_group.size} "
+                f"examples per rank, fewer than --grad-accum {K} micro-batches"
             )
         try:  # --compress: a bad value is found alike on every rank, before any message
             self.compressor = make_compressor(config.compress, config.allreduce, config.seed)
         except ValueError as error:
             raise BadConfig(str(error)) from None
         self.ddp = DistributedDataParallel(
-            task.model,
-            group,
+            self.model,
+            dp_group,
             bucket_cap_mb=config.bucket_mb,
             algo=config.allreduce,
             overlap=OVERLAP[config.overlap],
@@ -69,15 +84,18 @@ class DataParallel(Strategy):
             self.ddp.register_comm_hook(self.compressor)
         self.steps_done = 0
         self.optimizer = optimizer or optim.AdamW(
-            task.model.parameters(), lr=config.lr, weight_decay=config.weight_decay
+            self.model.parameters(), lr=config.lr, weight_decay=config.weight_decay
         )
-        self.data_shard = (group.rank, group.size)
+        self.pruning = attach_pruner(self.ddp, self.optimizer, config)  # None: no --prune
+        self.data_shard = (dp_group.rank, dp_group.size)
         self.activations_peak = 0  # measured on the first step (every step is alike)
         self._measure = True
 
     def step(self, local: np.ndarray, lr: float) -> StepResult:
-        ddp, task, K, span = self.ddp, self.task, self.config.grad_accum, self.timeline.span
+        ddp, K, span = self.ddp, self.config.grad_accum, self.timeline.span
         self.optimizer.lr = lr
+        if self.pruning is not None:  # on the schedule's steps: new masks, before forward
+            self.pruning.begin_step()
         ddp.zero_grad()
         ddp.set_batch_share(len(local), self.config.batch_size)
         local_loss = 0.0
@@ -85,7 +103,7 @@ class DataParallel(Strategy):
             lo, hi = chunk_range(len(local), K, k)
             with ddp.no_sync() if k < K - 1 else contextlib.nullcontext():
                 with span("forward"):  # weight (m_k / n_r): the K losses sum to the local mean
-                    loss = task.loss(*task.batch(local[lo:hi])) * ((hi - lo) / len(local))
+                    loss = self.loss(local[lo:hi]) * ((hi - lo) / len(local))
                 if self._measure:
                     self.activations_peak = max(self.activations_peak, activation_bytes(loss))
                 with span("backward"):
@@ -95,13 +113,25 @@ class DataParallel(Strategy):
         self.steps_done += 1
         with span("gradient sync wait"):
             ddp.finish_gradient_sync()
-        step_loss = global_loss(local_loss, ddp.share, self.group)
+            self.after_sync()
+        step_loss = global_loss(local_loss, ddp.share, self.dp_group)
         if np.isfinite(step_loss):
             with span("optimizer"):
-                if self.config.grad_clip:  # replicas: the local norm is the global one
-                    clip_global_norm(ddp.parameters(), self.config.grad_clip)
+                if self.config.grad_clip:
+                    self.clip_gradients()
                 self.optimizer.step()
         return StepResult(step_loss, local_loss)
+
+    def loss(self, indices: np.ndarray):
+        """The mean loss over these examples (a Tensor, to backpropagate)."""
+        return self.task.loss(*self.task.batch(indices))
+
+    def after_sync(self) -> None:
+        """After the data-parallel gradient sync, before clipping (nothing to do here)."""
+
+    def clip_gradients(self) -> None:
+        """Replicas: the local gradient norm is the global one."""
+        clip_global_norm(self.ddp.parameters(), self.config.grad_clip)
 
     # ---- what the loop reports -------------------------------------------------------------
     def param_l2(self) -> float:
@@ -137,7 +167,7 @@ class DataParallel(Strategy):
             f"{config.bucket_mb} MiB | overlap {'on' if ddp.overlap else 'off'} "
             f"({ddp.overlap_reason}) | grad accumulation {config.grad_accum} | "
             f"compress {config.compress}"
-        )
+        ) + (f" | {self.pruning.pruner.describe()}" if self.pruning else "")
 
     def record(self) -> dict:
         return {
@@ -145,6 +175,7 @@ class DataParallel(Strategy):
             "overlap": self.ddp.overlap,
             "buckets": len(self.ddp.buckets),
             **self._compression(),
+            **(self.pruning.record() if self.pruning else {}),
         }
 
     def summary(self) -> str:
@@ -158,21 +189,25 @@ class DataParallel(Strategy):
             self.ddp.buckets,
             sent,
             self.steps_done,
-            self.group.size,
+            self.dp_group.size,
         )
 
     # ---- resuming -----------------------------------------------------------------------
     def state_dict(self) -> dict:
-        state = {"model": self.task.model.state_dict(), "optimizer": self.optimizer.state_dict()}
+        state = {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()}
         if self.compressor is not None:  # error-feedback residuals are training state
             state["compressor"] = self.compressor.state_dict()
+        if self.pruning is not None:  # the masks and the schedule's step
+            state["prune"] = self.pruning.pruner.state_dict()
         return state
 
     def load_state_dict(self, state: dict) -> None:
-        self.task.model.load_state_dict(state["model"])
+        self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         if self.compressor is not None:
             self.compressor.load_state_dict(state["compressor"])
+        if self.pruning is not None:
+            self.pruning.pruner.load_state_dict(state["prune"])
 
     def close(self) -> None:
         self.ddp.close()

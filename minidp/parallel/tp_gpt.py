@@ -1,0 +1,139 @@
+"""The tiny GPT of minidp.nn, tensor-parallel: built by slicing the same whole weights.
+
+    full = nn.GPT(cfg, seed=s)                       # every rank: the one-process model
+    model = TensorParallelGPT(full, tp_group, sequence_parallel=False)
+    loss = model.loss(idx, targets)                  # the same on every rank of the group
+    model.gather_into(full)                          # collective: the trained whole model
+
+What each rank holds (p = TP group size), and where the group talks:
+
+    wte            VocabParallelEmbedding   rows v_i..v_{i+1}     g      (fwd)
+    wpe, ln*, biases of row-parallel layers  replicated (whole on every rank)
+    attn.qkv       column-parallel, its heads' q, k and v          f      (bwd)
+    attn.proj      row-parallel, the same heads' features          g      (fwd)
+    mlp.fc         column-parallel, 4C/p hidden features           f      (bwd)
+    mlp.fc_proj    row-parallel, the same hidden features          g      (fwd)
+    head           column-parallel over the vocabulary             f      (bwd)
+    loss           vocab_parallel_cross_entropy: N-element allreduces, never the logits
+
+With sequence parallelism every f / g above becomes an allgather / reduce-scatter along T,
+and the residual stream, LayerNorms and dropouts hold T/p positions per rank. Then each
+replicated parameter sees only this rank's positions, so its gradient is a partial sum:
+`replicated_grads_partial` says so, and the strategy allreduces those over the group.
+"""
+
+import copy
+
+import numpy as np
+
+from minidp import comm, nn
+from minidp.autograd import Tensor
+from minidp.parallel.tensor_parallel import (
+    ColumnParallelLinear,
+    ParallelAttention,
+    ParallelMLP,
+    replica,
+)
+from minidp.parallel.tp_comm import sequence_range
+from minidp.parallel.vocab_parallel import (
+    VocabParallelEmbedding,
+    vocab_parallel_cross_entropy,
+)
+
+
+def _replicated_layer_norm(full: nn.LayerNorm, name: str) -> nn.LayerNorm:
+    layer = copy.copy(full)
+    layer.weight, layer.bias = (
+        replica(full.weight, name + "weight"),
+        replica(full.bias, name + "bias"),
+    )
+    return layer
+
+
+class ParallelBlock(nn.Module):
+    """nn.Block with parallel attention and MLP: x + attn(ln1(x)), then x + mlp(ln2(x))."""
+
+    def __init__(self, full: nn.Block, group: comm.Group, *, name: str, sequence_parallel: bool):
+        sp = sequence_parallel
+        self.ln1 = _replicated_layer_norm(full.ln1, name + "ln1.")
+        self.attn = ParallelAttention(full.attn, group, name=name + "attn.", sequence_parallel=sp)
+        self.ln2 = _replicated_layer_norm(full.ln2, name + "ln2.")
+        self.mlp = ParallelMLP(full.fc, full.fc_proj, group, name=name, sequence_parallel=sp)
+        self.drop = copy.deepcopy(full.drop)
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.drop(self.mlp(self.ln2(x)))
+
+
+class TensorParallelGPT(nn.Module):
+    """nn.GPT split over `group`; see the module docstring. forward(idx) gives this rank's
+    columns of the logits (B, T, V_i); loss(idx, targets) the whole batch's mean loss."""
+
+    def __init__(self, full: nn.GPT, group: comm.Group, *, sequence_parallel: bool = False):
+        cfg = full.config
+        if cfg.n_head % group.size or (4 * cfg.n_embd) % group.size:
+            raise ValueError(
+                f"tensor parallelism over {group.size} ranks needs n_head ({cfg.n_head}) and "
+                f"4 n_embd ({4 * cfg.n_embd}) to divide by {group.size}"
+            )
+        sp = sequence_parallel and group.size > 1
+        self.config, self.group, self.sequence_parallel = cfg, group, sp
+        self.wte = VocabParallelEmbedding(full.wte, group, name="wte.", sequence_parallel=sp)
+        self.wpe = replica(full.wpe.weight, "wpe.weight")
+        self.drop = copy.deepcopy(full.drop)
+        self.blocks = [
+            ParallelBlock(b, group, name=f"blocks.{i}.", sequence_parallel=sp)
+            for i, b in enumerate(full.blocks)
+        ]
+        self.ln_f = _replicated_layer_norm(full.ln_f, "ln_f.")
+        self.head = ColumnParallelLinear(full.head, group, name="head.", sequence_parallel=sp)
+        self.replicated_grads_partial = sp
+
+    def forward(self, idx: np.ndarray) -> Tensor:
+        idx = np.asarray(idx)
+        T = idx.shape[-1]
+        if T > self.config.block_size:
+            raise ValueError(f"sequence of {T} tokens is longer than block_size")
+        lo, hi = sequence_range(T, self.group) if self.sequence_parallel else (0, T)
+        x = self.drop(self.wte(idx) + self.wpe[np.arange(lo, hi)])  # (B, T or T/p, C)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x))  # f (or the allgather along T), then my vocabulary
+
+    def loss(self, idx: np.ndarray, targets: np.ndarray) -> Tensor:
+        return vocab_parallel_cross_entropy(self(idx), targets, self.wte.start, self.group)
+
+    def sharded_and_replicated(self) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
+        """(parameters split over the group, parameters every rank holds whole)."""
+        params = self.parameters()
+        return (
+            [p for p in params if p.placement.axis is not None],
+            [p for p in params if p.placement.axis is None],
+        )
+
+    def gather_whole(self, which: str = "data") -> dict[str, np.ndarray]:
+        """Collective: {whole name: whole array} of every parameter's `data` (or `grad`).
+
+        Each rank writes its shard into zeros of the whole shape; an allreduce(sum) over the
+        group fills in the rest (adding zeros is exact). Once, after training: bytes are no
+        concern here, one clear way is."""
+        whole = {}
+        for p in self.parameters():
+            mine = getattr(p, which)
+            place = p.placement
+            if place.axis is None:
+                whole[place.name] = mine.copy()
+                continue
+            shape = list(mine.shape)
+            shape[place.axis] = place.length
+            full = np.zeros(shape, mine.dtype)
+            index = [slice(None)] * full.ndim
+            index[place.axis] = place.index
+            full[tuple(index)] = mine
+            whole[place.name] = comm.allreduce(full, group=self.group)
+        return whole
+
+    def gather_into(self, full: nn.GPT) -> None:
+        """Collective: load the whole trained weights into `full` (an nn.GPT of this config)."""
+        full.load_state_dict(self.gather_whole("data"))

@@ -1,0 +1,302 @@
+"""`--strategy zero --zero-stage 1|2|3`: data parallelism without every rank holding every
+model state (Rajbhandari, Rasley, Ruwase & He, "ZeRO: Memory Optimizations Toward Training
+Trillion Parameter Models", SC 2020).
+
+    mpiexec -n 4 python -m minidp --strategy zero --zero-stage 3
+
+Ψ parameters, N_d data-parallel ranks, K bytes of optimizer state per parameter. The paper
+trains in mixed precision (2 + 2 + K, K = 12); minidp has no mixed precision, so here it is
+fp32 weights and gradients and AdamW's two fp32 moments, K = 8. Model states per rank:
+
+    stage           parameters   gradients   optimizer   total             Ψ=7.5B, N_d=64
+    DP              4Ψ           4Ψ          KΨ          16Ψ               120 GB
+    1: P_os         4Ψ           4Ψ          KΨ/N_d      8Ψ + 8Ψ/N_d       61 GB
+    2: P_os+g       4Ψ           4Ψ/N_d      KΨ/N_d      4Ψ + 12Ψ/N_d      31 GB
+    3: P_os+g+p     4Ψ/N_d       4Ψ/N_d      KΨ/N_d      16Ψ/N_d           1.9 GB
+
+Besides these (counted in memory_bytes, from the arrays): AdamW's 8-byte step counter per
+tensor it steps (DP: per parameter tensor; ZeRO: per segment piece, zero_flat.py); the
+groups' scratch; at stage 3 two gather slots of the largest layer (zero3.py) and, in a step,
+one layer's full gradients until its reduce-scatter (zero_grads.py). A rank's chunks differ
+by at most one element per segment, so "Ψ/N_d" is this rank's count, summing to Ψ exactly.
+
+One step, over the data-parallel `group` (the whole world, or a mesh's DP axis):
+
+    stage 1   forward; backward into DDP's whole-gradient buckets, each bucket reduce-
+              scattered (overlapped as DDP's allreduces are); clip by the global norm
+              (each rank's squared norm of its chunks, summed); AdamW on my chunks only;
+              allgather every bucket's parameters
+    stage 2   the same, but a bucket's gradients go to a staging vector when ready and are
+              dropped after its reduce-scatter: only my gradient chunks stay (zero_grads.py)
+    stage 3   parameters sharded too: each layer is allgathered before its forward and
+              again before its backward, released after (zero3.py); its gradients are
+              reduce-scattered when ready; AdamW on my chunks; nothing to gather after
+
+Communication per rank per step (ring algorithms, n elements): DP allreduces 2(N-1)/N·Ψ;
+stages 1 and 2 reduce-scatter and allgather (N-1)/N·Ψ each, the same bytes; stage 3 adds the
+allgather of backward, 3(N-1)/N·Ψ = 1.5x. Not yet supported: --grad-accum > 1.
+"""
+
+import time
+
+import numpy as np
+
+from minidp import comm, optim
+from minidp.config import BadConfig
+from minidp.memory import activation_bytes, nbytes, optimizer_bytes
+from minidp.parallel.buckets import bucket_groups
+from minidp.parallel.data_parallel import DistributedDataParallel, check_same_model, overlap_helps
+from minidp.parallel.dp_strategy import OVERLAP
+from minidp.parallel.strategy import (
+    StepResult,
+    Strategy,
+    bytes_sent,
+    clip_global_norm,
+    global_l2,
+    global_loss,
+    replica_spread,
+)
+from minidp.parallel.zero3 import GatheredUnits, units_of
+from minidp.parallel.zero_flat import ShardLayout, flat_parameters, pieces
+from minidp.parallel.zero_grads import ShardedGradients
+
+ALGOS = ("auto", "ring", "naive", "mpi")  # --allreduce values both collectives accept
+
+
+def model_state_bytes(stage: int, psi: int, n: int, itemsize: int = 4, k: int = 8) -> dict:
+    """The paper's formulas (table above) per category, for Ψ parameters on N_d = n ranks;
+    stage 0 is plain DP. Exact when n divides psi; otherwise a rank's Ψ/N_d is its count."""
+    shard = psi / n
+    return {
+        "parameters": itemsize * (shard if stage == 3 else psi),
+        "gradients": itemsize * (shard if stage >= 2 else psi),
+        "optimizer": k * (shard if stage >= 1 else psi),
+    }
+
+
+class ZeRO(Strategy):
+    """ZeRO stage 1, 2 or 3 over `group` (config.zero_stage says which).
+
+    `make_optimizer(params)`: the optimizer over this rank's pieces (default: AdamW with the
+    config's weight decay); any elementwise optimizer of minidp.optim works (SGD, Adam)."""
+
+    name = "zero"
+
+    def __init__(self, task, config, group: comm.Group, timeline=None, make_optimizer=None):
+        super().__init__(task, config, group, timeline)
+        self.stage = stage = config.zero_stage
+        if stage not in (1, 2, 3):
+            raise BadConfig(f"--strategy zero needs --zero-stage 1, 2 or 3, got {stage}")
+        if config.grad_accum != 1:
+            raise BadConfig("--grad-accum > 1 with --strategy zero is not yet supported")
+        if config.allreduce not in ALGOS:
+            raise BadConfig(
+                f"--strategy zero reduce-scatters and allgathers: --allreduce "
+                f"{config.allreduce} is not one of theirs; choose from {', '.join(ALGOS)}"
+            )
+        self.algo = config.allreduce
+        model = task.model
+        if stage > 1:  # (at stage 1 DDP does both)
+            check_same_model(model, group)
+            for p in model.parameters():  # every rank starts from rank 0's weights
+                comm.broadcast(p.data, root=0, group=group)
+        names = {id(p): name for name, p in model.named_parameters()}
+        dtype = model.parameters()[0].dtype
+        if stage < 3:  # the flat vector is cut as DDP's buckets: reverse parameter order
+            cap = max(1, int(config.bucket_mb * 2**20))
+            segments = bucket_groups(model.parameters()[::-1], cap)
+        else:  # one segment per layer, in forward order
+            self.units = units_of(model)
+            segments = [child.parameters() for _, child in self.units]
+        self.layout = layout = ShardLayout(segments, names, group.size, group.rank)
+        overlap = OVERLAP[config.overlap]
+        if overlap == "auto":
+            overlap = overlap_helps(group.size)[0]
+        self.overlap = overlap and stage < 3  # stage 3 gathers inside backward: inline
+        self.ddp = self.grads = self.gathered = None
+        if stage == 1:
+            self.flat = flat_parameters(layout, dtype)
+            self.ddp = DistributedDataParallel(
+                model, group, config.bucket_mb, overlap=self.overlap, timeline=self.timeline
+            )
+            self.ddp.register_comm_hook(self._reduce_scatter_bucket)
+            self.comm_group = self.ddp.comm_group
+            grad_chunks = [b.data[lo:hi] for b, (lo, hi) in zip(self.ddp.buckets, layout.chunks)]
+        else:
+            self.comm_group = group.dup()
+            self.comm_group.patient = self.overlap
+            self.grad_shard = np.zeros(layout.shard_numel, dtype)
+            grad_chunks = [layout.my_chunk(self.grad_shard, s) for s in range(len(segments))]
+            order = list(range(len(segments)))  # buckets: index order; layers: last first
+            if stage == 2:
+                self.flat = flat_parameters(layout, dtype)
+            else:
+                self.param_shard = layout.shard_of(layout.flatten(model.state_dict()))
+                modules = [child for _, child in self.units]
+                self.gathered = GatheredUnits(
+                    modules, layout, self.param_shard, self.comm_group, self.algo
+                )
+                order = order[::-1]
+            release = self.gathered.release if self.gathered else None
+            self.grads = ShardedGradients(
+                *(layout, order, self.grad_shard, self.comm_group, self.algo, self.overlap),
+                timeline=self.timeline,
+                launched=release,
+            )
+        if stage < 3:
+            param_chunks = [self.flat[lo:hi] for lo, hi in layout.ranges()]
+        else:
+            param_chunks = [layout.my_chunk(self.param_shard, s) for s in range(len(segments))]
+        self.pieces = pieces(param_chunks, grad_chunks)
+        self.optimizer = (make_optimizer or self._adamw)(self.pieces)
+        self.data_shard = (group.rank, group.size)
+        self.activations_peak = 0  # measured on the first step (every step is alike)
+        self._measure = True
+        self.gather_seconds = 0.0  # stages 1, 2: the parameter allgathers, in total
+
+    def _adamw(self, params):
+        return optim.AdamW(params, lr=self.config.lr, weight_decay=self.config.weight_decay)
+
+    def _reduce_scatter_bucket(self, bucket, group: comm.Group) -> None:
+        """Stage 1's DDP hook: only this rank's chunk of the bucket is summed (and only it
+        is read by the optimizer); it passes through a scratch chunk, as out= may not
+        overlap the input."""
+        lo, hi = self.layout.chunks[bucket.index]
+        mine = group.scratch.get("zero.chunk", hi - lo, bucket.data.dtype)
+        comm.reduce_scatter(bucket.data, algo=self.algo, group=group, out=mine)
+        bucket.data[lo:hi] = mine
+
+    # ---- one step --------------------------------------------------------------------
+    def step(self, local: np.ndarray, lr: float) -> StepResult:
+        task, span = self.task, self.timeline.span
+        self.optimizer.lr = lr
+        share = len(local) / self.config.batch_size  # n_r / B
+        if self.ddp is not None:
+            self.ddp.zero_grad()
+            self.ddp.set_batch_share(len(local), self.config.batch_size)
+        else:
+            self.grads.share = share
+        with span("forward"):
+            loss = task.loss(*task.batch(local))
+        if self._measure:
+            self.activations_peak = activation_bytes(loss)
+            self._measure = False
+        with span("backward"):
+            loss.backward()
+        with span("gradient sync wait"):
+            if self.ddp is not None:
+                self.ddp.finish_gradient_sync()
+            else:
+                self.grads.finish()
+        step_loss = global_loss(loss.item(), share, self.group)
+        if np.isfinite(step_loss):
+            with span("optimizer"):
+                if self.config.grad_clip:  # each rank's chunks, summed over the group
+                    clip_global_norm(self.pieces, self.config.grad_clip, shard_group=self.group)
+                self.optimizer.step()
+            if self.stage < 3:
+                with span("parameter allgather"):
+                    self._gather_flat()
+        return StepResult(step_loss, loss.item())
+
+    def _gather_flat(self) -> None:
+        """Stages 1 and 2: every segment's updated chunks to every rank, into the model."""
+        layout, start = self.layout, time.perf_counter()
+        for s, (lo, hi) in enumerate(layout.chunks):
+            segment = self.flat[layout.offsets[s] : layout.offsets[s + 1]]
+            comm.allgather(segment[lo:hi], algo=self.algo, group=self.comm_group, out=segment)
+        self.gather_seconds += time.perf_counter() - start
+
+    # ---- what the loop reports -------------------------------------------------------------
+    def shard(self) -> np.ndarray:
+        """This rank's parameter chunks, concatenated (layout.ranges() says where from)."""
+        return np.concatenate([p.data for p in self.pieces])
+
+    def param_l2(self) -> float:
+        return global_l2([p.data for p in self.pieces], shard_group=self.group)
+
+    def max_param_diff(self) -> float:
+        """Spread among the ranks of the whole model (after gather_model, at stage 3)."""
+        return replica_spread([p.data for p in self.task.model.parameters()], self.group)
+
+    def gather_model(self) -> None:
+        if self.gathered is not None:
+            self.gathered.materialize()
+
+    def bytes_sent_by_axis(self) -> dict[str, int]:
+        return {"dp": bytes_sent(self.comm_group, self.group)}
+
+    @property
+    def comm_seconds(self) -> float:
+        """Reductions (on a thread or not) and parameter allgathers (never hidden)."""
+        gathers = self.gathered.seconds if self.gathered else self.gather_seconds
+        return (self.ddp or self.grads).reducer.seconds + gathers
+
+    @property
+    def exposed_seconds(self) -> float:
+        gathers = self.gathered.seconds if self.gathered else self.gather_seconds
+        return (self.ddp or self.grads).exposed_seconds + gathers
+
+    def memory_bytes(self) -> dict[str, int]:
+        if self.stage < 3:
+            parameters = self.flat.nbytes
+        else:
+            parameters = self.param_shard.nbytes
+        held = [b.data for b in self.ddp.buckets] if self.ddp else [self.grad_shard]
+        # and any whole gradient still on a parameter (none, after a step, at stages 2, 3)
+        gradients = nbytes([*held, *(p.grad for p in self.task.model.parameters())])
+        buffers = self.group.scratch.nbytes + self.comm_group.scratch.nbytes
+        memory = {
+            "parameters": parameters,
+            "gradients": gradients,
+            "optimizer": optimizer_bytes(self.optimizer),
+            "activations_peak": self.activations_peak,
+            "buffers": buffers,
+        }
+        if self.gathered is not None:
+            memory["buffers"] += nbytes(self.gathered.slots)
+            memory["gathered_peak"] = self.gathered.gathered_peak
+        return memory
+
+    def describe(self) -> str:
+        layout = self.layout
+        return (
+            f"ZeRO stage {self.stage} over {self.group.size} ranks | shard "
+            f"{layout.shard_numel:,} of {layout.numel:,} parameters in {len(layout.segments)} "
+            f"segments | reduce_scatter/allgather {self.algo} | overlap "
+            f"{'on' if self.overlap else 'off'}"
+        )
+
+    def record(self) -> dict:
+        return {
+            "zero_stage": self.stage,
+            "shard_elements": self.layout.shard_numel,
+            "segments": len(self.layout.segments),
+            "overlap": self.overlap,
+        }
+
+    # ---- resuming -----------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        return {"stage": self.stage, "shard": self.shard(), **self.optimizer.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Collective: this rank's chunks back, and (stages 1, 2) the whole model rebuilt."""
+        if state["stage"] != self.stage:
+            raise ValueError(f"a ZeRO stage {state['stage']} state for stage {self.stage}")
+        shard = state["shard"]
+        offsets = [0, *np.cumsum([p.size for p in self.pieces])]
+        for p, lo, hi in zip(self.pieces, offsets[:-1], offsets[1:]):
+            p.data[...] = shard[lo:hi]
+        self.optimizer.load_state_dict(state)
+        if self.stage < 3:
+            self._gather_flat()
+
+    def close(self) -> None:
+        if self.ddp is not None:
+            self.ddp.close()
+            return
+        stuck = self.grads.close()
+        if self.gathered is not None:
+            self.gathered.unwrap()
+        if not stuck and not self.comm_group.broken:  # as DDP.close: never under a thread
+            self.comm_group.free()

@@ -1,0 +1,126 @@
+"""ZeRO's gradient shards (stages 2 and 3): reduce-scatter each segment as its gradients are
+ready, keep this rank's chunk, drop the rest.
+
+    backward ─ grads of segment 0 ready ─► pack into one staging vector, p.grad = None
+                                            └─► reduce_scatter(staging) ─► my chunk of the
+                                                 gradient shard (sum over ranks, weighted)
+             ─ grads of segment 1 ready ─► ...
+
+Segments are launched in a fixed order (the order backward finishes them, as DDP launches
+its buckets in index order), each once every segment before it has gone, so every rank runs
+the same collectives in the same order. A rank's loss is the mean over its n_r examples, so
+each staging vector is scaled by n_r / B before the sum (Reducer, comm_thread.py, as DDP).
+
+What is held: the gradient shard (Ψ/N elements) for the whole step, and the full gradients
+of a segment only between its last gradient and its launch (a staging copy then until its
+reduce-scatter ends). With a communication thread (stage 2, overlap on) the reduce-scatters
+run beside the rest of backward, exactly as DDP's allreduces do (comm_thread.py).
+"""
+
+import time
+
+import numpy as np
+
+from minidp import comm
+from minidp.parallel.comm_thread import CommThread, Reducer
+from minidp.parallel.zero_flat import ShardLayout
+from minidp.trace import Timeline
+
+
+class Staged:
+    """One segment's gradients packed for its reduce-scatter, and where its chunk goes."""
+
+    def __init__(self, index: int, data: np.ndarray, out: np.ndarray):
+        self.index, self.data, self.out = index, data, out
+
+
+def reduce_scatter_hook(algo: str):
+    """Sum the staging vector over the group; this rank's chunk lands in `out`; then the
+    staging vector is dropped (its memory is free as soon as the collective ends)."""
+
+    def reduce_scatter_bucket(staged: Staged, group: comm.Group) -> None:
+        comm.reduce_scatter(staged.data, op="sum", algo=algo, group=group, out=staged.out)
+        staged.data = None
+
+    reduce_scatter_bucket.algo, reduce_scatter_bucket.label = algo, "reduce_scatter"
+    return reduce_scatter_bucket
+
+
+class ShardedGradients:
+    """Grad-ready hooks that reduce-scatter each segment of `layout` into `shard`.
+
+    `launch_order`: segment indices in the order backward completes them. `overlap`: reduce
+    on a communication thread (its own dup of `group`) or inline. `launched(s)`, if given,
+    is called once segment s has gone (stage 3 releases the layer's weights there)."""
+
+    def __init__(
+        self,
+        layout: ShardLayout,
+        launch_order: list[int],
+        shard: np.ndarray,
+        group: comm.Group,
+        algo: str,
+        overlap: bool,
+        timeline: Timeline,
+        launched=None,
+    ):
+        self.launched = launched
+        self.layout, self.order, self.shard = layout, launch_order, shard
+        self.group = group
+        self.reducer = Reducer(reduce_scatter_hook(algo), group, timeline)
+        self._thread = CommThread(self.reducer) if overlap else None
+        self._segment_of = {id(p): s for s, seg in enumerate(layout.segments) for p in seg}
+        self._unhook = [
+            p.register_grad_ready_hook(self._grad_ready) for seg in layout.segments for p in seg
+        ]
+        self.share = 1.0 / group.size
+        self.exposed_seconds = 0.0  # the main thread's time in reductions or waiting for them
+        self.rearm()
+
+    def rearm(self) -> None:
+        """Count every segment's gradients from zero again, for the next backward."""
+        self.pending = [len(seg) for seg in self.layout.segments]
+        self._next = 0  # position in launch_order of the next segment to go
+
+    def _grad_ready(self, p) -> None:
+        self.pending[self._segment_of[id(p)]] -= 1
+        while self._next < len(self.order) and self.pending[self.order[self._next]] == 0:
+            self._launch(self.order[self._next])
+
+    def _launch(self, s: int) -> None:
+        params = self.layout.segments[s]
+        staging = np.concatenate(
+            [np.zeros(p.size, p.dtype) if p.grad is None else p.grad.ravel() for p in params]
+        )
+        for p in params:
+            p.grad = None  # the full gradient is in the staging vector only, until reduced
+        staged = Staged(s, staging, self.layout.my_chunk(self.shard, s))
+        self._next += 1
+        if self._thread is not None:
+            self._thread.submit(staged, self.share)
+        else:
+            start = time.perf_counter()
+            self.reducer(staged, self.share)
+            self.exposed_seconds += time.perf_counter() - start
+        if self.launched is not None:
+            self.launched(s)
+
+    def finish(self) -> None:
+        """After backward: launch what is left (a parameter with no gradient), wait for all."""
+        while self._next < len(self.order):
+            self._launch(self.order[self._next])
+        if self._thread is not None:
+            start = time.perf_counter()
+            self._thread.wait()
+            self.exposed_seconds += time.perf_counter() - start
+        self.rearm()
+
+    def close(self) -> bool:
+        """Stop the thread, unhook the parameters; True if the thread is still stuck (after
+        an error elsewhere), so its group must not be freed under it."""
+        stuck = self._thread is not None and self._thread.stop()
+        self._thread = None
+        for unhook in self._unhook:
+            unhook()
+        self._unhook = []
+        return stuck

@@ -1,0 +1,199 @@
+# ---
+# jupyter:
+#   jupytext:
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+# ---
+
+# %% [markdown]
+# # 08 · ZeRO: shard the optimizer state, then the gradients, then the parameters
+#
+# Launch line:
+#
+# mpiexec -n 4 python tutorials/08_zero.py
+#
+# Data parallelism keeps a whole copy of every model state on every rank: Ψ parameters,
+# Ψ gradients and AdamW's two moments, 16Ψ bytes in fp32. ZeRO (Rajbhandari et al., SC 2020)
+# notices that each rank only *needs* all of it for a moment, and shards it over the N ranks.
+# We count plain DP's bytes, then shard one thing at a time by hand, and check each stage's
+# step against DP's and its bytes against the paper's formula. (float64 here, so every byte
+# count is twice the fp32 one: b = 8 bytes a number, K = 2b for the two moments.)
+
+# %%
+import numpy as np
+
+from minidp import Tensor, comm, cross_entropy, data, nn, optim
+from minidp.chunks import chunk_range
+from minidp.log import print0
+from minidp.parallel.zero import model_state_bytes
+from minidp.parallel.zero3 import GatheredUnits
+from minidp.parallel.zero_flat import ShardLayout, pieces
+from minidp.parallel.zero_grads import ShardedGradients
+from minidp.trace import Timeline
+
+group = comm.world()
+rank, N = group.rank, group.size
+b = 8  # bytes per float64
+
+x_all, y_all, _, _ = data.classification(seed=0, dtype=np.float64)
+sampler = data.DistributedSampler(len(x_all), 64, rank, N, seed=0)
+x, y = Tensor(x_all[sampler.local_indices(0)]), y_all[sampler.local_indices(0)]
+
+
+def new_model():
+    """The MLP, its parameters made views of one flat vector (the order of parameters())."""
+    model = nn.MLP([32, 128, 128, 128, 128, 10], rng=np.random.default_rng(0), dtype=np.float64)
+    flat = np.concatenate([p.data.ravel() for p in model.parameters()])
+    offset = 0
+    for p in model.parameters():
+        p.data = flat[offset : offset + p.size].reshape(p.shape)
+        offset += p.size
+    return model, flat
+
+
+def local_gradient(model):
+    """This rank's gradient as one flat vector, weighted 1/N: the N of them sum to the mean."""
+    cross_entropy(model(x), y).backward()
+    g = np.concatenate([p.grad.ravel() for p in model.parameters()]) / N
+    model.zero_grad()
+    return g
+
+
+def adamw(params):
+    return optim.AdamW(params, lr=1e-3, weight_decay=0.1)
+
+
+def check(stage: int, held: dict, mine: int, psi: int):
+    """held: this rank's bytes by category; mine: its share of the Ψ elements."""
+    want = {
+        "parameters": b * (mine if stage == 3 else psi),
+        "gradients": b * (mine if stage >= 2 else psi),
+        "optimizer": 2 * b * (mine if stage >= 1 else psi),
+    }
+    assert held == want, (held, want)
+    total = comm.allreduce(np.array([sum(held.values())]), group=group)[0]
+    formula = sum(model_state_bytes(stage, psi, N, itemsize=b, k=2 * b).values())
+    assert total == round(N * formula)  # the ranks together: exactly N times the formula
+    print0(f"stage {stage}: {held} = {sum(held.values()) / (b * psi):.3f} b·Ψ per rank")
+
+
+# %% [markdown]
+# ## 1. Plain data parallelism: everything, everywhere
+# Allreduce the gradient, and every rank takes the same AdamW step on all Ψ parameters.
+
+# %%
+model, flat = new_model()
+psi = flat.size
+g = comm.allreduce(local_gradient(model), algo="ring", group=group)
+whole = Tensor(flat)
+whole.grad = g
+opt = adamw([whole])
+opt.step()
+want = flat.copy()  # what every stage below must reproduce
+print0(f"Ψ = {psi:,} parameters over N = {N} ranks (Ψ % N = {psi % N}: uneven chunks)")
+check(0, {"parameters": flat.nbytes, "gradients": g.nbytes, "optimizer": b * 2 * psi}, psi, psi)
+
+# %% [markdown]
+# ## 2. Stage 1: shard the optimizer state
+# An allreduce is a reduce-scatter and an allgather (the ring does exactly that). Stop in the
+# middle: rank r keeps only chunk r of the summed gradient, updates only chunk r of the
+# parameters (so it needs AdamW's m and v for that chunk only), then allgathers the updated
+# parameters. Same bytes on the wire as DP's allreduce, and, with the ring, the same bits.
+
+# %%
+model, flat = new_model()
+g = local_gradient(model)  # the whole gradient is still held: 8·Ψ/N is all we save
+lo, hi = chunk_range(psi, N, rank)
+chunk = Tensor(flat[lo:hi])  # a view: the update lands in the model
+chunk.grad = comm.reduce_scatter(g, algo="ring", group=group)
+opt = adamw([chunk])
+opt.step()
+comm.allgather(flat[lo:hi], algo="ring", group=group, out=flat)
+assert np.array_equal(flat, want), "stage 1 differs from DP"
+m_and_v = sum(v.nbytes for k, v in opt.state[0].items() if k in ("m", "v"))
+check(1, {"parameters": flat.nbytes, "gradients": g.nbytes, "optimizer": m_and_v}, hi - lo, psi)
+
+# %% [markdown]
+# ## 3. Stage 2: shard the gradients too
+# Nobody needs the whole gradient after its reduce-scatter, so reduce-scatter each layer as
+# soon as backward has finished it, and drop the rest: a grad-ready hook does it (DDP's
+# buckets work the same way). `ShardedGradients` is that hook. Each layer is now a segment
+# of the flat vector with its own chunks (`ShardLayout`: rank r owns chunk r of every
+# layer, chunk_bounds cuts them), since a layer is what one reduce-scatter moves.
+
+# %%
+model, flat = new_model()
+names = {id(p): name for name, p in model.named_parameters()}
+layout = ShardLayout([layer.parameters() for layer in model.layers], names, N, rank)
+last_first = list(range(len(model.layers)))[::-1]  # the order backward finishes them
+grad_shard = np.zeros(layout.shard_numel)
+hooks = ShardedGradients(
+    layout, last_first, grad_shard, group, "ring", overlap=False, timeline=Timeline(False)
+)
+cross_entropy(model(x), y).backward()  # each layer reduce-scattered as it completes
+hooks.finish()
+hooks.close()
+assert all(p.grad is None for p in model.parameters()), "no whole gradient is left"
+chunks = pieces(
+    [flat[lo:hi] for lo, hi in layout.ranges()],  # views: the update lands in the model
+    [layout.my_chunk(grad_shard, s) for s in range(len(model.layers))],
+)
+opt = adamw(chunks)
+opt.step()
+for s, (lo, hi) in enumerate(layout.chunks):  # every layer's updated chunks, to everyone
+    segment = flat[layout.offsets[s] : layout.offsets[s + 1]]
+    comm.allgather(segment[lo:hi], algo="ring", group=group, out=segment)
+# other chunk edges, so other sums' order: equal to rounding, not bit for bit
+np.testing.assert_allclose(flat, want, rtol=1e-12, atol=1e-15)
+m_and_v = sum(v.nbytes for state in opt.state for k, v in state.items() if k in ("m", "v"))
+held = {"parameters": flat.nbytes, "gradients": grad_shard.nbytes, "optimizer": m_and_v}
+check(2, held, layout.shard_numel, psi)
+
+# %% [markdown]
+# ## 4. Stage 3: shard the parameters too
+# Now rank r keeps only chunk r of every layer's weights as well. `GatheredUnits` wraps each
+# layer's forward: allgather the layer just before it, release it after; and again just
+# before its backward. The backward closures keep references to the arrays the forward
+# read (`linear` keeps W), so a fresh array per gather would stay alive until backward and
+# the rank would hold all Ψ again; instead every gather writes into one of two reused slots
+# (zero3.py explains why that is safe). `gathered_peak` measures the bytes held at once.
+
+# %%
+model, flat = new_model()
+names = {id(p): name for name, p in model.named_parameters()}
+layout = ShardLayout([layer.parameters() for layer in model.layers], names, N, rank)
+shard = layout.shard_of(flat)  # forward order: the layout's order; then drop the rest
+del flat
+gathered = GatheredUnits(model.layers, layout, shard, group, "ring")
+grad_shard = np.zeros(layout.shard_numel)
+hooks = ShardedGradients(
+    layout, last_first, grad_shard, group, "ring", overlap=False, timeline=Timeline(False),
+    launched=gathered.release,
+)  # fmt: skip
+cross_entropy(model(x), y).backward()
+hooks.finish()
+hooks.close()
+n = len(model.layers)
+opt = adamw(pieces([layout.my_chunk(shard, s) for s in range(n)],
+                   [layout.my_chunk(grad_shard, s) for s in range(n)]))  # fmt: skip
+opt.step()
+np.testing.assert_allclose(shard, layout.shard_of(want), rtol=1e-12, atol=1e-15)
+m_and_v = sum(v.nbytes for state in opt.state for k, v in state.items() if k in ("m", "v"))
+check(3, {"parameters": shard.nbytes, "gradients": grad_shard.nbytes, "optimizer": m_and_v},
+      layout.shard_numel, psi)  # fmt: skip
+largest = b * max(layout.lengths)
+assert gathered.gathered_peak <= 2 * largest < b * psi
+assert gathered.gathers == 2 * n  # each layer: once for forward, once for backward
+print0(
+    f"stage 3 held at most {gathered.gathered_peak:,} gathered bytes (two slots of the largest"
+    f" layer) of the {b * psi:,} the whole model takes; {gathered.gathers} allgathers a step"
+)
+gathered.unwrap()
+
+# %% [markdown]
+# The same, as a strategy of the training loop, with buckets, overlap and clipping:
+#
+#     mpiexec -n 4 python -m minidp --strategy zero --zero-stage 3
+#
+# and the measured table against the formulas: `mpiexec -n 4 python -m minidp bench memory`.

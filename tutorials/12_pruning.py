@@ -1,0 +1,173 @@
+# ---
+# jupyter:
+#   jupytext:
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+# ---
+
+# %% [markdown]
+# # 12 · Pruning: a lighter model that sends less
+#
+# Launch line:
+#
+# mpiexec -n 2 python tutorials/12_pruning.py
+#
+# Magnitude pruning zeroes the weights of smallest |w| and keeps them zero while the rest
+# trains on. Under data parallelism a zero that stays zero needs no gradient, so each step
+# sends only the gradients of the weights still alive. This tutorial builds it up: the mask,
+# why AdamW needs more than a zeroed gradient, the cubic schedule, the DP hook that packs
+# the kept gradients, and last, pruning a model against simply training a smaller one.
+
+# %%
+import contextlib
+import io
+import json
+import os
+import tempfile
+from dataclasses import replace
+
+import numpy as np
+
+from minidp import Tensor, comm, nn, optim
+from minidp.config import TrainConfig
+from minidp.data import DistributedSampler
+from minidp.log import print0
+from minidp.parallel import DataParallel
+from minidp.plots import pyplot, save
+from minidp.prune import MagnitudePruner, cubic_sparsity, magnitude_masks
+from minidp.tasks import Task
+from minidp.train import train
+
+group = comm.world()
+
+# %% [markdown]
+# ## 1. The mask: keep the largest magnitudes
+# At sparsity s, round(s n) weights of smallest |w| get mask 0. Per layer, each matrix
+# loses the same fraction; globally, one threshold for all, so a matrix of small weights
+# loses more. (torch.nn.utils.prune's `l1_unstructured` and `global_unstructured` give the
+# same masks: tests/test_prune.py checks it.)
+
+# %%
+big = np.array([[4.0, -3.0], [2.0, 5.0]])
+small = np.array([[0.1, -0.4], [0.3, 0.2]])
+per_layer = magnitude_masks([big, small], 0.5, "layer")
+one_threshold = magnitude_masks([big, small], 0.5, "global")
+print0("per layer:", [m.astype(int).tolist() for m in per_layer])
+print0("global:   ", [m.astype(int).tolist() for m in one_threshold])
+assert per_layer[0].sum() == per_layer[1].sum() == 2  # half of each
+assert one_threshold[0].all() and not one_threshold[1].any()  # the small matrix goes first
+
+# %% [markdown]
+# ## 2. Zero must stay zero: AdamW remembers
+# Zero a weight and its gradient, and AdamW still moves it: its first moment m holds the
+# weight's past gradients and decays over ~1/(1 - β1) = 10 steps. The pruner also zeroes
+# the masked entries of m and v; with g = m = v = 0 the update is 0 / (0 + ε) = 0, and the
+# decoupled decay (1 - lr·wd)·0 = 0.
+
+# %%
+rng = np.random.default_rng(0)
+x, y = Tensor(rng.standard_normal((64, 8))), rng.integers(0, 4, 64)
+
+
+def drift_after_pruning(zero_the_moments: bool) -> float:
+    """Train 3 steps, prune to 70%, train 5 more; the largest |w| among the pruned."""
+    model = nn.MLP([8, 32, 4], rng=np.random.default_rng(1), dtype=np.float64)
+    opt = optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.1)
+    pruner = MagnitudePruner(model, opt if zero_the_moments else None, target=0.7)
+    for step in range(8):
+        if step == 3:
+            pruner.prune_to(0.7)
+        opt.zero_grad()
+        nn.cross_entropy(model(x), y).backward()
+        pruner.mask_grads()
+        opt.step()
+    return max(np.abs(p.data[~m]).max() for p, m in zip(pruner.params, pruner.masks))
+
+
+naive, pruned = drift_after_pruning(False), drift_after_pruning(True)
+print0(f"largest pruned |w| after 5 steps: gradient zeroed {naive:.3g}; moments too {pruned}")
+assert naive > 1e-3 and pruned == 0.0
+
+# %% [markdown]
+# ## 3. The schedule (Zhu & Gupta 2017)
+# Prune gradually, from s = 0 at step t0 to the target s_f at step `end`, every Δt steps:
+# s_t = s_f (1 - (1 - (t - t0)/(end - t0))³). Fast at first, while many weights are
+# redundant, slowly near the end, so the network has time to recover.
+
+# %%
+print0("s_t:", ", ".join(f"{t}: {cubic_sparsity(t, 0.9, 10, 40):.2f}" for t in range(10, 41, 5)))
+
+# %% [markdown]
+# ## 4. Data parallelism sends the kept gradients only
+# `--prune` plugs a communication hook into DDP (minidp/parallel/prune_comm.py): each
+# bucket's unmasked gradients are packed with `np.take`, allreduced, and put back; masked
+# slots are zeroed, never sent. No mask is ever sent either: every rank computes it from
+# its replica, and replicas are bitwise identical. With the ring, each rank sends
+# 2(N-1)/N of each packed bucket.
+
+# %%
+config = TrainConfig(n_layer=1, n_embd=32, block_size=16, batch_size=8, steps=12, allreduce="ring",
+                     prune=0.9, prune_start=2, prune_end=8, prune_every=2)  # fmt: skip
+strategy = DataParallel(Task(config, np.dtype(config.dtype)), config, group)
+sampler = DistributedSampler(strategy.task.num_examples, config.batch_size,
+                             *strategy.data_shard, seed=config.seed)  # fmt: skip
+hook, N = strategy.pruning, group.size
+print0(f"{hook.dense_elements} gradient values; sent per rank and step:")
+for step in range(config.steps):
+    strategy.step(sampler.local_indices(step), 3e-3)
+    kept = hook.step_elements
+    total = sum(group.comm.allgather(hook.step_bytes))  # over the ranks: 2(N-1) packed copies
+    assert total == 2 * (N - 1) * kept * 4  # float32
+    if step % 2 == 0 or step == config.steps - 1:
+        s = hook.pruner.sparsity()
+        print0(f"  step {step:2d}: sparsity {s:.2f}, {kept:6d} values, {hook.step_bytes:7d} B")
+masks = b"".join(m.tobytes() for m in hook.pruner.masks)
+assert len(set(group.comm.allgather(masks))) == 1, "every rank holds the same masks"
+assert strategy.max_param_diff() == 0.0
+strategy.close()
+
+# %% [markdown]
+# ## 5. Pruning against shrinking
+# The other way to a lighter model: train a smaller one. Width 32 pruned to 75% keeps about
+# as many weight-matrix values as a dense model of width 16 (a quarter of them). The same
+# data, steps and seed; `python -m minidp bench prune` runs the whole table.
+
+# %%
+base = TrainConfig(n_layer=1, block_size=32, steps=80, log_every=4, sample_tokens=0)
+schedule = dict(prune=0.75, prune_start=10, prune_end=50, prune_every=5)
+runs = {"width 32 dense": dict(n_embd=32), "width 32, 75% pruned": dict(n_embd=32, **schedule),
+        "width 16 dense": dict(n_embd=16)}  # fmt: skip
+curves, finals = {}, {}
+with tempfile.TemporaryDirectory() as tmp:
+    for name, change in runs.items():
+        path = os.path.join(tmp, f"{group.rank}.json")
+        run_config = replace(base, **change, json=path)
+        run_config.validate()
+        with contextlib.redirect_stdout(io.StringIO()):
+            finals[name] = train(run_config, group)
+        if group.rank == 0:
+            curves[name] = [json.loads(line) for line in open(path)][:-1]
+for name, final in finals.items():
+    sent = final.get("prune_bytes_per_step", final["bytes_sent_by_axis"]["dp"] / base.steps)
+    print0(f"{name:22s} val loss {final['val_loss']:.4f} | {sent / 1e3:6.1f} kB sent per step")
+dense_loss, pruned_loss, small_loss = (finals[name]["val_loss"] for name in runs)
+assert finals["width 32, 75% pruned"]["prune_sparsity"] > 0.74
+# here, with as many weights left, the pruned wide model beats the narrow dense one
+assert dense_loss < small_loss and pruned_loss < small_loss
+
+# %% [markdown]
+# A picture: loss and bytes per step over training (rank 0).
+
+# %%
+plt = pyplot() if group.rank == 0 else None
+if plt is not None:
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    for name, records in curves.items():
+        steps = [r["step"] for r in records]
+        left.plot(steps, [r["loss"] for r in records], label=name)
+        right.plot(steps, [r["bytes_sent_per_step"] / 1e3 for r in records], label=name)
+    left.set(xlabel="step", ylabel="training loss", title="loss")
+    right.set(xlabel="step", ylabel="kB sent per rank per step", title="bytes on the wire")
+    left.legend()
+    save(fig, os.path.join(tempfile.gettempdir(), "minidp_12_pruning.png"))
