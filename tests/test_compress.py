@@ -218,3 +218,8 @@ def test_the_command_line_says_a_bad_value_in_one_line_and_exits_2(capsys):
     assert done.value.code == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "the rank must be an integer >= 1" in err
+
+
+def test_compression_and_pruning_are_not_combined_yet():
+    with pytest.raises(BadConfig, match="--prune together with --compress"):
+        TrainConfig(prune=0.5, compress="topk").validate()
