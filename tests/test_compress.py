@@ -151,6 +151,8 @@ def test_error_feedback_conserves_mass(spec):
         else:
             np.testing.assert_allclose(sent + after, g + before, rtol=0, atol=1e-14)
     assert compressor.residual_norm() == pytest.approx(np.linalg.norm(after))
+    warm_q = 10 * 1 * 8 if spec.startswith("powersgd") else 0  # Q: m x r float64
+    assert compressor.nbytes() == after.nbytes + warm_q  # what memory_bytes counts
     assert 0 < compressor.relative_error() < 1
 
 

@@ -93,6 +93,10 @@ class Compressor:
             return None
         return math.sqrt(sum(float(np.dot(e, e)) for e in self.residuals.values()))
 
+    def nbytes(self) -> int:
+        """The memory the compressor holds across steps (residuals, and any warm start)."""
+        return sum(e.nbytes for e in self.residuals.values())
+
     # ---- resuming ---------------------------------------------------------------------------
     def state_dict(self) -> dict:
         return {

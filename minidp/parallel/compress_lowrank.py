@@ -109,6 +109,9 @@ class PowerSGD(Compressor):
 
         return allreduce
 
+    def nbytes(self) -> int:
+        return super().nbytes() + sum(q.nbytes for qs in self.warm.values() for q in qs)
+
     def state_dict(self) -> dict:
         return {
             **super().state_dict(),

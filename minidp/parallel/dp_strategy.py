@@ -157,7 +157,9 @@ class DataParallel(Strategy):
             "gradients": nbytes(b.data for b in self.ddp.buckets),
             "optimizer": optimizer_bytes(self.optimizer),
             "activations_peak": self.activations_peak,
-            "buffers": self.group.scratch.nbytes + self.ddp.comm_group.scratch.nbytes,
+            "buffers": self.group.scratch.nbytes
+            + self.ddp.comm_group.scratch.nbytes
+            + (self.compressor.nbytes() if self.compressor else 0),  # residuals, warm start
         }
 
     def describe(self) -> str:
