@@ -19,6 +19,8 @@ or for the reports after training (the spread between replicas), is not in it.
 import time
 from typing import NamedTuple
 
+AXES = ("dp", "tp", "pp")  # the mesh axes every final record names
+
 
 class Totals(NamedTuple):
     seconds: float  # the wall clock (perf_counter)
@@ -63,6 +65,7 @@ class StepMeter:
         return Window(self.all_steps, *(b - a for a, b in zip(self.start, self.totals())))
 
     def bytes_by_axis(self) -> dict[str, int]:
-        """Bytes this rank sent since the meter was made, per axis."""
-        now = self.strategy.bytes_sent_by_axis()
+        """Bytes this rank sent since the meter was made, per axis: every mesh axis ("dp",
+        "tp", "pp") is present, 0 where the strategy has none."""
+        now = {**dict.fromkeys(AXES, 0), **self.strategy.bytes_sent_by_axis()}
         return {axis: sent - self._start_by_axis.get(axis, 0) for axis, sent in now.items()}

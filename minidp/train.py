@@ -176,19 +176,13 @@ def report(final: dict, config, say) -> None:
     say(
         f"max |param difference| across ranks: {final['max_param_diff']:.3g} | comm "
         f"{final['comm_s']:.2f}s (exposed {final['exposed_comm_s']:.2f}s) | "
-        f"{final['bytes_sent_per_rank'] / 1e6:.1f} MB sent per rank"
+        f"{final['bytes_sent_per_rank'] / 1e6:.1f} MB sent per rank ("
+        + ", ".join(f"{axis} {b / 1e6:.1f}" for axis, b in final["bytes_sent_by_axis"].items())
+        + ")"
     )
     per_rank = final["memory_bytes_per_rank"]
+    names = [n for n in CATEGORIES if n in per_rank] + [n for n in per_rank if n not in CATEGORIES]
     say(
         "memory per rank, MB: "
-        + " | ".join(
-            f"{name} {'/'.join(f'{b / 1e6:.3f}' for b in per_rank[name])}"
-            for name in CATEGORIES
-            if name in per_rank
-        )
-        + "".join(
-            f" | {name} {'/'.join(f'{b / 1e6:.3f}' for b in per_rank[name])}"
-            for name in per_rank
-            if name not in CATEGORIES
-        )
+        + " | ".join(f"{n} {'/'.join(f'{b / 1e6:.3f}' for b in per_rank[n])}" for n in names)
     )

@@ -146,3 +146,25 @@ def test_every_layer_equals_the_whole_layer():
     mesh = Mesh(tp=comm.world().size)
     every_layer(mesh.tp_group)
     mesh.close()
+
+
+def dropout_masks_agree(group, sequence_parallel: bool) -> bool:
+    """Do the ranks' embedding-dropout masks agree (each on its own positions under SP)?"""
+    cfg = nn.GPTConfig(vocab_size=16, block_size=6, n_layer=1, n_head=6, n_embd=12, dropout=0.5)
+    model = TensorParallelGPT(nn.GPT(cfg, seed=0, dtype=F64), group, sequence_parallel=True)
+    if not sequence_parallel:
+        model = TensorParallelGPT(nn.GPT(cfg, seed=0, dtype=F64), group)
+    T = 6 // group.size if sequence_parallel else 6
+    kept = (model.drop(Tensor(np.ones((1, T, 12)))).data != 0).astype(F64).ravel()
+    every = comm.allgather(kept, group=group).reshape(group.size, -1)
+    return bool((every == every[0]).all())
+
+
+@pytest.mark.parallel(nprocs=[2])
+@pytest.mark.timeout(60)
+def test_dropout_masks_follow_what_each_rank_holds():
+    """Replicated positions: the same masks on every TP rank (else the replicas drift);
+    sequence parallel: each rank's T/p positions draw their own (as one process would)."""
+    group = comm.world()
+    assert dropout_masks_agree(group, sequence_parallel=False)
+    assert not dropout_masks_agree(group, sequence_parallel=True)

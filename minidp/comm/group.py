@@ -7,6 +7,7 @@ A Group wraps one MPI communicator and adds what the algorithms need:
     world_ranks         world rank of each group rank (for error messages and logs)
     scratch             reusable work buffers (buffers.py), owned by this group alone
     counters            {collective: {"calls", "bytes_sent", "bytes_recv", "messages_sent"}}
+    seconds             wall time this rank spent inside the group's collectives, in total
     checks, timeout     cross-rank fingerprints and the wait deadline (checks.py); the
                         deadline follows `checks` unless `timeout` was set explicitly
 
@@ -71,6 +72,7 @@ class Group:
         self.statuses = [MPI.Status(), MPI.Status()]  # reused by p2p.py; grows in waitall
         self.patient = False  # wait by napping, not spinning (p2p.py); dup() starts impatient
         self._counts: dict[str, list[int]] = {}
+        self.seconds = 0.0  # inside collectives, checks included (_Running adds to it)
         self._outside = [0, 0, 0, 0]  # messages sent outside any collective ("p2p")
         self.current = self._outside  # [calls, bytes_sent, bytes_recv, messages_sent]
         self._seq = 0
@@ -204,7 +206,7 @@ class Group:
 class _Running:
     """Context of one collective call: lock, sequence number, deadline, checks, counters."""
 
-    __slots__ = ("group", "name", "algo", "op", "dtype", "root", "shape")
+    __slots__ = ("group", "name", "algo", "op", "dtype", "root", "shape", "start")
 
     def __init__(self, group: Group, name, algo, op, dtype, root, shape) -> None:
         self.group, self.name, self.algo = group, name, algo
@@ -212,6 +214,7 @@ class _Running:
 
     def __enter__(self) -> Group:
         g, name = self.group, self.name
+        self.start = time.perf_counter()
         if g.broken:
             raise CollectiveError(f"{name} on a broken group (rank {g.rank}): {g.broken}")
         if not g._lock.acquire(False):
@@ -253,6 +256,7 @@ class _Running:
                     g.abandoned.append(request)  # MPI may still write its buffer
         g.deadline = None
         g.current = g._outside
+        g.seconds += time.perf_counter() - self.start
         if g.receiving:
             g.receiving.clear()
         g._lock.release()

@@ -188,6 +188,19 @@ def head_features(n_head: int, head_size: int, group: comm.Group) -> np.ndarray:
     return (heads[:, None] * head_size + np.arange(head_size)).ravel()
 
 
+def dropout_of_rank(full: nn.Dropout, group: comm.Group | None) -> nn.Dropout:
+    """A copy of `full`; with a group, its masks drawn from a stream of this rank's own.
+
+    Where ranks hold different elements (heads, or T/p positions under sequence
+    parallelism), equal masks would correlate what one process draws independently; where
+    they hold the same elements (the replicated residual stream), the masks must be equal."""
+    drop = copy.deepcopy(full)
+    if group is not None and full.p > 0:
+        seed = int(drop.rng.integers(2**31))  # the same on every rank
+        drop.rng = np.random.default_rng([seed, group.rank])
+    return drop
+
+
 class ParallelAttention(nn.Module):
     """Causal self-attention with this rank's n_head / p heads (built from nn's attention).
 
@@ -222,12 +235,10 @@ class ParallelAttention(nn.Module):
             rows=features,
             sequence_parallel=sequence_parallel,
         )
-        self.attn_drop = copy.deepcopy(full.attn_drop)
-        self.resid_drop = copy.deepcopy(full.resid_drop)
+        self.attn_drop = dropout_of_rank(full.attn_drop, group)  # the heads differ by rank
+        # the residual output: the same positions on every rank, or T/p of its own with SP
+        self.resid_drop = dropout_of_rank(full.resid_drop, group if sequence_parallel else None)
         self.future = full.future
-        if full.attn_drop.p > 0:  # the heads differ by rank: so must their dropout masks
-            seed = int(self.attn_drop.rng.integers(2**31))  # the same on every rank
-            self.attn_drop.rng = np.random.default_rng([seed, group.rank])
 
     def forward(self, x: Tensor) -> Tensor:
         H, hs = self.n_head, self.head_size

@@ -32,6 +32,7 @@ from minidp.parallel.tensor_parallel import (
     ColumnParallelLinear,
     ParallelAttention,
     ParallelMLP,
+    dropout_of_rank,
     replica,
 )
 from minidp.parallel.tp_comm import sequence_range
@@ -59,7 +60,7 @@ class ParallelBlock(nn.Module):
         self.attn = ParallelAttention(full.attn, group, name=name + "attn.", sequence_parallel=sp)
         self.ln2 = _replicated_layer_norm(full.ln2, name + "ln2.")
         self.mlp = ParallelMLP(full.fc, full.fc_proj, group, name=name, sequence_parallel=sp)
-        self.drop = copy.deepcopy(full.drop)
+        self.drop = dropout_of_rank(full.drop, group if sp else None)  # SP: T/p of its own
 
     def forward(self, x: Tensor) -> Tensor:
         x = x + self.attn(self.ln1(x))
@@ -81,7 +82,7 @@ class TensorParallelGPT(nn.Module):
         self.config, self.group, self.sequence_parallel = cfg, group, sp
         self.wte = VocabParallelEmbedding(full.wte, group, name="wte.", sequence_parallel=sp)
         self.wpe = replica(full.wpe.weight, "wpe.weight")
-        self.drop = copy.deepcopy(full.drop)
+        self.drop = dropout_of_rank(full.drop, group if sp else None)
         self.blocks = [
             ParallelBlock(b, group, name=f"blocks.{i}.", sequence_parallel=sp)
             for i, b in enumerate(full.blocks)

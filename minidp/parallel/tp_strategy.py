@@ -132,6 +132,16 @@ class TensorParallel(DataParallel):
             "pp": bytes_sent(mesh.pp_group),
         }
 
+    @property
+    def comm_seconds(self) -> float:
+        """DDP's bucket reductions plus the TP collectives inside forward and backward."""
+        return self.ddp.comm_seconds + self.mesh.tp_group.seconds
+
+    @property
+    def exposed_seconds(self) -> float:
+        """The TP collectives sit on the critical path of forward and backward: all exposed."""
+        return self.ddp.exposed_seconds + self.mesh.tp_group.seconds
+
     def memory_bytes(self) -> dict[str, int]:
         memory = super().memory_bytes()
         memory["buffers"] += sum(g.scratch.nbytes for g in self.mesh.groups().values())
