@@ -17,6 +17,7 @@ from minidp import comm
 from minidp.cli import main
 from minidp.config import BadConfig, TrainConfig
 from minidp.data import DistributedSampler
+from minidp.memory import nbytes
 from minidp.parallel import STRATEGIES, DataParallel, Mesh
 from minidp.tasks import Task
 from minidp.train import train
@@ -111,6 +112,8 @@ def test_tp_and_hybrid_train_like_one_process():
 
                 losses = run(s, check)
                 np.testing.assert_allclose(losses, want_losses, rtol=1e-10, err_msg=what)
+                whole = nbytes(p.data for p in s.task.model.parameters())
+                assert whole == 8 * len(want_params), f"{what}the whole model was not released"
                 s.gather_model()
                 assert_close(s.task.model.state_dict(), want_params, what)
                 assert s.max_param_diff() == 0.0

@@ -134,6 +134,12 @@ def clip_global_norm(params, max_norm: float, shard_group: comm.Group | None = N
     return optim.clip_grad_norm(params, max_norm, total_norm=norm)
 
 
+def stand_in(p) -> np.ndarray:
+    """What a released parameter's .data is: read-only, its shape, one element of memory
+    (a scheme that keeps only shards releases the whole model's arrays so)."""
+    return np.broadcast_to(np.zeros((), p.dtype), p.shape)
+
+
 def replica_spread(arrays, group: comm.Group) -> float:
     """max over elements of (largest - smallest value across the group): 0.0 when in sync."""
     if not arrays:

@@ -136,5 +136,8 @@ class TensorParallelGPT(nn.Module):
         return whole
 
     def gather_into(self, full: nn.GPT) -> None:
-        """Collective: load the whole trained weights into `full` (an nn.GPT of this config)."""
-        full.load_state_dict(self.gather_whole("data"))
+        """Collective: the whole trained weights into `full` (an nn.GPT of this config), as
+        fresh arrays: `full`'s own may be released stand-ins (TensorParallel frees them)."""
+        whole = self.gather_whole("data")
+        for name, p in full.named_parameters():
+            p.data = whole[name]

@@ -35,7 +35,7 @@ from minidp import comm, optim
 from minidp.config import BadConfig
 from minidp.parallel.dp_strategy import DataParallel
 from minidp.parallel.mesh import Mesh
-from minidp.parallel.strategy import bytes_sent, replica_spread
+from minidp.parallel.strategy import bytes_sent, replica_spread, stand_in
 from minidp.parallel.tp_gpt import TensorParallelGPT
 
 
@@ -82,6 +82,8 @@ class TensorParallel(DataParallel):
             self.mesh.close()
             raise
         self.sharded, self.replicated = model.sharded_and_replicated()
+        for p in task.model.parameters():  # the TP model holds copies of its slices:
+            p.data = stand_in(p)  # free the whole model's arrays until gather_model
 
     # ---- the step's hooks (dp_strategy.py) ---------------------------------------------
     def loss(self, indices: np.ndarray):

@@ -36,6 +36,7 @@ import numpy as np
 from minidp import comm
 from minidp.autograd import op
 from minidp.nn import Module
+from minidp.parallel.strategy import stand_in
 from minidp.parallel.zero_flat import ShardLayout
 
 
@@ -48,11 +49,6 @@ def units_of(model: Module) -> list[tuple[str, Module]]:
     if stray:
         raise ValueError(f"ZeRO-3 gathers whole child modules; parameters {stray} are in none")
     return units
-
-
-def stand_in(p) -> np.ndarray:
-    """What a released parameter's .data is: read-only, its shape, one element of memory."""
-    return np.broadcast_to(np.zeros((), p.dtype), p.shape)
 
 
 class GatheredUnits:
