@@ -158,6 +158,14 @@ class TensorParallel(DataParallel):
 
 
 class Hybrid(TensorParallel):
-    """`--strategy hybrid --dp D --tp T`: the same scheme on a D x T mesh."""
+    """`--strategy hybrid --dp D --tp T`: the same scheme on a D x T mesh; with
+    `--zero-stage S`, ZeRO over the DP axis instead of DDP (zero_hybrid.ZeROHybrid)."""
 
     name = "hybrid"
+
+    def __new__(cls, task, config, *args, **kwargs):
+        if config.zero_stage:  # not a Hybrid: Python runs no Hybrid.__init__ on it
+            from minidp.parallel.zero_hybrid import ZeROHybrid  # (it imports this module)
+
+            return ZeROHybrid(task, config, *args, **kwargs)
+        return super().__new__(cls)

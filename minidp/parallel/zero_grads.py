@@ -17,6 +17,7 @@ reduce-scatter ends). With a communication thread (stage 2, overlap on) the redu
 run beside the rest of backward, exactly as DDP's allreduces do (comm_thread.py).
 """
 
+import contextlib
 import time
 
 import numpy as np
@@ -74,6 +75,7 @@ class ShardedGradients:
             p.register_grad_ready_hook(self._grad_ready) for seg in layout.segments for p in seg
         ]
         self.share = 1.0 / group.size
+        self.sync_enabled = True  # False inside no_sync(): gradients stay on the parameters
         self.exposed_seconds = 0.0  # the main thread's time in reductions or waiting for them
         self.rearm()
 
@@ -82,7 +84,21 @@ class ShardedGradients:
         self.pending = [len(seg) for seg in self.layout.segments]
         self._next = 0  # position in launch_order of the next segment to go
 
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Gradient accumulation (stage 2): the backwards inside leave their gradients summed
+        on the parameters, whole; the next backward outside launches the sums. (Stage 3 has
+        no no_sync: it would hold every layer's whole gradients, what it exists to drop.)"""
+        previous, self.sync_enabled = self.sync_enabled, False
+        try:
+            yield
+        finally:
+            self.sync_enabled = previous
+            self.rearm()
+
     def _grad_ready(self, p) -> None:
+        if not self.sync_enabled:
+            return
         self.pending[self._segment_of[id(p)]] -= 1
         while self._next < len(self.order) and self.pending[self.order[self._next]] == 0:
             self._launch(self.order[self._next])

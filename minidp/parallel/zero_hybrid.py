@@ -1,0 +1,159 @@
+"""`--strategy hybrid --dp D --tp T --zero-stage 1|2`: ZeRO over the mesh's DP axis, tensor
+parallelism inside each TP group.
+
+    mpiexec -n 4 python -m minidp --strategy hybrid --dp 2 --tp 2 --zero-stage 2
+
+What ZeRO flattens is the TP model this rank holds (tp_gpt.py): TP rank t's shards of the
+split layers and the replicated parameters (LayerNorms, wpe, row-parallel biases), Ψ_t
+elements in all. Its DP group is the D ranks with the same t, which hold the same TP shard,
+so zero.py runs unchanged on it: rank (d, t) keeps chunk d of TP shard t's flat vector.
+
+    grid dp 2 x tp 2     tp groups {0,1} {2,3}: f, g inside the model, as without ZeRO
+                         dp groups {0,2} {1,3}: reduce-scatter, AdamW on my chunk, allgather
+    rank (d, t) holds    optimizer state for Ψ_t / D elements (stage 2: gradients too)
+    clip                 ||g||² = Σ_{d,t} (TP-sharded elements of chunk (d, t))²
+                                + Σ_d (replicated elements of chunk (d, 0))²
+                         the replicated are in every TP rank's vector: TP rank 0's count
+
+The replicated parameters must stay bit for bit the same on every TP rank. Their gradients
+are (every TP rank computes them from the same inputs), but the DP reduce-scatter sums each
+element in an order set by its chunk, and TP ranks cut different vectors when their shards
+differ in size (an uneven vocabulary). A sum of two is the same in either order; from
+D = 3 on, TP rank 0's replicated parameters are broadcast over the group after each step.
+
+Sequence parallelism: each TP rank saw T/p positions, so a replicated gradient is a partial
+sum. A grad-ready hook, registered before ZeRO's own, allreduces it over the TP group (on
+the last micro-batch) before its segment is reduced over DP. Stage 3 is refused (config.py):
+TensorParallelGPT's wpe is no child module for zero3.py to gather.
+"""
+
+import math
+
+import numpy as np
+
+from minidp import comm, optim
+from minidp.parallel.mesh import Mesh
+from minidp.parallel.strategy import bytes_sent
+from minidp.parallel.tp_gpt import TensorParallelGPT
+from minidp.parallel.tp_strategy import mesh_sizes
+from minidp.parallel.zero import ZeRO
+from minidp.parallel.zero_flat import ShardLayout
+
+
+def split_chunks(layout: ShardLayout, is_sharded) -> list[tuple[list[slice], list[slice]]]:
+    """Per segment: (slices of this rank's chunk in TP-sharded parameters, slices in
+    replicated ones). A chunk edge falls anywhere, so a slice may cover part of a tensor."""
+    out = []
+    for (lo, hi), params in zip(layout.chunks, layout.segments):
+        kinds, offset = ([], []), 0
+        for p in params:
+            a, b = max(lo, offset), min(hi, offset + p.size)
+            if a < b:
+                kinds[0 if is_sharded(p) else 1].append(slice(a - lo, b - lo))
+            offset += p.size
+        out.append(kinds)
+    return out
+
+
+class ZeROHybrid(ZeRO):
+    """ZeRO stage 1 or 2 over `mesh.dp_group` on the TP GPT of `mesh.tp_group`."""
+
+    name = "hybrid"
+
+    def __init__(self, task, config, group: comm.Group, timeline=None, make_optimizer=None):
+        dp, tp = mesh_sizes(config, group.size)  # alike on every rank, before any message
+        self.mesh = mesh = Mesh(dp=dp, tp=tp, group=group)
+        self._unhook = []
+        try:
+            model = TensorParallelGPT(
+                task.model, mesh.tp_group, sequence_parallel=config.sequence_parallel
+            )
+            self.sharded, self.replicated = model.sharded_and_replicated()
+            if model.replicated_grads_partial:  # before ZeRO's hooks: they read the sums
+                hook = self._sum_over_tp
+                self._unhook = [p.register_grad_ready_hook(hook) for p in self.replicated]
+            super().__init__(
+                task, config, group, timeline, make_optimizer, model=model, dp_group=mesh.dp_group
+            )
+        except BaseException:
+            self._remove_hooks()
+            mesh.close()
+            raise
+        sharded = {id(p) for p in self.sharded}
+        self.kinds = split_chunks(self.layout, lambda p: id(p) in sharded)
+
+    def _sum_over_tp(self, p) -> None:
+        if (self.ddp or self.grads).sync_enabled:  # accumulating: the last backward sums
+            p.grad[...] = comm.allreduce(p.grad, group=self.mesh.tp_group)
+
+    def step(self, local: np.ndarray, lr: float):
+        result = super().step(local, lr)
+        if self.mesh.dp > 2 and self.mesh.tp > 1 and self.replicated:  # see the docstring
+            flat = np.concatenate([p.data.ravel() for p in self.replicated])
+            comm.broadcast(flat, root=0, group=self.mesh.tp_group)
+            offset = 0
+            for p in self.replicated:  # in place: p.data is a view of ZeRO's flat vector
+                p.data[...] = flat[offset : offset + p.size].reshape(p.shape)
+                offset += p.size
+        return result
+
+    def loss(self, indices: np.ndarray):
+        return self.model.loss(*self.task.batch(indices))
+
+    def _l2(self, arrays: list[np.ndarray]) -> float:
+        """The norm of the whole model from this rank's chunks (`arrays`, one per segment):
+        TP-sharded elements summed over every rank, replicated ones over TP rank 0's DP group."""
+        parts = [[a[s] for a, kinds in zip(arrays, self.kinds) for s in kinds[k]] for k in (0, 1)]
+        total = np.array([optim.sum_of_squares(parts[0]), optim.sum_of_squares(parts[1])])
+        comm.allreduce(total, out=total, group=self.dp_group)
+        if self.mesh.tp > 1:
+            if self.mesh.coords["tp"] != 0:
+                total[1] = 0.0  # TP rank 0's replicated sum, once
+            comm.allreduce(total, out=total, group=self.mesh.tp_group)
+        return math.sqrt(float(total.sum()))
+
+    def clip_gradients(self) -> None:
+        norm = self._l2([p.grad for p in self.pieces])
+        optim.clip_grad_norm(self.pieces, self.config.grad_clip, total_norm=norm)
+
+    def param_l2(self) -> float:
+        return self._l2([p.data for p in self.pieces])
+
+    def gather_model(self) -> None:
+        self.model.gather_into(self.task.model)  # stages 1, 2: the TP model is whole per t
+
+    def bytes_sent_by_axis(self) -> dict[str, int]:
+        mesh = self.mesh
+        return {
+            "dp": bytes_sent(self.comm_group, mesh.dp_group),
+            "tp": bytes_sent(mesh.tp_group),
+            "pp": bytes_sent(mesh.pp_group),
+        }
+
+    def memory_bytes(self) -> dict[str, int]:
+        memory = super().memory_bytes()  # counts the DP group's scratch already
+        others = (self.group, self.mesh.tp_group, self.mesh.pp_group)
+        memory["buffers"] += sum(g.scratch.nbytes for g in others)
+        return memory
+
+    def describe(self) -> str:
+        sp = "on" if self.model.sequence_parallel else "off"
+        return f"{self.mesh.describe()} | sequence parallel {sp} | {super().describe()}"
+
+    def record(self) -> dict:
+        mesh = self.mesh
+        return {
+            **super().record(),
+            "mesh": {"dp": mesh.dp, "tp": mesh.tp, "pp": mesh.pp},
+            "sequence_parallel": self.model.sequence_parallel,
+        }
+
+    def _remove_hooks(self) -> None:
+        for unhook in self._unhook:
+            unhook()
+        self._unhook = []
+
+    def close(self) -> None:
+        super().close()
+        self._remove_hooks()
+        self.mesh.close()
