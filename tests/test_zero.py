@@ -213,11 +213,11 @@ def test_bad_zero_flags_are_one_line(args, message, capsys):
 
 
 def test_unsupported_combinations_say_which():
-    with pytest.raises(BadConfig, match="--zero-stage with --strategy hybrid is not yet"):
-        TrainConfig(strategy="hybrid", zero_stage=1).validate()
+    with pytest.raises(BadConfig, match="--strategy hybrid with --zero-stage 3 .* is not yet"):
+        TrainConfig(strategy="hybrid", zero_stage=3).validate()
     quiet = dict(model="mlp", hidden=8, steps=1, sample_tokens=0, eval_batches=1)
-    config = TrainConfig(strategy="zero", zero_stage=2, grad_accum=2, **quiet)
-    with pytest.raises(BadConfig, match="--grad-accum > 1 with --strategy zero is not yet"):
+    config = TrainConfig(strategy="zero", zero_stage=3, grad_accum=2, **quiet)
+    with pytest.raises(BadConfig, match="--grad-accum > 1 with --zero-stage 3 is not yet"):
         train(config)
     with pytest.raises(BadConfig, match="--allreduce tree is not one of theirs"):
         train(replace(config, grad_accum=1, allreduce="tree"))
