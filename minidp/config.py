@@ -214,16 +214,6 @@ class TrainConfig:
             raise BadConfig(f"--strategy zero needs --zero-stage 1, 2 or 3, got {self.zero_stage}")
         if self.strategy == "hybrid" and self.zero_stage not in (0, 1, 2, 3):
             raise BadConfig(f"--zero-stage must be 1, 2 or 3 (0: off), got {self.zero_stage}")
-        if self.strategy == "hybrid" and self.zero_stage == 3:
-            raise BadConfig(
-                "--strategy hybrid with --zero-stage 3 (TP shards gathered layer by layer over "
-                "DP) is not yet supported: use --zero-stage 1 or 2, or --strategy zero"
-            )
-        if self.zero_stage == 3 and self.grad_accum > 1:
-            raise BadConfig(
-                "--grad-accum > 1 with --zero-stage 3 is not yet supported: accumulating "
-                "would hold every layer's whole gradients, what stage 3 exists to drop"
-            )
         if self.log_dir is not None:
             existing = os.path.abspath(self.log_dir)
             while not os.path.exists(existing):  # the directories it would create

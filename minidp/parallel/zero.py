@@ -38,8 +38,8 @@ allgather of backward, 3(N-1)/N·Ψ = 1.5x.
 
 --grad-accum K (stages 1, 2): the first K - 1 backwards sum their gradients locally (DDP's
 buckets at stage 1, the parameters' own .grad at stage 2), the last reduce-scatters the sums
-once, as DDP does. Stage 3 refuses it (config.py): it would hold every layer's whole
-gradients. Over a mesh's DP axis with a TP model inside: zero_hybrid.py.
+once, as DDP does. Stage 3 refuses it: it would hold every layer's whole gradients.
+Over a mesh's DP axis, with a TP model inside: zero_hybrid.py.
 """
 
 import time
@@ -104,7 +104,12 @@ class ZeRO(Strategy):
         super().__init__(task, config, group, timeline)
         self.stage = stage = config.zero_stage
         if stage not in (1, 2, 3):
-            raise BadConfig(f"--strategy zero needs --zero-stage 1, 2 or 3, got {stage}")
+            raise BadConfig(f"--strategy {self.name} needs --zero-stage 1, 2 or 3, got {stage}")
+        if stage == 3 and config.grad_accum > 1:
+            raise BadConfig(
+                "--grad-accum > 1 with --zero-stage 3 is not yet supported: accumulating "
+                "would hold every layer's whole gradients, what stage 3 exists to drop"
+            )
         self.model = model = task.model if model is None else model
         self.dp_group = group = dp_group or group  # below, `group` is the data-parallel one
         check_micro_batches(config, group.size)

@@ -23,8 +23,8 @@ D = 3 on, TP rank 0's replicated parameters are broadcast over the group after e
 
 Sequence parallelism: each TP rank saw T/p positions, so a replicated gradient is a partial
 sum. A grad-ready hook, registered before ZeRO's own, allreduces it over the TP group (on
-the last micro-batch) before its segment is reduced over DP. Stage 3 is refused (config.py):
-TensorParallelGPT's wpe is no child module for zero3.py to gather.
+the last micro-batch) before its segment is reduced over DP. Stage 3 is refused, one line:
+TensorParallelGPT's wpe is no child module for zero3.py to gather (and f, g inside a unit).
 """
 
 import math
@@ -32,6 +32,7 @@ import math
 import numpy as np
 
 from minidp import comm, optim
+from minidp.config import BadConfig
 from minidp.parallel.mesh import Mesh
 from minidp.parallel.strategy import bytes_sent
 from minidp.parallel.tp_gpt import TensorParallelGPT
@@ -61,7 +62,12 @@ class ZeROHybrid(ZeRO):
     name = "hybrid"
 
     def __init__(self, task, config, group: comm.Group, timeline=None, make_optimizer=None):
-        dp, tp = mesh_sizes(config, group.size)  # alike on every rank, before any message
+        if config.zero_stage == 3:  # found alike on every rank, before any message
+            raise BadConfig(
+                "--strategy hybrid with --zero-stage 3 (TP shards gathered layer by layer over "
+                "DP) is not yet supported: use --zero-stage 1 or 2, or --strategy zero"
+            )
+        dp, tp = mesh_sizes(config, group.size)
         self.mesh = mesh = Mesh(dp=dp, tp=tp, group=group)
         self._unhook = []
         try:
