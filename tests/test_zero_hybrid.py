@@ -9,33 +9,21 @@ import hashlib
 
 import numpy as np
 import pytest
+from test_tensor_parallel import assert_close, run  # the same loop, the same tolerances
 
 from minidp import comm
 from minidp.cli import main
 from minidp.config import TrainConfig
-from minidp.data import DistributedSampler
 from minidp.parallel import STRATEGIES, DataParallel, ZeROHybrid
 from minidp.tasks import Task
 
-STEPS = 3
 # batch 8: 2 micro-batches of 2 per DP rank; a tiny bucket cap: many segments, chunk edges
-# inside tensors; the character vocabulary (65) splits unevenly over tp 2
+# inside tensors (run() of test_tensor_parallel: 3 steps at lr 1e-2)
 TINY = dict(
     n_layer=1, n_embd=16, n_head=2, block_size=8, batch_size=8, seed=3, dtype="float64",
     grad_clip=0.05, lr=0.01, weight_decay=0.1, bucket_mb=0.002, allreduce="ring",
     eval_batches=1, sample_tokens=0,
 )  # fmt: skip
-
-
-def run(strategy, each_step):
-    sampler = DistributedSampler(
-        strategy.task.num_examples, strategy.config.batch_size, *strategy.data_shard, seed=3
-    )
-    losses = []
-    for step in range(STEPS):
-        losses.append(strategy.step(sampler.local_indices(step), 1e-2).loss)
-        each_step(step)
-    return losses
 
 
 def reference(config):
@@ -46,12 +34,6 @@ def reference(config):
         losses = run(strategy, lambda step: states.append(strategy.model.state_dict()))
     solo.free()
     return losses, states
-
-
-def assert_close(got: dict, want: dict, what: str):
-    assert got.keys() == want.keys()
-    for name in want:
-        np.testing.assert_allclose(got[name], want[name], rtol=1e-10, atol=1e-13, err_msg=what)
 
 
 def dp_traffic(comm_group) -> int:

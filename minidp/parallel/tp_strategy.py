@@ -63,7 +63,37 @@ def mesh_sizes(config, world_size: int) -> tuple[int, int]:
     return dp, tp
 
 
-class TensorParallel(DataParallel):
+class OnTheMesh:
+    """What a strategy with a TP GPT on a mesh reports (TensorParallel, and ZeROHybrid in
+    zero_hybrid.py): the mesh in the header and the record, bytes per axis, the whole model
+    gathered back. It needs `mesh`, `model` (a TensorParallelGPT) and `dp_comm_group` (where
+    the DP axis's gradient collectives run); put it before the strategy it extends."""
+
+    def bytes_sent_by_axis(self) -> dict[str, int]:
+        mesh = self.mesh
+        return {
+            "dp": bytes_sent(self.dp_comm_group, mesh.dp_group),
+            "tp": bytes_sent(mesh.tp_group),
+            "pp": bytes_sent(mesh.pp_group),
+        }
+
+    def gather_model(self) -> None:
+        self.model.gather_into(self.task.model)
+
+    def describe(self) -> str:
+        sp = "on" if self.model.sequence_parallel else "off"
+        return f"{self.mesh.describe()} | sequence parallel {sp} | {super().describe()}"
+
+    def record(self) -> dict:
+        mesh = self.mesh
+        return {
+            **super().record(),
+            "mesh": {"dp": mesh.dp, "tp": mesh.tp, "pp": mesh.pp},
+            "sequence_parallel": self.model.sequence_parallel,
+        }
+
+
+class TensorParallel(OnTheMesh, DataParallel):
     """The TP GPT on the mesh's TP group, DistributedDataParallel over its DP group."""
 
     name = "tp"
@@ -82,6 +112,7 @@ class TensorParallel(DataParallel):
             self.mesh.close()
             raise
         self.sharded, self.replicated = model.sharded_and_replicated()
+        self.dp_comm_group = self.ddp.comm_group
 
     # ---- the step's hooks (dp_strategy.py) ---------------------------------------------
     def loss(self, indices: np.ndarray):
@@ -124,33 +155,10 @@ class TensorParallel(DataParallel):
         shards = replica_spread([p.data for p in self.sharded], self.mesh.dp_group)
         return max(shards, replica_spread([p.data for p in self.replicated], self.group))
 
-    def bytes_sent_by_axis(self) -> dict[str, int]:
-        mesh = self.mesh
-        return {
-            "dp": bytes_sent(self.ddp.comm_group, mesh.dp_group),
-            "tp": bytes_sent(mesh.tp_group),
-            "pp": bytes_sent(mesh.pp_group),
-        }
-
     def memory_bytes(self) -> dict[str, int]:
         memory = super().memory_bytes()
         memory["buffers"] += sum(g.scratch.nbytes for g in self.mesh.groups().values())
         return memory
-
-    def gather_model(self) -> None:
-        self.model.gather_into(self.task.model)
-
-    def describe(self) -> str:
-        sp = "on" if self.model.sequence_parallel else "off"
-        return f"{self.mesh.describe()} | sequence parallel {sp} | {super().describe()}"
-
-    def record(self) -> dict:
-        mesh = self.mesh
-        return {
-            **super().record(),
-            "mesh": {"dp": mesh.dp, "tp": mesh.tp, "pp": mesh.pp},
-            "sequence_parallel": self.model.sequence_parallel,
-        }
 
     def close(self) -> None:
         super().close()

@@ -34,9 +34,8 @@ import numpy as np
 from minidp import comm, optim
 from minidp.config import BadConfig
 from minidp.parallel.mesh import Mesh
-from minidp.parallel.strategy import bytes_sent
 from minidp.parallel.tp_gpt import TensorParallelGPT
-from minidp.parallel.tp_strategy import mesh_sizes
+from minidp.parallel.tp_strategy import OnTheMesh, mesh_sizes
 from minidp.parallel.zero import ZeRO
 from minidp.parallel.zero_flat import ShardLayout
 
@@ -56,8 +55,9 @@ def split_chunks(layout: ShardLayout, is_sharded) -> list[tuple[list[slice], lis
     return out
 
 
-class ZeROHybrid(ZeRO):
-    """ZeRO stage 1 or 2 over `mesh.dp_group` on the TP GPT of `mesh.tp_group`."""
+class ZeROHybrid(OnTheMesh, ZeRO):
+    """ZeRO stage 1 or 2 over `mesh.dp_group` on the TP GPT of `mesh.tp_group`; the header,
+    record, bytes per axis and gather_model are TensorParallel's (OnTheMesh)."""
 
     name = "hybrid"
 
@@ -85,6 +85,7 @@ class ZeROHybrid(ZeRO):
             self._remove_hooks()
             mesh.close()
             raise
+        self.dp_comm_group = self.comm_group  # stages 1, 2: the TP model is whole per t
         sharded = {id(p) for p in self.sharded}
         self.kinds = split_chunks(self.layout, lambda p: id(p) in sharded)
 
@@ -125,34 +126,11 @@ class ZeROHybrid(ZeRO):
     def param_l2(self) -> float:
         return self._l2([p.data for p in self.pieces])
 
-    def gather_model(self) -> None:
-        self.model.gather_into(self.task.model)  # stages 1, 2: the TP model is whole per t
-
-    def bytes_sent_by_axis(self) -> dict[str, int]:
-        mesh = self.mesh
-        return {
-            "dp": bytes_sent(self.comm_group, mesh.dp_group),
-            "tp": bytes_sent(mesh.tp_group),
-            "pp": bytes_sent(mesh.pp_group),
-        }
-
     def memory_bytes(self) -> dict[str, int]:
         memory = super().memory_bytes()  # counts the DP group's scratch already
         others = (self.group, self.mesh.tp_group, self.mesh.pp_group)
         memory["buffers"] += sum(g.scratch.nbytes for g in others)
         return memory
-
-    def describe(self) -> str:
-        sp = "on" if self.model.sequence_parallel else "off"
-        return f"{self.mesh.describe()} | sequence parallel {sp} | {super().describe()}"
-
-    def record(self) -> dict:
-        mesh = self.mesh
-        return {
-            **super().record(),
-            "mesh": {"dp": mesh.dp, "tp": mesh.tp, "pp": mesh.pp},
-            "sequence_parallel": self.model.sequence_parallel,
-        }
 
     def _remove_hooks(self) -> None:
         for unhook in self._unhook:
