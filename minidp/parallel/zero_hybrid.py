@@ -1,4 +1,4 @@
-"""`--strategy hybrid --dp D --tp T --zero-stage 1|2`: ZeRO over the mesh's DP axis, tensor
+"""`--strategy hybrid --dp D --tp T --zero-stage 1|2|3`: ZeRO over the mesh's DP axis, tensor
 parallelism inside each TP group.
 
     mpiexec -n 4 python -m minidp --strategy hybrid --dp 2 --tp 2 --zero-stage 2
@@ -10,7 +10,8 @@ so zero.py runs unchanged on it: rank (d, t) keeps chunk d of TP shard t's flat 
 
     grid dp 2 x tp 2     tp groups {0,1} {2,3}: f, g inside the model, as without ZeRO
                          dp groups {0,2} {1,3}: reduce-scatter, AdamW on my chunk, allgather
-    rank (d, t) holds    optimizer state for Ψ_t / D elements (stage 2: gradients too)
+    rank (d, t) holds    optimizer state for Ψ_t / D elements (stage 2: gradients too;
+                         stage 3: parameters too, each layer gathered over DP around use)
     clip                 ||g||² = Σ_{d,t} (TP-sharded elements of chunk (d, t))²
                                 + Σ_d (replicated elements of chunk (d, 0))²
                          the replicated are in every TP rank's vector: TP rank 0's count
@@ -18,13 +19,18 @@ so zero.py runs unchanged on it: rank (d, t) keeps chunk d of TP shard t's flat 
 The replicated parameters must stay bit for bit the same on every TP rank. Their gradients
 are (every TP rank computes them from the same inputs), but the DP reduce-scatter sums each
 element in an order set by its chunk, and TP ranks cut different vectors when their shards
-differ in size (an uneven vocabulary). A sum of two is the same in either order; from
-D = 3 on, TP rank 0's replicated parameters are broadcast over the group after each step.
+differ in size (a vocabulary that does not divide by T). A sum of two is the same in either
+order; from D = 3 on, with unequal shards, TP rank 0's replicated parameters are broadcast
+over the TP group after each step (stages 1, 2; stage 3 holds no whole parameter to send,
+and refuses that case with one line).
 
 Sequence parallelism: each TP rank saw T/p positions, so a replicated gradient is a partial
 sum. A grad-ready hook, registered before ZeRO's own, allreduces it over the TP group (on
-the last micro-batch) before its segment is reduced over DP. Stage 3 is refused, one line:
-TensorParallelGPT's wpe is no child module for zero3.py to gather (and f, g inside a unit).
+the last micro-batch) before its segment is reduced over DP.
+
+Stage 3 gathers whole child modules (zero3.py); TensorParallelGPT's position table is a bare
+parameter, so it is put in a child module of its own first (`Positions`). f and g run inside
+a gathered layer, over the TP group, as they do without ZeRO.
 """
 
 import math
@@ -32,8 +38,11 @@ import math
 import numpy as np
 
 from minidp import comm, optim
+from minidp.autograd import Tensor
 from minidp.config import BadConfig
+from minidp.nn import Module
 from minidp.parallel.mesh import Mesh
+from minidp.parallel.strategy import replica_spread
 from minidp.parallel.tp_gpt import TensorParallelGPT
 from minidp.parallel.tp_strategy import OnTheMesh, mesh_sizes
 from minidp.parallel.zero import ZeRO
@@ -55,19 +64,28 @@ def split_chunks(layout: ShardLayout, is_sharded) -> list[tuple[list[slice], lis
     return out
 
 
+class Positions(Module):
+    """TensorParallelGPT's position table as a child module, so that stage 3 can gather it
+    around its use (zero3.py wraps child modules' forwards): `positions[index]` calls it."""
+
+    def __init__(self, weight):
+        self.weight = weight
+
+    def forward(self, index: np.ndarray) -> Tensor:
+        return self.weight[index]
+
+    def __getitem__(self, index: np.ndarray) -> Tensor:
+        return self(index)
+
+
 class ZeROHybrid(OnTheMesh, ZeRO):
-    """ZeRO stage 1 or 2 over `mesh.dp_group` on the TP GPT of `mesh.tp_group`; the header,
+    """ZeRO stage 1, 2 or 3 over `mesh.dp_group` on the TP GPT of `mesh.tp_group`; the header,
     record, bytes per axis and gather_model are TensorParallel's (OnTheMesh)."""
 
     name = "hybrid"
 
     def __init__(self, task, config, group: comm.Group, timeline=None, make_optimizer=None):
-        if config.zero_stage == 3:  # found alike on every rank, before any message
-            raise BadConfig(
-                "--strategy hybrid with --zero-stage 3 (TP shards gathered layer by layer over "
-                "DP) is not yet supported: use --zero-stage 1 or 2, or --strategy zero"
-            )
-        dp, tp = mesh_sizes(config, group.size)
+        dp, tp = mesh_sizes(config, group.size)  # alike on every rank, before any message
         self.mesh = mesh = Mesh(dp=dp, tp=tp, group=group)
         self._unhook = []
         try:
@@ -75,6 +93,8 @@ class ZeROHybrid(OnTheMesh, ZeRO):
                 task.model, mesh.tp_group, sequence_parallel=config.sequence_parallel
             )
             self.sharded, self.replicated = model.sharded_and_replicated()
+            if config.zero_stage == 3:  # every parameter in a child module, for zero3.py
+                model.wpe = Positions(model.wpe)
             if model.replicated_grads_partial:  # before ZeRO's hooks: they read the sums
                 hook = self._sum_over_tp
                 self._unhook = [p.register_grad_ready_hook(hook) for p in self.replicated]
@@ -85,9 +105,18 @@ class ZeROHybrid(OnTheMesh, ZeRO):
             self._remove_hooks()
             mesh.close()
             raise
-        self.dp_comm_group = self.comm_group  # stages 1, 2: the TP model is whole per t
+        self.dp_comm_group = self.comm_group
         sharded = {id(p) for p in self.sharded}
         self.kinds = split_chunks(self.layout, lambda p: id(p) in sharded)
+        sizes = np.array([p.size for p in model.parameters()])  # do TP ranks cut alike?
+        self.drifts = mesh.dp > 2 and replica_spread([sizes], mesh.tp_group) > 0
+        if self.drifts and self.stage == 3:  # alike on every rank: every TP group is alike
+            self.close()
+            raise BadConfig(
+                f"--zero-stage 3 over --dp {mesh.dp} > 2 with TP shards of unequal sizes (a "
+                f"vocabulary of {model.config.vocab_size} over --tp {mesh.tp}) is not yet "
+                "supported: use --zero-stage 1 or 2"
+            )
 
     def _sum_over_tp(self, p) -> None:
         if (self.ddp or self.grads).sync_enabled:  # accumulating: the last backward sums
@@ -95,7 +124,7 @@ class ZeROHybrid(OnTheMesh, ZeRO):
 
     def step(self, local: np.ndarray, lr: float):
         result = super().step(local, lr)
-        if self.mesh.dp > 2 and self.mesh.tp > 1 and self.replicated:  # see the docstring
+        if self.drifts:  # see the docstring
             flat = np.concatenate([p.data.ravel() for p in self.replicated])
             comm.broadcast(flat, root=0, group=self.mesh.tp_group)
             offset = 0
@@ -118,6 +147,13 @@ class ZeROHybrid(OnTheMesh, ZeRO):
                 total[1] = 0.0  # TP rank 0's replicated sum, once
             comm.allreduce(total, out=total, group=self.mesh.tp_group)
         return math.sqrt(float(total.sum()))
+
+    def gather_model(self) -> None:
+        """Collective: the TP model whole on each TP rank (stage 3 gathers it over DP first),
+        then the whole model in task.model from the TP shards."""
+        if self.gathered is not None:
+            self.gathered.materialize()
+        self.model.gather_into(self.task.model)
 
     def clip_gradients(self) -> None:
         norm = self._l2([p.grad for p in self.pieces])
