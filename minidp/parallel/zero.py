@@ -36,9 +36,10 @@ Communication per rank per step (ring algorithms, n elements): DP allreduces 2(N
 stages 1 and 2 reduce-scatter and allgather (N-1)/N·Ψ each, the same bytes; stage 3 adds the
 allgather of backward, 3(N-1)/N·Ψ = 1.5x.
 
---grad-accum K (stages 1, 2): the first K - 1 backwards sum their gradients locally (DDP's
-buckets at stage 1, the parameters' own .grad at stage 2), the last reduce-scatters the sums
-once, as DDP does. Stage 3 refuses it: it would hold every layer's whole gradients.
+--grad-accum K: at stages 1 and 2 the first K - 1 backwards sum their gradients locally
+(DDP's buckets at stage 1, the parameters' own .grad at stage 2), the last reduce-scatters
+the sums once, as DDP does; stage 3 reduce-scatters every micro-batch and adds the chunks
+(zero_grads.py: holding every layer's whole gradient is what it exists to avoid).
 Over a mesh's DP axis, with a TP model inside: zero_hybrid.py.
 """
 
@@ -105,11 +106,6 @@ class ZeRO(Strategy):
         self.stage = stage = config.zero_stage
         if stage not in (1, 2, 3):
             raise BadConfig(f"--strategy {self.name} needs --zero-stage 1, 2 or 3, got {stage}")
-        if stage == 3 and config.grad_accum > 1:
-            raise BadConfig(
-                "--grad-accum > 1 with --zero-stage 3 is not yet supported: accumulating "
-                "would hold every layer's whole gradients, what stage 3 exists to drop"
-            )
         self.model = model = task.model if model is None else model
         self.dp_group = group = dp_group or group  # below, `group` is the data-parallel one
         check_micro_batches(config, group.size)
@@ -165,6 +161,7 @@ class ZeRO(Strategy):
                 *(layout, order, self.grad_shard, self.comm_group, self.algo, self.overlap),
                 timeline=self.timeline,
                 launched=release,
+                reduce_each=stage == 3,
             )
         if stage < 3:
             param_chunks = [self.flat[lo:hi] for lo, hi in layout.ranges()]
