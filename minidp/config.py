@@ -89,7 +89,42 @@ class TrainConfig:
     # "strategies" belongs to those: set to anything but its default with another
     # --strategy, it is a BadConfig (one line), never silently ignored.
 
-    # parameter server (--strategy ps)
+    # parameter server (--strategy ps): the last S ranks serve, the others work
+    servers: int = field(
+        default=1,
+        metadata={"help": "server ranks (the last S of the world)", "strategies": ("ps",)},
+    )
+    consistency: str = field(
+        default="bsp",
+        metadata={
+            "help": "bsp (every clock together), asp (each push as it comes) or ssp:K "
+            "(no worker more than K clocks ahead of the slowest)",
+            "strategies": ("ps",),
+        },
+    )
+    ps_optimizer: str = field(
+        default="adamw",
+        metadata={
+            "help": "the servers' optimizer (momentum: SGD with momentum 0.9)",
+            "choices": ("sgd", "momentum", "adamw"),
+            "strategies": ("ps",),
+        },
+    )
+    ps_slow_worker_ms: float = field(
+        default=0.0,
+        metadata={
+            "help": "the last worker sleeps this long every step (to show ASP's gain)",
+            "strategies": ("ps",),
+        },
+    )
+    ps_timeout: float = field(
+        default=60.0,
+        metadata={
+            "help": "seconds a server waits for a silent worker (asp/ssp: dropped; bsp: an "
+            "error) and a worker for a server's reply",
+            "strategies": ("ps",),
+        },
+    )
 
     # the rank mesh and tensor parallelism (--strategy tp, hybrid)
     #   world = dp x tp (x pp): mpiexec -n 4 ... --strategy hybrid --dp 2 --tp 2
@@ -126,6 +161,16 @@ class TrainConfig:
     )
 
     # gradient compression and pruning (--strategy dp, hybrid)
+    compress: str = field(
+        default="none",
+        metadata={
+            "help": "gradient compression NAME[:PARAM]: none, fp16, bf16, topk:DENSITY, "
+            "randomk:DENSITY, sign, sign-noef, qsgd:LEVELS, powersgd:RANK "
+            "(minidp/parallel/compress.py)",
+            "strategies": ("dp",),
+        },
+    )
+
     # pruning (minidp/prune.py): default run, the arithmetic: prune from step 50 to 200 every
     # 10 steps, 16 pruning steps on the cubic ramp; 114,688 of the GPT's 116,480 values are
     # weight matrices, so --prune 0.9 leaves ~13,000 of them sent per step (11% of dense)
@@ -192,6 +237,13 @@ class TrainConfig:
             value = getattr(self, name)
             if not (0 <= value < math.inf):
                 raise BadConfig(f"--{name.replace('_', '-')} must be >= 0 and finite, got {value}")
+        if self.servers < 1:
+            raise BadConfig(f"--servers must be >= 1, got {self.servers}")
+        staleness_bound(self.consistency)  # raises BadConfig on a bad value
+        for name in ("ps_slow_worker_ms", "ps_timeout"):
+            value = getattr(self, name)
+            if not (0 <= value < math.inf) or (name == "ps_timeout" and value == 0):
+                raise BadConfig(f"--{name.replace('_', '-')} must be positive, got {value}")
         for flag, path in (("--json", self.json), ("--trace", self.trace)):
             if path is not None:
                 if os.path.isdir(path):
@@ -247,6 +299,21 @@ class TrainConfig:
                 f"--prune-end {self.prune_end} is past the last step (--steps {self.steps} "
                 f"runs steps 0 to {self.steps - 1}): lower --prune-end"
             )
+
+
+def staleness_bound(consistency: str) -> float:
+    """--consistency as the bound K on how far a worker may run ahead of the slowest:
+    bsp -> 0 (and updates wait for the whole clock), ssp:K -> K, asp -> infinity."""
+    if consistency == "bsp":
+        return 0
+    if consistency == "asp":
+        return math.inf
+    name, _, k = consistency.partition(":")
+    if name == "ssp" and k.isdigit():
+        return int(k)
+    raise BadConfig(
+        f"--consistency {consistency!r}: choose bsp, asp or ssp:K with an integer K >= 0"
+    )
 
 
 def _check_can_write(flag: str, directory: str) -> None:

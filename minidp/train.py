@@ -121,6 +121,8 @@ def _train(config: TrainConfig, group: comm.Group) -> dict:
             **strategy.record(),
         }
     report(final, config, say)
+    if line := strategy.summary():
+        say(line)
     if group.rank == 0:
         sample = task.sample()
         if sample is not None:

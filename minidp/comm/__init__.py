@@ -21,7 +21,9 @@ this order, every module of it:
                     text.py (strings over collectives)
 
 Public: the names in `__all__` below, and `minidp.comm.p2p` (`send`, `recv`, `sendrecv`,
-`isend`, `irecv`, `waitall`): the teaching layer the tutorials build collectives from.
+`isend`, `irecv`, `waitall`; `probe`, `recv_any`, `waitall_within` for protocols where a
+rank does not know who speaks next, such as the parameter server): the teaching layer the
+tutorials build collectives from.
 The other modules are the implementation; import them to read them, not to rely on them.
 """
 

@@ -7,6 +7,7 @@ follows the protocol in strategy.py. A new scheme is a module here and one line 
 from minidp.parallel.data_parallel import DistributedDataParallel, ModelMismatch
 from minidp.parallel.dp_strategy import DataParallel
 from minidp.parallel.mesh import Mesh
+from minidp.parallel.param_server import ParameterServer
 from minidp.parallel.strategy import StepResult, Strategy
 from minidp.parallel.tensor_parallel import (
     ColumnParallelLinear,
@@ -22,6 +23,7 @@ from minidp.parallel.zero_hybrid import ZeROHybrid
 
 STRATEGIES: dict[str, type[Strategy]] = {
     DataParallel.name: DataParallel,
+    ParameterServer.name: ParameterServer,
     ZeRO.name: ZeRO,
     TensorParallel.name: TensorParallel,
     Hybrid.name: Hybrid,
@@ -37,6 +39,7 @@ __all__ = [
     "ModelMismatch",
     "ParallelAttention",
     "ParallelMLP",
+    "ParameterServer",
     "RowParallelLinear",
     "StepResult",
     "Strategy",

@@ -23,6 +23,7 @@ from minidp import comm, optim
 from minidp.chunks import chunk_range
 from minidp.config import BadConfig
 from minidp.memory import activation_bytes, nbytes, optimizer_bytes
+from minidp.parallel.compress import compression_line, compression_record, make_compressor
 from minidp.parallel.data_parallel import DistributedDataParallel
 from minidp.parallel.prune_comm import attach_pruner
 from minidp.parallel.strategy import (
@@ -82,6 +83,10 @@ class DataParallel(Strategy):
         self.model = task.model if model is None else model
         self.dp_group = dp_group = dp_group or group
         check_micro_batches(config, dp_group.size)
+        try:  # --compress: a bad value is found alike on every rank, before any message
+            self.compressor = make_compressor(config.compress, config.allreduce, config.seed)
+        except ValueError as error:
+            raise BadConfig(str(error)) from None
         self.ddp = DistributedDataParallel(
             self.model,
             dp_group,
@@ -90,6 +95,9 @@ class DataParallel(Strategy):
             overlap=OVERLAP[config.overlap],
             timeline=self.timeline,
         )
+        if self.compressor is not None:
+            self.ddp.register_comm_hook(self.compressor)
+        self.steps_done = 0
         self.optimizer = optimizer or optim.AdamW(
             self.model.parameters(), lr=config.lr, weight_decay=config.weight_decay
         )
@@ -116,6 +124,7 @@ class DataParallel(Strategy):
                     loss.backward()
             local_loss += loss.item()
         self._measure = False
+        self.steps_done += 1
         with span("gradient sync wait"):
             ddp.finish_gradient_sync()
             self.after_sync()
@@ -162,7 +171,9 @@ class DataParallel(Strategy):
             "gradients": nbytes(b.data for b in self.ddp.buckets),
             "optimizer": optimizer_bytes(self.optimizer),
             "activations_peak": self.activations_peak,
-            "buffers": self.group.scratch.nbytes + self.ddp.comm_group.scratch.nbytes,
+            "buffers": self.group.scratch.nbytes
+            + self.ddp.comm_group.scratch.nbytes
+            + (self.compressor.nbytes() if self.compressor else 0),  # residuals, warm start
         }
 
     def describe(self) -> str:
@@ -170,7 +181,8 @@ class DataParallel(Strategy):
         return (
             f"allreduce {config.allreduce} | buckets {len(ddp.buckets)} of <= "
             f"{config.bucket_mb} MiB | overlap {'on' if ddp.overlap else 'off'} "
-            f"({ddp.overlap_reason}) | grad accumulation {config.grad_accum}"
+            f"({ddp.overlap_reason}) | grad accumulation {config.grad_accum} | "
+            f"compress {config.compress}"
         ) + (f" | {self.pruning.pruner.describe()}" if self.pruning else "")
 
     def record(self) -> dict:
@@ -178,12 +190,29 @@ class DataParallel(Strategy):
             "allreduce": self.config.allreduce,
             "overlap": self.ddp.overlap,
             "buckets": len(self.ddp.buckets),
+            **self._compression(),
             **(self.pruning.record() if self.pruning else {}),
         }
+
+    def summary(self) -> str:
+        return compression_line(self._compression()) if self.compressor is not None else ""
+
+    def _compression(self) -> dict:
+        sent = bytes_sent(self.ddp.comm_group)  # the comm group carries the buckets only
+        return compression_record(
+            self.config.compress,
+            self.compressor,
+            self.ddp.buckets,
+            sent,
+            self.steps_done,
+            self.dp_group.size,
+        )
 
     # ---- resuming -----------------------------------------------------------------------
     def state_dict(self) -> dict:
         state = {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()}
+        if self.compressor is not None:  # error-feedback residuals are training state
+            state["compressor"] = self.compressor.state_dict()
         if self.pruning is not None:  # the masks and the schedule's step
             state["prune"] = self.pruning.pruner.state_dict()
         return state
@@ -191,6 +220,8 @@ class DataParallel(Strategy):
     def load_state_dict(self, state: dict) -> None:
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
+        if self.compressor is not None:
+            self.compressor.load_state_dict(state["compressor"])
         if self.pruning is not None:
             self.pruning.pruner.load_state_dict(state["prune"])
 

@@ -37,7 +37,8 @@ What a strategy must say, and why the loop cannot work it out itself:
   `task.model` on every rank, whole (gathered from shards or fetched from servers), so the
   loop's validation loss and sample, which run on the group's rank 0, see them. Data
   parallelism trains `task.model` itself and has nothing to do.
-- `describe()` and `record()`: the scheme's own fields for the header and the final record.
+- `describe()`, `record()` and `summary()`: the scheme's own fields for the header, the
+  final record and a closing line.
 """
 
 import math
@@ -101,6 +102,10 @@ class Strategy:
     def record(self) -> dict:
         """The scheme's own fields of the final JSON record."""
         return {}
+
+    def summary(self) -> str:
+        """The scheme's closing line, printed after the run ("" for none)."""
+        return ""
 
     def close(self) -> None:
         """Stop threads and free communicators; the loop calls it whatever happens."""

@@ -1,0 +1,225 @@
+"""One parameter server: a shard of the parameters, its optimizer, and the workers' clocks.
+
+The server answers messages as they come (ps_comm.py says what each carries):
+
+    PUSH (w, c, version, grad)   BSP: keep it; once every live worker's push for clock c is
+                                 in, g = Σ_w (n_w / B) g_w in worker order, clip by the
+                                 global norm (the servers agree on it: one allreduce of a
+                                 float among them), one optimizer step with the clock's lr
+                                 ASP / SSP: one optimizer step at once with g_w and lr·n_w/B
+                                 (the worker clipped g_w itself: the whole gradient is there)
+    PULL (w, c)                  answered once  complete >= c - K  (BSP: K = 0; ASP: K = ∞;
+                                 the last pull, c = steps, waits for every push: K = 0;
+                                 a dropped worker's other pulls are answered at once)
+
+where complete = min over live workers of the clocks they pushed: every update of a clock
+below it is in. Ho et al. (NeurIPS 2013, "More effective distributed ML via a stale
+synchronous parallel parameter server") call this bounded staleness: a worker at clock c
+computes on parameters holding every update of clocks < c - K.
+
+Staleness of an applied update = its clock c - version, the `complete` of the parameters
+it was computed on (they hold every worker's updates of clocks below it): the clocks of
+the others' updates it may have missed. 0 under BSP, at most K under SSP (the pull rule),
+unbounded under ASP.
+
+Under ASP one clock of W pushes moves the parameters about as far as one BSP step (each
+takes lr scaled by its worker's share of the batch); SGD's momentum and Adam's moments
+advance once per push, so they see W times as many steps.
+
+A push whose (worker, clock) is already in is a resend: received and dropped (ps-lite's
+dedup). A live worker that is silent for `ps_timeout` seconds while the server waits for it
+is an error under BSP (the server tells every waiting worker, so each rank raises naming
+it) and is dropped with a warning under ASP / SSP, training going on without it.
+"""
+
+import math
+import sys
+import time
+
+import numpy as np
+
+from minidp import optim
+from minidp.autograd import Tensor
+from minidp.comm import p2p
+from minidp.parallel import ps_comm
+from minidp.parallel.ps_comm import PULL, PUSH, Header
+from minidp.parallel.strategy import clip_global_norm
+
+OPTIMIZERS = {
+    "sgd": lambda params, c: optim.SGD(params, lr=c.lr),
+    "momentum": lambda params, c: optim.SGD(params, lr=c.lr, momentum=0.9),
+    "adamw": lambda params, c: optim.AdamW(params, lr=c.lr, weight_decay=c.weight_decay),
+}
+"""--ps-optimizer -> the optimizer over a list of parameters (the same for a reference run)."""
+
+
+class WorkerLost(RuntimeError):
+    """Under BSP, a worker went silent: no clock can complete without it."""
+
+
+class ShardServer:
+    """Keys [lo, hi) of the flat parameter vector, served to `workers` (their PS-group ranks)."""
+
+    def __init__(self, ps, lo, hi, flat, config, n_workers, bound, server_group, histogram):
+        self.ps, self.lo, self.hi, self.config = ps, lo, hi, config
+        self.bound, self.bsp = bound, config.consistency == "bsp"
+        self.server_group, self.histogram = server_group, histogram
+        self.param = Tensor(flat[lo:hi].copy())
+        self.optimizer = OPTIMIZERS[config.ps_optimizer]([self.param], config)
+        self.live = list(range(n_workers))
+        self.done = [0] * n_workers  # pushes received from each worker: its clock
+        self.heard = [time.monotonic()] * n_workers
+        self.inbox = [np.empty_like(self.param.data) for _ in range(n_workers if self.bsp else 1)]
+        self.pushed: dict[int, list] = {}  # clock -> [(worker, share, loss, lr, version)]
+        self.complete, self.losses = 0, []  # losses[c]: clock c's global loss
+        self.pending: list[Header] = []  # pulls not yet allowed
+        self.outbox: list = []  # replies in flight: [requests, buffers]
+        self.answered = [0] * n_workers  # the clock of each worker's last answered pull
+        self.duplicates, self.dropped = 0, []
+        self.header = ps_comm.empty_header()
+        self.scratch = np.empty_like(self.param.data)
+
+    # ---- the loop ---------------------------------------------------------------------------
+    def serve_until(self, clock: int, last: bool) -> float:
+        """Serve until clock `clock` is complete (and, when `last`, every live worker holds
+        the final shard); return that clock's global loss."""
+        while self.complete <= clock:
+            self.serve_one()
+        if last:  # every worker, a dropped one too, gets the final shard
+            self.serve_pulls(self.config.steps)
+            for requests, _ in self.outbox:
+                p2p.waitall(self.ps, requests, [None] * len(requests))
+            self.outbox = []
+        return self.losses[clock]
+
+    def serve_pulls(self, clock: int) -> None:
+        """Serve until every worker's pull for `clock` (or a later one) is answered."""
+        while min(self.answered) < clock:
+            self.serve_one()
+
+    def serve_one(self) -> None:
+        wait = min(1.0, self.config.ps_timeout)  # wake now and then to look for silence
+        got = ps_comm.next_header(self.ps, self.header, wait)
+        if got is None:
+            self.look_for_silence()
+            return
+        tag, h = got
+        self.heard[h.worker] = time.monotonic()
+        if tag == PUSH:
+            self.on_push(h)
+        elif tag == PULL:
+            self.pending.append(h)
+        self.answer_pulls()
+
+    def on_push(self, h: Header) -> None:
+        w = h.worker
+        resent = h.clock < self.done[w]
+        ignored = resent or w not in self.live  # a dropped worker's pushes are ignored too
+        buf = self.scratch if ignored else self.inbox[w if self.bsp else 0]
+        ps_comm.recv_push_data(self.ps, buf, w)
+        self.duplicates += resent
+        if ignored:
+            return
+        self.done[w] = h.clock + 1
+        self.pushed.setdefault(h.clock, []).append((w, h.share, h.loss, h.lr, h.version))
+        if not self.bsp:
+            self.record_staleness(h.clock - h.version)
+            if math.isfinite(h.loss):
+                self.apply(buf, h.lr * h.share)
+        self.advance()
+
+    def advance(self) -> None:
+        """Close every clock that each live worker has pushed: its loss (and BSP's update)."""
+        while self.live and min(self.done[w] for w in self.live) > self.complete:
+            c = self.complete
+            reports = sorted(r for r in self.pushed.pop(c) if r[0] in self.live)
+            loss = sum(share * local for _, share, local, _, _ in reports)
+            loss /= sum(share for _, share, _, _, _ in reports)
+            if self.bsp:
+                for _, _, _, _, version in reports:
+                    self.record_staleness(c - version)  # 0: BSP has no other
+                self.apply_clock(reports, loss)
+            self.losses.append(loss)
+            self.complete += 1
+
+    def apply_clock(self, reports, loss: float) -> None:
+        """BSP: the global mean gradient, in worker order; clipped by the global norm."""
+        g = self.scratch
+        g[...] = 0
+        for w, share, _, _, _ in reports:
+            g += share * self.inbox[w]
+        # every server computes the same loss, so all skip together (no reduction hangs)
+        if not math.isfinite(loss):
+            return
+        if self.config.grad_clip:  # the norm over every server's shard: one allreduce
+            self.param.grad = g
+            clip_global_norm([self.param], self.config.grad_clip, self.server_group)
+        self.apply(g, reports[0][3])
+
+    def apply(self, g: np.ndarray, lr: float) -> None:
+        self.param.grad = g
+        self.optimizer.lr = lr
+        self.optimizer.step()
+        self.param.grad = None
+
+    def record_staleness(self, s: int) -> None:
+        self.histogram[min(max(s, 0), len(self.histogram) - 1)] += 1
+
+    # ---- pulls ------------------------------------------------------------------------------
+    def answer_pulls(self) -> None:
+        last_clock = self.config.steps
+        waiting = []
+        for h in self.pending:
+            if h.clock >= last_clock:  # the last pull: once every push is in
+                wait = self.complete < last_clock
+            else:  # a dropped worker is answered at once
+                wait = h.worker in self.live and self.complete < h.clock - self.bound
+            if wait:
+                waiting.append(h)
+                continue
+            self.send_reply(h, self.complete)
+            self.answered[h.worker] = h.clock
+        self.pending = waiting
+        self.outbox = [sent for sent in self.outbox if not _done(sent[0])]
+
+    def send_reply(self, h: Header, version: int) -> None:
+        loss = self.losses[self.complete - 1] if self.complete else math.nan
+        reply = Header(h.worker, h.clock, self.lo, self.hi, version, loss)
+        self.outbox.append(ps_comm.reply(self.ps, h.worker, reply, self.param.data))
+
+    # ---- silence ----------------------------------------------------------------------------
+    def look_for_silence(self) -> None:
+        """A live worker we wait for (no pull pending, not finished) silent past the timeout."""
+        now, timeout = time.monotonic(), self.config.ps_timeout
+        asking = {h.worker for h in self.pending}
+        for w in list(self.live):
+            finished = self.answered[w] >= self.config.steps
+            if w in asking or finished or now - self.heard[w] <= timeout:
+                continue
+            if self.bsp:
+                for h in self.pending:  # tell every waiting worker who stopped
+                    self.send_reply(h, -1 - w)
+                for requests, _ in self.outbox:
+                    p2p.waitall(self.ps, requests, [None] * len(requests))
+                raise WorkerLost(lost_message(w, self.ps.rank, timeout))
+            self.live.remove(w)
+            self.dropped.append(w)
+            print(
+                f"minidp: warning: server rank {self.ps.rank}: worker {w} sent nothing for "
+                f"{timeout:g} s; dropped, training goes on with {len(self.live)} workers",
+                file=sys.stderr,
+                flush=True,
+            )
+            self.advance()
+            self.answer_pulls()
+
+
+def lost_message(worker: int, server_rank: int, timeout: float) -> str:
+    return (
+        f"worker {worker} (rank {worker}) sent nothing to server rank {server_rank} for "
+        f"{timeout:g} s: under --consistency bsp no clock can complete without it"
+    )
+
+
+def _done(requests) -> bool:
+    return all(r.Test() for r in requests)
