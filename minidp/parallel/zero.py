@@ -296,7 +296,7 @@ class ZeRO(Strategy):
             f"ZeRO stage {self.stage} over {self.dp_group.size} ranks | shard "
             f"{layout.shard_numel:,} of {layout.numel:,} parameters in {len(layout.segments)} "
             f"segments | reduce_scatter/allgather {self.algo} | overlap "
-            f"{'on' if self.overlap else 'off'}"
+            f"{'on' if self.overlap else 'off'} | grad accumulation {self.config.grad_accum}"
         )
 
     def record(self) -> dict:
