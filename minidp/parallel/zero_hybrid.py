@@ -42,7 +42,6 @@ from minidp.autograd import Tensor
 from minidp.config import BadConfig
 from minidp.nn import Module
 from minidp.parallel.mesh import Mesh
-from minidp.parallel.strategy import replica_spread
 from minidp.parallel.tp_gpt import TensorParallelGPT
 from minidp.parallel.tp_strategy import OnTheMesh, mesh_sizes
 from minidp.parallel.zero import ZeRO
@@ -86,6 +85,16 @@ class ZeROHybrid(OnTheMesh, ZeRO):
 
     def __init__(self, task, config, group: comm.Group, timeline=None, make_optimizer=None):
         dp, tp = mesh_sizes(config, group.size)  # alike on every rank, before any message
+        # TP ranks cut unequal shards only where tp_gpt.py splits the vocabulary unevenly
+        # (mesh_sizes has T divide n_head and 4C); see the docstring
+        vocab = task.model.config.vocab_size
+        self.drifts = dp > 2 and vocab % tp != 0
+        if self.drifts and config.zero_stage == 3:
+            raise BadConfig(
+                f"--zero-stage 3 over --dp {dp} > 2 with TP shards of unequal sizes (a "
+                f"vocabulary of {vocab} over --tp {tp}) is not yet supported: use "
+                "--zero-stage 1 or 2"
+            )
         self.mesh = mesh = Mesh(dp=dp, tp=tp, group=group)
         self._unhook = []
         try:
@@ -108,15 +117,6 @@ class ZeROHybrid(OnTheMesh, ZeRO):
         self.dp_comm_group = self.comm_group
         sharded = {id(p) for p in self.sharded}
         self.kinds = split_chunks(self.layout, lambda p: id(p) in sharded)
-        sizes = np.array([p.size for p in model.parameters()])  # do TP ranks cut alike?
-        self.drifts = mesh.dp > 2 and replica_spread([sizes], mesh.tp_group) > 0
-        if self.drifts and self.stage == 3:  # alike on every rank: every TP group is alike
-            self.close()
-            raise BadConfig(
-                f"--zero-stage 3 over --dp {mesh.dp} > 2 with TP shards of unequal sizes (a "
-                f"vocabulary of {model.config.vocab_size} over --tp {mesh.tp}) is not yet "
-                "supported: use --zero-stage 1 or 2"
-            )
 
     def _sum_over_tp(self, p) -> None:
         if (self.ddp or self.grads).sync_enabled:  # accumulating: the last backward sums
