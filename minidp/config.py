@@ -264,8 +264,8 @@ class TrainConfig:
         self._validate_prune()
         if self.strategy == "zero" and self.zero_stage not in (1, 2, 3):
             raise BadConfig(f"--strategy zero needs --zero-stage 1, 2 or 3, got {self.zero_stage}")
-        if self.strategy == "hybrid" and self.zero_stage:
-            raise BadConfig("--zero-stage with --strategy hybrid is not yet supported")
+        if self.strategy == "hybrid" and self.zero_stage not in (0, 1, 2, 3):
+            raise BadConfig(f"--zero-stage must be 1, 2 or 3 (0: off), got {self.zero_stage}")
         if self.log_dir is not None:
             existing = os.path.abspath(self.log_dir)
             while not os.path.exists(existing):  # the directories it would create

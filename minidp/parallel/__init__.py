@@ -19,6 +19,7 @@ from minidp.parallel.tp_gpt import TensorParallelGPT
 from minidp.parallel.tp_strategy import Hybrid, TensorParallel
 from minidp.parallel.vocab_parallel import VocabParallelEmbedding, vocab_parallel_cross_entropy
 from minidp.parallel.zero import ZeRO
+from minidp.parallel.zero_hybrid import ZeROHybrid
 
 STRATEGIES: dict[str, type[Strategy]] = {
     DataParallel.name: DataParallel,
@@ -46,5 +47,6 @@ __all__ = [
     "TensorParallelGPT",
     "VocabParallelEmbedding",
     "ZeRO",
+    "ZeROHybrid",
     "vocab_parallel_cross_entropy",
 ]

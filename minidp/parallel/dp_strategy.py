@@ -39,6 +39,26 @@ from minidp.parallel.strategy import (
 OVERLAP = {"auto": "auto", "on": True, "off": False}  # --overlap -> DDP's overlap=
 
 
+def check_micro_batches(config, dp_size: int) -> None:
+    """BadConfig unless every rank's slice has at least --grad-accum examples (found alike on
+    every rank, before any message)."""
+    B, K = config.batch_size, config.grad_accum
+    if B // dp_size < K:
+        raise BadConfig(
+            f"--batch-size {B} over {dp_size} ranks leaves {B // dp_size} "
+            f"examples per rank, fewer than --grad-accum {K} micro-batches"
+        )
+
+
+def micro_batches(local: np.ndarray, K: int, reducer):
+    """(indices, weight m_k / n_r, context) for each of the K micro-batches of this rank's
+    slice: all but the last under `reducer.no_sync()`, so the last backward reduces them all."""
+    for k in range(K):
+        lo, hi = chunk_range(len(local), K, k)
+        sync = contextlib.nullcontext() if k == K - 1 else reducer.no_sync()
+        yield local[lo:hi], (hi - lo) / len(local), sync
+
+
 class DataParallel(Strategy):
     """DistributedDataParallel and an optimizer over `group`, with gradient accumulation.
 
@@ -62,12 +82,7 @@ class DataParallel(Strategy):
         super().__init__(task, config, group, timeline)
         self.model = task.model if model is None else model
         self.dp_group = dp_group = dp_group or group
-        B, K = config.batch_size, config.grad_accum
-        if B // dp_group.size < K:  # found alike on every rank, before any message
-            raise BadConfig(
-                f"--batch-size {B} over {dp_group.size} ranks leaves {B // dp_group.size} "
-                f"examples per rank, fewer than --grad-accum {K} micro-batches"
-            )
+        check_micro_batches(config, dp_group.size)
         try:  # --compress: a bad value is found alike on every rank, before any message
             self.compressor = make_compressor(config.compress, config.allreduce, config.seed)
         except ValueError as error:
@@ -99,11 +114,10 @@ class DataParallel(Strategy):
         ddp.zero_grad()
         ddp.set_batch_share(len(local), self.config.batch_size)
         local_loss = 0.0
-        for k in range(K):
-            lo, hi = chunk_range(len(local), K, k)
-            with ddp.no_sync() if k < K - 1 else contextlib.nullcontext():
+        for indices, weight, sync in micro_batches(local, K, ddp):
+            with sync:
                 with span("forward"):  # weight (m_k / n_r): the K losses sum to the local mean
-                    loss = self.loss(local[lo:hi]) * ((hi - lo) / len(local))
+                    loss = self.loss(indices) * weight
                 if self._measure:
                     self.activations_peak = max(self.activations_peak, activation_bytes(loss))
                 with span("backward"):

@@ -63,7 +63,53 @@ def mesh_sizes(config, world_size: int) -> tuple[int, int]:
     return dp, tp
 
 
-class TensorParallel(DataParallel):
+class OnTheMesh:
+    """What a strategy with a TP GPT on a mesh reports (TensorParallel, and ZeROHybrid in
+    zero_hybrid.py): the mesh in the header and the record, bytes per axis, the whole model
+    gathered back. It needs `mesh`, `model` (a TensorParallelGPT) and `dp_comm_group` (where
+    the DP axis's gradient collectives run); put it before the strategy it extends."""
+
+    def bytes_sent_by_axis(self) -> dict[str, int]:
+        mesh = self.mesh
+        return {
+            "dp": bytes_sent(self.dp_comm_group, mesh.dp_group),
+            "tp": bytes_sent(mesh.tp_group),
+            "pp": bytes_sent(mesh.pp_group),
+        }
+
+    @property
+    def comm_seconds(self) -> float:
+        """The DP axis's gradient collectives plus the TP collectives in forward and backward."""
+        return super().comm_seconds + self.mesh.tp_group.seconds
+
+    @property
+    def exposed_seconds(self) -> float:
+        """The TP collectives sit on the critical path of forward and backward: all exposed."""
+        return super().exposed_seconds + self.mesh.tp_group.seconds
+
+    def release_whole_model(self) -> None:
+        """The TP model holds copies of its slices: free the whole model's arrays (stand-ins
+        until gather_model builds fresh ones), so memory_bytes is what this rank holds."""
+        for p in self.task.model.parameters():
+            p.data = stand_in(p)
+
+    def gather_model(self) -> None:
+        self.model.gather_into(self.task.model)
+
+    def describe(self) -> str:
+        sp = "on" if self.model.sequence_parallel else "off"
+        return f"{self.mesh.describe()} | sequence parallel {sp} | {super().describe()}"
+
+    def record(self) -> dict:
+        mesh = self.mesh
+        return {
+            **super().record(),
+            "mesh": {"dp": mesh.dp, "tp": mesh.tp, "pp": mesh.pp},
+            "sequence_parallel": self.model.sequence_parallel,
+        }
+
+
+class TensorParallel(OnTheMesh, DataParallel):
     """The TP GPT on the mesh's TP group, DistributedDataParallel over its DP group."""
 
     name = "tp"
@@ -82,8 +128,8 @@ class TensorParallel(DataParallel):
             self.mesh.close()
             raise
         self.sharded, self.replicated = model.sharded_and_replicated()
-        for p in task.model.parameters():  # the TP model holds copies of its slices:
-            p.data = stand_in(p)  # free the whole model's arrays until gather_model
+        self.release_whole_model()
+        self.dp_comm_group = self.ddp.comm_group
 
     # ---- the step's hooks (dp_strategy.py) ---------------------------------------------
     def loss(self, indices: np.ndarray):
@@ -126,43 +172,10 @@ class TensorParallel(DataParallel):
         shards = replica_spread([p.data for p in self.sharded], self.mesh.dp_group)
         return max(shards, replica_spread([p.data for p in self.replicated], self.group))
 
-    def bytes_sent_by_axis(self) -> dict[str, int]:
-        mesh = self.mesh
-        return {
-            "dp": bytes_sent(self.ddp.comm_group, mesh.dp_group),
-            "tp": bytes_sent(mesh.tp_group),
-            "pp": bytes_sent(mesh.pp_group),
-        }
-
-    @property
-    def comm_seconds(self) -> float:
-        """DDP's bucket reductions plus the TP collectives inside forward and backward."""
-        return self.ddp.comm_seconds + self.mesh.tp_group.seconds
-
-    @property
-    def exposed_seconds(self) -> float:
-        """The TP collectives sit on the critical path of forward and backward: all exposed."""
-        return self.ddp.exposed_seconds + self.mesh.tp_group.seconds
-
     def memory_bytes(self) -> dict[str, int]:
         memory = super().memory_bytes()
         memory["buffers"] += sum(g.scratch.nbytes for g in self.mesh.groups().values())
         return memory
-
-    def gather_model(self) -> None:
-        self.model.gather_into(self.task.model)
-
-    def describe(self) -> str:
-        sp = "on" if self.model.sequence_parallel else "off"
-        return f"{self.mesh.describe()} | sequence parallel {sp} | {super().describe()}"
-
-    def record(self) -> dict:
-        mesh = self.mesh
-        return {
-            **super().record(),
-            "mesh": {"dp": mesh.dp, "tp": mesh.tp, "pp": mesh.pp},
-            "sequence_parallel": self.model.sequence_parallel,
-        }
 
     def close(self) -> None:
         super().close()
@@ -170,6 +183,14 @@ class TensorParallel(DataParallel):
 
 
 class Hybrid(TensorParallel):
-    """`--strategy hybrid --dp D --tp T`: the same scheme on a D x T mesh."""
+    """`--strategy hybrid --dp D --tp T`: the same scheme on a D x T mesh; with
+    `--zero-stage S`, ZeRO over the DP axis instead of DDP (zero_hybrid.ZeROHybrid)."""
 
     name = "hybrid"
+
+    def __new__(cls, task, config, *args, **kwargs):
+        if config.zero_stage:  # not a Hybrid: Python runs no Hybrid.__init__ on it
+            from minidp.parallel.zero_hybrid import ZeROHybrid  # (it imports this module)
+
+            return ZeROHybrid(task, config, *args, **kwargs)
+        return super().__new__(cls)

@@ -34,7 +34,13 @@ One step, over the data-parallel `group` (the whole world, or a mesh's DP axis):
 
 Communication per rank per step (ring algorithms, n elements): DP allreduces 2(N-1)/N·Ψ;
 stages 1 and 2 reduce-scatter and allgather (N-1)/N·Ψ each, the same bytes; stage 3 adds the
-allgather of backward, 3(N-1)/N·Ψ = 1.5x. Not yet supported: --grad-accum > 1.
+allgather of backward, 3(N-1)/N·Ψ = 1.5x.
+
+--grad-accum K: at stages 1 and 2 the first K - 1 backwards sum their gradients locally
+(DDP's buckets at stage 1, the parameters' own .grad at stage 2), the last reduce-scatters
+the sums once, as DDP does; stage 3 reduce-scatters every micro-batch and adds the chunks
+(zero_grads.py: holding every layer's whole gradient is what it exists to avoid).
+Over a mesh's DP axis, with a TP model inside: zero_hybrid.py.
 """
 
 import time
@@ -46,7 +52,7 @@ from minidp.config import BadConfig
 from minidp.memory import activation_bytes, nbytes, optimizer_bytes
 from minidp.parallel.buckets import bucket_groups
 from minidp.parallel.data_parallel import DistributedDataParallel, check_same_model, overlap_helps
-from minidp.parallel.dp_strategy import OVERLAP
+from minidp.parallel.dp_strategy import OVERLAP, check_micro_batches, micro_batches
 from minidp.parallel.strategy import (
     StepResult,
     Strategy,
@@ -78,24 +84,37 @@ class ZeRO(Strategy):
     """ZeRO stage 1, 2 or 3 over `group` (config.zero_stage says which).
 
     `make_optimizer(params)`: the optimizer over this rank's pieces (default: AdamW with the
-    config's weight decay); any elementwise optimizer of minidp.optim works (SGD, Adam)."""
+    config's weight decay); any elementwise optimizer of minidp.optim works (SGD, Adam).
+    As DataParallel, a scheme that shards something else passes `model` (default:
+    task.model) and `dp_group` (default: group), and overrides `loss`, `clip_gradients` and
+    `param_l2` (zero_hybrid.py does, for a TP model)."""
 
     name = "zero"
 
-    def __init__(self, task, config, group: comm.Group, timeline=None, make_optimizer=None):
+    def __init__(
+        self,
+        task,
+        config,
+        group: comm.Group,
+        timeline=None,
+        make_optimizer=None,
+        *,
+        model=None,
+        dp_group: comm.Group | None = None,
+    ):
         super().__init__(task, config, group, timeline)
         self.stage = stage = config.zero_stage
         if stage not in (1, 2, 3):
-            raise BadConfig(f"--strategy zero needs --zero-stage 1, 2 or 3, got {stage}")
-        if config.grad_accum != 1:
-            raise BadConfig("--grad-accum > 1 with --strategy zero is not yet supported")
+            raise BadConfig(f"--strategy {self.name} needs --zero-stage 1, 2 or 3, got {stage}")
+        self.model = model = task.model if model is None else model
+        self.dp_group = group = dp_group or group  # below, `group` is the data-parallel one
+        check_micro_batches(config, group.size)
         if config.allreduce not in ALGOS:
             raise BadConfig(
                 f"--strategy zero reduce-scatters and allgathers: --allreduce "
                 f"{config.allreduce} is not one of theirs; choose from {', '.join(ALGOS)}"
             )
         self.algo = config.allreduce
-        model = task.model
         if stage > 1:  # (at stage 1 DDP does both)
             check_same_model(model, group)
             for p in model.parameters():  # every rank starts from rank 0's weights
@@ -142,6 +161,7 @@ class ZeRO(Strategy):
                 *(layout, order, self.grad_shard, self.comm_group, self.algo, self.overlap),
                 timeline=self.timeline,
                 launched=release,
+                reduce_each=stage == 3,
             )
         if stage < 3:
             param_chunks = [self.flat[lo:hi] for lo, hi in layout.ranges()]
@@ -168,7 +188,7 @@ class ZeRO(Strategy):
 
     # ---- one step --------------------------------------------------------------------
     def step(self, local: np.ndarray, lr: float) -> StepResult:
-        task, span = self.task, self.timeline.span
+        span, K = self.timeline.span, self.config.grad_accum
         self.optimizer.lr = lr
         share = len(local) / self.config.batch_size  # n_r / B
         if self.ddp is not None:
@@ -176,28 +196,40 @@ class ZeRO(Strategy):
             self.ddp.set_batch_share(len(local), self.config.batch_size)
         else:
             self.grads.share = share
-        with span("forward"):
-            loss = task.loss(*task.batch(local))
-        if self._measure:
-            self.activations_peak = activation_bytes(loss)
-            self._measure = False
-        with span("backward"):
-            loss.backward()
+        local_loss = 0.0
+        for indices, weight, sync in micro_batches(local, K, self.ddp or self.grads):
+            with sync:
+                with span("forward"):  # weight (m_k / n_r): the K losses sum to the local mean
+                    loss = self.loss(indices) * weight
+                if self._measure:
+                    self.activations_peak = max(self.activations_peak, activation_bytes(loss))
+                with span("backward"):
+                    loss.backward()
+            local_loss += loss.item()
+        self._measure = False
         with span("gradient sync wait"):
             if self.ddp is not None:
                 self.ddp.finish_gradient_sync()
             else:
                 self.grads.finish()
-        step_loss = global_loss(loss.item(), share, self.group)
+        step_loss = global_loss(local_loss, share, self.dp_group)
         if np.isfinite(step_loss):
             with span("optimizer"):
-                if self.config.grad_clip:  # each rank's chunks, summed over the group
-                    clip_global_norm(self.pieces, self.config.grad_clip, shard_group=self.group)
+                if self.config.grad_clip:
+                    self.clip_gradients()
                 self.optimizer.step()
             if self.stage < 3:
                 with span("parameter allgather"):
                     self._gather_flat()
-        return StepResult(step_loss, loss.item())
+        return StepResult(step_loss, local_loss)
+
+    def loss(self, indices: np.ndarray):
+        """The mean loss over these examples (a Tensor, to backpropagate)."""
+        return self.task.loss(*self.task.batch(indices))
+
+    def clip_gradients(self) -> None:
+        """Each rank's chunks, their squares summed over the data-parallel group."""
+        clip_global_norm(self.pieces, self.config.grad_clip, shard_group=self.dp_group)
 
     def _gather_flat(self) -> None:
         """Stages 1 and 2: every segment's updated chunks to every rank, into the model."""
@@ -213,7 +245,7 @@ class ZeRO(Strategy):
         return np.concatenate([p.data for p in self.pieces])
 
     def param_l2(self) -> float:
-        return global_l2([p.data for p in self.pieces], shard_group=self.group)
+        return global_l2([p.data for p in self.pieces], shard_group=self.dp_group)
 
     def max_param_diff(self) -> float:
         """Spread among the ranks of the whole model (after gather_model, at stage 3)."""
@@ -224,7 +256,7 @@ class ZeRO(Strategy):
             self.gathered.materialize()
 
     def bytes_sent_by_axis(self) -> dict[str, int]:
-        return {"dp": bytes_sent(self.comm_group, self.group)}
+        return {"dp": bytes_sent(self.comm_group, self.dp_group)}
 
     @property
     def comm_seconds(self) -> float:
@@ -244,8 +276,8 @@ class ZeRO(Strategy):
             parameters = self.param_shard.nbytes
         held = [b.data for b in self.ddp.buckets] if self.ddp else [self.grad_shard]
         # and any whole gradient still on a parameter (none, after a step, at stages 2, 3)
-        gradients = nbytes([*held, *(p.grad for p in self.task.model.parameters())])
-        buffers = self.group.scratch.nbytes + self.comm_group.scratch.nbytes
+        gradients = nbytes([*held, *(p.grad for p in self.model.parameters())])
+        buffers = self.dp_group.scratch.nbytes + self.comm_group.scratch.nbytes
         memory = {
             "parameters": parameters,
             "gradients": gradients,
@@ -261,10 +293,10 @@ class ZeRO(Strategy):
     def describe(self) -> str:
         layout = self.layout
         return (
-            f"ZeRO stage {self.stage} over {self.group.size} ranks | shard "
+            f"ZeRO stage {self.stage} over {self.dp_group.size} ranks | shard "
             f"{layout.shard_numel:,} of {layout.numel:,} parameters in {len(layout.segments)} "
             f"segments | reduce_scatter/allgather {self.algo} | overlap "
-            f"{'on' if self.overlap else 'off'}"
+            f"{'on' if self.overlap else 'off'} | grad accumulation {self.config.grad_accum}"
         )
 
     def record(self) -> dict:

@@ -17,6 +17,7 @@ reduce-scatter ends). With a communication thread (stage 2, overlap on) the redu
 run beside the rest of backward, exactly as DDP's allreduces do (comm_thread.py).
 """
 
+import contextlib
 import time
 
 import numpy as np
@@ -30,16 +31,22 @@ from minidp.trace import Timeline
 class Staged:
     """One segment's gradients packed for its reduce-scatter, and where its chunk goes."""
 
-    def __init__(self, index: int, data: np.ndarray, out: np.ndarray):
-        self.index, self.data, self.out = index, data, out
+    def __init__(self, index: int, data: np.ndarray, out: np.ndarray, add: bool = False):
+        self.index, self.data, self.out, self.add = index, data, out, add
 
 
 def reduce_scatter_hook(algo: str):
-    """Sum the staging vector over the group; this rank's chunk lands in `out`; then the
-    staging vector is dropped (its memory is free as soon as the collective ends)."""
+    """Sum the staging vector over the group; this rank's chunk lands in `out` (or, with
+    `staged.add`, is added to it); then the staging vector is dropped (its memory is free as
+    soon as the collective ends)."""
 
     def reduce_scatter_bucket(staged: Staged, group: comm.Group) -> None:
-        comm.reduce_scatter(staged.data, op="sum", algo=algo, group=group, out=staged.out)
+        out = staged.out
+        if staged.add:  # a later micro-batch: its sum goes through scratch, then adds
+            out = group.scratch.get("zero.accumulate", out.size, out.dtype)
+        comm.reduce_scatter(staged.data, op="sum", algo=algo, group=group, out=out)
+        if staged.add:
+            staged.out += out
         staged.data = None
 
     reduce_scatter_bucket.algo, reduce_scatter_bucket.label = algo, "reduce_scatter"
@@ -51,7 +58,8 @@ class ShardedGradients:
 
     `launch_order`: segment indices in the order backward completes them. `overlap`: reduce
     on a communication thread (its own dup of `group`) or inline. `launched(s)`, if given,
-    is called once segment s has gone (stage 3 releases the layer's weights there)."""
+    is called once segment s has gone (stage 3 releases the layer's weights there).
+    `reduce_each`: what no_sync() means, see there."""
 
     def __init__(
         self,
@@ -63,8 +71,9 @@ class ShardedGradients:
         overlap: bool,
         timeline: Timeline,
         launched=None,
+        reduce_each: bool = False,
     ):
-        self.launched = launched
+        self.launched, self.reduce_each, self.adding = launched, reduce_each, False
         self.layout, self.order, self.shard = layout, launch_order, shard
         self.group = group
         self.reducer = Reducer(reduce_scatter_hook(algo), group, timeline)
@@ -74,6 +83,7 @@ class ShardedGradients:
             p.register_grad_ready_hook(self._grad_ready) for seg in layout.segments for p in seg
         ]
         self.share = 1.0 / group.size
+        self.sync_enabled = True  # False inside no_sync(): gradients stay on the parameters
         self.exposed_seconds = 0.0  # the main thread's time in reductions or waiting for them
         self.rearm()
 
@@ -82,7 +92,29 @@ class ShardedGradients:
         self.pending = [len(seg) for seg in self.layout.segments]
         self._next = 0  # position in launch_order of the next segment to go
 
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Gradient accumulation, for all micro-batches but the last. Stage 2: the backwards
+        inside leave their gradients summed on the parameters, whole, and the next backward
+        outside launches the sums (one reduce-scatter per segment, as DDP). Stage 3
+        (`reduce_each`): holding every layer's whole gradients is what it exists to avoid,
+        so each micro-batch is reduce-scattered as it goes and the later ones add their
+        chunks to the shard (K reduce-scatters per segment, as DeepSpeed's stage 3)."""
+        if self.reduce_each:
+            yield
+            self.finish()
+            self.adding = True  # finish() cleared it; the next micro-batches add
+            return
+        previous, self.sync_enabled = self.sync_enabled, False
+        try:
+            yield
+        finally:
+            self.sync_enabled = previous
+            self.rearm()
+
     def _grad_ready(self, p) -> None:
+        if not self.sync_enabled:
+            return
         self.pending[self._segment_of[id(p)]] -= 1
         while self._next < len(self.order) and self.pending[self.order[self._next]] == 0:
             self._launch(self.order[self._next])
@@ -94,7 +126,7 @@ class ShardedGradients:
         )
         for p in params:
             p.grad = None  # the full gradient is in the staging vector only, until reduced
-        staged = Staged(s, staging, self.layout.my_chunk(self.shard, s))
+        staged = Staged(s, staging, self.layout.my_chunk(self.shard, s), self.adding)
         self._next += 1
         if self._thread is not None:
             self._thread.submit(staged, self.share)
@@ -114,6 +146,7 @@ class ShardedGradients:
             self._thread.wait()
             self.exposed_seconds += time.perf_counter() - start
         self.rearm()
+        self.adding = False
 
     def close(self) -> bool:
         """Stop the thread, unhook the parameters; True if the thread is still stuck (after
