@@ -16,8 +16,9 @@ fp32 weights and gradients and AdamW's two fp32 moments, K = 8. Model states per
 
 Besides these (counted in memory_bytes, from the arrays): AdamW's 8-byte step counter per
 tensor it steps (DP: per parameter tensor; ZeRO: per segment piece, zero_flat.py); the
-groups' scratch; at stage 3 two gather slots of the largest layer (zero3.py) and, in a step,
-one layer's full gradients until its reduce-scatter (zero_grads.py). A rank's chunks differ
+groups' scratch; at stage 3 two gather slots of the largest layer (zero3.py). Within a step
+(not in memory_bytes, read after it; bench memory's tracemalloc peak sees it): one layer's
+full gradients until its reduce-scatter (zero_grads.py). A rank's chunks differ
 by at most one element per segment, so "Ψ/N_d" is this rank's count, summing to Ψ exactly.
 
 One step, over the data-parallel `group` (the whole world, or a mesh's DP axis):
@@ -317,6 +318,11 @@ class ZeRO(Strategy):
             raise ValueError(f"a ZeRO stage {state['stage']} state for stage {self.stage}")
         shard = state["shard"]
         offsets = [0, *np.cumsum([p.size for p in self.pieces])]
+        if shard.size != offsets[-1]:  # saved over another N_d or other segments
+            raise ValueError(
+                f"a ZeRO shard of {shard.size} elements for a rank that holds {offsets[-1]}: "
+                "was it saved with another number of ranks or --bucket-mb?"
+            )
         for p, lo, hi in zip(self.pieces, offsets[:-1], offsets[1:]):
             p.data[...] = shard[lo:hi]
         self.optimizer.load_state_dict(state)
