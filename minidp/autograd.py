@@ -122,7 +122,7 @@ class Tensor:
     shape = property(lambda self: self.data.shape)
     ndim = property(lambda self: self.data.ndim)
     dtype = property(lambda self: self.data.dtype)
-    size = property(lambda self: self.data.size)
+    size = property(lambda s: s.data.size if isinstance(s.data, np.ndarray) else s.data.numel())
 
     def __len__(self) -> int:
         return len(self.data)
@@ -170,7 +170,7 @@ class Tensor:
         if not self.requires_grad:
             raise RuntimeError("backward(): this tensor does not require grad (no graph)")
         if gradient is None:
-            if self.data.size != 1:
+            if self.size != 1:
                 raise RuntimeError(
                     f"backward() on a non-scalar tensor of shape {self.shape} needs a "
                     "seed gradient of that shape: t.backward(gradient)"

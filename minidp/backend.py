@@ -16,7 +16,7 @@ the numpy module: the same calls as before, so the same bits. For torch data, `x
 module backend_torch, which gives torch those NumPy names. Array methods that torch shares
 with NumPy (`+`, `@`, `.sum(axis=, keepdims=)`, `.reshape`, `.swapaxes`, indexing) are left
 as they are. Torch is only an array library here: its autograd stays off (`requires_grad`
-is never set on these tensors; `use()` also disables torch's grad mode in this thread).
+is never set on these tensors, so torch records no graph).
 """
 
 import sys
@@ -84,14 +84,15 @@ def check(name: str, device: str = "cpu") -> None:
         )
 
 
-def use(name: str = "numpy", device: str = "cpu") -> None:
-    """Make `name` on `device` the backend that to_backend() and the torch shim create on."""
+def use(name: str = "numpy", device: str = "cpu", threads: int = 0) -> None:
+    """Make `name` on `device` the backend that to_backend() and the torch shim create on;
+    `threads` > 0 caps torch's own intra-op threads (BLAS limits do not reach them)."""
     check(name, device)
     _state.update(name=name, device=device)
-    if name == "torch":
+    if name == "torch" and threads:
         import torch
 
-        torch.set_grad_enabled(False)  # torch is an array library here: no graph, ever
+        torch.set_num_threads(threads)
 
 
 def current() -> tuple[str, str]:

@@ -34,8 +34,8 @@ def asarray(a, dtype=None):
         return a.to(dtype=torch_dtype(dtype) or a.dtype)
     if isinstance(a, int | float) and dtype is None:
         return torch.tensor(a, dtype=torch.get_default_dtype(), device=backend.device())
-    a = np.asarray(a, dtype=dtype)
-    return torch.from_numpy(np.ascontiguousarray(a)).to(backend.device())
+    host = torch.from_numpy(np.ascontiguousarray(np.asarray(a)))
+    return host.to(device=backend.device(), dtype=torch_dtype(dtype) or host.dtype)
 
 
 def array(a, dtype=None):

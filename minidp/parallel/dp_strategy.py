@@ -165,6 +165,7 @@ class DataParallel(Strategy):
             "overlap": self.ddp.overlap,
             "buckets": len(self.ddp.buckets),
             **(self.pruning.record() if self.pruning else {}),
+            **self.ddp.stage.record(),  # --backend torch: the host staging copies
         }
 
     # ---- resuming -----------------------------------------------------------------------
