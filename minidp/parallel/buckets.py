@@ -14,7 +14,6 @@ fusion bucket the same way (PyTorch's default cap is 25 MiB; minidp's models are
 data_parallel.py defaults to 0.25 MiB).
 """
 
-
 from minidp.backend import namespace
 
 
