@@ -107,12 +107,12 @@ class MinidpRun:
     """minidp's own side of a comparison: the "dp" strategy over `group` (a one-rank group:
     one process), stepped exactly as train.py steps it. `close()` when done."""
 
-    def __init__(self, config: TrainConfig, group: comm.Group):
+    def __init__(self, config: TrainConfig, group: comm.Group, timeline=None):
         from minidp.parallel import DataParallel
 
         self.config = config
         self.task = Task(config, np.dtype(config.dtype))
-        self.strategy = DataParallel(self.task, config, group)
+        self.strategy = DataParallel(self.task, config, group, timeline)
         self.sampler = data.DistributedSampler(
             self.task.num_examples, config.batch_size, *self.strategy.data_shard, seed=config.seed
         )
