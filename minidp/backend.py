@@ -113,10 +113,11 @@ def to_numpy(a) -> np.ndarray:
     return np.asarray(a)
 
 
-def to_backend(a, dtype=None):
-    """`a` (host data) as an array of the backend use() chose: NumPy, or a torch tensor on
-    its device (integer and bool arrays keep their kind; float arrays keep their width)."""
-    if _state["name"] == "numpy":
+def to_backend(a, name: str | None = None, dtype=None):
+    """`a` (host data) as an array of backend `name` (default: what use() chose): NumPy, or
+    a torch tensor on use()'s device (integer and bool arrays keep their kind, floats their
+    width)."""
+    if (name or _state["name"]) == "numpy":
         return np.asarray(a, dtype=dtype)
     from minidp import backend_torch
 

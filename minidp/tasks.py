@@ -56,7 +56,7 @@ class Task:
             tokens = self.train_tokens if split == "train" else self.val_tokens
             return data.lm_batch(tokens, indices, self.config.block_size)
         x, y = (self.x_train, self.y_train) if split == "train" else (self.x_val, self.y_val)
-        return Tensor(backend.to_backend(x[indices])), y[indices]
+        return Tensor(backend.to_backend(x[indices], self.config.backend)), y[indices]
 
     def loss(self, inputs, targets) -> Tensor:
         return nn.cross_entropy(self.model(inputs), targets)

@@ -135,3 +135,19 @@ def test_the_command_line_says_it_in_one_line_and_exits_2(tmp_path):
     assert out.returncode == 2, out.stderr
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and "pip install torch" in lines[0], out.stderr
+
+
+def test_bench_compare_smoke(tmp_path, capsys):
+    import json
+
+    from minidp.bench import compare
+
+    out = tmp_path / "rows.jsonl"
+    tiny = "--n-embd 16 --n-layer 1 --n-head 2 --block-size 8 --batch-size 4 --iters 1"
+    argv = [*tiny.split(), "--warmup", "0", "--device", "cpu", "--json", str(out)]
+    assert compare.main([*argv, "--out", str(tmp_path)]) == 0
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["contender"] for r in rows] == [*compare.SINGLE, *compare.PARALLEL]
+    assert all(r["ms_per_step"] > 0 for r in rows) and rows[0]["vs_minidp"] == 1.0
+    assert rows[4]["stage_ms"] > 0  # minidp DP torch staged its buckets through the host
+    assert "pytorch DDP" in capsys.readouterr().out
