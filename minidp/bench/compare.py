@@ -14,8 +14,10 @@ global norm, AdamW, on the tiny GPT (or --model mlp), --dtype float32. Contender
 The one-process contenders run on every rank at once (each rank its own copy), so they share
 the machine as the DP ones do; each time is the slowest rank's (barrier, time, max), the
 order rotated every round, medians reported. Ratios: one-process rows against minidp numpy,
-DP rows against minidp DP. "Where the time goes" for minidp: communication and staging
-milliseconds per step (the strategy's own counters), the rest is compute.
+DP rows against minidp DP. First, a check: every contender took the same steps on the same
+data, so their losses must agree (1e-4 relative), else exit code 1. "Where the time goes"
+for minidp: communication and staging milliseconds per step (the strategy's own counters),
+the rest is compute.
 The torch contenders run on --device (default: cuda when a GPU is visible, else cpu).
 """
 
@@ -84,9 +86,20 @@ def build(args, world: comm.Group, device: str) -> tuple[dict, dict]:
     runs["pytorch DDP"] = ReferenceRun(config, world, device)
     steps = {}
     for name, run in runs.items():
-        counter = itertools.count()
-        steps[name] = lambda run=run, counter=counter: run.step(next(counter))
+        counter, run.losses = itertools.count(), []
+        steps[name] = lambda run=run, counter=counter: run.losses.append(run.step(next(counter)))
     return steps, runs
+
+
+def check_same_losses(runs: dict) -> str | None:
+    """Every contender took the same steps on the same data from the same weights: their
+    losses must agree (float32: 1e-4 relative). The first disagreement, or None."""
+    want = runs["minidp numpy"].losses
+    for name, run in runs.items():
+        gap = max(abs(a - b) / abs(b) for a, b in zip(run.losses, want, strict=True))
+        if not gap < 1e-4:
+            return f"bench compare: {name}'s losses differ from minidp numpy's by {gap:.1e}"
+    return None
 
 
 def rows_of(times: dict, runs: dict, args, world_size: int) -> list[dict]:
@@ -151,6 +164,10 @@ def main(argv: list[str]) -> int:
     with threadpool_limits(limits=1, user_api="blas"):  # one BLAS thread per rank, as torch
         env = {**environment(), "torch": torch.__version__, "device": device}
         times, runs = measure(args, world, device, env)
+    wrong = check_same_losses(runs)
+    if wrong is not None:  # alike on every rank: the losses are global
+        print0(wrong, rank=world.rank)
+        return 1
     rows = rows_of(times, runs, args, world.size)
     if world.rank == 0:
         print_table(rows, COLUMNS)
