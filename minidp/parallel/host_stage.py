@@ -26,12 +26,13 @@ from minidp.trace import Timeline
 
 
 def device_aware_mpi() -> bool:
-    """Whether Open MPI says it was built CUDA-aware (False when it cannot say)."""
-    try:
-        from mpi4py import MPI  # noqa: PLC0415  (a query of the library, not a message)
+    """Whether the MPI library's version line names CUDA (a hint, not a guarantee; False
+    when it cannot say). minidp stages through the host either way."""
+    from minidp.info import mpi_library  # the comm layer alone imports mpi4py
 
-        return "cuda" in MPI.Get_library_version().lower()
-    except Exception:  # noqa: BLE001  (any failure means: not known to be)
+    try:
+        return "cuda" in mpi_library().lower()
+    except Exception:  # any failure means: not known to be
         return False
 
 
