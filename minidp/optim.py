@@ -119,8 +119,8 @@ class Adam(Optimizer):
             w *= 1 - self.lr * wd  # AdamW: decay the weights, not the gradient
         elif wd:
             g = g + wd * w
+        xp = namespace(w)  # numpy, or NumPy's names over torch (backend.py)
         if "m" not in state:
-            xp = namespace(w)
             state["m"], state["v"] = xp.zeros_like(w), xp.zeros_like(w)
             state["step"] = np.zeros((), dtype=np.int64)
         state["step"] += 1  # per parameter, as torch: a step without a gradient does not count
@@ -129,7 +129,7 @@ class Adam(Optimizer):
         m += (1 - b1) * g
         v *= b2
         v += (1 - b2) * (g * g)
-        denom = namespace(v).sqrt(v) / math.sqrt(1 - b2**t) + eps
+        denom = xp.sqrt(v) / math.sqrt(1 - b2**t) + eps
         w -= (self.lr / (1 - b1**t)) * m / denom
 
 
