@@ -247,8 +247,8 @@ class TrainConfig:
             return
         if self.strategy not in TORCH_STRATEGIES:
             raise BadConfig(
-                f"--strategy {self.strategy} does not run on --backend torch yet; "
-                f"{' and '.join(TORCH_STRATEGIES)} do(es), or use --backend numpy"
+                f"--strategy {self.strategy} does not run on --backend torch yet (it runs "
+                f"--strategy {', '.join(TORCH_STRATEGIES)}): use --backend numpy"
             )
         extras = [f for f in ("prune", "compress") if getattr(self, f, 0) not in (0, 0.0, "none")]
         if extras:
