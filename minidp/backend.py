@@ -88,19 +88,19 @@ def use(name: str = "numpy", device: str = "cpu", threads: int = 0) -> None:
     """Make `name` on `device` the backend that to_backend() and the torch shim create on;
     `threads` > 0 caps torch's own intra-op threads (BLAS limits do not reach them)."""
     check(name, device)
-    _state.update(name=name, device=device)
+    _state["name"] = name
+    if name == "torch":  # the torch device stays for torch runs built before a NumPy one
+        _state["device"] = device
     if name == "torch" and threads:
         import torch
 
         torch.set_num_threads(threads)
 
 
-def current() -> tuple[str, str]:
-    """(backend name, device) as use() last set them."""
-    return _state["name"], _state["device"]
-
-
 def device() -> str:
+    """The device the torch shim creates new tensors on (the last use("torch", device)).
+
+    One torch device per process: a NumPy run built in between (a comparison) leaves it."""
     return _state["device"]
 
 
