@@ -32,7 +32,10 @@ def test_dp_on_numpy_on_torch_and_pytorch_ddp_match_one_process():
     config = TrainConfig(**TINY)
     alone, _ = minidp_losses(config, world.split(world.rank))  # the reference: one process
     numpy_dp, _ = minidp_losses(config, world)
-    torch_dp, run = minidp_losses(replace(config, backend="torch"), world)
+    # on torch: overlap (buckets staged from the communication thread) and 2 micro-batches
+    on_torch = replace(config, backend="torch", overlap="on", grad_accum=2)
+    torch_dp, run = minidp_losses(on_torch, world)
+    assert len(run.strategy.ddp.buckets) > 1
     assert run.strategy.max_param_diff() == 0.0  # replicas bitwise identical on torch too
     assert run.strategy.record()["stage_copies"] > 0  # the buckets went through the host
     ddp, _ = train_reference(config, world)
