@@ -250,7 +250,8 @@ class TrainConfig:
                 f"--strategy {self.strategy} does not run on --backend torch yet (it runs "
                 f"--strategy {', '.join(TORCH_STRATEGIES)}): use --backend numpy"
             )
-        extras = [f for f in ("prune", "compress") if getattr(self, f, 0) not in (0, 0.0, "none")]
+        given = ("prune", "compress")  # the DP hooks that do not stage through the host yet
+        extras = [f for f in given if f in _DEFAULTS and getattr(self, f) != _DEFAULTS[f]]
         if extras:
             raise BadConfig(
                 f"--{extras[0]} does not run on --backend torch yet: use --backend numpy"
