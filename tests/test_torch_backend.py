@@ -63,6 +63,22 @@ def test_numpy_torch_and_pytorch_give_the_same_losses(model, dtype, rtol):
         np.testing.assert_allclose(value, want[name], rtol=100 * rtol, atol=100 * rtol)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device here")
+@pytest.mark.parametrize(("dtype", "rtol"), [("float64", 1e-10), ("float32", 1e-4)])
+def test_the_same_losses_on_cuda(dtype, rtol):
+    """The GPU check: minidp on CUDA tensors and PyTorch on CUDA against minidp on NumPy."""
+    from minidp.torch_train import minidp_losses, train_reference
+
+    config = TrainConfig(model="gpt", dtype=dtype, steps=STEPS, **TINY)
+    group = one_rank()
+    numpy_losses, _ = minidp_losses(config, group)
+    cuda = replace(config, backend="torch", device="cuda")
+    cuda_losses, run = minidp_losses(cuda, group)
+    assert run.task.model.parameters()[0].data.device.type == "cuda"
+    np.testing.assert_allclose(cuda_losses, numpy_losses, rtol=rtol)
+    np.testing.assert_allclose(train_reference(config, device="cuda")[0], numpy_losses, rtol=rtol)
+
+
 def _graph(xp_array):
     """Many of the engine's ops on one input, reduced to a scalar: a loss to backpropagate."""
     x = Tensor(xp_array, requires_grad=True)
