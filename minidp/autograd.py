@@ -15,43 +15,22 @@ one entry per parent: that parent's gradient, or None where it needs none. A bac
 Parallel schemes write their communication ops this way, outside this file: Megatron's f
 (identity forward, allreduce backward), pipeline send / recv, ZeRO's gather-on-use.
 
-Grad mode is per thread: `no_grad()` stops recording in the thread that enters it only, and
-every new thread starts with grad enabled (DDP's communication thread never sees another's).
-This file holds the engine, arithmetic, reductions and shape ops; matmul, nonlinearities,
-losses and joining ops live in ops.py.
+Grad mode is per thread (grad_mode.py). The arrays are NumPy's, or torch tensors with
+`--backend torch`: an op that calls a NumPy function resolves `xp = namespace(data)` once
+(backend.py says how, and why it costs the NumPy path nothing). This file holds the engine,
+arithmetic, reductions and shape ops; matmul, nonlinearities, losses and joining ops live in
+ops.py.
 """
 
-import contextlib
-import threading
-from collections.abc import Callable, Iterator
+import operator
+from collections.abc import Callable
 
 import numpy as np
 
+from minidp.backend import backend_torch, base_of, is_torch, is_torch_dtype, namespace
+from minidp.grad_mode import _grad_mode, is_grad_enabled, no_grad
 
-class _GradMode(threading.local):
-    """Whether ops record a graph, one flag per thread."""
-
-    enabled = True  # a class attribute: what every thread sees until it sets its own
-
-
-_grad_mode = _GradMode()
-
-
-@contextlib.contextmanager
-def no_grad() -> Iterator[None]:
-    """Inside this block ops of this thread record no graph (evaluation, optimizer updates).
-
-    Other threads keep their own setting; the previous one comes back on exit, even on error."""
-    previous, _grad_mode.enabled = _grad_mode.enabled, False
-    try:
-        yield
-    finally:
-        _grad_mode.enabled = previous
-
-
-def is_grad_enabled() -> bool:
-    """Whether ops in this thread record a graph (False inside `no_grad()`)."""
-    return _grad_mode.enabled
+__all__ = ["Tensor", "is_grad_enabled", "no_grad", "op", "unbroadcast"]
 
 
 def _as_array(data, dtype=None) -> np.ndarray:
@@ -59,10 +38,12 @@ def _as_array(data, dtype=None) -> np.ndarray:
     (what `array.sum()` returns) keep their dtype."""
     if isinstance(data, Tensor):
         data = data.data
+    if dtype is None and isinstance(data, np.ndarray | np.generic):  # an op's output
+        return np.asarray(data)
+    if is_torch(data) or is_torch_dtype(dtype):  # --backend torch (backend_torch.py)
+        return backend_torch().asarray(data, dtype)
     if dtype is not None:
         return np.asarray(data, dtype=dtype)
-    if isinstance(data, np.ndarray | np.generic):
-        return np.asarray(data)
     array = np.asarray(data)
     return array.astype(np.float32) if array.dtype == np.float64 else array
 
@@ -84,8 +65,9 @@ def unbroadcast(g: np.ndarray, shape: tuple) -> np.ndarray:
     return summed.reshape(shape)
 
 
-def _broadcasting(name: str, ufunc: np.ufunc, a: "Tensor", b: "Tensor") -> np.ndarray:
-    """ufunc(a.data, b.data), with an error that names the op when shapes do not broadcast."""
+def _broadcasting(name: str, ufunc: Callable, a: "Tensor", b: "Tensor") -> np.ndarray:
+    """ufunc(a.data, b.data) (an operator: the same NumPy ufunc, and torch's too), with an
+    error that names the op when shapes do not broadcast."""
     try:
         return ufunc(a.data, b.data)
     except ValueError:
@@ -118,6 +100,11 @@ def op(data: np.ndarray, parents: tuple, backward: Callable) -> "Tensor":
     return out
 
 
+def _permute(a, axes):
+    """NumPy's a.transpose(axes); torch calls it permute."""
+    return a.transpose(axes) if isinstance(a, np.ndarray | np.generic) else a.permute(axes)
+
+
 class Tensor:
     """An array with a gradient. `Tensor(data, requires_grad=False, dtype=None)`."""
 
@@ -135,7 +122,7 @@ class Tensor:
     shape = property(lambda self: self.data.shape)
     ndim = property(lambda self: self.data.ndim)
     dtype = property(lambda self: self.data.dtype)
-    size = property(lambda self: self.data.size)
+    size = property(lambda s: s.data.size if isinstance(s.data, np.ndarray) else s.data.numel())
 
     def __len__(self) -> int:
         return len(self.data)
@@ -148,7 +135,7 @@ class Tensor:
         return self.data.item()
 
     def numpy(self) -> np.ndarray:
-        return self.data
+        return self.data if isinstance(self.data, np.ndarray) else self.data.cpu().numpy()
 
     def detach(self) -> "Tensor":
         return Tensor(self.data)
@@ -183,12 +170,12 @@ class Tensor:
         if not self.requires_grad:
             raise RuntimeError("backward(): this tensor does not require grad (no graph)")
         if gradient is None:
-            if self.data.size != 1:
+            if self.size != 1:
                 raise RuntimeError(
                     f"backward() on a non-scalar tensor of shape {self.shape} needs a "
                     "seed gradient of that shape: t.backward(gradient)"
                 )
-            gradient = np.ones_like(self.data)
+            gradient = namespace(self.data).ones_like(self.data)
         gradient = _as_array(gradient, self.dtype)
         if gradient.shape != self.shape:
             raise ValueError(f"backward(): seed shape {gradient.shape} != tensor {self.shape}")
@@ -201,7 +188,7 @@ class Tensor:
             if g is None:
                 continue
             if node._backward is None:  # a leaf: its gradient is final now
-                node._accumulate(g, owned=g.base is None and id(g) not in handed_out)
+                node._accumulate(g, owned=base_of(g) is g and id(g) not in handed_out)
                 for hook in node._hooks:
                     hook(node)
                 continue
@@ -220,7 +207,7 @@ class Tensor:
         elif owned and g.dtype == self.dtype:
             self.grad = g
         else:
-            self.grad = np.array(g, dtype=self.dtype)  # a private copy
+            self.grad = namespace(g).array(g, dtype=self.dtype)  # a private copy
 
     # ---- arithmetic (forward beside backward) -------------------------------------------
     def _lift(self, other) -> "Tensor":
@@ -230,17 +217,19 @@ class Tensor:
             return other
         if isinstance(other, np.ndarray):
             return Tensor(other)
+        if not isinstance(self.data, np.ndarray):  # a torch tensor: torch's promotion rules
+            return Tensor(namespace(self.data).scalar(other, self.data))
         kind = self.dtype if self.dtype.kind == "f" else np.result_type(self.dtype, other)
         return Tensor(np.asarray(other, dtype=kind))
 
     def __add__(self, other):
         a, b = self, self._lift(other)
-        out = _broadcasting("add", np.add, a, b)
+        out = _broadcasting("add", operator.add, a, b)
         return op(out, (a, b), lambda g: (unbroadcast(g, a.shape), unbroadcast(g, b.shape)))
 
     def __sub__(self, other):
         a, b = self, self._lift(other)
-        out = _broadcasting("sub", np.subtract, a, b)
+        out = _broadcasting("sub", operator.sub, a, b)
         return op(out, (a, b), lambda g: (unbroadcast(g, a.shape), unbroadcast(-g, b.shape)))
 
     def __mul__(self, other):
@@ -252,7 +241,7 @@ class Tensor:
                 unbroadcast(g * a.data, b.shape) if b.requires_grad else None,
             )
 
-        return op(_broadcasting("mul", np.multiply, a, b), (a, b), backward)
+        return op(_broadcasting("mul", operator.mul, a, b), (a, b), backward)
 
     def __truediv__(self, other):
         a, b = self, self._lift(other)
@@ -263,7 +252,7 @@ class Tensor:
                 unbroadcast(-g * a.data / (b.data * b.data), b.shape) if b.requires_grad else None,
             )
 
-        return op(_broadcasting("div", np.divide, a, b), (a, b), backward)
+        return op(_broadcasting("div", operator.truediv, a, b), (a, b), backward)
 
     def __neg__(self):
         return op(-self.data, (self,), lambda g: (-g,))
@@ -274,7 +263,11 @@ class Tensor:
         x = self.data
 
         def backward(g):  # d/dx x^k = k x^(k-1); x^0 is constant (no 0 * 0^-1 = nan at 0)
-            return (np.zeros_like(g) if exponent == 0 else g * (exponent * x ** (exponent - 1)),)
+            return (
+                namespace(g).zeros_like(g)
+                if exponent == 0
+                else g * (exponent * x ** (exponent - 1)),
+            )
 
         return op(x**exponent, (self,), backward)
 
@@ -301,9 +294,10 @@ class Tensor:
         shape = self.shape
 
         def backward(g):  # every input element contributed once: spread g back out
+            xp = namespace(g)
             if axis is not None and not keepdims:
-                g = np.expand_dims(g, axis)
-            return (np.broadcast_to(g, shape),)
+                g = xp.expand_dims(g, axis)
+            return (xp.broadcast_to(g, shape),)
 
         return op(self.data.sum(axis=axis, keepdims=keepdims), (self,), backward)
 
@@ -313,15 +307,15 @@ class Tensor:
         return self.sum(axis=axis, keepdims=keepdims) * (1.0 / count)
 
     def max(self, axis=None, keepdims: bool = False):
-        x = self.data
-        out = x.max(axis=axis, keepdims=keepdims)
+        x, xp = self.data, namespace(self.data)
+        out = x.max(axis=axis, keepdims=keepdims) if xp is np else xp.max(x, axis, keepdims)
 
         def backward(g):  # ties share the gradient equally
             if axis is not None and not keepdims:
-                g, m = np.expand_dims(g, axis), np.expand_dims(out, axis)
+                g, m = xp.expand_dims(g, axis), xp.expand_dims(out, axis)
             else:
                 m = out
-            mask = (x == m).astype(x.dtype)  # in x's dtype: float32 stays float32
+            mask = xp.astype(x == m, x.dtype)  # in x's dtype: float32 stays float32
             return (g * mask / mask.sum(axis=axis, keepdims=True),)
 
         return op(out, (self,), backward)
@@ -335,9 +329,9 @@ class Tensor:
     def transpose(self, *axes):
         axes = axes[0] if len(axes) == 1 and isinstance(axes[0], tuple | list) else axes
         axes = tuple(axes) or tuple(reversed(range(self.ndim)))
-        out = self.data.transpose(axes)  # NumPy checks the axes
-        inverse = tuple(np.argsort([a % self.ndim for a in axes]))  # -1 means the last axis
-        return op(out, (self,), lambda g: (g.transpose(inverse),))
+        out = _permute(self.data, axes)  # NumPy (or torch) checks the axes
+        inverse = tuple(np.argsort([a % self.ndim for a in axes]).tolist())  # -1: the last
+        return op(out, (self,), lambda g: (_permute(g, inverse),))
 
     permute = transpose
 
@@ -353,11 +347,14 @@ class Tensor:
         shape, dtype = self.shape, self.dtype
         parts = index if isinstance(index, tuple) else (index,)
         fancy = any(isinstance(i, np.ndarray | list) for i in parts)
+        xp = namespace(self.data)
+        if fancy and xp is not np:
+            index = xp.index(index)  # NumPy index arrays as tensors on the device
 
         def backward(g):
-            full = np.zeros(shape, dtype=dtype)
+            full = xp.zeros(shape, dtype=dtype)
             if fancy:
-                np.add.at(full, index, g)  # repeated indices must add up, not overwrite
+                xp.add.at(full, index, g)  # repeated indices must add up, not overwrite
             else:
                 full[index] = g  # basic slicing never repeats an element
             return (full,)

@@ -126,6 +126,19 @@ class TrainConfig:
         },
     )
 
+    # the array backend (minidp/backend.py): NumPy, or torch tensors on the CPU or a GPU
+    backend: str = field(
+        default="numpy",
+        metadata={
+            "help": "array library of the engine: numpy, or torch tensors (torch's autograd off)",
+            "choices": ("numpy", "torch"),
+        },
+    )
+    device: str = field(
+        default="cpu",
+        metadata={"help": "device of --backend torch", "choices": ("cpu", "cuda")},
+    )
+
     # the rank mesh and tensor parallelism (--strategy tp, hybrid)
     #   world = dp x tp (x pp): mpiexec -n 4 ... --strategy hybrid --dp 2 --tp 2
     dp: int = field(
@@ -262,6 +275,7 @@ class TrainConfig:
         if self.sequence_parallel and self.tp == 1:
             raise BadConfig("--sequence-parallel needs --tp > 1 (it splits over the TP group)")
         self._validate_prune()
+        self._validate_backend()
         if self.strategy == "zero" and self.zero_stage not in (1, 2, 3):
             raise BadConfig(f"--strategy zero needs --zero-stage 1, 2 or 3, got {self.zero_stage}")
         if self.strategy == "hybrid" and self.zero_stage not in (0, 1, 2, 3):
@@ -271,6 +285,29 @@ class TrainConfig:
             while not os.path.exists(existing):  # the directories it would create
                 existing = os.path.dirname(existing)
             _check_can_write("--log-dir", existing)
+
+    def _validate_backend(self) -> None:
+        """--backend torch runs --strategy dp only (plain or accumulating), on an installed
+        torch and, for --device cuda, a visible GPU: one line otherwise."""
+        from minidp.backend import BackendUnavailable, check
+
+        try:
+            check(self.backend, self.device)
+        except BackendUnavailable as error:
+            raise BadConfig(str(error)) from None
+        if self.backend == "numpy":
+            return
+        if self.strategy not in TORCH_STRATEGIES:
+            raise BadConfig(
+                f"--strategy {self.strategy} does not run on --backend torch yet (it runs "
+                f"--strategy {', '.join(TORCH_STRATEGIES)}): use --backend numpy"
+            )
+        given = ("prune", "compress")  # the DP hooks that do not stage through the host yet
+        extras = [f for f in given if f in _DEFAULTS and getattr(self, f) != _DEFAULTS[f]]
+        if extras:
+            raise BadConfig(
+                f"--{extras[0]} does not run on --backend torch yet: use --backend numpy"
+            )
 
     def _validate_prune(self) -> None:
         """--prune and its schedule (minidp/prune.py): one line for each way they fail."""
@@ -324,6 +361,8 @@ def _check_can_write(flag: str, directory: str) -> None:
     except OSError as error:
         raise BadConfig(f"{flag}: cannot write in {directory} ({error.strerror})") from None
 
+
+TORCH_STRATEGIES = ("dp",)  # what --backend torch runs; the rest refuse (README says so)
 
 _DEFAULTS = {f.name: f.default for f in fields(TrainConfig)}
 

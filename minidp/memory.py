@@ -9,13 +9,13 @@ rank by rank (ZeRO's point is that some of these shrink with the number of ranks
     activations_peak  what the graph of one micro-batch's forward keeps for backward
     buffers           communication scratch space (the groups' reusable buffers)
 
-Counted from `ndarray.nbytes`, never estimated from shapes and dtypes by hand. One caveat,
-said once: `activation_bytes` counts the output array of every op in the graph; arrays that
-an op's backward closure keeps besides its output (a dropout mask, a softmax) are not seen,
-so it is a lower bound on what backward holds.
+Counted from `ndarray.nbytes` (a torch tensor's `.nbytes` alike), never estimated from shapes
+and dtypes by hand. One caveat, said once: `activation_bytes` counts the output array of every
+op in the graph; arrays that an op's backward closure keeps besides its output (a dropout
+mask, a softmax) are not seen, so it is a lower bound on what backward holds.
 """
 
-import numpy as np
+from minidp.backend import base_of
 
 CATEGORIES = ("parameters", "gradients", "optimizer", "activations_peak", "buffers")
 
@@ -26,8 +26,8 @@ def nbytes(arrays) -> int:
     for a in arrays:
         if a is None:
             continue
-        base = a if a.base is None else a.base
-        seen[id(base)] = base.nbytes if isinstance(base, np.ndarray) else a.nbytes
+        base = base_of(a)  # NumPy's .base, torch's ._base
+        seen[id(base)] = base.nbytes
     return sum(seen.values())
 
 
@@ -51,5 +51,5 @@ def activation_bytes(loss) -> int:
             outputs.append(node.data)
             stack.extend(node._parents)
         else:
-            leaves.add(id(node.data if node.data.base is None else node.data.base))
-    return nbytes(a for a in outputs if id(a if a.base is None else a.base) not in leaves)
+            leaves.add(id(base_of(node.data)))
+    return nbytes(a for a in outputs if id(base_of(a)) not in leaves)

@@ -21,6 +21,7 @@ import numpy as np
 
 from minidp import ops
 from minidp.autograd import Tensor, no_grad, op
+from minidp.backend import is_torch, to_numpy
 from minidp.ops import cross_entropy, mse
 
 __all__ = [
@@ -97,7 +98,9 @@ class Module:
             p.grad = None
 
     def state_dict(self) -> dict[str, np.ndarray]:
-        return {name: p.data.copy() for name, p in self.named_parameters()}
+        """Host NumPy copies of the parameters, whatever the backend (so torch_ref.py and
+        a NumPy model load it alike)."""
+        return {name: np.array(to_numpy(p.data)) for name, p in self.named_parameters()}
 
     def load_state_dict(self, state: dict[str, np.ndarray]) -> None:
         """Copy values into the existing arrays (in place: views into them stay valid)."""
@@ -113,7 +116,10 @@ class Module:
                 raise ValueError(
                     f"load_state_dict: {name} has shape {value.shape}, model {p.shape}"
                 )
-            p.data[...] = value
+            if is_torch(p.data):  # --backend torch: copied onto the parameter's device
+                p.data.copy_(p.data.new_tensor(value))
+            else:
+                p.data[...] = value
 
 
 def _uniform(rng, shape, bound, dtype):
@@ -315,7 +321,7 @@ class GPT(Module):
         idx = np.array(idx)
         with no_grad():
             for _ in range(new_tokens):
-                logits = self(idx[:, -self.config.block_size :]).data[:, -1, :]
+                logits = to_numpy(self(idx[:, -self.config.block_size :]).data[:, -1, :])
                 logits = logits.astype(np.float64) / temperature  # float64: p sums to 1
                 p = np.exp(logits - logits.max(axis=1, keepdims=True))
                 p /= p.sum(axis=1, keepdims=True)

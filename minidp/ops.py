@@ -3,7 +3,8 @@
 Every function takes Tensors (targets, masks and conditions may be plain arrays) and returns
 a Tensor built by the public `op(data, parents, backward)`, whose backward closure maps the
 output gradient `g` to one gradient per input: the contract at the top of autograd.py, which
-an op written outside minidp follows too.
+an op written outside minidp follows too. NumPy functions are called through
+`xp = namespace(data)`: numpy itself on NumPy data, NumPy's names over torch on torch data.
 """
 
 import math
@@ -11,10 +12,20 @@ import math
 import numpy as np
 
 from minidp.autograd import Tensor, op, unbroadcast
+from minidp.backend import namespace
 
 
 def _tensor(x) -> Tensor:
     return x if isinstance(x, Tensor) else Tensor(x)
+
+
+def _amax(a, axis):
+    """a.max(axis, keepdims=True): NumPy's method (torch's returns indices too)."""
+    return (
+        a.max(axis=axis, keepdims=True)
+        if isinstance(a, np.ndarray)
+        else namespace(a).max(a, axis, True)
+    )
 
 
 # ---- matrix product ----------------------------------------------------------------------
@@ -48,33 +59,33 @@ def matmul(a: Tensor, b: Tensor) -> Tensor:
 
 # ---- elementwise ------------------------------------------------------------------------
 def exp(x: Tensor) -> Tensor:
-    out = np.exp(x.data)
+    out = namespace(x.data).exp(x.data)
     return op(out, (x,), lambda g: (g * out,))  # d/dx e^x = e^x
 
 
 def log(x: Tensor) -> Tensor:
-    return op(np.log(x.data), (x,), lambda g: (g / x.data,))  # d/dx log x = 1/x
+    return op(namespace(x.data).log(x.data), (x,), lambda g: (g / x.data,))  # d/dx log x = 1/x
 
 
 def sqrt(x: Tensor) -> Tensor:
-    out = np.sqrt(x.data)
+    out = namespace(x.data).sqrt(x.data)
     return op(out, (x,), lambda g: (g * 0.5 / out,))  # d/dx sqrt x = 1 / (2 sqrt x)
 
 
 def tanh(x: Tensor) -> Tensor:
-    out = np.tanh(x.data)
+    out = namespace(x.data).tanh(x.data)
     return op(out, (x,), lambda g: (g * (1 - out * out),))
 
 
 def sigmoid(x: Tensor) -> Tensor:
-    out = 1 / (1 + np.exp(-x.data))
+    out = 1 / (1 + namespace(x.data).exp(-x.data))
     return op(out, (x,), lambda g: (g * out * (1 - out),))
 
 
 def relu(x: Tensor) -> Tensor:
     positive = x.data > 0
     # maximum, not x * positive: -inf * 0 would be nan
-    return op(np.maximum(x.data, 0), (x,), lambda g: (g * positive,))
+    return op(namespace(x.data).maximum(x.data, 0), (x,), lambda g: (g * positive,))
 
 
 _GELU_C = math.sqrt(2 / math.pi)  # a Python float: keeps float32 arrays float32
@@ -84,7 +95,7 @@ def gelu(x: Tensor) -> Tensor:
     """GELU, tanh approximation (GPT-2; torch's `gelu(approximate="tanh")`):
     0.5 x (1 + tanh(c (x + 0.044715 x^3))),  c = sqrt(2/pi)."""
     v = x.data
-    t = np.tanh(_GELU_C * (v + 0.044715 * v * v * v))
+    t = namespace(v).tanh(_GELU_C * (v + 0.044715 * v * v * v))
 
     def backward(g):  # product rule, then d tanh(u) = (1 - tanh^2) du
         du = _GELU_C * (1 + 3 * 0.044715 * v * v)
@@ -94,30 +105,31 @@ def gelu(x: Tensor) -> Tensor:
 
 
 def softmax(x: Tensor, axis: int = -1) -> Tensor:
-    e = np.exp(x.data - x.data.max(axis=axis, keepdims=True))  # shift: no overflow
+    e = namespace(x.data).exp(x.data - _amax(x.data, axis))  # shift: no overflow
     s = e / e.sum(axis=axis, keepdims=True)
     # Jacobian-vector product: ds = s * (g - sum(g * s))
     return op(s, (x,), lambda g: (s * (g - (g * s).sum(axis=axis, keepdims=True)),))
 
 
 def log_softmax(x: Tensor, axis: int = -1) -> Tensor:
-    shifted = x.data - x.data.max(axis=axis, keepdims=True)
-    out = shifted - np.log(np.exp(shifted).sum(axis=axis, keepdims=True))
+    xp, shifted = namespace(x.data), x.data - _amax(x.data, axis)
+    out = shifted - xp.log(xp.exp(shifted).sum(axis=axis, keepdims=True))
     # d log_softmax: g - softmax * sum(g)
-    return op(out, (x,), lambda g: (g - np.exp(out) * g.sum(axis=axis, keepdims=True),))
+    return op(out, (x,), lambda g: (g - xp.exp(out) * g.sum(axis=axis, keepdims=True),))
 
 
 # ---- selection ----------------------------------------------------------------------------
 def where(condition, a, b) -> Tensor:
     """Elementwise `a if condition else b`, broadcasting all three."""
-    cond = condition.data if isinstance(condition, Tensor) else np.asarray(condition, bool)
     a, b = _tensor(a), _tensor(b)
-    out = np.where(cond, a.data, b.data)
+    xp = namespace(a.data)
+    cond = condition.data if isinstance(condition, Tensor) else xp.asarray(condition, bool)
+    out = xp.where(cond, a.data, b.data)
 
     def backward(g):
         return (
-            unbroadcast(np.where(cond, g, 0), a.shape) if a.requires_grad else None,
-            unbroadcast(np.where(cond, 0, g), b.shape) if b.requires_grad else None,
+            unbroadcast(xp.where(cond, g, 0), a.shape) if a.requires_grad else None,
+            unbroadcast(xp.where(cond, 0, g), b.shape) if b.requires_grad else None,
         )
 
     return op(out, (a, b), backward)
@@ -125,9 +137,10 @@ def where(condition, a, b) -> Tensor:
 
 def masked_fill(x: Tensor, mask, value: float) -> Tensor:
     """x with `value` where mask is True (a causal mask fills the future with -inf)."""
-    mask = mask.data if isinstance(mask, Tensor) else np.asarray(mask, bool)
-    out = np.where(mask, np.asarray(value, dtype=x.dtype), x.data)
-    return op(out, (x,), lambda g: (unbroadcast(np.where(mask, 0, g), x.shape),))
+    xp = namespace(x.data)
+    mask = mask.data if isinstance(mask, Tensor) else xp.asarray(mask, bool)
+    out = xp.where(mask, xp.asarray(value, dtype=x.dtype), x.data)
+    return op(out, (x,), lambda g: (unbroadcast(xp.where(mask, 0, g), x.shape),))
 
 
 def dropout(x: Tensor, p: float, rng: np.random.Generator, training: bool = True) -> Tensor:
@@ -136,7 +149,8 @@ def dropout(x: Tensor, p: float, rng: np.random.Generator, training: bool = True
         return x
     if not 0.0 <= p < 1.0:
         raise ValueError(f"dropout probability must be in [0, 1), got {p}")
-    keep = (rng.random(x.shape) >= p).astype(x.dtype) * x.dtype.type(1.0 / (1.0 - p))
+    xp = namespace(x.data)  # the mask is drawn on the host, from the one NumPy generator
+    keep = xp.astype(rng.random(x.shape) >= p, x.dtype) * (1.0 / (1.0 - p))
     return op(x.data * keep, (x,), lambda g: (g * keep,))
 
 
@@ -144,12 +158,13 @@ def dropout(x: Tensor, p: float, rng: np.random.Generator, training: bool = True
 def concatenate(tensors: list, axis: int = 0) -> Tensor:
     tensors = [_tensor(t) for t in tensors]
     try:
-        out = np.concatenate([t.data for t in tensors], axis=axis)
+        xp = namespace(tensors[0].data)
+        out = xp.concatenate([t.data for t in tensors], axis=axis)
     except ValueError:
         shapes = ", ".join(str(t.shape) for t in tensors)
         raise ValueError(f"concatenate(axis={axis}): shapes {shapes} do not fit") from None
     edges = np.cumsum([t.shape[axis] for t in tensors])[:-1]
-    return op(out, tuple(tensors), lambda g: tuple(np.split(g, edges, axis=axis)))
+    return op(out, tuple(tensors), lambda g: tuple(xp.split(g, edges, axis=axis)))
 
 
 def stack(tensors: list, axis: int = 0) -> Tensor:
@@ -157,9 +172,10 @@ def stack(tensors: list, axis: int = 0) -> Tensor:
     shapes = {t.shape for t in tensors}
     if len(shapes) != 1:
         raise ValueError(f"stack: all shapes must match, got {sorted(shapes)}")
-    out = np.stack([t.data for t in tensors], axis=axis)
+    xp = namespace(tensors[0].data)
+    out = xp.stack([t.data for t in tensors], axis=axis)
     n = len(tensors)
-    return op(out, tuple(tensors), lambda g: tuple(np.take(g, i, axis=axis) for i in range(n)))
+    return op(out, tuple(tensors), lambda g: tuple(xp.take(g, i, axis=axis) for i in range(n)))
 
 
 def split(x: Tensor, sections, axis: int = 0) -> list[Tensor]:
@@ -196,14 +212,16 @@ def cross_entropy(logits: Tensor, targets) -> Tensor:
         raise ValueError(
             f"cross_entropy: targets must lie in [0, {V}), got {targets.min()}..{targets.max()}"
         )
-    z = logits.data.reshape(-1, V)
+    xp, z = namespace(logits.data), logits.data.reshape(-1, V)
     t = targets.reshape(-1)
     N = len(t)
-    shifted = z - z.max(axis=1, keepdims=True)  # log-sum-exp trick: stable for large logits
-    e = np.exp(shifted)
+    if xp is not np:
+        t = xp.index(t)  # the targets beside the logits, on their device
+    shifted = z - _amax(z, 1)  # log-sum-exp trick: stable for large logits
+    e = xp.exp(shifted)
     sum_e = e.sum(axis=1, keepdims=True)
-    rows = np.arange(N)
-    loss = np.log(sum_e[:, 0]) - shifted[rows, t]
+    rows = xp.arange(N)
+    loss = xp.log(sum_e[:, 0]) - shifted[rows, t]
 
     def backward(g):
         d = e / sum_e
@@ -212,7 +230,7 @@ def cross_entropy(logits: Tensor, targets) -> Tensor:
         return (d.reshape(logits.shape),)
 
     # sum / N: the bits of loss.mean(), without its Python overhead
-    return op(np.asarray(loss.sum() / N, dtype=logits.dtype), (logits,), backward)
+    return op(xp.asarray(loss.sum() / N, dtype=logits.dtype), (logits,), backward)
 
 
 def mse(prediction: Tensor, target) -> Tensor:

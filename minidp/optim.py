@@ -2,7 +2,9 @@
 (so tests can check them against torch.optim step by step).
 
 Every optimizer updates `p.data` in place from `p.grad` and skips parameters whose grad is
-None. `state_dict()` holds the hyper-parameters and per-parameter state in parameter order.
+None. On `--backend torch` the arrays are torch tensors, updated in place the same way
+(`xp = namespace(w)` where a NumPy function is called). `state_dict()` holds the
+hyper-parameters and per-parameter state in parameter order.
 """
 
 import math
@@ -10,6 +12,7 @@ import math
 import numpy as np
 
 from minidp.autograd import Tensor
+from minidp.backend import copy, namespace
 
 
 class Optimizer:
@@ -42,7 +45,7 @@ class Optimizer:
             "lr": self.lr,
             "hyper": dict(self.hyper),
             "step_count": self.step_count,
-            "state": [{k: v.copy() for k, v in s.items()} for s in self.state],
+            "state": [{k: copy(v) for k, v in s.items()} for s in self.state],
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -53,7 +56,7 @@ class Optimizer:
             )
         self.lr, self.hyper = state["lr"], dict(state["hyper"])
         self.step_count = state["step_count"]
-        self.state = [{k: np.array(v) for k, v in s.items()} for s in state["state"]]
+        self.state = [{k: _own(v) for k, v in s.items()} for s in state["state"]]
 
 
 class SGD(Optimizer):
@@ -81,7 +84,7 @@ class SGD(Optimizer):
             g = g + wd * w
         if momentum:
             if "velocity" not in state:
-                state["velocity"] = np.array(g, dtype=w.dtype)
+                state["velocity"] = namespace(g).array(g, dtype=w.dtype)
             else:
                 v = state["velocity"]
                 v *= momentum
@@ -116,8 +119,9 @@ class Adam(Optimizer):
             w *= 1 - self.lr * wd  # AdamW: decay the weights, not the gradient
         elif wd:
             g = g + wd * w
+        xp = namespace(w)  # numpy, or NumPy's names over torch (backend.py)
         if "m" not in state:
-            state["m"], state["v"] = np.zeros_like(w), np.zeros_like(w)
+            state["m"], state["v"] = xp.zeros_like(w), xp.zeros_like(w)
             state["step"] = np.zeros((), dtype=np.int64)
         state["step"] += 1  # per parameter, as torch: a step without a gradient does not count
         m, v, t = state["m"], state["v"], int(state["step"])
@@ -125,7 +129,7 @@ class Adam(Optimizer):
         m += (1 - b1) * g
         v *= b2
         v += (1 - b2) * (g * g)
-        denom = np.sqrt(v) / math.sqrt(1 - b2**t) + eps
+        denom = xp.sqrt(v) / math.sqrt(1 - b2**t) + eps
         w -= (self.lr / (1 - b1**t)) * m / denom
 
 
@@ -145,10 +149,15 @@ class AdamW(Adam):
         super().__init__(params, lr, betas, eps, weight_decay)
 
 
+def _own(v):
+    """A private copy of a saved state array (a NumPy one as np.array makes it)."""
+    return np.array(v) if isinstance(v, np.ndarray | np.generic) else copy(v)
+
+
 def sum_of_squares(arrays) -> float:
     """sum of x*x over the arrays (None skipped): each array's in its own dtype (as torch
     does), their total in float64."""
-    return sum(float(np.vdot(a, a)) for a in arrays if a is not None)
+    return sum(float(namespace(a).vdot(a, a)) for a in arrays if a is not None)
 
 
 def global_grad_norm(params) -> float:
@@ -167,7 +176,7 @@ def clip_grad_norm(params, max_norm: float, total_norm: float | None = None) -> 
     if scale < 1:
         for p in params:
             if p.grad is not None:
-                p.grad *= p.grad.dtype.type(scale)
+                p.grad *= p.grad.dtype.type(scale) if isinstance(p.grad, np.ndarray) else scale
     return norm
 
 

@@ -12,9 +12,10 @@ every rank starts with the same model; which examples a rank reads is the strate
 
 import numpy as np
 
-from minidp import data, nn
+from minidp import backend, data, nn
 from minidp.autograd import Tensor, no_grad
 from minidp.config import TrainConfig
+from minidp.info import cores_per_rank
 
 
 class Task:
@@ -22,6 +23,8 @@ class Task:
 
     def __init__(self, config: TrainConfig, dtype):
         self.config = config
+        threads = config.threads or max(1, int(cores_per_rank()))
+        backend.use(config.backend, config.device, threads)  # the model is built on the host
         if config.model == "gpt":
             self.train_tokens, self.val_tokens, self.tokenizer = data.char_corpus()
             self.gpt_config = nn.GPTConfig(
@@ -45,15 +48,15 @@ class Task:
             self.num_examples = len(self.x_train)
             self.unit = "examples"
             self.items_per_example = 1
+        backend.move_model(self.model)  # then moved (--backend torch; nothing for numpy)
 
     def batch(self, indices: np.ndarray, split: str = "train"):
         """(inputs, targets) for the examples at `indices`."""
         if self.config.model == "gpt":
             tokens = self.train_tokens if split == "train" else self.val_tokens
             return data.lm_batch(tokens, indices, self.config.block_size)
-        if split == "train":
-            return Tensor(self.x_train[indices]), self.y_train[indices]
-        return Tensor(self.x_val[indices]), self.y_val[indices]
+        x, y = (self.x_train, self.y_train) if split == "train" else (self.x_val, self.y_val)
+        return Tensor(backend.to_backend(x[indices], self.config.backend)), y[indices]
 
     def loss(self, inputs, targets) -> Tensor:
         return nn.cross_entropy(self.model(inputs), targets)

@@ -14,7 +14,7 @@ fusion bucket the same way (PyTorch's default cap is 25 MiB; minidp's models are
 data_parallel.py defaults to 0.25 MiB).
 """
 
-import numpy as np
+from minidp.backend import namespace
 
 
 class Bucket:
@@ -26,7 +26,8 @@ class Bucket:
     def __init__(self, index: int, params: list, dtype):
         self.index = index
         self.params = params
-        self.data = np.zeros(sum(p.size for p in params), dtype=dtype)
+        # on the parameters' own library and device (a torch tensor with --backend torch)
+        self.data = namespace(params[0].data).zeros(sum(p.size for p in params), dtype=dtype)
         self.views = []
         offset = 0
         for p in params:

@@ -26,8 +26,11 @@ import sys
 import threading
 import time
 
+import numpy as np
+
 from minidp import comm
 from minidp.parallel.buckets import Bucket
+from minidp.parallel.host_stage import HostBucket, HostStage
 from minidp.trace import Timeline
 
 SWITCH_INTERVAL_S = 2e-4  # how often the GIL changes hands while a comm thread runs
@@ -67,17 +70,26 @@ def allreduce_hook(algo: str = "auto"):
 
 
 class Reducer:
-    """Reduces one bucket with the hook on `group`, and keeps the time it took."""
+    """Reduces one bucket with the hook on `group`, and keeps the time it took.
 
-    def __init__(self, hook, group: comm.Group, timeline: Timeline):
+    A bucket of torch tensors (--backend torch) goes through `stage` (host_stage.py): the
+    hook sees its host NumPy copy, and the result is copied back."""
+
+    def __init__(self, hook, group: comm.Group, timeline: Timeline, stage: HostStage | None = None):
         self.hook, self.group, self.timeline = hook, group, timeline
+        self.stage = stage or HostStage(timeline)
         self.seconds = 0.0  # time inside the hook, in total (read differences)
 
     def __call__(self, bucket: Bucket, share: float) -> None:
         start = time.perf_counter()
+        device = None if isinstance(bucket.data, np.ndarray) else bucket
+        if device is not None:  # a torch tensor: the hook works on its host copy
+            bucket = HostBucket(device, self.stage.to_host(device.data, f"bucket {device.index}"))
         bucket.data *= bucket.data.dtype.type(share)  # n_r / B: see data_parallel.py
         size = bucket.data.nbytes  # read first: a hook may drop the bucket's data (ZeRO-2)
         self.hook(bucket, self.group)
+        if device is not None:
+            self.stage.to_device(bucket.data, device.data, f"bucket {device.index}")
         end = time.perf_counter()
         self.seconds += end - start
         self.timeline.add(

@@ -52,6 +52,7 @@ from minidp.info import cores_per_rank
 from minidp.nn import Module
 from minidp.parallel.buckets import Bucket, assign_buckets
 from minidp.parallel.comm_thread import CommThread, Reducer, allreduce_hook
+from minidp.parallel.host_stage import HostStage
 from minidp.trace import Timeline
 
 
@@ -144,8 +145,11 @@ class DistributedDataParallel:
         else:
             self.overlap, self.overlap_reason = overlap, "forced"
         check_same_model(model, self.group)
-        for p in model.parameters():  # every rank starts from rank 0's weights
-            comm.broadcast(p.data, root=0, group=self.group)
+        self.stage = HostStage(timeline)  # torch tensors go through host buffers (host_stage.py)
+        for i, p in enumerate(model.parameters()):  # every rank starts from rank 0's weights
+            self.stage.in_place(
+                lambda a: comm.broadcast(a, root=0, group=self.group), p.data, f"param {i}"
+            )
 
         params = model.parameters()[::-1]  # the order backward produces their gradients
         self.buckets = assign_buckets(params, max(1, int(bucket_cap_mb * 2**20)))
@@ -160,7 +164,9 @@ class DistributedDataParallel:
         self.comm_group = self.group.dup()  # communication's own communicator
         # with overlap it waits by napping, not spinning: the compute thread keeps the core
         self.comm_group.patient = self.overlap
-        self.reducer = Reducer(allreduce_hook(algo), self.comm_group, timeline or Timeline(False))
+        self.reducer = Reducer(
+            allreduce_hook(algo), self.comm_group, timeline or Timeline(False), self.stage
+        )
         self.exposed_seconds = 0.0  # time the main thread waited for communication, in total
         self._next = 0  # index of the next bucket to launch
         self._thread = CommThread(self.reducer) if self.overlap else None

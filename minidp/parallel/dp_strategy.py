@@ -192,6 +192,7 @@ class DataParallel(Strategy):
             "buckets": len(self.ddp.buckets),
             **self._compression(),
             **(self.pruning.record() if self.pruning else {}),
+            **self.ddp.stage.record(),  # --backend torch: the host staging copies
         }
 
     def summary(self) -> str:

@@ -47,6 +47,7 @@ from typing import NamedTuple
 import numpy as np
 
 from minidp import comm, optim
+from minidp.backend import to_numpy
 from minidp.trace import Timeline
 
 
@@ -144,7 +145,7 @@ def replica_spread(arrays, group: comm.Group) -> float:
     """max over elements of (largest - smallest value across the group): 0.0 when in sync."""
     if not arrays:
         return 0.0
-    flat = np.concatenate([a.ravel() for a in arrays]).astype(np.float64)
+    flat = np.concatenate([to_numpy(a).ravel() for a in arrays]).astype(np.float64)
     high = comm.allreduce(flat, op="max", group=group)
     low = comm.allreduce(flat, op="min", group=group)
     return float((high - low).max())
