@@ -1,6 +1,7 @@
 """Layering that reads bottom up: what imports without MPI, and who may import whom.
 
-    chunks  autograd  ops  nn  optim  data  log  config  parser  plots  no MPI
+    chunks  autograd  grad_mode  ops  nn  optim  data  log  config      no MPI
+    parser  plots  backend  prune    (torch_ref, backend_torch: torch, not MPI)
     comm  trace  parallel  train  cli  bench                        on MPI (mpi4py)
 
 Everything in the first row must import, and tutorials 01 and 02 must run, where mpi4py
@@ -28,6 +29,9 @@ NO_MPI_MODULES = (
     "minidp.log",
     "minidp.parser",
     "minidp.plots",
+    "minidp.backend",
+    "minidp.grad_mode",
+    "minidp.prune",
 )
 BLOCK_MPI4PY = """
 import sys
