@@ -59,6 +59,24 @@ def micro_batches(local: np.ndarray, K: int, reducer):
         yield local[lo:hi], (hi - lo) / len(local), sync
 
 
+def forward_backward(strategy, local: np.ndarray, reducer) -> float:
+    """Forward and backward of each micro-batch of `local` (micro_batches), the reduction
+    left to `reducer`'s hooks; returns this rank's mean loss. The first call measures the
+    graph's activations into `strategy.activations_peak` (every step is alike)."""
+    span, local_loss = strategy.timeline.span, 0.0
+    for indices, weight, sync in micro_batches(local, strategy.config.grad_accum, reducer):
+        with sync:
+            with span("forward"):  # weight (m_k / n_r): the K losses sum to the local mean
+                loss = strategy.loss(indices) * weight
+            if strategy._measure:
+                strategy.activations_peak = max(strategy.activations_peak, activation_bytes(loss))
+            with span("backward"):
+                loss.backward()
+        local_loss += loss.item()
+    strategy._measure = False
+    return local_loss
+
+
 class DataParallel(Strategy):
     """DistributedDataParallel and an optimizer over `group`, with gradient accumulation.
 
@@ -107,23 +125,13 @@ class DataParallel(Strategy):
         self._measure = True
 
     def step(self, local: np.ndarray, lr: float) -> StepResult:
-        ddp, K, span = self.ddp, self.config.grad_accum, self.timeline.span
+        ddp, span = self.ddp, self.timeline.span
         self.optimizer.lr = lr
         if self.pruning is not None:  # on the schedule's steps: new masks, before forward
             self.pruning.begin_step()
         ddp.zero_grad()
         ddp.set_batch_share(len(local), self.config.batch_size)
-        local_loss = 0.0
-        for indices, weight, sync in micro_batches(local, K, ddp):
-            with sync:
-                with span("forward"):  # weight (m_k / n_r): the K losses sum to the local mean
-                    loss = self.loss(indices) * weight
-                if self._measure:
-                    self.activations_peak = max(self.activations_peak, activation_bytes(loss))
-                with span("backward"):
-                    loss.backward()
-            local_loss += loss.item()
-        self._measure = False
+        local_loss = forward_backward(self, local, ddp)
         self.steps_done += 1
         with span("gradient sync wait"):
             ddp.finish_gradient_sync()

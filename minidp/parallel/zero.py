@@ -50,10 +50,10 @@ import numpy as np
 
 from minidp import comm, optim
 from minidp.config import BadConfig
-from minidp.memory import activation_bytes, nbytes, optimizer_bytes
+from minidp.memory import nbytes, optimizer_bytes
 from minidp.parallel.buckets import bucket_groups
 from minidp.parallel.data_parallel import DistributedDataParallel, check_same_model, overlap_helps
-from minidp.parallel.dp_strategy import OVERLAP, check_micro_batches, micro_batches
+from minidp.parallel.dp_strategy import OVERLAP, check_micro_batches, forward_backward
 from minidp.parallel.strategy import (
     StepResult,
     Strategy,
@@ -189,7 +189,7 @@ class ZeRO(Strategy):
 
     # ---- one step --------------------------------------------------------------------
     def step(self, local: np.ndarray, lr: float) -> StepResult:
-        span, K = self.timeline.span, self.config.grad_accum
+        span = self.timeline.span
         self.optimizer.lr = lr
         share = len(local) / self.config.batch_size  # n_r / B
         if self.ddp is not None:
@@ -197,17 +197,7 @@ class ZeRO(Strategy):
             self.ddp.set_batch_share(len(local), self.config.batch_size)
         else:
             self.grads.share = share
-        local_loss = 0.0
-        for indices, weight, sync in micro_batches(local, K, self.ddp or self.grads):
-            with sync:
-                with span("forward"):  # weight (m_k / n_r): the K losses sum to the local mean
-                    loss = self.loss(indices) * weight
-                if self._measure:
-                    self.activations_peak = max(self.activations_peak, activation_bytes(loss))
-                with span("backward"):
-                    loss.backward()
-            local_loss += loss.item()
-        self._measure = False
+        local_loss = forward_backward(self, local, self.ddp or self.grads)
         with span("gradient sync wait"):
             if self.ddp is not None:
                 self.ddp.finish_gradient_sync()
