@@ -34,9 +34,11 @@ Waiting: servers wait in a patient probe (naps doubling to 1 ms): measured here,
 idle for 2 s used 33 ms of CPU (under 2% of a core). Workers wait for replies by polling
 with 50 us naps (a patient group).
 
-After training, gather_model() broadcasts each server's shard to every rank: every rank's
-task.model then holds the servers' copy, and max_param_diff() is the largest difference
-between what the workers pulled and that copy (0.0: bitwise the same).
+A server releases the whole model once its shard is copied (read-only stand-ins). After
+training, gather_model() broadcasts each server's shard to every rank: every rank's
+task.model then holds the servers' copy (a server's in fresh arrays), and max_param_diff()
+is the largest difference between what the workers pulled and that copy (0.0: bitwise the
+same).
 """
 
 import dataclasses
