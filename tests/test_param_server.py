@@ -11,10 +11,11 @@ import numpy as np
 import pytest
 
 from minidp import comm, optim
-from minidp.config import TrainConfig
+from minidp.config import TrainConfig, staleness_bound
 from minidp.data import DistributedSampler
 from minidp.parallel import ParameterServer, ps_comm
-from minidp.parallel.ps_server import OPTIMIZERS
+from minidp.parallel.ps_comm import PULL, PUSH, Header
+from minidp.parallel.ps_server import OPTIMIZERS, ShardServer
 from minidp.tasks import Task
 
 TINY = dict(
@@ -47,8 +48,9 @@ def reference(config):
 
 
 def parameter_server(config, group, resume_at=None):
-    """Train as the loop does: step, then gather_model; returns (losses, params, strategy).
-    resume_at: stop after that many steps, and go on in a fresh strategy from state_dict."""
+    """Train as the loop does: step, memory_bytes, gather_model; returns (losses, params,
+    strategy, memory). resume_at: stop after that many steps, and go on in a fresh strategy
+    from state_dict."""
     strategy = ParameterServer(Task(config, np.float64), config, group)
     sampler = None
     if strategy.data_shard is not None:
@@ -64,9 +66,32 @@ def parameter_server(config, group, resume_at=None):
             strategy.load_state_dict(state)
         local = sampler.local_indices(step) if sampler else None
         losses.append(strategy.step(local, schedule(config, step)).loss)
+    memory = strategy.memory_bytes()
     strategy.gather_model()
     strategy.close()
-    return losses, [p.data.copy() for p in strategy.params], strategy
+    return losses, [p.data.copy() for p in strategy.params], strategy, memory
+
+
+def assert_traffic(strategy):
+    """Each server takes, per step, from each worker: push header and payload, pull header;
+    and sends back a reply header and its shard."""
+    W = strategy.n_workers
+    for r in strategy.record()["ps_traffic"]:
+        if r["role"] == "server":
+            lo, hi = strategy.shards[r["rank"] - W]
+            per_worker = 8 * (hi - lo) + 2 * 64
+            assert r["bytes_in_per_step"] == W * per_worker
+
+
+def assert_memory(strategy, memory):
+    """A server holds its shard (and one element per released parameter), not the model;
+    a worker's gradients are its flat push buffer and the arrays backward left."""
+    psi = strategy.shards[-1][1]
+    if strategy.is_server:
+        lo, hi = strategy.shards[strategy.group.rank - strategy.n_workers]
+        assert memory["parameters"] == 8 * (hi - lo + len(strategy.params))
+    else:
+        assert memory["gradients"] == 2 * 8 * psi
 
 
 def assert_bitwise_same(got, want):
@@ -88,7 +113,7 @@ def test_bsp_is_single_process_training(monkeypatch):
             want_losses, want = reference(config)
             for servers in (1, 2):  # 3 workers and 1 server, 2 and 2
                 config = replace(config, servers=servers)
-                losses, got, strategy = parameter_server(config, group)
+                losses, got, strategy, memory = parameter_server(config, group)
                 np.testing.assert_allclose(losses, want_losses, rtol=1e-10)
                 for p, q in zip(got, want, strict=True):
                     np.testing.assert_allclose(p, q, rtol=1e-10, atol=1e-10 * np.abs(q).max())
@@ -96,16 +121,11 @@ def test_bsp_is_single_process_training(monkeypatch):
                 record = strategy.record()
                 W = group.size - servers
                 assert record["staleness_histogram"] == {"0": servers * W * STEPS}
-                # each server takes, per step, from each worker: push header and payload,
-                # pull header; and sends back a reply header and its shard
-                for r in record["ps_traffic"]:
-                    if r["role"] == "server":
-                        lo, hi = strategy.shards[r["rank"] - W]
-                        per_worker = 8 * (hi - lo) + 2 * 64
-                        assert r["bytes_in_per_step"] == W * per_worker
+                assert_traffic(strategy)
+                assert_memory(strategy, memory)
     # a push sent twice (same worker, clock, shard) is applied once: the same training
     config = replace(config, servers=2)  # the gpt, adamw
-    want_losses, want, _ = parameter_server(config, group)
+    want_losses, want, *_ = parameter_server(config, group)
     push = ps_comm.push
 
     def push_twice(group, servers, shards, grad, header, versions):
@@ -114,13 +134,15 @@ def test_bsp_is_single_process_training(monkeypatch):
         return [first[0] + again[0], first[1] + again[1]]
 
     monkeypatch.setattr(ps_comm, "push", push_twice)
-    losses, got, strategy = parameter_server(config, group)
+    losses, got, strategy, _ = parameter_server(config, group)
     assert_bitwise_same((losses, got), (want_losses, want))
     assert strategy.record()["duplicates_dropped"] == 2 * (group.size - 2) * STEPS
     # resuming from state_dict after step 1, in a strategy built from another seed
     monkeypatch.undo()
-    losses, got, _ = parameter_server(config, group, resume_at=2)
+    losses, got, strategy, memory = parameter_server(config, group, resume_at=2)
     assert_bitwise_same((losses, got), (want_losses, want))
+    assert_traffic(strategy)  # per step of the resumed strategy: its counters' steps
+    assert_memory(strategy, memory)  # the resumed server released its model too
 
 
 @pytest.mark.parallel(nprocs=[4])
@@ -134,7 +156,7 @@ def test_asp_and_ssp_converge_and_ssp_staleness_is_bounded():
     final = {}
     for consistency in ("bsp", "ssp:1", "asp"):
         config = replace(base, consistency=consistency)
-        losses, got, strategy = parameter_server(config, group)
+        losses, got, strategy, _ = parameter_server(config, group)
         final[consistency] = strategy.task.validation_loss()  # of the servers' final model
         assert strategy.max_param_diff() == 0.0
         staleness = [int(s) for s in strategy.record()["staleness_histogram"]]
@@ -147,6 +169,50 @@ def test_asp_and_ssp_converge_and_ssp_staleness_is_bounded():
     for consistency in ("ssp:1", "asp"):  # well below the start, BSP's loss within 0.25
         assert final[consistency] < 0.5 * first, (first, final)
         assert final[consistency] < final["bsp"] + 0.25, final
+
+
+def scripted_server(monkeypatch, consistency: str, script) -> tuple[ShardServer, list]:
+    """A ShardServer of 2 workers fed `script`, [(tag, worker, clock)...], with no MPI:
+    each push carries the version of the worker's last reply, as a worker's does. Returns
+    the server and, after each message, the pulls still waiting [(worker, clock)...]."""
+    config = TrainConfig(strategy="ps", consistency=consistency, steps=8, grad_clip=0.0)
+    histogram = np.zeros(config.steps + 1, dtype=np.int64)
+    bound = staleness_bound(consistency)
+    server = ShardServer(None, 0, 4, np.zeros(4), config, 2, bound, None, histogram)
+    versions, inbox, waiting = [0, 0], [], []
+
+    def reply(ps, worker, header, shard):
+        versions[worker] = header.version
+        return [[], []]
+
+    monkeypatch.setattr(ps_comm, "next_header", lambda ps, buf, timeout: inbox.pop())
+    monkeypatch.setattr(ps_comm, "recv_push_data", lambda ps, buf, worker: buf.fill(1.0))
+    monkeypatch.setattr(ps_comm, "reply", reply)
+    for tag, w, c in script:
+        version = versions[w] if tag == PUSH else 0
+        inbox.append((tag, Header(w, c, 0, 4, version, loss=1.0, share=0.5, lr=0.1)))
+        server.serve_one()
+        waiting.append([(h.worker, h.clock) for h in server.pending])
+    return server, waiting
+
+
+def test_asp_and_ssp_record_each_update_at_its_staleness(monkeypatch):
+    # SSP, K = 1: worker 0 runs one clock ahead, then waits for worker 1
+    ssp = [
+        (PUSH, 0, 0), (PULL, 0, 1), (PUSH, 0, 1),  # clock 1 on clock-0 parameters: 1
+        (PULL, 0, 2),  # waits: clock 0 is not complete
+        (PUSH, 1, 0), (PULL, 1, 1), (PUSH, 1, 1),  # 0 and 0; answers worker 0 (version 1)
+        (PUSH, 0, 2),  # clock 2 on parameters of complete clocks < 1: 1
+    ]  # fmt: skip
+    server, waiting = scripted_server(monkeypatch, "ssp:1", ssp)
+    assert [len(w) for w in waiting] == [0, 0, 0, 1, 0, 0, 0, 0], waiting
+    np.testing.assert_array_equal(server.histogram[:3], [3, 2, 0])
+    # ASP: worker 0 runs three clocks ahead of a silent worker 1, never waiting
+    asp = [(PUSH, 0, 0)] + [(t, 0, c) for c in (1, 2, 3) for t in (PULL, PUSH)] + [(PUSH, 1, 0)]
+    server, waiting = scripted_server(monkeypatch, "asp", asp)
+    assert not any(waiting)
+    np.testing.assert_array_equal(server.histogram[:5], [2, 1, 1, 1, 0])
+    assert server.complete == 1
 
 
 @pytest.mark.parallel(nprocs=[2])

@@ -1,5 +1,6 @@
-"""The parameter server from the command line: bad input is one line each; a silent worker
-is dropped with a warning under ASP and is an error naming it under BSP; the benchmark runs."""
+"""The parameter server from the command line: bad input is one line each (data parallelism's
+flags, and a batch the workers cannot split, found on the servers too); a silent worker is
+dropped with a warning under ASP and is an error naming it under BSP; the benchmark runs."""
 
 import json
 import os
@@ -22,6 +23,11 @@ SILENT = ["--ps-timeout", "0.3", "--ps-slow-worker-ms", "1000", "--eval-batches"
         (["--servers", "2"], "--servers is a flag of --strategy ps, not of --strategy dp"),
         (["--consistency", "asp"], "--consistency is a flag of --strategy ps"),
         (MLP, "--servers 1 leaves no worker in a world of 1 ranks"),  # servers >= world
+        # data parallelism's flags, which the parameter server would ignore
+        ([*MLP, "--grad-accum", "2"], "--grad-accum is a flag of data parallelism"),
+        ([*MLP, "--overlap", "on"], "--overlap is a flag of data parallelism"),
+        ([*MLP, "--bucket-mb", "1"], "--bucket-mb is a flag of data parallelism"),
+        ([*MLP, "--allreduce", "ring"], "--allreduce is a flag of data parallelism"),
     ],
 )
 def test_bad_input_is_one_line(args, words, capsys):
@@ -36,6 +42,16 @@ def mpiexec(nprocs: int, *args: str, timeout: float = 120) -> subprocess.Complet
     cmd = ["mpiexec", "-n", str(nprocs), sys.executable, "-m", "minidp", *args]
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+
+
+@pytest.mark.timeout(60)
+def test_a_batch_too_small_for_the_workers_is_one_line_on_every_rank():
+    # the server reads no data: it finds the bad batch too, not waiting --ps-timeout for
+    # workers that have quit
+    bad = mpiexec(3, *MLP[:-1], "1", "--ps-timeout", "30")  # 2 workers, a global batch of 1
+    assert bad.returncode == 2, bad.stderr
+    words = "--batch-size 1: global batch 1 is smaller than the 2 ranks"
+    assert bad.stderr.count("\n") == 1 and words in bad.stderr, bad.stderr
 
 
 @pytest.mark.timeout(120)

@@ -34,17 +34,20 @@ Waiting: servers wait in a patient probe (naps doubling to 1 ms): measured here,
 idle for 2 s used 33 ms of CPU (under 2% of a core). Workers wait for replies by polling
 with 50 us naps (a patient group).
 
-After training, gather_model() broadcasts each server's shard to every rank: every rank's
-task.model then holds the servers' copy, and max_param_diff() is the largest difference
-between what the workers pulled and that copy (0.0: bitwise the same).
+A server releases the whole model once its shard is copied (read-only stand-ins). After
+training, gather_model() broadcasts each server's shard to every rank: every rank's
+task.model then holds the servers' copy (a server's in fresh arrays), and max_param_diff()
+is the largest difference between what the workers pulled and that copy (0.0: bitwise the
+same).
 """
 
+import dataclasses
 import functools
 import time
 
 import numpy as np
 
-from minidp import comm
+from minidp import comm, data
 from minidp.chunks import chunk_range
 from minidp.comm import p2p
 from minidp.config import BadConfig, staleness_bound
@@ -59,7 +62,12 @@ from minidp.parallel.strategy import (
     bytes_sent,
     clip_global_norm,
     global_l2,
+    stand_in,
 )
+
+DP_FLAGS = ("grad_accum", "overlap", "bucket_mb", "allreduce")
+"""Data parallelism's flags (dp, zero, tp, hybrid read them); the parameter server has no
+allreduce, buckets or micro-batches, so setting one is refused, never ignored."""
 
 
 class ParameterServer(Strategy):
@@ -69,11 +77,8 @@ class ParameterServer(Strategy):
 
     def __init__(self, task, config, group: comm.Group, timeline=None):
         super().__init__(task, config, group, timeline)
+        check_config(config, group.size, task.num_examples)  # every rank, before any message
         P, S = group.size, config.servers
-        if S >= P:
-            raise BadConfig(
-                f"--servers {S} leaves no worker in a world of {P} ranks: at most {P - 1}"
-            )
         self.bound = staleness_bound(config.consistency)
         self.n_workers = W = P - S
         self.servers = list(range(W, P))
@@ -86,6 +91,7 @@ class ParameterServer(Strategy):
         self.server_group = group.split(0 if self.is_server else None)
         self.histogram = np.zeros(config.steps + 1, dtype=np.int64)  # staleness 0..steps
         self.mismatch, self.traffic, self.clock = 0.0, None, 0
+        self.steps_run = 0  # by this object: its counters' steps, after a resume too
         self.duplicates, self.dropped = 0, []  # gathered by gather_model
         self.staleness = self.histogram  # this rank's until gather_model sums them
         self.activations_peak, self._measure = 0, True
@@ -94,6 +100,8 @@ class ParameterServer(Strategy):
             self.server = ShardServer(
                 self.ps, lo, hi, flat, config, W, self.bound, self.server_group, self.histogram
             )
+            for p in self.params:  # the shard is a copy: free the whole model's arrays
+                p.data = stand_in(p)  # (read-only stand-ins until gather_model)
         else:
             self.data_shard = (group.rank, W)
             self.flat, self.grad = flat, np.zeros_like(flat)
@@ -103,6 +111,7 @@ class ParameterServer(Strategy):
     # ---- one step -----------------------------------------------------------------------
     def step(self, local: np.ndarray | None, lr: float) -> StepResult:
         last = self.clock == self.config.steps - 1
+        self.steps_run += 1
         if self.is_server:
             loss = self.server.serve_until(self.clock, last)
             self.clock += 1
@@ -162,7 +171,10 @@ class ParameterServer(Strategy):
             if self.group.rank == self.servers[s]:
                 full[lo:hi] = self.server.param.data
             comm.broadcast(full[lo:hi], root=self.servers[s], group=self.group)
-        if not self.is_server:
+        if self.is_server:  # fresh arrays in place of the stand-ins
+            for p in self.params:
+                p.data = np.empty(p.shape, p.dtype)
+        else:
             self.mismatch = float(np.max(np.abs(self.flat - full), initial=0.0))
         self._load(full)
         self.staleness = comm.allreduce(self.histogram, group=self.group)  # every server's
@@ -179,7 +191,7 @@ class ParameterServer(Strategy):
         say("staleness histogram (clocks: updates): " + staleness_line(self.staleness))
         for r, (out, into) in enumerate(self.traffic):
             role = "server" if r in self.servers else "worker"
-            n = steps(self)
+            n = max(1, self.steps_run)
             say(f"  {role} rank {r}: {into / n:,.0f} B in, {out / n:,.0f} B out per step")
 
     def param_l2(self) -> float:
@@ -195,10 +207,10 @@ class ParameterServer(Strategy):
         return {"dp": bytes_sent(*groups)}
 
     def memory_bytes(self) -> dict[str, int]:
-        if self.is_server:
+        if self.is_server:  # the shard, and the released model's stand-ins
             s = self.server
             return {
-                "parameters": s.param.data.nbytes,
+                "parameters": nbytes([s.param.data, *(p.data for p in self.params)]),
                 "gradients": nbytes(s.inbox),
                 "optimizer": optimizer_bytes(s.optimizer),
                 "activations_peak": 0,
@@ -206,7 +218,7 @@ class ParameterServer(Strategy):
             }
         return {
             "parameters": nbytes(p.data for p in self.params),
-            "gradients": self.grad.nbytes,
+            "gradients": nbytes([self.grad, *(p.grad for p in self.params)]),  # backward's too
             "optimizer": 0,
             "activations_peak": self.activations_peak,
             "buffers": self.flat.nbytes,
@@ -233,8 +245,8 @@ class ParameterServer(Strategy):
             {
                 "rank": r,
                 "role": "server" if r in self.servers else "worker",
-                "bytes_out_per_step": int(t[0]) / steps(self),
-                "bytes_in_per_step": int(t[1]) / steps(self),
+                "bytes_out_per_step": int(t[0]) / max(1, self.steps_run),
+                "bytes_in_per_step": int(t[1]) / max(1, self.steps_run),
             }
             for r, t in enumerate(self.traffic if self.traffic is not None else [])
         ]
@@ -251,19 +263,17 @@ class ParameterServer(Strategy):
     # Taken between steps under BSP, every rank is at the same clock and no message is in
     # flight: that is the state this resumes (under ASP/SSP, the clocks as they stood).
     def state_dict(self) -> dict:
-        state = {"model": self.task.model.state_dict(), "clock": self.clock}
-        state["histogram"] = self.histogram.copy()
-        if self.is_server:
+        state = {"clock": self.clock, "histogram": self.histogram.copy()}
+        if self.is_server:  # its model is released: the shard is its state
             s = self.server
             s.serve_pulls(self.clock)  # the workers' pulls for this clock, still coming
             state |= {"shard": s.param.data.copy(), "optimizer": s.optimizer.state_dict()}
             state |= {"done": list(s.done), "complete": s.complete, "losses": list(s.losses)}
         else:
-            state["versions"] = list(self.versions)
+            state |= {"model": self.task.model.state_dict(), "versions": list(self.versions)}
         return state
 
     def load_state_dict(self, state: dict) -> None:
-        self.task.model.load_state_dict(state["model"])
         self.clock = state["clock"]
         self.histogram[...] = state["histogram"]
         if self.is_server:
@@ -273,6 +283,7 @@ class ParameterServer(Strategy):
             s.done, s.complete, s.losses = list(state["done"]), state["complete"], state["losses"]
             s.answered = [self.clock] * len(s.done)
         else:
+            self.task.model.load_state_dict(state["model"])
             self.versions = list(state["versions"])
             self.flat[...] = np.concatenate([p.data.ravel() for p in self.params])
 
@@ -283,8 +294,20 @@ class ParameterServer(Strategy):
             self.ps.free()
 
 
-def steps(strategy: ParameterServer) -> int:
-    return max(1, strategy.config.steps)
+def check_config(config, world_size: int, num_examples: int) -> None:
+    """BadConfig (one line) for what this world cannot run: on every rank alike, servers
+    included, which read no data and so never see the loop's check of the batch."""
+    for f in dataclasses.fields(config):
+        if f.name in DP_FLAGS and getattr(config, f.name) != f.default:
+            flag = "--" + f.name.replace("_", "-")
+            raise BadConfig(f"{flag} is a flag of data parallelism; --strategy ps does not use it")
+    P, S = world_size, config.servers
+    if S >= P:
+        raise BadConfig(f"--servers {S} leaves no worker in a world of {P} ranks: at most {P - 1}")
+    try:  # the workers' sampler, as the loop builds it on each of them
+        data.DistributedSampler(num_examples, config.batch_size, 0, P - S, seed=config.seed)
+    except ValueError as error:
+        raise BadConfig(f"--batch-size {config.batch_size}: {error}") from None
 
 
 def staleness_line(histogram: np.ndarray) -> str:
