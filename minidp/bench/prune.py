@@ -65,16 +65,18 @@ def measure(args, group: comm.Group) -> list[dict]:
     for config in configs.values():
         config.validate()
     finals: dict = {}
+    loop_seconds: dict = {key: [] for key in configs}  # the training loop's, not the build's
 
     def run(key):
         def train_once():
             with contextlib.redirect_stdout(io.StringIO()):  # the table is the output
                 finals[key] = train(configs[key], group)
+            loop_seconds[key].append(finals[key]["time_s"])
             print0(f"  width {key[0]} sparsity {key[1]:g}: val loss {finals[key]['val_loss']:.4f}")
 
         return train_once
 
-    times = rotated_rounds({key: run(key) for key in configs}, 0, args.repeats, group.comm)
+    rotated_rounds({key: run(key) for key in configs}, 0, args.repeats, group.comm)
     rows = []
     for (width, sparsity), final in finals.items():
         steps = final["steps"]
@@ -88,7 +90,7 @@ def measure(args, group: comm.Group) -> list[dict]:
                      "parameters": total, "nonzero_weights": nonzero,
                      "val_loss": final["val_loss"], "final_loss": final["final_loss"],
                      "bytes_per_step": sent,
-                     "step_ms": 1e3 * median(times[(width, sparsity)]) / steps,
+                     "step_ms": 1e3 * median(loop_seconds[(width, sparsity)]) / steps,
                      "nprocs": group.size})  # fmt: skip
     dense = next((r for r in rows if r["width"] == args.widths[0] and r["sparsity"] == 0), None)
     for r in rows:
