@@ -170,6 +170,16 @@ class TrainConfig:
             "strategies": ("dp",),
         },
     )
+    compress_on: str = field(
+        default="gradient",
+        metadata={
+            "help": "what --compress compresses: the summed gradient, before one shared "
+            "optimizer (gradient), or each rank's optimizer step, lr-scaled, with error "
+            "feedback on the step as in EF-SignSGD (update; minidp/parallel/compress_update.py)",
+            "choices": ("gradient", "update"),
+            "strategies": ("dp",),
+        },
+    )
 
     # pruning (minidp/prune.py): default run, the arithmetic: prune from step 50 to 200 every
     # 10 steps, 16 pruning steps on the cubic ramp; 114,688 of the GPT's 116,480 values are
@@ -283,8 +293,10 @@ class TrainConfig:
                 flags = ", ".join("--" + n.replace("_", "-") for n in given)
                 raise BadConfig(f"{flags} shape the schedule of --prune SPARSITY: give --prune")
             return
-        if getattr(self, "compress", "none") != "none":
-            raise BadConfig("--prune together with --compress is not yet supported: pick one")
+        if getattr(self, "compress", "none") != "none" or self.compress_on != "gradient":
+            raise BadConfig(
+                "--prune together with --compress (or --compress-on update) is not yet supported: pick one"
+            )
         if self.prune_scope not in ("global", "layer"):
             raise BadConfig(f"--prune-scope must be global or layer, got {self.prune_scope!r}")
         if self.prune_every < 1:

@@ -58,6 +58,12 @@ def parse_args(argv: list[str]):
         default="adamw",
         help="adamw (the default task's) or sgd (momentum 0.9, the papers' setting)",
     )
+    parser.add_argument(
+        "--compress-on",
+        choices=("gradient", "update"),
+        default="gradient",
+        help="what every contender but none compresses (see --compress-on of train)",
+    )
     parser.add_argument("--lr", type=float, default=None, help="peak lr (adamw 3e-3, sgd 0.3)")
     for name in ("n_layer", "n_embd", "n_head", "block_size", "batch_size"):  # the task's size
         default = getattr(TrainConfig, name)
@@ -89,7 +95,9 @@ def train_side_by_side(args, group: comm.Group) -> dict:
     )
     runs = {}
     for spec in args.compressors:
-        config = replace(base, compress=spec)
+        config = replace(
+            base, compress=spec, compress_on="gradient" if spec == "none" else args.compress_on
+        )
         task = Task(config, np.dtype(config.dtype))
         sgd = None
         if args.optimizer == "sgd":  # no weight decay
@@ -209,7 +217,7 @@ def main(argv: list[str]) -> int:
         print0(
             f"bench compress: GPT {args.n_layer} layers x {args.n_embd} channels, batch "
             f"{args.batch_size} x {args.block_size} tokens, {args.steps} steps, float32, "
-            f"{args.optimizer} lr {args.lr:g} | "
+            f"{args.optimizer} lr {args.lr:g} | compress on the {args.compress_on} | "
             f"{world.size} ranks x {blas_threads_per_rank(0)} BLAS threads | checks off | "
             f"{env['blas']}"
         )

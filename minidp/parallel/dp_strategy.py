@@ -24,6 +24,7 @@ from minidp.chunks import chunk_range
 from minidp.config import BadConfig
 from minidp.memory import activation_bytes, nbytes, optimizer_bytes
 from minidp.parallel.compress import compression_line, compression_record, make_compressor
+from minidp.parallel.compress_update import update_step
 from minidp.parallel.data_parallel import DistributedDataParallel
 from minidp.parallel.prune_comm import attach_pruner
 from minidp.parallel.strategy import (
@@ -92,6 +93,8 @@ class DataParallel(Strategy):
         self._measure = True
 
     def step(self, local: np.ndarray, lr: float) -> StepResult:
+        if self.config.compress_on == "update":  # the optimizer before the reduction
+            return update_step(self, local, lr)
         ddp, K, span = self.ddp, self.config.grad_accum, self.timeline.span
         self.optimizer.lr = lr
         if self.pruning is not None:  # on the schedule's steps: new masks, before forward
@@ -169,6 +172,7 @@ class DataParallel(Strategy):
             f"{config.bucket_mb} MiB | overlap {'on' if ddp.overlap else 'off'} "
             f"({ddp.overlap_reason}) | grad accumulation {config.grad_accum} | "
             f"compress {config.compress}"
+            + (" on the update" if config.compress_on == "update" else "")
         ) + (f" | {self.pruning.pruner.describe()}" if self.pruning else "")
 
     def record(self) -> dict:
@@ -176,6 +180,7 @@ class DataParallel(Strategy):
             "allreduce": self.config.allreduce,
             "overlap": self.ddp.overlap,
             "buckets": len(self.ddp.buckets),
+            "compress_on": self.config.compress_on,
             **self._compression(),
             **(self.pruning.record() if self.pruning else {}),
         }
