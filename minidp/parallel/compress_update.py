@@ -23,6 +23,7 @@ import numpy as np
 
 from minidp import optim
 from minidp.chunks import chunk_range
+from minidp.memory import activation_bytes
 from minidp.parallel.strategy import StepResult, global_loss
 
 
@@ -39,9 +40,12 @@ def update_step(strategy, local: np.ndarray, lr: float) -> StepResult:
             lo, hi = chunk_range(len(local), K, k)
             with span("forward"):
                 loss = strategy.loss(local[lo:hi]) * ((hi - lo) / len(local))
+            if strategy._measure:
+                strategy.activations_peak = max(strategy.activations_peak, activation_bytes(loss))
             with span("backward"):
                 loss.backward()
             local_loss += loss.item()
+    strategy._measure = False
     strategy.steps_done += 1
     step_loss = global_loss(local_loss, ddp.share, strategy.dp_group)
     if not np.isfinite(step_loss):  # alike on every rank: no step, no message
