@@ -295,7 +295,8 @@ class TrainConfig:
             return
         if getattr(self, "compress", "none") != "none" or self.compress_on != "gradient":
             raise BadConfig(
-                "--prune together with --compress (or --compress-on update) is not yet supported: pick one"
+                "--prune together with --compress (or --compress-on update) is not yet "
+                "supported: pick one"
             )
         if self.prune_scope not in ("global", "layer"):
             raise BadConfig(f"--prune-scope must be global or layer, got {self.prune_scope!r}")

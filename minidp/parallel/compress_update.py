@@ -22,30 +22,17 @@ optimizers' moments do not (each saw its own gradients): they are per-rank state
 import numpy as np
 
 from minidp import optim
-from minidp.chunks import chunk_range
-from minidp.memory import activation_bytes
 from minidp.parallel.strategy import StepResult, global_loss
 
 
 def update_step(strategy, local: np.ndarray, lr: float) -> StepResult:
     """One step of DataParallel with the optimizer before the (compressed) reduction."""
-    ddp, config, K = strategy.ddp, strategy.config, strategy.config.grad_accum
+    ddp, config = strategy.ddp, strategy.config
     span = strategy.timeline.span
     strategy.optimizer.lr = lr
     ddp.zero_grad()
     ddp.set_batch_share(len(local), config.batch_size)
-    local_loss = 0.0
-    with ddp.no_sync():  # every micro-batch: this rank's own mean gradient, not reduced
-        for k in range(K):
-            lo, hi = chunk_range(len(local), K, k)
-            with span("forward"):
-                loss = strategy.loss(local[lo:hi]) * ((hi - lo) / len(local))
-            if strategy._measure:
-                strategy.activations_peak = max(strategy.activations_peak, activation_bytes(loss))
-            with span("backward"):
-                loss.backward()
-            local_loss += loss.item()
-    strategy._measure = False
+    local_loss = strategy.backward(local, sync=False)  # this rank's own mean gradient
     strategy.steps_done += 1
     step_loss = global_loss(local_loss, ddp.share, strategy.dp_group)
     if not np.isfinite(step_loss):  # alike on every rank: no step, no message

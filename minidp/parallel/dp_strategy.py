@@ -95,24 +95,13 @@ class DataParallel(Strategy):
     def step(self, local: np.ndarray, lr: float) -> StepResult:
         if self.config.compress_on == "update":  # the optimizer before the reduction
             return update_step(self, local, lr)
-        ddp, K, span = self.ddp, self.config.grad_accum, self.timeline.span
+        ddp, span = self.ddp, self.timeline.span
         self.optimizer.lr = lr
         if self.pruning is not None:  # on the schedule's steps: new masks, before forward
             self.pruning.begin_step()
         ddp.zero_grad()
         ddp.set_batch_share(len(local), self.config.batch_size)
-        local_loss = 0.0
-        for k in range(K):
-            lo, hi = chunk_range(len(local), K, k)
-            with ddp.no_sync() if k < K - 1 else contextlib.nullcontext():
-                with span("forward"):  # weight (m_k / n_r): the K losses sum to the local mean
-                    loss = self.loss(local[lo:hi]) * ((hi - lo) / len(local))
-                if self._measure:
-                    self.activations_peak = max(self.activations_peak, activation_bytes(loss))
-                with span("backward"):
-                    loss.backward()
-            local_loss += loss.item()
-        self._measure = False
+        local_loss = self.backward(local)
         self.steps_done += 1
         with span("gradient sync wait"):
             ddp.finish_gradient_sync()
@@ -124,6 +113,24 @@ class DataParallel(Strategy):
                     self.clip_gradients()
                 self.optimizer.step()
         return StepResult(step_loss, local_loss)
+
+    def backward(self, local: np.ndarray, sync: bool = True) -> float:
+        """Forward and backward over the K micro-batches of this rank's examples: all but
+        the last under no_sync(), the last too unless `sync`. Returns the local mean loss."""
+        ddp, K, span = self.ddp, self.config.grad_accum, self.timeline.span
+        local_loss = 0.0
+        for k in range(K):
+            lo, hi = chunk_range(len(local), K, k)
+            with ddp.no_sync() if k < K - 1 or not sync else contextlib.nullcontext():
+                with span("forward"):  # weight (m_k / n_r): the K losses sum to the local mean
+                    loss = self.loss(local[lo:hi]) * ((hi - lo) / len(local))
+                if self._measure:
+                    self.activations_peak = max(self.activations_peak, activation_bytes(loss))
+                with span("backward"):
+                    loss.backward()
+            local_loss += loss.item()
+        self._measure = False
+        return local_loss
 
     def loss(self, indices: np.ndarray):
         """The mean loss over these examples (a Tensor, to backpropagate)."""
