@@ -167,7 +167,7 @@ class TrainConfig:
             "help": "gradient compression NAME[:PARAM]: none, fp16, bf16, topk:DENSITY, "
             "randomk:DENSITY, sign, sign-noef, qsgd:LEVELS, powersgd:RANK "
             "(minidp/parallel/compress.py)",
-            "strategies": ("dp",),
+            "strategies": ("dp", "hybrid"),
         },
     )
     compress_on: str = field(
