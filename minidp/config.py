@@ -170,6 +170,15 @@ class TrainConfig:
             "strategies": ("dp", "hybrid"),
         },
     )
+    compress_warmup: int = field(
+        default=0,
+        metadata={
+            "help": "the first STEPS reductions of each bucket are the plain allreduce, "
+            "uncompressed, and compression starts from a zero residual after (PyTorch "
+            "PowerSGD's start_powerSGD_iter)",
+            "strategies": ("dp", "hybrid"),
+        },
+    )
     compress_on: str = field(
         default="gradient",
         metadata={
@@ -272,6 +281,10 @@ class TrainConfig:
         if self.sequence_parallel and self.tp == 1:
             raise BadConfig("--sequence-parallel needs --tp > 1 (it splits over the TP group)")
         self._validate_prune()
+        if self.compress_warmup < 0:
+            raise BadConfig(f"--compress-warmup must be >= 0, got {self.compress_warmup}")
+        if self.compress_warmup and self.compress == "none":
+            raise BadConfig("--compress-warmup needs --compress: it delays the compression")
         if self.strategy == "zero" and self.zero_stage not in (1, 2, 3):
             raise BadConfig(f"--strategy zero needs --zero-stage 1, 2 or 3, got {self.zero_stage}")
         if self.strategy == "hybrid" and self.zero_stage:

@@ -1,7 +1,8 @@
-"""`--compress-on update` (parallel/compress_update.py): each rank's optimizer step is what
-the hook compresses. At one rank with no compressor it is the gradient path's training (the
-step taken as θ - (θ - θ')); over ranks the replicas stay bitwise identical and the residual
-holds what the compressed steps left out; the flag is refused where it cannot work."""
+"""`--compress-warmup`, and `--compress-on update` (parallel/compress_update.py): each
+rank's optimizer step is what the hook compresses. At one rank with no compressor that is
+the gradient path's training (the step taken as θ - (θ - θ')); over ranks the replicas stay
+bitwise identical and the residual holds what the compressed steps left out; the warm-up's
+steps are the uncompressed path bit for bit; the flags are refused where they cannot work."""
 
 from dataclasses import replace
 
@@ -37,6 +38,10 @@ def test_compress_on_is_refused_where_it_cannot_work():
         TrainConfig(strategy="zero", zero_stage=1, compress_on="update").validate()
     with pytest.raises(BadConfig, match="--compress-on update"):
         TrainConfig(prune=0.5, compress_on="update").validate()
+    with pytest.raises(BadConfig, match="--compress-warmup must be >= 0"):
+        TrainConfig(compress="sign", compress_warmup=-1).validate()
+    with pytest.raises(BadConfig, match="--compress-warmup needs --compress"):
+        TrainConfig(compress_warmup=5).validate()
 
 
 @pytest.mark.parallel(nprocs=[2])
@@ -60,3 +65,14 @@ def test_update_compression_across_ranks():
         with DataParallel(Task(config, np.float64), config, group) as strategy:
             runs[spec] = (steps(strategy, range(3)), params(strategy))
     np.testing.assert_allclose(runs["topk:1"][1], runs["none"][1], rtol=1e-12, atol=1e-14)
+    # --compress-warmup: its steps are the plain allreduce bit for bit, then compression
+    plain = replace(TrainConfig(**TINY_GPT), compress="none")
+    with DataParallel(Task(plain, np.float64), plain, group) as strategy:
+        want_losses, want = steps(strategy, range(2)), params(strategy)
+    config = replace(plain, compress="topk:0.05", compress_warmup=2)
+    with DataParallel(Task(config, np.float64), config, group) as strategy:
+        assert steps(strategy, range(2)) == want_losses
+        np.testing.assert_array_equal(params(strategy), want)
+        assert not strategy.compressor.residuals  # nothing compressed yet
+        steps(strategy, range(2, 3))
+        assert strategy.compressor.residual_norm() > 0 and strategy.max_param_diff() == 0.0

@@ -64,6 +64,13 @@ def parse_args(argv: list[str]):
         default="gradient",
         help="what every contender but none compresses (see --compress-on of train)",
     )
+    parser.add_argument(
+        "--compress-warmup",
+        type=int,
+        default=0,
+        metavar="STEPS",
+        help="every contender but none allreduces its first STEPS steps uncompressed",
+    )
     parser.add_argument("--lr", type=float, default=None, help="peak lr (adamw 3e-3, sgd 0.3)")
     for name in ("n_layer", "n_embd", "n_head", "block_size", "batch_size"):  # the task's size
         default = getattr(TrainConfig, name)
@@ -95,8 +102,12 @@ def train_side_by_side(args, group: comm.Group) -> dict:
     )
     runs = {}
     for spec in args.compressors:
+        compressed = spec != "none"
         config = replace(
-            base, compress=spec, compress_on="gradient" if spec == "none" else args.compress_on
+            base,
+            compress=spec,
+            compress_on=args.compress_on if compressed else "gradient",
+            compress_warmup=args.compress_warmup if compressed else 0,
         )
         task = Task(config, np.dtype(config.dtype))
         sgd = None
@@ -217,7 +228,8 @@ def main(argv: list[str]) -> int:
         print0(
             f"bench compress: GPT {args.n_layer} layers x {args.n_embd} channels, batch "
             f"{args.batch_size} x {args.block_size} tokens, {args.steps} steps, float32, "
-            f"{args.optimizer} lr {args.lr:g} | compress on the {args.compress_on} | "
+            f"{args.optimizer} lr {args.lr:g} | compress on the {args.compress_on}, "
+            f"warm-up {args.compress_warmup} | "
             f"{world.size} ranks x {blas_threads_per_rank(0)} BLAS threads | checks off | "
             f"{env['blas']}"
         )

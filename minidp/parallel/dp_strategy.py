@@ -70,7 +70,9 @@ class DataParallel(Strategy):
                 f"examples per rank, fewer than --grad-accum {K} micro-batches"
             )
         try:  # --compress: a bad value is found alike on every rank, before any message
-            self.compressor = make_compressor(config.compress, config.allreduce, config.seed)
+            self.compressor = make_compressor(
+                config.compress, config.allreduce, config.seed, config.compress_warmup
+            )
         except ValueError as error:
             raise BadConfig(str(error)) from None
         self.ddp = DistributedDataParallel(
@@ -180,6 +182,7 @@ class DataParallel(Strategy):
             f"({ddp.overlap_reason}) | grad accumulation {config.grad_accum} | "
             f"compress {config.compress}"
             + (" on the update" if config.compress_on == "update" else "")
+            + (f" after {config.compress_warmup} steps" if config.compress_warmup else "")
         ) + (f" | {self.pruning.pruner.describe()}" if self.pruning else "")
 
     def record(self) -> dict:
