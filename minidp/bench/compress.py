@@ -2,6 +2,7 @@
 
     mpiexec -n 2 python -m minidp bench compress [--steps 300] [--json FILE] [--plot PNG]
     mpiexec -n 4 python -m minidp bench compress
+    mpiexec -n 2 python -m minidp bench compress --compress-on update --compress-warmup 3
 
 The task is `python -m minidp`'s default: the tiny GPT (2 layers, 64 channels, ~0.1 M
 parameters), global batch 16 x 64 tokens, AdamW with warmup and cosine decay, float32,
@@ -19,7 +20,8 @@ contender on the left, sign against sign-noef on the right.
 
 The issue's goals, for the lead to read off the table: top-k 0.1% within 2% of none's loss
 at >= 100x fewer bytes; PowerSGD rank 2 within 2% at >= 10x; sign clearly better than
-sign-noef. Checks (cross-rank fingerprints) are off, as in `bench dp`.
+sign-noef. --compress-on and --compress-warmup apply to every contender but none (the
+baseline stays the plain path). Checks (cross-rank fingerprints) are off, as in `bench dp`.
 """
 
 from dataclasses import replace
