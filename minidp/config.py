@@ -180,6 +180,25 @@ class TrainConfig:
             "help": "gradient compression NAME[:PARAM]: none, fp16, bf16, topk:DENSITY, "
             "randomk:DENSITY, sign, sign-noef, qsgd:LEVELS, powersgd:RANK "
             "(minidp/parallel/compress.py)",
+            "strategies": ("dp", "hybrid"),
+        },
+    )
+    compress_warmup: int = field(
+        default=0,
+        metadata={
+            "help": "the first STEPS reductions of each bucket are the plain allreduce, "
+            "uncompressed, and compression starts from a zero residual after (PyTorch "
+            "PowerSGD's start_powerSGD_iter)",
+            "strategies": ("dp", "hybrid"),
+        },
+    )
+    compress_on: str = field(
+        default="gradient",
+        metadata={
+            "help": "what --compress compresses: the summed gradient, before one shared "
+            "optimizer (gradient), or each rank's optimizer step, lr-scaled, with error "
+            "feedback on the step as in EF-SignSGD (update; minidp/parallel/compress_update.py)",
+            "choices": ("gradient", "update"),
             "strategies": ("dp",),
         },
     )
@@ -276,6 +295,10 @@ class TrainConfig:
             raise BadConfig("--sequence-parallel needs --tp > 1 (it splits over the TP group)")
         self._validate_prune()
         self._validate_backend()
+        if self.compress_warmup < 0:
+            raise BadConfig(f"--compress-warmup must be >= 0, got {self.compress_warmup}")
+        if self.compress_warmup and self.compress == "none":
+            raise BadConfig("--compress-warmup needs --compress: it delays the compression")
         if self.strategy == "zero" and self.zero_stage not in (1, 2, 3):
             raise BadConfig(f"--strategy zero needs --zero-stage 1, 2 or 3, got {self.zero_stage}")
         if self.strategy == "hybrid" and self.zero_stage not in (0, 1, 2, 3):
@@ -320,8 +343,11 @@ class TrainConfig:
                 flags = ", ".join("--" + n.replace("_", "-") for n in given)
                 raise BadConfig(f"{flags} shape the schedule of --prune SPARSITY: give --prune")
             return
-        if getattr(self, "compress", "none") != "none":
-            raise BadConfig("--prune together with --compress is not yet supported: pick one")
+        if getattr(self, "compress", "none") != "none" or self.compress_on != "gradient":
+            raise BadConfig(
+                "--prune together with --compress (or --compress-on update) is not yet "
+                "supported: pick one"
+            )
         if self.prune_scope not in ("global", "layer"):
             raise BadConfig(f"--prune-scope must be global or layer, got {self.prune_scope!r}")
         if self.prune_every < 1:

@@ -2,6 +2,7 @@
 
     mpiexec -n 2 python -m minidp bench compress [--steps 300] [--json FILE] [--plot PNG]
     mpiexec -n 4 python -m minidp bench compress
+    mpiexec -n 2 python -m minidp bench compress --compress-on update --compress-warmup 3
 
 The task is `python -m minidp`'s default: the tiny GPT (2 layers, 64 channels, ~0.1 M
 parameters), global batch 16 x 64 tokens, AdamW with warmup and cosine decay, float32,
@@ -19,7 +20,8 @@ contender on the left, sign against sign-noef on the right.
 
 The issue's goals, for the lead to read off the table: top-k 0.1% within 2% of none's loss
 at >= 100x fewer bytes; PowerSGD rank 2 within 2% at >= 10x; sign clearly better than
-sign-noef. Checks (cross-rank fingerprints) are off, as in `bench dp`.
+sign-noef. --compress-on and --compress-warmup apply to every contender but none (the
+baseline stays the plain path). Checks (cross-rank fingerprints) are off, as in `bench dp`.
 """
 
 from dataclasses import replace
@@ -58,6 +60,19 @@ def parse_args(argv: list[str]):
         default="adamw",
         help="adamw (the default task's) or sgd (momentum 0.9, the papers' setting)",
     )
+    parser.add_argument(
+        "--compress-on",
+        choices=("gradient", "update"),
+        default="gradient",
+        help="what every contender but none compresses (see --compress-on of train)",
+    )
+    parser.add_argument(
+        "--compress-warmup",
+        type=int,
+        default=0,
+        metavar="STEPS",
+        help="every contender but none allreduces its first STEPS steps uncompressed",
+    )
     parser.add_argument("--lr", type=float, default=None, help="peak lr (adamw 3e-3, sgd 0.3)")
     for name in ("n_layer", "n_embd", "n_head", "block_size", "batch_size"):  # the task's size
         default = getattr(TrainConfig, name)
@@ -89,7 +104,13 @@ def train_side_by_side(args, group: comm.Group) -> dict:
     )
     runs = {}
     for spec in args.compressors:
-        config = replace(base, compress=spec)
+        compressed = spec != "none"
+        config = replace(
+            base,
+            compress=spec,
+            compress_on=args.compress_on if compressed else "gradient",
+            compress_warmup=args.compress_warmup if compressed else 0,
+        )
         task = Task(config, np.dtype(config.dtype))
         sgd = None
         if args.optimizer == "sgd":  # no weight decay
@@ -209,7 +230,8 @@ def main(argv: list[str]) -> int:
         print0(
             f"bench compress: GPT {args.n_layer} layers x {args.n_embd} channels, batch "
             f"{args.batch_size} x {args.block_size} tokens, {args.steps} steps, float32, "
-            f"{args.optimizer} lr {args.lr:g} | "
+            f"{args.optimizer} lr {args.lr:g} | compress on the {args.compress_on}, "
+            f"warm-up {args.compress_warmup} | "
             f"{world.size} ranks x {blas_threads_per_rank(0)} BLAS threads | checks off | "
             f"{env['blas']}"
         )

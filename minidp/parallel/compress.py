@@ -73,12 +73,15 @@ def parse_compress(spec: str) -> tuple[str, float | None]:
     return name, param
 
 
-def make_compressor(spec: str, algo: str = "auto", seed: int = 0) -> Compressor | None:
-    """The compressor a --compress value names (None for "none": the plain allreduce)."""
+def make_compressor(
+    spec: str, algo: str = "auto", seed: int = 0, warmup: int = 0
+) -> Compressor | None:
+    """The compressor a --compress value names (None for "none": the plain allreduce);
+    `warmup`: rounds of each bucket allreduced uncompressed first (--compress-warmup)."""
     name, param = parse_compress(spec)
     if name == "none":
         return None
-    return COMPRESSORS[name](param, algo=algo, seed=seed)
+    return COMPRESSORS[name](param, algo=algo, seed=seed, warmup=warmup)
 
 
 def compression_record(spec: str, compressor, buckets, sent: int, steps: int, p: int) -> dict:

@@ -14,6 +14,10 @@ turns a biased compressor into one whose errors are sent later instead of lost: 
 rounds, everything a rank ever computed reaches the sum. Without it (`error_feedback =
 False`: the casts, QSGD, sign-noef) e_w stays zero and only C(Δ_w)'s own bias remains.
 
+`--compress-warmup STEPS` sends each bucket's first STEPS rounds uncompressed, with the
+allreduce, as PyTorch's PowerSGD hook does (`start_powerSGD_iter`): the first steps, when
+the gradient changes fastest and the residual would hold the most, cost full bytes.
+
 The residuals are training state: they belong to the compressor, one per bucket and rank,
 and `state_dict()` carries them (with the round counters and any warm start) so that a
 resumed run continues bit for bit.
@@ -44,8 +48,11 @@ class Compressor:
     name = ""  # the --compress name
     error_feedback = False
 
-    def __init__(self, param: float | None = None, algo: str = "auto", seed: int = 0):
+    def __init__(
+        self, param: float | None = None, algo: str = "auto", seed: int = 0, warmup: int = 0
+    ):
         self.param, self.allreduce_algo, self.seed = param, algo, seed
+        self.warmup = warmup  # rounds of each bucket sent uncompressed first
         self.algo = self.spec  # what the timeline labels each bucket with
         self.residuals: dict[int, np.ndarray] = {}  # e_w, by bucket index
         self.rounds: dict[int, int] = {}  # how many times each bucket has been reduced
@@ -64,7 +71,12 @@ class Compressor:
     def reduce(self, x: np.ndarray, key: int, group: comm.Group, shapes=None) -> None:
         """Replace the flat gradient x by Σ_w C(x_w + e_w), keeping e_w under `key`.
 
-        `shapes`: the shapes of the tensors laid end to end in x (None: one vector)."""
+        `shapes`: the shapes of the tensors laid end to end in x (None: one vector). The
+        first `warmup` rounds are the plain allreduce (no residual, nothing counted)."""
+        if self.round(key) < self.warmup:
+            comm.allreduce(x, out=x, algo=self.allreduce_algo, group=group)
+            self.rounds[key] = self.round(key) + 1
+            return
         delta = x + self.residuals[key] if key in self.residuals else x.copy()
         mine = self.exchange(delta, x, key, group, shapes or [x.shape])
         self.rounds[key] = self.round(key) + 1

@@ -64,8 +64,8 @@ class PowerSGD(Compressor):
     name = "powersgd"
     error_feedback = True
 
-    def __init__(self, param=None, algo="auto", seed=0):
-        super().__init__(param, algo, seed)
+    def __init__(self, param=None, algo="auto", seed=0, warmup=0):
+        super().__init__(param, algo, seed, warmup)
         self.rank = int(param)
         self.warm: dict[int, list[np.ndarray]] = {}  # Q per compressed matrix, by bucket
 

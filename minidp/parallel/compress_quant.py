@@ -71,8 +71,8 @@ class QSGD(Compressor):
 
     name = "qsgd"
 
-    def __init__(self, param=None, algo="auto", seed=0):
-        super().__init__(param, algo, seed)
+    def __init__(self, param=None, algo="auto", seed=0, warmup=0):
+        super().__init__(param, algo, seed, warmup)
         self.levels = int(param)
         self.bits = (2 * self.levels).bit_length()  # codes 0 .. 2S: level + S
 

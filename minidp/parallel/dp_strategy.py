@@ -24,6 +24,7 @@ from minidp.chunks import chunk_range
 from minidp.config import BadConfig
 from minidp.memory import activation_bytes, nbytes, optimizer_bytes
 from minidp.parallel.compress import compression_line, compression_record, make_compressor
+from minidp.parallel.compress_update import update_step
 from minidp.parallel.data_parallel import DistributedDataParallel
 from minidp.parallel.prune_comm import attach_pruner
 from minidp.parallel.strategy import (
@@ -50,22 +51,24 @@ def check_micro_batches(config, dp_size: int) -> None:
         )
 
 
-def micro_batches(local: np.ndarray, K: int, reducer):
+def micro_batches(local: np.ndarray, K: int, reducer, sync: bool = True):
     """(indices, weight m_k / n_r, context) for each of the K micro-batches of this rank's
-    slice: all but the last under `reducer.no_sync()`, so the last backward reduces them all."""
+    slice: all but the last under `reducer.no_sync()`, so the last backward reduces them all
+    (the last too when not `sync`: nothing is reduced)."""
     for k in range(K):
         lo, hi = chunk_range(len(local), K, k)
-        sync = contextlib.nullcontext() if k == K - 1 else reducer.no_sync()
-        yield local[lo:hi], (hi - lo) / len(local), sync
+        last = k == K - 1 and sync
+        sync_k = contextlib.nullcontext() if last else reducer.no_sync()
+        yield local[lo:hi], (hi - lo) / len(local), sync_k
 
 
-def forward_backward(strategy, local: np.ndarray, reducer) -> float:
+def forward_backward(strategy, local: np.ndarray, reducer, sync: bool = True) -> float:
     """Forward and backward of each micro-batch of `local` (micro_batches), the reduction
     left to `reducer`'s hooks; returns this rank's mean loss. The first call measures the
     graph's activations into `strategy.activations_peak` (every step is alike)."""
-    span, local_loss = strategy.timeline.span, 0.0
-    for indices, weight, sync in micro_batches(local, strategy.config.grad_accum, reducer):
-        with sync:
+    span, local_loss, K = strategy.timeline.span, 0.0, strategy.config.grad_accum
+    for indices, weight, sync_k in micro_batches(local, K, reducer, sync):
+        with sync_k:
             with span("forward"):  # weight (m_k / n_r): the K losses sum to the local mean
                 loss = strategy.loss(indices) * weight
             if strategy._measure:
@@ -102,7 +105,9 @@ class DataParallel(Strategy):
         self.dp_group = dp_group = dp_group or group
         check_micro_batches(config, dp_group.size)
         try:  # --compress: a bad value is found alike on every rank, before any message
-            self.compressor = make_compressor(config.compress, config.allreduce, config.seed)
+            self.compressor = make_compressor(
+                config.compress, config.allreduce, config.seed, config.compress_warmup
+            )
         except ValueError as error:
             raise BadConfig(str(error)) from None
         self.ddp = DistributedDataParallel(
@@ -125,13 +130,15 @@ class DataParallel(Strategy):
         self._measure = True
 
     def step(self, local: np.ndarray, lr: float) -> StepResult:
+        if self.config.compress_on == "update":  # the optimizer before the reduction
+            return update_step(self, local, lr)
         ddp, span = self.ddp, self.timeline.span
         self.optimizer.lr = lr
         if self.pruning is not None:  # on the schedule's steps: new masks, before forward
             self.pruning.begin_step()
         ddp.zero_grad()
         ddp.set_batch_share(len(local), self.config.batch_size)
-        local_loss = forward_backward(self, local, ddp)
+        local_loss = self.backward(local)
         self.steps_done += 1
         with span("gradient sync wait"):
             ddp.finish_gradient_sync()
@@ -143,6 +150,11 @@ class DataParallel(Strategy):
                     self.clip_gradients()
                 self.optimizer.step()
         return StepResult(step_loss, local_loss)
+
+    def backward(self, local: np.ndarray, sync: bool = True) -> float:
+        """Forward and backward over the K micro-batches of this rank's examples: all but
+        the last under no_sync(), the last too unless `sync`. Returns the local mean loss."""
+        return forward_backward(self, local, self.ddp, sync)
 
     def loss(self, indices: np.ndarray):
         """The mean loss over these examples (a Tensor, to backpropagate)."""
@@ -191,6 +203,8 @@ class DataParallel(Strategy):
             f"{config.bucket_mb} MiB | overlap {'on' if ddp.overlap else 'off'} "
             f"({ddp.overlap_reason}) | grad accumulation {config.grad_accum} | "
             f"compress {config.compress}"
+            + (" on the update" if config.compress_on == "update" else "")
+            + (f" after {config.compress_warmup} steps" if config.compress_warmup else "")
         ) + (f" | {self.pruning.pruner.describe()}" if self.pruning else "")
 
     def record(self) -> dict:
@@ -198,6 +212,7 @@ class DataParallel(Strategy):
             "allreduce": self.config.allreduce,
             "overlap": self.ddp.overlap,
             "buckets": len(self.ddp.buckets),
+            "compress_on": self.config.compress_on,
             **self._compression(),
             **(self.pruning.record() if self.pruning else {}),
             **self.ddp.stage.record(),  # --backend torch: the host staging copies

@@ -143,7 +143,9 @@ class TensorParallel(OnTheMesh, DataParallel):
         flat = np.concatenate([g.ravel() for g in grads])
         if self.model.replicated_grads_partial:  # each rank saw its T/p positions: sum them
             comm.allreduce(flat, out=flat, group=tp_group)
-        elif self.mesh.dp > 2:  # the DP sums may differ in order by rank: take rank 0's
+        elif self.mesh.dp > 2 or self.compressor is not None:
+            # the DP sums may differ by rank: in order (dp > 2), or in what a compressor
+            # chose from each TP rank's own bucket (top-k, a scale): take rank 0's
             comm.broadcast(flat, root=0, group=tp_group)
         else:
             return

@@ -1,0 +1,78 @@
+"""`--compress-warmup`, and `--compress-on update` (parallel/compress_update.py): each
+rank's optimizer step is what the hook compresses. At one rank with no compressor that is
+the gradient path's training (the step taken as θ - (θ - θ')); over ranks the replicas stay
+bitwise identical and the residual holds what the compressed steps left out; the warm-up's
+steps are the uncompressed path bit for bit; the flags are refused where they cannot work."""
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+from test_compress_parallel import TINY_GPT, params
+from test_strategy import run as steps  # one step per index: the global losses
+
+from minidp import comm
+from minidp.config import BadConfig, TrainConfig
+from minidp.parallel import DataParallel
+from minidp.tasks import Task
+
+
+def test_update_path_is_the_gradient_path_at_one_rank():
+    """One rank: its own optimizer step is the shared one; grad_accum 2 and the clip in."""
+    group = comm.world()
+    if group.size != 1:
+        pytest.skip("serial test")
+    base = TrainConfig(**TINY_GPT, grad_accum=2, grad_clip=0.05)
+    with DataParallel(Task(base, np.float64), base, group) as plain:
+        want_losses, want = steps(plain, range(3)), params(plain)
+    config = replace(base, compress_on="update")
+    with DataParallel(Task(config, np.float64), config, group) as update:
+        losses, got = steps(update, range(3)), params(update)
+        assert update.record()["compress_on"] == "update"
+    np.testing.assert_allclose(losses, want_losses, rtol=1e-10)
+    np.testing.assert_allclose(got, want, rtol=1e-10, atol=1e-12)
+
+
+def test_compress_on_is_refused_where_it_cannot_work():
+    with pytest.raises(BadConfig, match="--compress-on is a flag of --strategy dp"):
+        TrainConfig(strategy="zero", zero_stage=1, compress_on="update").validate()
+    with pytest.raises(BadConfig, match="--compress-on update"):
+        TrainConfig(prune=0.5, compress_on="update").validate()
+    with pytest.raises(BadConfig, match="--compress-warmup must be >= 0"):
+        TrainConfig(compress="sign", compress_warmup=-1).validate()
+    with pytest.raises(BadConfig, match="--compress-warmup needs --compress"):
+        TrainConfig(compress_warmup=5).validate()
+
+
+@pytest.mark.parallel(nprocs=[2])
+@pytest.mark.timeout(120)
+def test_update_compression_across_ranks():
+    group = comm.world()
+    base = replace(TrainConfig(**TINY_GPT), compress_on="update")
+    # sign on the step: identical replicas, a residual kept, the compressed bytes sent
+    config = replace(base, compress="sign")
+    with DataParallel(Task(config, np.float64), config, group) as strategy:
+        before = params(strategy)
+        assert np.isfinite(steps(strategy, range(3))).all()
+        assert strategy.max_param_diff() == 0.0
+        record = strategy.record()
+        assert record["residual_norm"] > 0 and record["compression_ratio"] > 20
+        assert not np.array_equal(params(strategy), before)
+    # top-k at density 1 sends every value: the same step as the plain allreduce of steps
+    runs = {}
+    for spec in ("none", "topk:1"):
+        config = replace(base, compress=spec)
+        with DataParallel(Task(config, np.float64), config, group) as strategy:
+            runs[spec] = (steps(strategy, range(3)), params(strategy))
+    np.testing.assert_allclose(runs["topk:1"][1], runs["none"][1], rtol=1e-12, atol=1e-14)
+    # --compress-warmup: its steps are the plain allreduce bit for bit, then compression
+    plain = replace(TrainConfig(**TINY_GPT), compress="none")
+    with DataParallel(Task(plain, np.float64), plain, group) as strategy:
+        want_losses, want = steps(strategy, range(2)), params(strategy)
+    config = replace(plain, compress="topk:0.05", compress_warmup=2)
+    with DataParallel(Task(config, np.float64), config, group) as strategy:
+        assert steps(strategy, range(2)) == want_losses
+        np.testing.assert_array_equal(params(strategy), want)
+        assert not strategy.compressor.residuals  # nothing compressed yet
+        steps(strategy, range(2, 3))
+        assert strategy.compressor.residual_norm() > 0 and strategy.max_param_diff() == 0.0
