@@ -193,7 +193,9 @@ class DataParallel(Strategy):
             "activations_peak": self.activations_peak,
             "buffers": self.group.scratch.nbytes
             + self.ddp.comm_group.scratch.nbytes
-            + (self.compressor.nbytes() if self.compressor else 0),  # residuals, warm start
+            + (self.compressor.nbytes() if self.compressor else 0)  # residuals, warm start
+            + (nbytes(self.pruning.pruner.masks) if self.pruning else 0)  # 1 byte per weight
+            + self.ddp.stage.nbytes(),  # host copies of torch buckets (host_stage.py)
         }
 
     def describe(self) -> str:

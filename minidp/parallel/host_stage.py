@@ -90,6 +90,10 @@ class HostStage:
         fn(host)
         self.to_device(host, array, key)
 
+    def nbytes(self) -> int:
+        """Bytes of the host buffers kept for staging (0 on the NumPy path)."""
+        return sum(b.nbytes for b in self._buffers.values())
+
     def record(self) -> dict:
         """The counts for the final record (empty when nothing was staged: NumPy)."""
         if not self.copies:
