@@ -21,6 +21,9 @@
 # count is twice the fp32 one: b = 8 bytes a number, K = 2b for the two moments.)
 
 # %%
+import os
+import tempfile
+
 import numpy as np
 
 from minidp import Tensor, comm, cross_entropy, data, nn, optim
@@ -30,6 +33,7 @@ from minidp.parallel.zero import model_state_bytes
 from minidp.parallel.zero3 import GatheredUnits
 from minidp.parallel.zero_flat import ShardLayout, pieces
 from minidp.parallel.zero_grads import ShardedGradients
+from minidp.plots import pyplot, save
 from minidp.trace import Timeline
 
 group = comm.world()
@@ -64,8 +68,12 @@ def adamw(params):
     return optim.AdamW(params, lr=1e-3, weight_decay=0.1)
 
 
+held_by_stage = {}  # stage -> this rank's bytes by category, for the picture at the end
+
+
 def check(stage: int, held: dict, mine: int, psi: int):
     """held: this rank's bytes by category; mine: its share of the Ψ elements."""
+    held_by_stage[stage] = held
     want = {
         "parameters": b * (mine if stage == 3 else psi),
         "gradients": b * (mine if stage >= 2 else psi),
@@ -190,6 +198,30 @@ print0(
     f" layer) of the {b * psi:,} the whole model takes; {gathered.gathers} allgathers a step"
 )
 gathered.unwrap()
+
+# %% [markdown]
+# ## 5. The picture: what one rank holds at each stage
+# Stacked bars, one per stage, of the bytes counted above (rank 0's; the others differ by
+# at most one element per chunk).
+
+# %%
+plt = pyplot() if rank == 0 else None
+if plt is not None:
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    stages = sorted(held_by_stage)
+    bottom = np.zeros(len(stages))
+    for category in ("parameters", "gradients", "optimizer"):
+        heights = np.array([held_by_stage[s][category] / 1e3 for s in stages])
+        ax.bar([("DP", "stage 1", "stage 2", "stage 3")[s] for s in stages], heights,
+               bottom=bottom, label=category)  # fmt: skip
+        bottom += heights
+    ax.set_ylabel("KB on this rank")
+    ax.set_title(f"model states per rank, Ψ = {psi:,}, N = {N}")
+    ax.legend()
+    save(fig, os.path.join(tempfile.gettempdir(), "minidp_08_zero.png"))
+print0("KB on this rank: " + ", ".join(
+    f"{('DP', 'stage 1', 'stage 2', 'stage 3')[s]} {sum(h.values()) / 1e3:.1f}"
+    for s, h in sorted(held_by_stage.items())))  # fmt: skip
 
 # %% [markdown]
 # The same, as a strategy of the training loop, with buckets, overlap and clipping:
