@@ -159,7 +159,8 @@ def log_line(step: int, loss: float, lr: float, w: Window, task: Task, config, s
 
 
 def memory_per_rank(memory: dict, group: comm.Group) -> dict[str, list[int]]:
-    """Collective: {category: [bytes on rank 0, rank 1, ...]} from each rank's memory_bytes."""
+    """Collective: {category: [bytes on rank 0, rank 1, ...]} from each rank's memory_bytes
+    (every rank of a strategy reports the same categories, 0 where it holds none)."""
     names = sorted(memory)
     mine = np.array([memory[name] for name in names], dtype=np.int64)
     every = comm.allgather(mine, group=group).reshape(group.size, len(names))
