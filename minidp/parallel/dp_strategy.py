@@ -13,6 +13,12 @@ batch (its data-parallel coordinate is its rank). One step, on this rank's examp
 
 Replicas stay identical bit for bit, so the norm of the gradient and of the parameters are
 the same on every rank: each computes them alone, with nothing to gather.
+
+What plugs in: `--compress` and `--prune` replace the bucket allreduce through DDP's
+communication hook (compress.py, prune_comm.py); `--compress-on update` runs the optimizer
+before the reduction instead (compress_update.py). TensorParallel and Hybrid (tp_strategy.py)
+derive from this class, with their own `model`, `dp_group`, `loss`, `after_sync` and
+`clip_gradients`; ZeRO shares `forward_backward`.
 """
 
 import contextlib

@@ -79,16 +79,6 @@ class Mesh:
             f"dp groups {show('dp')} | pp groups {show('pp')}"
         )
 
-    def picture(self) -> str:
-        """The grid as rows of ranks, one block per pipeline stage (tp across, dp down)."""
-        lines = []
-        for p in range(self.pp):
-            lines.append(f"pp stage {p}:" if self.pp > 1 else "tp ->")
-            for d in range(self.dp):
-                row = " ".join(f"{r:3d}" for r in self.grid[d, p])
-                lines.append(f"  dp {d} [{row} ]")
-        return "\n".join(lines)
-
     def close(self) -> None:
         """Free the three communicators (collective over the parent group)."""
         for g in (self.tp_group, self.dp_group, self.pp_group):
