@@ -18,7 +18,7 @@ AUTO = "auto"
 """The algorithm name that means "let comm/auto.py choose"; never sent in a fingerprint."""
 
 ALGORITHMS: dict[str, tuple[str, ...]] = {
-    "allreduce": ("ring", "recursive_doubling", "rabenseifner", "tree", "naive", "mpi"),
+    "allreduce": ("ring", "recursive_doubling", "rabenseifner", "tree", "naive", "shm", "mpi"),
     "reduce_scatter": ("ring", "recursive_halving", "naive", "mpi"),
     "allgather": ("ring", "recursive_doubling", "naive", "mpi"),
     "broadcast": ("tree", "ring", "naive", "mpi"),

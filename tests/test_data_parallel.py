@@ -8,7 +8,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from minidp import comm, optim
+from minidp import comm, nn, optim
 from minidp.autograd import Tensor
 from minidp.config import TrainConfig
 from minidp.data import DistributedSampler
@@ -259,11 +259,29 @@ def test_closing_restores_the_gil_switch_interval_after_the_last_thread():
     assert sys.getswitchinterval() == before
 
 
-def test_grad_ready_hooks_only_with_overlap():
-    """Without overlap every bucket goes at the finish: no hook runs per parameter."""
+def test_each_gradient_is_weighed_into_its_bucket_as_backward_finishes_it():
+    """Overlap or not, a grad-ready hook weighs each gradient by n_r / B into its bucket
+    slot the moment it is final (hot in cache), so finish_gradient_sync reads nothing to
+    scale or copy; under no_sync nothing is weighed; close() unhooks every parameter."""
     for overlap in (False, True):
         model = Task(TrainConfig(model="mlp", **TINY), np.float64).model
         ddp = DistributedDataParallel(model, comm.world(), overlap=overlap)
-        assert all(len(p._hooks) == overlap for p in model.parameters())
+        ddp.set_batch_share(1, 4)
+        x, y = np.ones((2, model.layers[0].weight.shape[0])), np.array([0, 1])
+        with ddp.no_sync():
+            nn.cross_entropy(ddp(Tensor(x)), y).backward()
+        assert not any(any(b.weighed) for b in ddp.buckets)
+        local = {id(p): p.grad.copy() for p in model.parameters()}
+        for p in model.parameters():
+            p.grad = None  # as an optimizer's zero_grad leaves them: new arrays come back
+        nn.cross_entropy(ddp(Tensor(x)), y).backward()
+        if not overlap:  # before the finish: every slot already weighed, every .grad its view
+            for bucket in ddp.buckets:
+                assert all(bucket.weighed)
+                for p, view in zip(bucket.params, bucket.views, strict=True):
+                    assert p.grad is view
+                    assert np.array_equal(view, local[id(p)] * 0.25)
+        ddp.finish_gradient_sync()
+        assert all(len(p._hooks) == 1 for p in model.parameters())
         ddp.close()
         assert all(not p._hooks for p in model.parameters())

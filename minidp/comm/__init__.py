@@ -13,7 +13,8 @@ this order, every module of it:
   the algorithms    ring.py (Baidu's ring), recursive.py (butterflies: recursive doubling,
                     halving, Rabenseifner), tree.py (binomial trees), naive.py (one rank
                     talks to all: the baseline), alltoall.py, barrier.py (dissemination),
-                    builtin.py (MPI's own collectives, algo="mpi", for comparison)
+                    builtin.py (MPI's own collectives, algo="mpi", for comparison),
+                    shm.py (algo="shm": ranks on one machine read each other's memory)
   around them       group.py (Group: the communicator, counters, deadline), buffers.py
                     (scratch a Group reuses), checks.py (cross-rank fingerprints)
   the public calls  auto.py (algo="auto" by size), args.py (local argument checks),
@@ -59,6 +60,7 @@ from minidp.comm.rooted import (
     reduce,
     scatter,
 )
+from minidp.comm.shm import in_shared_memory, on_one_machine, shared_zeros
 from minidp.comm.text import broadcast_text, gather_text
 
 ALGORITHMS = {
@@ -94,8 +96,11 @@ __all__ = [
     "chunk_range",
     "gather",
     "gather_text",
+    "in_shared_memory",
+    "on_one_machine",
     "reduce",
     "reduce_scatter",
     "scatter",
+    "shared_zeros",
     "world",
 ]

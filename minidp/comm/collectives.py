@@ -53,6 +53,7 @@ from minidp.comm.recursive import (
     recursive_doubling_allreduce,
 )
 from minidp.comm.ring import ring_allgather, ring_allreduce, ring_reduce_scatter
+from minidp.comm.shm import in_shared_memory, shm_allreduce
 from minidp.comm.tree import tree_allreduce
 from minidp.names import table
 
@@ -65,6 +66,7 @@ ALLREDUCE = table(
         "rabenseifner": rabenseifner_allreduce,
         "tree": tree_allreduce,
         "naive": naive_allreduce,
+        "shm": shm_allreduce,
         "mpi": mpi_allreduce,
     },
 )
@@ -108,6 +110,9 @@ def allreduce(
     out: np.ndarray | None = None,
 ) -> np.ndarray:
     """The op over every rank's x, on every rank. `out=x` reduces in place."""
+    group = group or world()
+    if algo == "auto" and in_shared_memory(x, group):  # made by shared_zeros: read in place
+        algo = "shm"
     group, src, algo = _reduction(x, op, algo, group, ALLREDUCE, "allreduce")
     res = result(out, x.shape, x.dtype)
     dst = res if res.ndim == 1 else res.reshape(-1)

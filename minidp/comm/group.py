@@ -6,6 +6,7 @@ A Group wraps one MPI communicator and adds what the algorithms need:
     left, right         ring neighbours: (rank - 1) % size and (rank + 1) % size
     world_ranks         world rank of each group rank (for error messages and logs)
     scratch             reusable work buffers (buffers.py), owned by this group alone
+    shared              its shared-memory segments (shm.py), when algo="shm" made some
     counters            {collective: {"calls", "bytes_sent", "bytes_recv", "messages_sent"}}
     seconds             wall time this rank spent inside the group's collectives, in total
     checks, timeout     cross-rank fingerprints and the wait deadline (checks.py); the
@@ -79,6 +80,7 @@ class Group:
         self._doing = ("", "", "")  # (collective, algo, phase) for error messages
         self._lock = threading.Lock()
         self._fingerprints: Fingerprints | None = None  # made at the first checked call
+        self.shared = None  # shm.SharedMemory: segments every rank reads, made on first use
 
     def __repr__(self) -> str:
         return f"Group(rank={self.rank}, size={self.size}, world_ranks={self.world_ranks})"
@@ -124,6 +126,8 @@ class Group:
         """Release the communicator (collective over the group); the group is unusable after."""
         if self._fingerprints is not None and not self.broken:
             self._fingerprints.free()
+        if self.shared is not None and not self.broken:
+            self.shared.free()
         if self.comm not in (MPI.COMM_WORLD, MPI.COMM_SELF, MPI.COMM_NULL):
             self.comm.Free()
         self.broken = "freed"

@@ -14,6 +14,8 @@ fusion bucket the same way (PyTorch's default cap is 25 MiB; minidp's models are
 data_parallel.py defaults to 0.25 MiB).
 """
 
+import numpy as np
+
 from minidp.backend import namespace
 
 
@@ -21,38 +23,87 @@ class Bucket:
     """A flat gradient buffer and the parameters whose .grad are views into it.
 
     `pending` counts the gradients still to come in this backward (data_parallel.py counts
-    it down from the grad-ready hooks); `index` is the bucket's place in launch order."""
+    it down from the grad-ready hooks), `weighed` marks the slots already weighed into the
+    bucket (`weigh`); `index` is the bucket's place in launch order."""
 
-    def __init__(self, index: int, params: list, dtype):
+    def __init__(self, index: int, params: list, dtype, zeros=None):
         self.index = index
         self.params = params
-        # on the parameters' own library and device (a torch tensor with --backend torch)
-        self.data = namespace(params[0].data).zeros(sum(p.size for p in params), dtype=dtype)
-        self.views = []
+        # on the parameters' own library and device (a torch tensor with --backend torch),
+        # or where `zeros(count, dtype)` puts it (DDP: shared memory, for algo "shm")
+        zeros = zeros or namespace(params[0].data).zeros
+        self.data = zeros(sum(p.size for p in params), dtype=dtype)
+        self.views, self.offsets = [], []
         offset = 0
         for p in params:
             self.views.append(self.data[offset : offset + p.size].reshape(p.shape))
+            self.offsets.append(offset)
             offset += p.size
-        self.pending = len(params)
+        self.rearm()
 
     def attach(self) -> None:
         """Point every parameter's .grad at its slot in this bucket (zero_grad's half)."""
         for p, view in zip(self.params, self.views):
             p.grad = view
 
-    def collect(self) -> None:
-        """Before the reduction: a .grad made elsewhere (after an optimizer's set-to-None
-        zero_grad, or assigned by hand) is copied into its slot; no .grad at all is zeros."""
-        for p, view in zip(self.params, self.views):
-            if p.grad is not view:
-                view[...] = 0 if p.grad is None else p.grad
-                p.grad = view
+    def detach(self) -> None:
+        """Move the buffer into private memory, values kept and every .grad still its view,
+        so that the memory it lay in can be freed (DDP.close frees its shared segments)."""
+        data = self.data.copy()
+        views = [data[o : o + p.size].reshape(p.shape) for o, p in zip(self.offsets, self.params)]
+        for p, old, new in zip(self.params, self.views, views):
+            if p.grad is old:
+                p.grad = new
+        self.data, self.views = data, views
+
+    def weigh(self, i: int, scale: float) -> None:
+        """Slot i = scale * parameter i's gradient, in one pass; once per backward.
+
+        DDP weighs each gradient by n_r / B (its share of the global mean) the moment backward
+        has finished it, while it is still in cache, so the bucket is never read again just
+        to be scaled or copied. A .grad made elsewhere (after an optimizer's set-to-None
+        zero_grad, or assigned by hand) is multiplied into its slot on the way; no .grad at
+        all is zeros. The bits are those of copying first and scaling after: one rounding."""
+        if self.weighed[i]:
+            raise RuntimeError(
+                "DDP: a second backward reached a gradient before finish_gradient_sync; "
+                "accumulate micro-batches inside ddp.no_sync()"
+            )
+        p, view = self.params[i], self.views[i]
+        factor = self.data.dtype.type(scale) if isinstance(self.data, np.ndarray) else scale
+        if p.grad is None:
+            view[...] = 0
+        elif p.grad is view:
+            if scale != 1.0:
+                view *= factor
+        elif isinstance(view, np.ndarray) and p.grad.dtype == view.dtype:
+            np.multiply(p.grad, factor, out=view)
+        else:  # a torch tensor (--backend torch), or another dtype: copy, then scale
+            view[...] = p.grad
+            view *= factor
+        p.grad = view
+        self.weighed[i] = True
+
+    def collect(self, scale: float = 1.0) -> None:
+        """Before the reduction: weigh every slot not weighed yet (all of them when DDP hooks
+        no gradient), then count from none again for the next backward."""
+        for i, done in enumerate(self.weighed):
+            if not done:
+                self.weigh(i, scale)
+        self.rearm()
+
+    def rearm(self) -> None:
+        """A new backward: every gradient still to come, none weighed."""
+        self.pending = len(self.params)
+        self.weighed = [False] * len(self.params)
 
 
-def assign_buckets(params: list, cap_bytes: int) -> list[Bucket]:
+def assign_buckets(params: list, cap_bytes: int, zeros=None) -> list[Bucket]:
     """Cut `params` (already in the order their gradients arrive) into buckets of at most
-    cap_bytes each, keeping that order; every bucket has the first parameter's dtype."""
-    return [Bucket(i, ps, params[0].dtype) for i, ps in enumerate(bucket_groups(params, cap_bytes))]
+    cap_bytes each, keeping that order; every bucket has the first parameter's dtype, and its
+    buffer comes from `zeros(count, dtype)` (default: the parameters' own library)."""
+    groups = bucket_groups(params, cap_bytes)
+    return [Bucket(i, ps, params[0].dtype, zeros) for i, ps in enumerate(groups)]
 
 
 def bucket_groups(params: list, cap_bytes: int) -> list[list]:

@@ -41,6 +41,7 @@ buckets and the next synchronized backward reduces the total.
 """
 
 import contextlib
+import functools
 import time
 import weakref
 import zlib
@@ -151,19 +152,21 @@ class DistributedDataParallel:
                 lambda a: comm.broadcast(a, root=0, group=self.group), p.data, f"param {i}"
             )
 
-        params = model.parameters()[::-1]  # the order backward produces their gradients
-        self.buckets = assign_buckets(params, max(1, int(bucket_cap_mb * 2**20)))
-        self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
-        # Grad-ready hooks only with overlap: without it every bucket goes at the finish, and
-        # a hook per parameter per backward would count for nothing.
-        hook = _weak_hook(self._grad_ready)
-        self._unhook = [p.register_grad_ready_hook(hook) for p in params] if self.overlap else []
-
-        self.share = 1.0 / self.group.size  # n_r / B: this rank's weight in the global mean
-        self.sync_enabled = True
         self.comm_group = self.group.dup()  # communication's own communicator
         # with overlap it waits by napping, not spinning: the compute thread keeps the core
         self.comm_group.patient = self.overlap
+
+        params = model.parameters()[::-1]  # the order backward produces their gradients
+        cap = max(1, int(bucket_cap_mb * 2**20))
+        self.buckets = assign_buckets(params, cap, self._bucket_memory(params))
+        self._slot_of = {id(p): (b, i) for b in self.buckets for i, p in enumerate(b.params)}
+        # A grad-ready hook on every parameter: it weighs each gradient into its bucket the
+        # moment it is final (hot in cache), and with overlap launches complete buckets.
+        hook = _weak_hook(self._grad_ready)
+        self._unhook = [p.register_grad_ready_hook(hook) for p in params]
+
+        self.share = 1.0 / self.group.size  # n_r / B: this rank's weight in the global mean
+        self.sync_enabled = True
         self.reducer = Reducer(
             allreduce_hook(algo), self.comm_group, timeline or Timeline(False), self.stage
         )
@@ -173,6 +176,18 @@ class DistributedDataParallel:
         # a DDP dropped without close() must not leave its thread (and GIL setting) behind
         self._stop_thread = weakref.finalize(self, _stop, self._thread)
         self.zero_grad()
+
+    def _bucket_memory(self, params):
+        """Where the buckets live: in memory every rank reads (comm/shm.py) when they are
+        reduced by loads (algo "shm", or "auto" with every rank on one machine), so the
+        allreduce copies nothing in or out; else None, the parameters' own library."""
+        if self.algo not in ("auto", "shm") or self.comm_group.size == 1:
+            return None
+        if not isinstance(params[0].data, np.ndarray):  # torch tensors stage through the host
+            return None
+        if self.algo == "auto" and not comm.on_one_machine(self.comm_group):
+            return None
+        return functools.partial(comm.shared_zeros, group=self.comm_group)
 
     def __call__(self, *args, **kwargs):
         return self.model(*args, **kwargs)
@@ -221,7 +236,7 @@ class DistributedDataParallel:
         """Count every bucket's gradients from zero again, for the next backward. (A backward
         that leaves some parameter unused never completes its bucket's count.)"""
         for bucket in self.buckets:
-            bucket.pending = len(bucket.params)
+            bucket.rearm()
         self._next = 0  # the next bucket to launch
 
     @contextlib.contextmanager
@@ -235,22 +250,28 @@ class DistributedDataParallel:
             self._rearm()
 
     # ---- communication --------------------------------------------------------------------
-    def _grad_ready(self, p) -> None:  # hooked only with overlap
-        self._bucket_of[id(p)].pending -= 1
+    def _grad_ready(self, p) -> None:
+        bucket, i = self._slot_of[id(p)]
+        bucket.pending -= 1
         if self.sync_enabled:
+            bucket.weigh(i, self.share)  # n_r / B, now, while the gradient is in cache
             # In index order, as PyTorch's reducer does: a complete bucket waits for those
             # before it, so every rank runs the same reductions in the same order, even when
             # some parameter gets no gradient on some rank (its bucket goes at the finish).
-            while self._next < len(self.buckets) and self.buckets[self._next].pending == 0:
+            while (
+                self.overlap
+                and self._next < len(self.buckets)
+                and self.buckets[self._next].pending == 0
+            ):
                 self._launch(self.buckets[self._next])
 
     def _launch(self, bucket: Bucket) -> None:
-        bucket.collect()
+        bucket.collect(self.share)  # the slots no hook has weighed yet (unused parameters)
         self._next += 1
         if self._thread is not None:
-            self._thread.submit(bucket, self.share)
+            self._thread.submit(bucket, 1.0)
         else:
-            self.reducer(bucket, self.share)
+            self.reducer(bucket, 1.0)
 
     def finish_gradient_sync(self) -> None:
         """After backward: launch any bucket not yet launched, wait for all of them."""
@@ -271,6 +292,9 @@ class DistributedDataParallel:
         stuck = self._stop_thread()  # runs once: later calls return None
         self._thread = None
         if not stuck and not self.comm_group.broken:
+            for bucket in self.buckets:  # shared memory goes with the group: keep the values
+                if comm.in_shared_memory(bucket.data, self.comm_group):
+                    bucket.detach()
             # MPI_Comm_free completes locally in MPICH and Open MPI: safe on an error path too.
             # A group a collective error broke, or a thread still inside one, keeps its own.
             self.comm_group.free()

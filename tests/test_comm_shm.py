@@ -1,0 +1,116 @@
+"""algo="shm": the allreduce by loads from each other's memory (comm/shm.py).
+
+The collectives table (test_comm_collectives.py) runs it on plain arrays, through the shared
+scratch, beside every other algorithm. Here: arrays made in shared memory, reduced in place
+with no message; what "auto" picks; disagreements between ranks; freeing; DDP's buckets."""
+
+import numpy as np
+import pytest
+
+from minidp import comm, nn
+from minidp.autograd import Tensor
+from minidp.comm.shm import SharedMemory
+from minidp.parallel import DistributedDataParallel
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parallel(nprocs=[2, 3, 4])
+def test_a_shared_array_is_reduced_in_place_by_auto_with_no_message_and_the_rings_bits():
+    g = comm.world().dup()
+    p, r = g.size, g.rank
+    rng = np.random.default_rng(r)
+    for n in (1, 1000, 100_003):
+        x = rng.standard_normal(n).astype(np.float32)
+        ring = comm.allreduce(x, algo="ring", group=g)
+        mpi = comm.allreduce(x, algo="mpi", group=g)
+        shared = comm.shared_zeros(n, np.float32, g)
+        assert comm.in_shared_memory(shared, g) and not comm.in_shared_memory(x, g)
+        shared[...] = x
+        g.reset_counters()
+        comm.allreduce(shared, group=g, out=shared)  # auto: in shared memory, so shm
+        counts = g.counters["allreduce"]
+        assert counts["messages_sent"] == 0  # loads only (and MPI's barriers)
+        chunk = comm.chunk_bounds(n, p)
+        mine = chunk[r + 1] - chunk[r]
+        assert counts["bytes_sent"] == 2 * (n - mine) * 4  # what the others read of ours
+        assert np.array_equal(shared, ring)  # the ring's order of additions, so its bits
+        np.testing.assert_allclose(shared, mpi, rtol=1e-5, atol=1e-5)
+    g.free()
+    assert g.shared.windows == []
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parallel(nprocs=[2, 3])
+def test_ranks_that_pass_different_shared_arrays_all_raise_instead_of_reading_the_wrong_one():
+    for plain_on_rank_0 in (False, True):  # an error breaks the group: a fresh one each
+        g = comm.world().dup()
+        a = comm.shared_zeros(8, np.float64, g)
+        b = comm.shared_zeros(8, np.float64, g)
+        if plain_on_rank_0:  # a plain array beside shared ones, all with algo="shm"
+            x = np.zeros(8) if g.rank == 0 else a
+        else:  # another shared array of the same shape: the fingerprint agrees
+            x = b if g.rank == 1 else a
+        with pytest.raises(comm.CollectiveMismatch, match="different arrays"):
+            comm.allreduce(x, algo="shm", group=g, out=x)
+        g.free()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parallel(nprocs=[2, 3])
+def test_shared_arrays_of_different_sizes_are_refused_on_every_rank():
+    g = comm.world().dup()
+    with pytest.raises(comm.CollectiveMismatch, match="different sizes"):
+        comm.shared_zeros(10 + g.rank, np.float32, g)
+    g.free()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parallel(nprocs=2)
+def test_a_group_spread_over_machines_refuses_shm_and_ddp_keeps_plain_buckets():
+    g = comm.world().dup()
+    g.shared = SharedMemory(g)
+    g.shared.local = False  # what Split_type(COMM_TYPE_SHARED) says across two machines
+    with pytest.raises(ValueError, match="not all on one machine"):
+        comm.allreduce(np.ones(4), algo="shm", group=g)
+    with pytest.raises(ValueError, match="not all on one machine"):
+        comm.shared_zeros(4, np.float32, g)
+    g.free()
+
+
+def _mlp():
+    return nn.MLP([6, 5, 3], rng=np.random.default_rng(0), dtype=np.float64)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parallel(nprocs=[2, 3])
+def test_ddp_buckets_live_in_shared_memory_and_their_gradients_outlive_close():
+    world = comm.world()
+    x = np.random.default_rng(world.rank).standard_normal((4, 6))
+    y = np.arange(4) % 3
+    grads = {}
+    for algo in ("auto", "shm", "ring"):
+        ddp = DistributedDataParallel(_mlp(), world, bucket_cap_mb=1e-4, algo=algo)
+        shared = [comm.in_shared_memory(b.data, ddp.comm_group) for b in ddp.buckets]
+        assert all(shared) if algo != "ring" else not any(shared), algo
+        nn.cross_entropy(ddp(Tensor(x)), y).backward()
+        ddp.finish_gradient_sync()
+        grads[algo] = [p.grad.copy() for p in ddp.parameters()]
+        ddp.close()  # frees the shared segments: the gradients must have moved out first
+        for p, kept in zip(ddp.parameters(), grads[algo], strict=True):
+            assert np.array_equal(p.grad, kept)
+            assert not comm.in_shared_memory(p.grad, ddp.comm_group)
+    for algo in ("auto", "shm"):
+        for ours, ring in zip(grads[algo], grads["ring"], strict=True):
+            assert np.array_equal(ours, ring)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parallel(nprocs=2)
+def test_a_second_backward_before_the_sync_is_refused_not_weighed_twice():
+    world = comm.world()
+    x, y = np.ones((2, 6)), np.array([0, 1])
+    ddp = DistributedDataParallel(_mlp(), world, algo="ring", overlap=False)
+    nn.cross_entropy(ddp(Tensor(x)), y).backward()
+    with pytest.raises(RuntimeError, match="no_sync"):
+        nn.cross_entropy(ddp(Tensor(x)), y).backward()
+    ddp.close()
