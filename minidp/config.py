@@ -14,6 +14,7 @@ import tempfile
 from dataclasses import dataclass, field, fields
 
 from minidp.names import ALGORITHMS, AUTO
+from minidp.optim import OPTIMIZERS
 
 
 class BadConfig(ValueError):
@@ -36,7 +37,13 @@ class TrainConfig:
     lr: float = field(default=3e-3, metadata={"help": "peak learning rate"})
     warmup: int = field(default=20, metadata={"help": "linear warmup steps, then cosine decay"})
     min_lr_ratio: float = field(default=0.1, metadata={"help": "final lr = lr * this"})
-    weight_decay: float = field(default=0.01, metadata={"help": "AdamW decoupled weight decay"})
+    weight_decay: float = field(
+        default=0.01,
+        metadata={
+            "help": "weight decay as torch applies it: AdamW's decoupled (w *= 1 - lr wd), "
+            "SGD's added to the gradient (g + wd w)"
+        },
+    )
     grad_clip: float = field(default=1.0, metadata={"help": "global-norm clip (0 = off)"})
     seed: int = field(default=1337, metadata={"help": "one seed for init, data and dropout"})
     dtype: str = field(
@@ -88,6 +95,19 @@ class TrainConfig:
     # Each scheme's own flags go in its section below. A field whose metadata names
     # "strategies" belongs to those: set to anything but its default with another
     # --strategy, it is a BadConfig (one line), never silently ignored.
+
+    # the optimizer of the schemes that hold a whole copy (or a shard) of every parameter:
+    # AdamW by default; momentum (SGD, momentum 0.9, torch.optim.SGD's) is the setting the
+    # compression papers (DGC, PowerSGD, EF-SignSGD) were published with. ps: --ps-optimizer
+    optimizer: str = field(
+        default="adamw",
+        metadata={
+            "help": "adamw, momentum (SGD with momentum 0.9) or sgd, with --lr and "
+            "--weight-decay (minidp/optim.py, OPTIMIZERS)",
+            "choices": tuple(OPTIMIZERS),
+            "strategies": ("dp", "tp", "hybrid", "zero"),
+        },
+    )
 
     # parameter server (--strategy ps): the last S ranks serve, the others work
     servers: int = field(

@@ -1,7 +1,8 @@
 """`--strategy dp`: data parallelism as the training loop drives it (strategy.py).
 
-Every rank holds the whole model and an AdamW of its own, and reads its slice of the global
-batch (its data-parallel coordinate is its rank). One step, on this rank's examples:
+Every rank holds the whole model and an optimizer of its own (--optimizer: AdamW by
+default), and reads its slice of the global batch (its data-parallel coordinate is its
+rank). One step, on this rank's examples:
 
     zero the buckets; weight = n_r / B
     for each of the K micro-batches:           # all but the last under no_sync()
@@ -9,7 +10,7 @@ batch (its data-parallel coordinate is its rank). One step, on this rank's examp
         backward                                # buckets reduced as they fill (overlap)
     finish the gradient sync                    # every rank now holds the mean gradient
     global loss = allreduce(n_r / B * local loss)
-    clip by the global norm; AdamW              # skipped when the loss is not finite
+    clip by the global norm; optimizer step     # skipped when the loss is not finite
 
 Replicas stay identical bit for bit, so the norm of the gradient and of the parameters are
 the same on every rank: each computes them alone, with nothing to gather.
@@ -89,7 +90,8 @@ def forward_backward(strategy, local: np.ndarray, reducer, sync: bool = True) ->
 class DataParallel(Strategy):
     """DistributedDataParallel and an optimizer over `group`, with gradient accumulation.
 
-    The optimizer is AdamW with the config's weight decay unless `optimizer` is given.
+    The optimizer is the config's (--optimizer, AdamW by default, with its lr and weight
+    decay) unless `optimizer` is given.
     A scheme that data-parallelizes something else passes `model` (default: task.model) and
     `dp_group` (default: group), and overrides `loss`, `after_sync` and `clip_gradients`."""
 
@@ -127,8 +129,9 @@ class DataParallel(Strategy):
         if self.compressor is not None:
             self.ddp.register_comm_hook(self.compressor)
         self.steps_done = 0
-        self.optimizer = optimizer or optim.AdamW(
-            self.model.parameters(), lr=config.lr, weight_decay=config.weight_decay
+        self.optimizer_from_config = optimizer is None  # else the caller's, named by no flag
+        self.optimizer = optimizer or optim.make_optimizer(
+            config.optimizer, self.model.parameters(), config.lr, config.weight_decay
         )
         self.pruning = attach_pruner(self.ddp, self.optimizer, config)  # None: no --prune
         self.data_shard = (dp_group.rank, dp_group.size)
@@ -218,6 +221,7 @@ class DataParallel(Strategy):
     def record(self) -> dict:
         return {
             "allreduce": self.config.allreduce,
+            "optimizer": self.config.optimizer if self.optimizer_from_config else None,
             "overlap": self.ddp.overlap,
             "buckets": len(self.ddp.buckets),
             "compress_on": self.config.compress_on,
