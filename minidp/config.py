@@ -216,9 +216,12 @@ class TrainConfig:
         default="gradient",
         metadata={
             "help": "what --compress compresses: the summed gradient, before one shared "
-            "optimizer (gradient), or each rank's optimizer step, lr-scaled, with error "
-            "feedback on the step as in EF-SignSGD (update; minidp/parallel/compress_update.py)",
-            "choices": ("gradient", "update"),
+            "optimizer (gradient), each rank's optimizer step, lr-scaled, with error "
+            "feedback on the step as in EF-SignSGD (update; minidp/parallel/compress_update.py), "
+            "or each rank's momentum-SGD velocity, DGC's momentum correction and factor "
+            "masking (velocity, with --optimizer momentum and --compress topk or randomk; "
+            "minidp/parallel/compress_velocity.py)",
+            "choices": ("gradient", "update", "velocity"),
             "strategies": ("dp",),
         },
     )
@@ -317,6 +320,8 @@ class TrainConfig:
         self._validate_backend()
         if self.compress_warmup < 0:
             raise BadConfig(f"--compress-warmup must be >= 0, got {self.compress_warmup}")
+        if self.compress_on == "velocity":
+            self._validate_velocity()
         if self.compress_warmup and self.compress == "none":
             raise BadConfig("--compress-warmup needs --compress: it delays the compression")
         if self.strategy == "zero" and self.zero_stage not in (1, 2, 3):
@@ -328,6 +333,20 @@ class TrainConfig:
             while not os.path.exists(existing):  # the directories it would create
                 existing = os.path.dirname(existing)
             _check_can_write("--log-dir", existing)
+
+    def _validate_velocity(self) -> None:
+        """--compress-on velocity moves SGD's momentum before a sparsifier: one line else."""
+        if self.optimizer != "momentum":
+            raise BadConfig(
+                "--compress-on velocity needs --optimizer momentum: it moves SGD's momentum "
+                f"to each rank, before the compression (DGC), not {self.optimizer}'s"
+            )
+        name = self.compress.partition(":")[0]
+        if name not in VELOCITY_COMPRESSORS:
+            raise BadConfig(
+                f"--compress-on velocity clears the coordinates it sent (DGC's momentum factor "
+                f"masking): it needs --compress {' or '.join(VELOCITY_COMPRESSORS)}, not {name}"
+            )
 
     def _validate_backend(self) -> None:
         """--backend torch runs --strategy dp only (plain or accumulating), on an installed
@@ -408,6 +427,7 @@ def _check_can_write(flag: str, directory: str) -> None:
         raise BadConfig(f"{flag}: cannot write in {directory} ({error.strerror})") from None
 
 
+VELOCITY_COMPRESSORS = ("topk", "randomk")  # what --compress-on velocity runs: sparsifiers
 TORCH_STRATEGIES = ("dp",)  # what --backend torch runs; the rest refuse (README says so)
 
 _DEFAULTS = {f.name: f.default for f in fields(TrainConfig)}
