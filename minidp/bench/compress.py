@@ -3,6 +3,9 @@
     mpiexec -n 2 python -m minidp bench compress [--steps 300] [--json FILE] [--plot PNG]
     mpiexec -n 4 python -m minidp bench compress
     mpiexec -n 2 python -m minidp bench compress --compress-on update --compress-warmup 3
+    mpiexec -n 2 python -m minidp bench compress --optimizer momentum
+    mpiexec -n 2 python -m minidp bench compress --optimizer momentum --compress-on velocity \
+        --compressors none,topk:0.001
 
 The task is `python -m minidp`'s default: the tiny GPT (2 layers, 64 channels, ~0.1 M
 parameters), global batch 16 x 64 tokens, AdamW (or --optimizer momentum, sgd: with the
@@ -22,7 +25,10 @@ contender on the left, sign against sign-noef on the right.
 The issue's goals, for the lead to read off the table: top-k 0.1% within 2% of none's loss
 at >= 100x fewer bytes; PowerSGD rank 2 within 2% at >= 10x; sign clearly better than
 sign-noef. --compress-on and --compress-warmup apply to every contender but none (the
-baseline stays the plain path). Checks (cross-rank fingerprints) are off, as in `bench dp`.
+baseline stays the plain path); --compress-on velocity (DGC) takes --optimizer momentum and
+only topk and randomk contenders (one line otherwise). --optimizer momentum's lr, 0.15, won
+a sweep of none at 2 ranks (0.03 to 3; the README has it). Checks (cross-rank
+fingerprints) are off, as in `bench dp`.
 """
 
 from dataclasses import replace
