@@ -14,6 +14,7 @@ import tempfile
 from dataclasses import dataclass, field, fields
 
 from minidp.names import ALGORITHMS, AUTO
+from minidp.optim import OPTIMIZERS
 
 
 class BadConfig(ValueError):
@@ -36,7 +37,13 @@ class TrainConfig:
     lr: float = field(default=3e-3, metadata={"help": "peak learning rate"})
     warmup: int = field(default=20, metadata={"help": "linear warmup steps, then cosine decay"})
     min_lr_ratio: float = field(default=0.1, metadata={"help": "final lr = lr * this"})
-    weight_decay: float = field(default=0.01, metadata={"help": "AdamW decoupled weight decay"})
+    weight_decay: float = field(
+        default=0.01,
+        metadata={
+            "help": "weight decay as torch applies it: AdamW's decoupled (w *= 1 - lr wd), "
+            "SGD's added to the gradient (g + wd w)"
+        },
+    )
     grad_clip: float = field(default=1.0, metadata={"help": "global-norm clip (0 = off)"})
     seed: int = field(default=1337, metadata={"help": "one seed for init, data and dropout"})
     dtype: str = field(
@@ -88,6 +95,19 @@ class TrainConfig:
     # Each scheme's own flags go in its section below. A field whose metadata names
     # "strategies" belongs to those: set to anything but its default with another
     # --strategy, it is a BadConfig (one line), never silently ignored.
+
+    # the optimizer of the schemes that hold a whole copy (or a shard) of every parameter:
+    # AdamW by default; momentum (SGD, momentum 0.9, torch.optim.SGD's) is the setting the
+    # compression papers (DGC, PowerSGD, EF-SignSGD) were published with. ps: --ps-optimizer
+    optimizer: str = field(
+        default="adamw",
+        metadata={
+            "help": "adamw, momentum (SGD with momentum 0.9) or sgd, with --lr and "
+            "--weight-decay (minidp/optim.py, OPTIMIZERS)",
+            "choices": tuple(OPTIMIZERS),
+            "strategies": ("dp", "tp", "hybrid", "zero"),
+        },
+    )
 
     # parameter server (--strategy ps): the last S ranks serve, the others work
     servers: int = field(
@@ -196,9 +216,12 @@ class TrainConfig:
         default="gradient",
         metadata={
             "help": "what --compress compresses: the summed gradient, before one shared "
-            "optimizer (gradient), or each rank's optimizer step, lr-scaled, with error "
-            "feedback on the step as in EF-SignSGD (update; minidp/parallel/compress_update.py)",
-            "choices": ("gradient", "update"),
+            "optimizer (gradient), each rank's optimizer step, lr-scaled, with error "
+            "feedback on the step as in EF-SignSGD (update; minidp/parallel/compress_update.py), "
+            "or each rank's momentum-SGD velocity, DGC's momentum correction and factor "
+            "masking (velocity, with --optimizer momentum and --compress topk or randomk; "
+            "minidp/parallel/compress_velocity.py)",
+            "choices": ("gradient", "update", "velocity"),
             "strategies": ("dp",),
         },
     )
@@ -297,6 +320,8 @@ class TrainConfig:
         self._validate_backend()
         if self.compress_warmup < 0:
             raise BadConfig(f"--compress-warmup must be >= 0, got {self.compress_warmup}")
+        if self.compress_on == "velocity":
+            self._validate_velocity()
         if self.compress_warmup and self.compress == "none":
             raise BadConfig("--compress-warmup needs --compress: it delays the compression")
         if self.strategy == "zero" and self.zero_stage not in (1, 2, 3):
@@ -308,6 +333,20 @@ class TrainConfig:
             while not os.path.exists(existing):  # the directories it would create
                 existing = os.path.dirname(existing)
             _check_can_write("--log-dir", existing)
+
+    def _validate_velocity(self) -> None:
+        """--compress-on velocity moves SGD's momentum before a sparsifier: one line else."""
+        if self.optimizer != "momentum":
+            raise BadConfig(
+                "--compress-on velocity needs --optimizer momentum: it moves SGD's momentum "
+                f"to each rank, before the compression (DGC), not {self.optimizer}'s"
+            )
+        name = self.compress.partition(":")[0]
+        if name not in VELOCITY_COMPRESSORS:
+            raise BadConfig(
+                f"--compress-on velocity clears the coordinates it sent (DGC's momentum factor "
+                f"masking): it needs --compress {' or '.join(VELOCITY_COMPRESSORS)}, not {name}"
+            )
 
     def _validate_backend(self) -> None:
         """--backend torch runs --strategy dp only (plain or accumulating), on an installed
@@ -388,6 +427,7 @@ def _check_can_write(flag: str, directory: str) -> None:
         raise BadConfig(f"{flag}: cannot write in {directory} ({error.strerror})") from None
 
 
+VELOCITY_COMPRESSORS = ("topk", "randomk")  # what --compress-on velocity runs: sparsifiers
 TORCH_STRATEGIES = ("dp",)  # what --backend torch runs; the rest refuse (README says so)
 
 _DEFAULTS = {f.name: f.default for f in fields(TrainConfig)}

@@ -149,6 +149,23 @@ class AdamW(Adam):
         super().__init__(params, lr, betas, eps, weight_decay)
 
 
+MOMENTUM = 0.9  # --optimizer momentum, as the papers that compress SGD's gradient use it
+
+OPTIMIZERS = {
+    "adamw": lambda params, lr, wd: AdamW(params, lr=lr, weight_decay=wd),
+    "momentum": lambda params, lr, wd: SGD(params, lr=lr, momentum=MOMENTUM, weight_decay=wd),
+    "sgd": lambda params, lr, wd: SGD(params, lr=lr, weight_decay=wd),
+}
+"""--optimizer NAME -> the optimizer over a list of parameters, with the config's lr and
+weight decay applied as torch applies it: AdamW's decoupled (w *= 1 - lr·wd), SGD's added to
+the gradient (g + wd·w). The one table that dp, tp, hybrid and zero build theirs from."""
+
+
+def make_optimizer(name: str, params, lr: float, weight_decay: float) -> Optimizer:
+    """The optimizer --optimizer NAME builds (OPTIMIZERS)."""
+    return OPTIMIZERS[name](params, lr, weight_decay)
+
+
 def _own(v):
     """A private copy of a saved state array (a NumPy one as np.array makes it)."""
     return np.array(v) if isinstance(v, np.ndarray | np.generic) else copy(v)

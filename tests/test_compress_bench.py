@@ -35,3 +35,20 @@ def test_train_prints_and_records_what_compression_did(tmp_path):
     assert final["compress"] == "sign" and final["compression_ratio"] > 20
     assert final["grad_bytes_sent"] > 0 and final["residual_norm"] > 0
     assert "compress sign: " in result.stdout and "ratio" in result.stdout
+
+
+@pytest.mark.timeout(180)
+def test_bench_compress_on_the_velocity_with_momentum_sgd(tmp_path):
+    out = tmp_path / "bench.json"
+    args = ("--steps", "11", "--batch-size", "4", "--plot", str(tmp_path / "v.png"))
+    velocity = ("--optimizer", "momentum", "--compress-on", "velocity")
+    result = minidp(2, "bench", "compress", *TINY, *args, *velocity, "--json", str(out),
+                    "--compressors", "none,topk:0.001")  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    rows = {r["compress"]: r for r in map(json.loads, open(out))}
+    assert rows["topk:0.001"]["bytes_ratio"] > 100 and rows["topk:0.001"]["max_param_diff"] == 0
+    assert "momentum lr 0.15 | compress on the velocity" in result.stdout
+    refused = minidp(2, "bench", "compress", *TINY, *args, *velocity, "--compressors",
+                     "none,powersgd:2")  # fmt: skip
+    assert refused.returncode == 2
+    assert "bench compress: powersgd:2: --compress-on velocity clears" in refused.stderr

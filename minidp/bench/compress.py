@@ -3,9 +3,13 @@
     mpiexec -n 2 python -m minidp bench compress [--steps 300] [--json FILE] [--plot PNG]
     mpiexec -n 4 python -m minidp bench compress
     mpiexec -n 2 python -m minidp bench compress --compress-on update --compress-warmup 3
+    mpiexec -n 2 python -m minidp bench compress --optimizer momentum
+    mpiexec -n 2 python -m minidp bench compress --optimizer momentum --compress-on velocity \
+        --compressors none,topk:0.001
 
 The task is `python -m minidp`'s default: the tiny GPT (2 layers, 64 channels, ~0.1 M
-parameters), global batch 16 x 64 tokens, AdamW with warmup and cosine decay, float32,
+parameters), global batch 16 x 64 tokens, AdamW (or --optimizer momentum, sgd: with the
+config's weight decay, as torch applies it) with warmup and cosine decay, float32,
 --steps steps, data parallel over the launched ranks. Contenders (--compressors): none,
 fp16, bf16, topk:0.001, randomk:0.01, sign, sign-noef, qsgd:4, powersgd:1, 2 and 4. Each
 trains its own model from the same seed on the same batches; one step of every contender
@@ -21,7 +25,10 @@ contender on the left, sign against sign-noef on the right.
 The issue's goals, for the lead to read off the table: top-k 0.1% within 2% of none's loss
 at >= 100x fewer bytes; PowerSGD rank 2 within 2% at >= 10x; sign clearly better than
 sign-noef. --compress-on and --compress-warmup apply to every contender but none (the
-baseline stays the plain path). Checks (cross-rank fingerprints) are off, as in `bench dp`.
+baseline stays the plain path); --compress-on velocity (DGC) takes --optimizer momentum and
+only topk and randomk contenders (one line otherwise). --optimizer momentum's lr, 0.15, won
+a sweep of none at 2 ranks (0.03 to 3; the README has it). Checks (cross-rank
+fingerprints) are off, as in `bench dp`.
 """
 
 from dataclasses import replace
@@ -31,8 +38,9 @@ from mpi4py import MPI
 
 from minidp import comm, data, optim
 from minidp.bench._common import environment, median, median_ratio, print_table, timed, write_json
-from minidp.config import TrainConfig
+from minidp.config import BadConfig, TrainConfig
 from minidp.log import die, print0
+from minidp.optim import MOMENTUM, OPTIMIZERS
 from minidp.parallel import DataParallel
 from minidp.parallel.compress import parse_compress
 from minidp.parser import Parser
@@ -44,8 +52,9 @@ CONTENDERS = (
     "none,fp16,bf16,topk:0.001,randomk:0.01,sign,sign-noef,qsgd:4,powersgd:1,powersgd:2,powersgd:4"
 )
 TAIL = 10  # the final loss: the mean of this many last steps' losses
-OPTIMIZERS = ("adamw", "sgd")
-SGD_LR, SGD_MOMENTUM = 0.3, 0.9
+MOMENTUM_LR = 0.15  # the best of a sweep of none under momentum SGD (README, compression)
+LR = {"adamw": TrainConfig.lr, "momentum": MOMENTUM_LR, "sgd": MOMENTUM_LR / (1 - MOMENTUM)}
+"""--lr by --optimizer: plain SGD's is momentum's lr/(1 - 0.9), the same long-run step."""
 
 
 def parse_args(argv: list[str]):
@@ -56,13 +65,13 @@ def parse_args(argv: list[str]):
     parser.add_argument("--plot", metavar="PNG", default=None, help="loss curves (default: runs/)")
     parser.add_argument(
         "--optimizer",
-        choices=OPTIMIZERS,
+        choices=tuple(OPTIMIZERS),
         default="adamw",
-        help="adamw (the default task's) or sgd (momentum 0.9, the papers' setting)",
+        help="adamw (the default task's), momentum (SGD, 0.9: the papers' setting) or sgd",
     )
     parser.add_argument(
         "--compress-on",
-        choices=("gradient", "update"),
+        choices=("gradient", "update", "velocity"),
         default="gradient",
         help="what every contender but none compresses (see --compress-on of train)",
     )
@@ -73,7 +82,9 @@ def parse_args(argv: list[str]):
         metavar="STEPS",
         help="every contender but none allreduces its first STEPS steps uncompressed",
     )
-    parser.add_argument("--lr", type=float, default=None, help="peak lr (adamw 3e-3, sgd 0.3)")
+    parser.add_argument(
+        "--lr", type=float, default=None, help=f"peak lr (default by --optimizer: {LR})"
+    )
     for name in ("n_layer", "n_embd", "n_head", "block_size", "batch_size"):  # the task's size
         default = getattr(TrainConfig, name)
         flag = "--" + name.replace("_", "-")
@@ -88,7 +99,7 @@ def parse_args(argv: list[str]):
         except ValueError as error:
             raise die(f"bench compress: {error}") from None
     if args.lr is None:
-        args.lr = TrainConfig.lr if args.optimizer == "adamw" else SGD_LR
+        args.lr = LR[args.optimizer]
     if args.steps <= TAIL:
         raise die(f"bench compress: --steps must be more than {TAIL}")
     return args
@@ -101,6 +112,7 @@ def train_side_by_side(args, group: comm.Group) -> dict:
         **{k: getattr(args, k) for k in ("n_layer", "n_embd", "n_head", "block_size")},
         batch_size=args.batch_size,
         lr=args.lr,
+        optimizer=args.optimizer,
     )
     runs = {}
     for spec in args.compressors:
@@ -111,11 +123,11 @@ def train_side_by_side(args, group: comm.Group) -> dict:
             compress_on=args.compress_on if compressed else "gradient",
             compress_warmup=args.compress_warmup if compressed else 0,
         )
-        task = Task(config, np.dtype(config.dtype))
-        sgd = None
-        if args.optimizer == "sgd":  # no weight decay
-            sgd = optim.SGD(task.model.parameters(), lr=config.lr, momentum=SGD_MOMENTUM)
-        strategy = DataParallel(task, config, group, optimizer=sgd)
+        try:  # --compress-on velocity needs momentum and a sparsifier: one line otherwise
+            config.validate()
+        except BadConfig as error:
+            raise die(f"bench compress: {spec}: {error}") from None
+        strategy = DataParallel(Task(config, np.dtype(config.dtype)), config, group)
         sampler = data.DistributedSampler(
             strategy.task.num_examples, config.batch_size, *strategy.data_shard, seed=config.seed
         )

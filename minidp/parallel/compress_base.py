@@ -56,6 +56,7 @@ class Compressor:
         self.algo = self.spec  # what the timeline labels each bucket with
         self.residuals: dict[int, np.ndarray] = {}  # e_w, by bucket index
         self.rounds: dict[int, int] = {}  # how many times each bucket has been reduced
+        self.sent: dict[int, np.ndarray] = {}  # a sparsifier's indices S_w, last round's
         self.error_sq = 0.0  # Σ over rounds of ||Δ_w - C(Δ_w)||², this rank's
         self.input_sq = 0.0  # Σ over rounds of ||Δ_w||²
 

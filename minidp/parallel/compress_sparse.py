@@ -62,7 +62,7 @@ class TopK(Compressor):
     def exchange(self, delta, out, key, group, shapes) -> np.ndarray:
         n = delta.size
         indices = top_k_indices(delta, kept(n, self.param)).astype(np.int32)
-        values = delta[indices]
+        values, self.sent[key] = delta[indices], indices
         gather_sum([indices, values], lambda i, v: sparse(i, v, n), out, group)
         return sparse(indices, values, n)
 
@@ -76,7 +76,7 @@ class RandomK(Compressor):
     def exchange(self, delta, out, key, group, shapes) -> np.ndarray:
         n = delta.size
         rng = np.random.default_rng([self.seed, key, self.round(key)])  # alike everywhere
-        indices = np.sort(rng.choice(n, kept(n, self.param), replace=False))
+        indices = self.sent[key] = np.sort(rng.choice(n, kept(n, self.param), replace=False))
         values = comm.allreduce(delta[indices], algo=self.allreduce_algo, group=group)
         out[...] = sparse(indices, values, n)
         return sparse(indices, delta[indices], n)

@@ -1,7 +1,8 @@
 """`--strategy dp`: data parallelism as the training loop drives it (strategy.py).
 
-Every rank holds the whole model and an AdamW of its own, and reads its slice of the global
-batch (its data-parallel coordinate is its rank). One step, on this rank's examples:
+Every rank holds the whole model and an optimizer of its own (--optimizer: AdamW by
+default), and reads its slice of the global batch (its data-parallel coordinate is its
+rank). One step, on this rank's examples:
 
     zero the buckets; weight = n_r / B
     for each of the K micro-batches:           # all but the last under no_sync()
@@ -9,16 +10,17 @@ batch (its data-parallel coordinate is its rank). One step, on this rank's examp
         backward                                # buckets reduced as they fill (overlap)
     finish the gradient sync                    # every rank now holds the mean gradient
     global loss = allreduce(n_r / B * local loss)
-    clip by the global norm; AdamW              # skipped when the loss is not finite
+    clip by the global norm; optimizer step     # skipped when the loss is not finite
 
 Replicas stay identical bit for bit, so the norm of the gradient and of the parameters are
 the same on every rank: each computes them alone, with nothing to gather.
 
 What plugs in: `--compress` and `--prune` replace the bucket allreduce through DDP's
 communication hook (compress.py, prune_comm.py); `--compress-on update` runs the optimizer
-before the reduction instead (compress_update.py). TensorParallel and Hybrid (tp_strategy.py)
-derive from this class, with their own `model`, `dp_group`, `loss`, `after_sync` and
-`clip_gradients`; ZeRO shares `forward_backward`.
+before the reduction instead (compress_update.py), `--compress-on velocity` momentum SGD's
+velocity, DGC's momentum correction (compress_velocity.py). TensorParallel and Hybrid
+(tp_strategy.py) derive from this class, with their own `model`, `dp_group`, `loss`,
+`after_sync` and `clip_gradients`; ZeRO shares `forward_backward`.
 """
 
 import contextlib
@@ -31,6 +33,7 @@ from minidp.config import BadConfig
 from minidp.memory import activation_bytes, nbytes, optimizer_bytes
 from minidp.parallel.compress import compression_line, compression_record, make_compressor
 from minidp.parallel.compress_update import update_step
+from minidp.parallel.compress_velocity import MomentumCorrection, velocity_step
 from minidp.parallel.data_parallel import DistributedDataParallel
 from minidp.parallel.prune_comm import attach_pruner
 from minidp.parallel.strategy import (
@@ -89,7 +92,8 @@ def forward_backward(strategy, local: np.ndarray, reducer, sync: bool = True) ->
 class DataParallel(Strategy):
     """DistributedDataParallel and an optimizer over `group`, with gradient accumulation.
 
-    The optimizer is AdamW with the config's weight decay unless `optimizer` is given.
+    The optimizer is the config's (--optimizer, AdamW by default, with its lr and weight
+    decay) unless `optimizer` is given.
     A scheme that data-parallelizes something else passes `model` (default: task.model) and
     `dp_group` (default: group), and overrides `loss`, `after_sync` and `clip_gradients`."""
 
@@ -124,12 +128,18 @@ class DataParallel(Strategy):
             overlap=OVERLAP[config.overlap],
             timeline=self.timeline,
         )
-        if self.compressor is not None:
-            self.ddp.register_comm_hook(self.compressor)
         self.steps_done = 0
-        self.optimizer = optimizer or optim.AdamW(
-            self.model.parameters(), lr=config.lr, weight_decay=config.weight_decay
+        self.optimizer_from_config = optimizer is None  # else the caller's, named by no flag
+        self.optimizer = optimizer or optim.make_optimizer(
+            config.optimizer, self.model.parameters(), config.lr, config.weight_decay
         )
+        self.momentum_correction = None  # --compress-on velocity: DGC's u_w, then C
+        if config.compress_on == "velocity":
+            momentum = self.optimizer.hyper["momentum"]
+            self.momentum_correction = MomentumCorrection(self.compressor, momentum)
+            self.ddp.register_comm_hook(self.momentum_correction)
+        elif self.compressor is not None:
+            self.ddp.register_comm_hook(self.compressor)
         self.pruning = attach_pruner(self.ddp, self.optimizer, config)  # None: no --prune
         self.data_shard = (dp_group.rank, dp_group.size)
         self.activations_peak = 0  # measured on the first step (every step is alike)
@@ -138,6 +148,8 @@ class DataParallel(Strategy):
     def step(self, local: np.ndarray, lr: float) -> StepResult:
         if self.config.compress_on == "update":  # the optimizer before the reduction
             return update_step(self, local, lr)
+        if self.config.compress_on == "velocity":  # momentum on each rank, before C
+            return velocity_step(self, local, lr)
         ddp, span = self.ddp, self.timeline.span
         self.optimizer.lr = lr
         if self.pruning is not None:  # on the schedule's steps: new masks, before forward
@@ -200,6 +212,7 @@ class DataParallel(Strategy):
             "buffers": self.group.scratch.nbytes
             + self.ddp.comm_group.scratch.nbytes
             + (self.compressor.nbytes() if self.compressor else 0)  # residuals, warm start
+            + (self.momentum_correction.nbytes() if self.momentum_correction else 0)  # u_w
             + (nbytes(self.pruning.pruner.masks) if self.pruning else 0)  # 1 byte per weight
             + self.ddp.stage.nbytes(),  # host copies of torch buckets (host_stage.py)
         }
@@ -211,13 +224,14 @@ class DataParallel(Strategy):
             f"{config.bucket_mb} MiB | overlap {'on' if ddp.overlap else 'off'} "
             f"({ddp.overlap_reason}) | grad accumulation {config.grad_accum} | "
             f"compress {config.compress}"
-            + (" on the update" if config.compress_on == "update" else "")
+            + (f" on the {config.compress_on}" if config.compress_on != "gradient" else "")
             + (f" after {config.compress_warmup} steps" if config.compress_warmup else "")
         ) + (f" | {self.pruning.pruner.describe()}" if self.pruning else "")
 
     def record(self) -> dict:
         return {
             "allreduce": self.config.allreduce,
+            "optimizer": self.config.optimizer if self.optimizer_from_config else None,
             "overlap": self.ddp.overlap,
             "buckets": len(self.ddp.buckets),
             "compress_on": self.config.compress_on,
@@ -245,6 +259,8 @@ class DataParallel(Strategy):
         state = {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()}
         if self.compressor is not None:  # error-feedback residuals are training state
             state["compressor"] = self.compressor.state_dict()
+        if self.momentum_correction is not None:  # DGC's u_w
+            state["velocity"] = self.momentum_correction.state_dict()
         if self.pruning is not None:  # the masks and the schedule's step
             state["prune"] = self.pruning.pruner.state_dict()
         return state
@@ -254,6 +270,8 @@ class DataParallel(Strategy):
         self.optimizer.load_state_dict(state["optimizer"])
         if self.compressor is not None:
             self.compressor.load_state_dict(state["compressor"])
+        if self.momentum_correction is not None:
+            self.momentum_correction.load_state_dict(state["velocity"])
         if self.pruning is not None:
             self.pruning.pruner.load_state_dict(state["prune"])
 

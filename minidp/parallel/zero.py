@@ -84,8 +84,9 @@ def model_state_bytes(stage: int, psi: int, n: int, itemsize: int = 4, k: int = 
 class ZeRO(Strategy):
     """ZeRO stage 1, 2 or 3 over `group` (config.zero_stage says which).
 
-    `make_optimizer(params)`: the optimizer over this rank's pieces (default: AdamW with the
-    config's weight decay); any elementwise optimizer of minidp.optim works (SGD, Adam).
+    `make_optimizer(params)`: the optimizer over this rank's pieces (default: --optimizer,
+    AdamW unless set, with the config's lr and weight decay); any elementwise optimizer of
+    minidp.optim works (SGD, Adam).
     As DataParallel, a scheme that shards something else passes `model` (default:
     task.model) and `dp_group` (default: group), and overrides `loss`, `clip_gradients` and
     `param_l2` (zero_hybrid.py does, for a TP model)."""
@@ -169,14 +170,16 @@ class ZeRO(Strategy):
         else:
             param_chunks = [layout.my_chunk(self.param_shard, s) for s in range(len(segments))]
         self.pieces = pieces(param_chunks, grad_chunks)
-        self.optimizer = (make_optimizer or self._adamw)(self.pieces)
+        self.optimizer = (make_optimizer or self._optimizer)(self.pieces)
         self.data_shard = (group.rank, group.size)
         self.activations_peak = 0  # measured on the first step (every step is alike)
         self._measure = True
         self.gather_seconds = 0.0  # stages 1, 2: the parameter allgathers, in total
 
-    def _adamw(self, params):
-        return optim.AdamW(params, lr=self.config.lr, weight_decay=self.config.weight_decay)
+    def _optimizer(self, params):
+        """--optimizer over this rank's pieces (AdamW by default): each piece's state only."""
+        c = self.config
+        return optim.make_optimizer(c.optimizer, params, c.lr, c.weight_decay)
 
     def _reduce_scatter_bucket(self, bucket, group: comm.Group) -> None:
         """Stage 1's DDP hook: only this rank's chunk of the bucket is summed (and only it
