@@ -8,7 +8,9 @@ For each collective, size and algorithm, the hand-written call and MPI's builtin
 directly through mpi4py) alternate in one job, A B A B ...: after --warmup calls of each,
 --iters timed pairs. One call's time is the slowest rank's (Barrier, time, max over ranks);
 the table shows medians. Both sides get preallocated inputs and outputs; page faults per
-call (ru_minflt) show who allocates temporaries.
+call (ru_minflt) show who allocates temporaries. allreduce `shm` runs in place on an array
+in shared memory (comm.shared_zeros, as DDP's buckets are), against MPI's in place
+(MPI_IN_PLACE) on a plain array of the same values.
 
     algbw = bytes / time            bytes: the whole vector (allgather: the gathered output)
     busbw = algbw * 2(p-1)/p        allreduce
@@ -68,6 +70,8 @@ def contenders(op: str, algo: str, nbytes: int, dtype: np.dtype, group: comm.Gro
     rng = np.random.default_rng(r)
     x = rng.standard_normal(n).astype(dtype)
     out = np.empty_like(x)
+    if op == "allreduce" and algo == "shm":  # in place on shared memory, as DDP's buckets
+        return _in_place_shm(x, group)
     if op == "allreduce":
         return (
             lambda: comm.allreduce(x, algo=algo, group=group, out=out),
@@ -115,6 +119,25 @@ def contenders(op: str, algo: str, nbytes: int, dtype: np.dtype, group: comm.Gro
             got.copy,
         )
     raise AssertionError(op)
+
+
+def _in_place_shm(x: np.ndarray, group: comm.Group):
+    """contenders() for allreduce "shm": ours in place on a copy of x in shared memory, MPI's
+    in place (MPI_IN_PLACE) on a plain copy; output() is what the last call reduced. Both
+    start from x and sum in place every call, so their values grow alike."""
+    shared, plain = comm.shared_zeros(x.size, x.dtype, group), x.copy()
+    shared[...] = x
+    last = [shared]
+
+    def ours():
+        comm.allreduce(shared, algo="shm", group=group, out=shared)
+        last[0] = shared
+
+    def builtin():
+        group.comm.Allreduce(MPI.IN_PLACE, plain, op=MPI.SUM)
+        last[0] = plain
+
+    return ours, builtin, lambda: last[0].copy()
 
 
 def check_result(op: str, algo: str, nbytes: int, dtype: np.dtype, group: comm.Group, calls):

@@ -33,6 +33,8 @@ every rank raises CollectiveMismatch, having read nothing. A group spread over m
 cannot use it: ValueError on every rank.
 """
 
+import sys
+
 import numpy as np
 from mpi4py import MPI
 
@@ -55,9 +57,10 @@ class SharedMemory:
         node.Free()
         self.group = group
         self.windows: list[MPI.Win] = []
-        self.segments: list[tuple[int, int, list[np.ndarray]]] = []  # (address, bytes, per rank)
+        # (address, bytes, window, every rank's bytes) of each shared_zeros array
+        self.segments: list[tuple[int, int, MPI.Win, list[np.ndarray]]] = []
         self.scratch: tuple[MPI.Win, list[np.ndarray]] | None = None
-        self.table: list[np.ndarray] | None = None  # per rank: (segment, offset, bytes, dtype)
+        self.table: tuple[MPI.Win, list[np.ndarray]] | None = None  # (segment, offset, ...)
 
     def _require_local(self, what: str) -> None:
         if not self.local:
@@ -88,9 +91,9 @@ class SharedMemory:
     def zeros(self, count: int, dtype) -> np.ndarray:
         self._require_local("shared_zeros")
         dtype = np.dtype(dtype)
-        _, per_rank = self._allocate(count * dtype.itemsize)
+        win, per_rank = self._allocate(count * dtype.itemsize)
         address = per_rank[self.group.rank].__array_interface__["data"][0]
-        self.segments.append((address, count * dtype.itemsize, per_rank))
+        self.segments.append((address, count * dtype.itemsize, win, per_rank))
         mine = per_rank[self.group.rank].view(dtype)
         mine[...] = 0
         return mine
@@ -98,32 +101,33 @@ class SharedMemory:
     def find(self, x: np.ndarray) -> tuple[int, int] | None:
         """(segment number, byte offset) of x inside one of this rank's segments, or None."""
         start = x.__array_interface__["data"][0]
-        for i, (address, nbytes, _) in enumerate(self.segments):
+        for i, (address, nbytes, _, _) in enumerate(self.segments):
             if address <= start and start + x.nbytes <= address + nbytes:
                 return i, start - address
         return None
 
-    def _scratch(self, nbytes: int) -> list[np.ndarray]:
-        """Every rank's scratch bytes, at least nbytes (grown collectively: every rank of a
-        call passes the same size, which the fingerprint checks)."""
+    def _scratch(self, nbytes: int) -> tuple[MPI.Win, list[np.ndarray]]:
+        """The scratch window and every rank's bytes, at least nbytes (grown collectively:
+        every rank of a call passes the same size, which the fingerprint checks)."""
         if self.scratch is None or self.scratch[1][0].size < nbytes:
             if self.scratch is not None:
                 self._free(self.scratch[0])
             self.scratch = self._allocate(nbytes)
-        return self.scratch[1]
+        return self.scratch
 
-    def _table(self) -> list[np.ndarray]:
+    def _table(self) -> tuple[MPI.Win, list[np.ndarray]]:
         if self.table is None:
-            _, per_rank = self._allocate(4 * 8)
-            self.table = [row.view(np.int64) for row in per_rank]
+            win, per_rank = self._allocate(4 * 8)
+            self.table = win, [row.view(np.int64) for row in per_rank]
         return self.table
 
-    def _sync(self) -> None:
-        """Every rank's stores before the barrier are seen by every rank's loads after it."""
-        for win in self.windows:
+    def _sync(self, *windows: MPI.Win) -> None:
+        """Every rank's stores to `windows` before the barrier are seen by every rank's
+        loads after it (MPI_Win_sync on each side of the barrier)."""
+        for win in windows:
             win.Sync()
         mpi_barrier(self.group)
-        for win in self.windows:
+        for win in windows:
             win.Sync()
 
     def _free(self, win: MPI.Win) -> None:
@@ -132,7 +136,13 @@ class SharedMemory:
         win.Free()
 
     def free(self) -> None:
-        """Free every window (collective over the group)."""
+        """Free every window (collective over the group: MPI_Win_free waits for every rank).
+
+        Not while an exception is on its way up this rank (DDP closing in a `with` or a
+        `finally` after an error): the other ranks may never come to free, and the job is
+        about to end (the CLI aborts it); the memory goes with the process."""
+        if sys.exc_info()[0] is not None:
+            return
         for win in list(self.windows):
             self._free(win)
         self.segments, self.scratch, self.table = [], None, None
@@ -142,25 +152,27 @@ class SharedMemory:
         g, p, r = self.group, self.group.size, self.group.rank
         where = self.find(out) if src is out else None
         where = (_SCRATCH, 0) if where is None else where  # a plain array: via the scratch
-        table = self._table()
-        table[r][:] = (where[0], where[1], out.nbytes, out.dtype.num)
-        self._sync()  # 1: every rank's row of the table written (and shared inputs in place)
+        table_win, table = self._table()
+        segment, offset = where
+        win = None if segment == _SCRATCH else self.segments[segment][2]
+        table[r][:] = (segment, offset, out.nbytes, out.dtype.num)
+        self._sync(table_win, *([win] if win else []))  # 1: table rows (and inputs) written
         rows = [tuple(int(v) for v in row) for row in table]
         if len(set(rows)) != 1:
-            self._sync()  # every rank has read the table before any raises (or reuses it)
+            self._sync(table_win)  # every rank has read the table before any raises
             raise CollectiveMismatch(
                 "allreduce algo='shm': the ranks passed different arrays "
                 f"(segment, byte offset, bytes, dtype by rank: {rows}; segment -1 is a plain "
                 "array copied in)"
             )
-        segment, offset = where
         if segment == _SCRATCH:  # every rank agrees, so every rank takes part in a growth
-            per_rank = [b[: out.nbytes].view(out.dtype) for b in self._scratch(out.nbytes)]
+            win, scratch = self._scratch(out.nbytes)
+            per_rank = [b[: out.nbytes].view(out.dtype) for b in scratch]
             np.copyto(per_rank[r], src)
-            self._sync()  # 1b: the copies in place
+            self._sync(win)  # 1b: the copies in place
         else:
             per_rank = [
-                b[offset : offset + out.nbytes].view(out.dtype) for b in self.segments[segment][2]
+                b[offset : offset + out.nbytes].view(out.dtype) for b in self.segments[segment][3]
             ]
         bounds = chunk_bounds(out.size, p)
         lo, hi = bounds[r], bounds[r + 1]
@@ -175,13 +187,13 @@ class SharedMemory:
             for k in range(3, p):
                 combine(op, partial, per_rank[(r + k) % p][lo:hi], partial)
             combine(op, partial, mine[lo:hi], mine[lo:hi])
-        self._sync()  # 2: every chunk reduced by its owner
+        self._sync(win)  # 2: every chunk reduced by its owner
         for k in range(1, p):
             q = (r + k) % p
             mine[bounds[q] : bounds[q + 1]] = per_rank[q][bounds[q] : bounds[q + 1]]
         moved = 2 * (out.nbytes - (hi - lo) * out.itemsize)  # what the others read of ours
         g.traffic(moved, moved, 0)
-        self._sync()  # 3: nobody writes its array again while another still reads it
+        self._sync(win)  # 3: nobody writes its array again while another still reads it
         if mine is not out:
             np.copyto(out, mine)
 

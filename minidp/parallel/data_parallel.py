@@ -251,19 +251,20 @@ class DistributedDataParallel:
 
     # ---- communication --------------------------------------------------------------------
     def _grad_ready(self, p) -> None:
+        if not self.sync_enabled:  # under no_sync: gradients keep adding up in place
+            return
         bucket, i = self._slot_of[id(p)]
         bucket.pending -= 1
-        if self.sync_enabled:
-            bucket.weigh(i, self.share)  # n_r / B, now, while the gradient is in cache
-            # In index order, as PyTorch's reducer does: a complete bucket waits for those
-            # before it, so every rank runs the same reductions in the same order, even when
-            # some parameter gets no gradient on some rank (its bucket goes at the finish).
-            while (
-                self.overlap
-                and self._next < len(self.buckets)
-                and self.buckets[self._next].pending == 0
-            ):
-                self._launch(self.buckets[self._next])
+        bucket.weigh(i, self.share)  # n_r / B, now, while the gradient is in cache
+        # In index order, as PyTorch's reducer does: a complete bucket waits for those
+        # before it, so every rank runs the same reductions in the same order, even when
+        # some parameter gets no gradient on some rank (its bucket goes at the finish).
+        while (
+            self.overlap
+            and self._next < len(self.buckets)
+            and self.buckets[self._next].pending == 0
+        ):
+            self._launch(self.buckets[self._next])
 
     def _launch(self, bucket: Bucket) -> None:
         bucket.collect(self.share)  # the slots no hook has weighed yet (unused parameters)
