@@ -190,10 +190,11 @@ plot(curves, bytes_per_step, f"compression on {world} ranks", "minidp_11_compres
 # Error feedback promises that every coordinate's gradient reaches the sum, late but in
 # full: a coordinate top-k sends once every T steps arrives as one burst of about T·g. Under
 # SGD the step is linear in what arrives, so the burst moves the weight T·lr·g, what T
-# uncompressed steps would have. Under Adam it does not: Adam divides each coordinate by
-# √v, its own running gradient scale, and a burst T times larger raises √v about T times,
-# so the coordinate moves about one lr per burst where it would have moved one lr per step.
-# The residual's mass is normalized away. This is why the compression papers, Deep Gradient
+# uncompressed steps would have. Under Adam it does not: Adam's step on a coordinate is
+# lr·m/√v, about lr whatever the gradient's scale, since m and √v both grow with it. A burst
+# T times the gradient is normalized like any other, and the coordinate moves about one lr
+# per burst where uncompressed it would have moved one lr per step: the residual's mass is
+# normalized away. This is why the compression papers, Deep Gradient
 # Compression (Lin et al. 2018), PowerSGD (Vogels et al. 2019) and EF-SignSGD (Karimireddy
 # et al. 2019), all train with momentum SGD.
 #
