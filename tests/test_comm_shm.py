@@ -36,7 +36,6 @@ def test_a_shared_array_is_reduced_in_place_by_auto_with_no_message_and_the_ring
         assert np.array_equal(shared, ring)  # the ring's order of additions, so its bits
         np.testing.assert_allclose(shared, mpi, rtol=1e-5, atol=1e-5)
     g.free()
-    assert g.shared.windows == []
 
 
 @pytest.mark.timeout(120)
@@ -83,7 +82,7 @@ def _mlp():
 
 @pytest.mark.timeout(120)
 @pytest.mark.parallel(nprocs=[2, 3])
-def test_ddp_buckets_live_in_shared_memory_and_their_gradients_outlive_close():
+def test_ddp_buckets_live_in_shared_memory_with_the_rings_bits_and_outlive_close():
     world = comm.world()
     x = np.random.default_rng(world.rank).standard_normal((4, 6))
     y = np.arange(4) % 3
@@ -95,10 +94,9 @@ def test_ddp_buckets_live_in_shared_memory_and_their_gradients_outlive_close():
         nn.cross_entropy(ddp(Tensor(x)), y).backward()
         ddp.finish_gradient_sync()
         grads[algo] = [p.grad.copy() for p in ddp.parameters()]
-        ddp.close()  # frees the shared segments: the gradients must have moved out first
+        ddp.close()  # the shared memory stays with the process: the gradients stay readable
         for p, kept in zip(ddp.parameters(), grads[algo], strict=True):
             assert np.array_equal(p.grad, kept)
-            assert not comm.in_shared_memory(p.grad, ddp.comm_group)
     for algo in ("auto", "shm"):
         for ours, ring in zip(grads[algo], grads["ring"], strict=True):
             assert np.array_equal(ours, ring)

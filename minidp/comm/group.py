@@ -126,8 +126,6 @@ class Group:
         """Release the communicator (collective over the group); the group is unusable after."""
         if self._fingerprints is not None and not self.broken:
             self._fingerprints.free()
-        if self.shared is not None and not self.broken:
-            self.shared.free()
         if self.comm not in (MPI.COMM_WORLD, MPI.COMM_SELF, MPI.COMM_NULL):
             self.comm.Free()
         self.broken = "freed"

@@ -33,8 +33,6 @@ every rank raises CollectiveMismatch, having read nothing. A group spread over m
 cannot use it: ValueError on every rank.
 """
 
-import sys
-
 import numpy as np
 from mpi4py import MPI
 
@@ -47,16 +45,17 @@ _SCRATCH = -1  # the table's segment number for the scratch segment (a plain arr
 
 
 class SharedMemory:
-    """A group's shared segments: one window per `shared_zeros` call, plus one scratch.
+    """A group's shared segments: one window per `shared_zeros` call, a scratch and a table.
 
-    Made on first use by `of(group)`; `group.free()` frees the windows (collective)."""
+    Made on first use by `of(group)`. The windows live until the process ends: freeing one
+    (MPI_Win_free) waits for every rank, and a DDP closes on error paths too, where the
+    other ranks may never come; so allocate few (DDP makes one for all its buckets)."""
 
     def __init__(self, group):
         node = group.comm.Split_type(MPI.COMM_TYPE_SHARED)
         self.local = node.Get_size() == group.size  # the same answer on every rank
         node.Free()
         self.group = group
-        self.windows: list[MPI.Win] = []
         # (address, bytes, window, every rank's bytes) of each shared_zeros array
         self.segments: list[tuple[int, int, MPI.Win, list[np.ndarray]]] = []
         self.scratch: tuple[MPI.Win, list[np.ndarray]] | None = None
@@ -81,7 +80,6 @@ class SharedMemory:
         win = MPI.Win.Allocate_shared(max(nbytes, 1), 1, info, comm=self.group.comm)
         info.Free()
         win.Lock_all(MPI.MODE_NOCHECK)  # passive target for the whole life: Sync() orders
-        self.windows.append(win)
         per_rank = []
         for q in range(self.group.size):
             buf, _ = win.Shared_query(q)
@@ -110,8 +108,9 @@ class SharedMemory:
         """The scratch window and every rank's bytes, at least nbytes (grown collectively:
         every rank of a call passes the same size, which the fingerprint checks)."""
         if self.scratch is None or self.scratch[1][0].size < nbytes:
-            if self.scratch is not None:
-                self._free(self.scratch[0])
+            if self.scratch is not None:  # every rank is in this call: safe to free here
+                self.scratch[0].Unlock_all()
+                self.scratch[0].Free()
             self.scratch = self._allocate(nbytes)
         return self.scratch
 
@@ -129,23 +128,6 @@ class SharedMemory:
         mpi_barrier(self.group)
         for win in windows:
             win.Sync()
-
-    def _free(self, win: MPI.Win) -> None:
-        self.windows.remove(win)
-        win.Unlock_all()
-        win.Free()
-
-    def free(self) -> None:
-        """Free every window (collective over the group: MPI_Win_free waits for every rank).
-
-        Not while an exception is on its way up this rank (DDP closing in a `with` or a
-        `finally` after an error): the other ranks may never come to free, and the job is
-        about to end (the CLI aborts it); the memory goes with the process."""
-        if sys.exc_info()[0] is not None:
-            return
-        for win in list(self.windows):
-            self._free(win)
-        self.segments, self.scratch, self.table = [], None, None
 
     def allreduce(self, src: np.ndarray, out: np.ndarray, op: str) -> None:
         self._require_local("allreduce algo='shm'")

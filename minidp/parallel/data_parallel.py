@@ -41,7 +41,6 @@ buckets and the next synchronized backward reduces the total.
 """
 
 import contextlib
-import functools
 import time
 import weakref
 import zlib
@@ -180,14 +179,22 @@ class DistributedDataParallel:
     def _bucket_memory(self, params):
         """Where the buckets live: in memory every rank reads (comm/shm.py) when they are
         reduced by loads (algo "shm", or "auto" with every rank on one machine), so the
-        allreduce copies nothing in or out; else None, the parameters' own library."""
+        allreduce copies nothing in or out: one shared array for all buckets, each a slice
+        of it. Else None: the parameters' own library."""
         if self.algo not in ("auto", "shm") or self.comm_group.size == 1:
             return None
         if not isinstance(params[0].data, np.ndarray):  # torch tensors stage through the host
             return None
         if self.algo == "auto" and not comm.on_one_machine(self.comm_group):
             return None
-        return functools.partial(comm.shared_zeros, group=self.comm_group)
+        arena = comm.shared_zeros(sum(p.size for p in params), params[0].dtype, self.comm_group)
+        taken = [0]
+
+        def zeros(count, dtype):  # the next `count` elements of the arena
+            taken[0] += count
+            return arena[taken[0] - count : taken[0]]
+
+        return zeros
 
     def __call__(self, *args, **kwargs):
         return self.model(*args, **kwargs)
@@ -293,9 +300,6 @@ class DistributedDataParallel:
         stuck = self._stop_thread()  # runs once: later calls return None
         self._thread = None
         if not stuck and not self.comm_group.broken:
-            for bucket in self.buckets:  # shared memory goes with the group: keep the values
-                if comm.in_shared_memory(bucket.data, self.comm_group):
-                    bucket.detach()
             # MPI_Comm_free completes locally in MPICH and Open MPI: safe on an error path too.
             # A group a collective error broke, or a thread still inside one, keeps its own.
             self.comm_group.free()
