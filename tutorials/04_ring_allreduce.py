@@ -17,7 +17,8 @@
 # some rank send lg p·n bytes. Baidu's ring (Gibiansky 2017, after Patarasuk & Yuan 2009)
 # cuts the vector into p chunks and passes chunks, not vectors, around a ring. Each rank
 # sends 2(p-1)/p·n bytes, less than 2n however many ranks there are. This is what Horovod
-# and NCCL do with gradients.
+# and NCCL do with gradients. Section 4 does the same ring on one machine with no messages at
+# all, by reading the other ranks' memory.
 
 # %%
 import numpy as np
@@ -112,4 +113,61 @@ for r in rows:
     )
 picks = ", ".join(f"{s}: {comm.choose('allreduce', s, p)}" for s in (4 << 10, 1 << 20, 64 << 20))
 print0(f"\nauto picks: {picks}")
+
+# %% [markdown]
+# ## 4. On one machine: the ring by loads, no messages
+#
+# Between processes on one machine, a message is itself two copies: the sender's into a
+# shared cell, the receiver's out of it. MPI-3 can instead map one piece of memory into every
+# rank's address space (MPI_Win_allocate_shared): `comm.shared_zeros` makes such an array,
+# and `comm.peer_arrays` shows every rank's copy of it. The ring's two halves become loads:
+# rank r adds chunk r of every other rank's array into its own, then copies chunk q out of
+# rank q's. A barrier between the halves says "everyone's writes are done".
+
+# %%
+mine = comm.shared_zeros(x.size, np.int64, group)  # collective: one array per rank
+mine[:] = x
+peers = comm.peer_arrays(mine, group)  # peers[q] is rank q's array, readable here
+assert peers[rank] is not mine and np.shares_memory(peers[rank], mine)
+comm.barrier(group)  # every rank has written its x
+lo, hi = bounds[rank], bounds[rank + 1]
+for q in range(p):
+    if q != rank:
+        mine[lo:hi] += peers[q][lo:hi]  # reduce-scatter: loads from rank q's memory
+comm.barrier(group)  # every chunk is reduced by its owner
+for q in range(p):
+    if q != rank:
+        mine[bounds[q] : bounds[q + 1]] = peers[q][bounds[q] : bounds[q + 1]]  # allgather
+comm.barrier(group)  # everyone is done reading before anyone writes again
+assert (mine == 2**p - 1).all()
+
+# %% [markdown]
+# `comm.allreduce` does the same for an array in shared memory when algo is "auto" (or
+# "shm"), adding in the ring's order so the bits are the ring's, and DDP puts its gradient
+# buckets there. No message is sent; the bytes the others read from this rank count as
+# sent, 2(p-1)/p·n, the ring's.
+
+# %%
+big = comm.shared_zeros(1 << 20, np.float32, group)
+big[:] = np.random.default_rng(rank).standard_normal(big.size)
+ring = comm.allreduce(big, algo="ring", group=group)
+group.reset_counters()
+comm.allreduce(big, group=group, out=big)  # auto: in shared memory, so shm
+assert np.array_equal(big, ring)  # the ring's bits
+counted = group.counters["allreduce"]
+own = comm.chunk_bounds(big.size, p)
+own = (own[rank + 1] - own[rank]) * big.itemsize
+assert counted["messages_sent"] == 0 and counted["bytes_sent"] == 2 * (big.nbytes - own)
+print0(f"shm: 0 messages, {counted['bytes_sent']:,} bytes read from rank 0 by the others")
+rows = [
+    measure("allreduce", algo, size, np.dtype(np.float32), fast, warmup=2, iters=15)
+    for size in (1 << 20, 8 << 20)
+    for algo in ("ring", "shm")
+]
+print0(f"\n{'algo':>18} size  ours us   mpi us  busbw GB/s: ours   mpi  ratio")
+for r in rows:
+    print0(
+        f"{r['algo']:>18} {r['size']:>4} {r['time_us']:8.0f} {r['mpi_us']:8.0f} "
+        f"{r['busbw_gbs']:17.2f} {r['builtin_busbw_gbs']:5.2f} {r['ratio']:6.2f}"
+    )
 print0("\n04_ring_allreduce: all checks passed")

@@ -60,7 +60,7 @@ from minidp.comm.rooted import (
     reduce,
     scatter,
 )
-from minidp.comm.shm import in_shared_memory, on_one_machine, shared_zeros
+from minidp.comm.shm import in_shared_memory, on_one_machine, peer_arrays, shared_zeros
 from minidp.comm.text import broadcast_text, gather_text
 
 ALGORITHMS = {
@@ -98,6 +98,7 @@ __all__ = [
     "gather_text",
     "in_shared_memory",
     "on_one_machine",
+    "peer_arrays",
     "reduce",
     "reduce_scatter",
     "scatter",

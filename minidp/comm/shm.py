@@ -21,9 +21,11 @@ CPU allreduce use shared memory the same way.
 
 Zero copies need the array itself in shared memory: `shared_zeros(n, dtype, group)` makes
 one (collective; DDP's buckets are made this way when they are reduced with "shm" or
-"auto"), and `in_shared_memory(x, group)` tells whether x lies in one. algo="auto" picks
-"shm" exactly for those. Any other array can be reduced with algo="shm" too: it is copied
-into a shared scratch segment and back, which costs more than a ring (two extra copies).
+"auto"), `in_shared_memory(x, group)` tells whether x lies in one, and
+`peer_arrays(x, group)` gives every rank's array at x's place (tutorial 04 does the
+allreduce by hand with it). algo="auto" picks "shm" exactly for arrays in shared memory.
+Any other array can be reduced with algo="shm" too: it is copied into a shared scratch
+segment and back, which costs more than a ring (two extra copies).
 
 Counted as bytes sent: what the other ranks load from this rank's memory, 2(p-1)/p·n, the
 same bytes the ring sends (no messages). Before reading, every rank posts which segment,
@@ -104,6 +106,13 @@ class SharedMemory:
                 return i, start - address
         return None
 
+    def peers(self, segment: int, offset: int, x: np.ndarray) -> list[np.ndarray]:
+        """Every rank's array at x's place (segment, byte offset), shaped like x."""
+        return [
+            b[offset : offset + x.nbytes].view(x.dtype).reshape(x.shape)
+            for b in self.segments[segment][3]
+        ]
+
     def _scratch(self, nbytes: int) -> tuple[MPI.Win, list[np.ndarray]]:
         """The scratch window and every rank's bytes, at least nbytes (grown collectively:
         every rank of a call passes the same size, which the fingerprint checks)."""
@@ -153,9 +162,7 @@ class SharedMemory:
             np.copyto(per_rank[r], src)
             self._sync(win)  # 1b: the copies in place
         else:
-            per_rank = [
-                b[offset : offset + out.nbytes].view(out.dtype) for b in self.segments[segment][3]
-            ]
+            per_rank = self.peers(segment, offset, out)
         bounds = chunk_bounds(out.size, p)
         lo, hi = bounds[r], bounds[r + 1]
         mine = per_rank[r]
@@ -201,6 +208,17 @@ def on_one_machine(group) -> bool:
 def in_shared_memory(x: np.ndarray, group) -> bool:
     """Whether x lies in a segment made by shared_zeros for this group (local: no message)."""
     return group.shared is not None and group.shared.find(x) is not None
+
+
+def peer_arrays(x: np.ndarray, group) -> list[np.ndarray]:
+    """Every rank's array at x's place in shared memory, element q rank q's (x: made by
+    shared_zeros, or a contiguous slice of one). Reading another rank's element is a load
+    from its memory: order it with a barrier after the writes (shm.py also calls
+    MPI_Win_sync around its barriers, as the MPI standard asks)."""
+    where = group.shared.find(x) if group.shared is not None else None
+    if where is None or not x.flags.c_contiguous:
+        raise ValueError("peer_arrays: x is not in this group's shared memory (shared_zeros)")
+    return group.shared.peers(*where, x)
 
 
 def shm_allreduce(group, src: np.ndarray, out: np.ndarray, op: str) -> None:
