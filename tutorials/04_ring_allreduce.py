@@ -100,17 +100,21 @@ assert np.array_equal(acc, comm.allreduce(x, algo="ring", group=group))  # = min
 # %%
 fast = group.dup()
 fast.checks, fast.timeout = False, None  # time the algorithm, not the safety checks
-rows = [
-    measure("allreduce", algo, size, np.dtype(np.float32), fast, warmup=2, iters=15)
-    for size in (64 << 10, 1 << 20, 8 << 20)
-    for algo in ("ring", "recursive_doubling")
-]
-print0(f"\n{'algo':>18} size  ours us   mpi us  busbw GB/s: ours   mpi  ratio")
-for r in rows:
-    print0(
-        f"{r['algo']:>18} {r['size']:>4} {r['time_us']:8.0f} {r['mpi_us']:8.0f} "
-        f"{r['busbw_gbs']:17.2f} {r['builtin_busbw_gbs']:5.2f} {r['ratio']:6.2f}"
-    )
+
+
+def race(algos, sizes):
+    """Each algo against MPI's allreduce at each size, alternating; print the rows."""
+    print0(f"\n{'algo':>18} size  ours us   mpi us  busbw GB/s: ours   mpi  ratio")
+    for size in sizes:
+        for algo in algos:
+            r = measure("allreduce", algo, size, np.dtype(np.float32), fast, warmup=2, iters=15)
+            print0(
+                f"{r['algo']:>18} {r['size']:>4} {r['time_us']:8.0f} {r['mpi_us']:8.0f} "
+                f"{r['busbw_gbs']:17.2f} {r['builtin_busbw_gbs']:5.2f} {r['ratio']:6.2f}"
+            )
+
+
+race(("ring", "recursive_doubling"), (64 << 10, 1 << 20, 8 << 20))
 picks = ", ".join(f"{s}: {comm.choose('allreduce', s, p)}" for s in (4 << 10, 1 << 20, 64 << 20))
 print0(f"\nauto picks: {picks}")
 
@@ -159,15 +163,5 @@ own = comm.chunk_bounds(big.size, p)
 own = (own[rank + 1] - own[rank]) * big.itemsize
 assert counted["messages_sent"] == 0 and counted["bytes_sent"] == 2 * (big.nbytes - own)
 print0(f"shm: 0 messages, {counted['bytes_sent']:,} bytes read from rank 0 by the others")
-rows = [
-    measure("allreduce", algo, size, np.dtype(np.float32), fast, warmup=2, iters=15)
-    for size in (1 << 20, 8 << 20)
-    for algo in ("ring", "shm")
-]
-print0(f"\n{'algo':>18} size  ours us   mpi us  busbw GB/s: ours   mpi  ratio")
-for r in rows:
-    print0(
-        f"{r['algo']:>18} {r['size']:>4} {r['time_us']:8.0f} {r['mpi_us']:8.0f} "
-        f"{r['busbw_gbs']:17.2f} {r['builtin_busbw_gbs']:5.2f} {r['ratio']:6.2f}"
-    )
+race(("ring", "shm"), (1 << 20, 8 << 20))
 print0("\n04_ring_allreduce: all checks passed")

@@ -25,16 +25,24 @@ from minidp import optim
 from minidp.parallel.strategy import StepResult, global_loss
 
 
+def local_backward(strategy, local: np.ndarray) -> tuple[float, float]:
+    """This rank's own mean gradient in the buckets, not reduced yet, and (global loss, local
+    loss): the first half of a step whose optimizer runs before the compressed reduction
+    (here) or around it (compress_velocity.py). The global loss is one scalar allreduce."""
+    ddp = strategy.ddp
+    ddp.zero_grad()
+    ddp.set_batch_share(len(local), strategy.config.batch_size)
+    local_loss = strategy.backward(local, sync=False)
+    strategy.steps_done += 1
+    return global_loss(local_loss, ddp.share, strategy.dp_group), local_loss
+
+
 def update_step(strategy, local: np.ndarray, lr: float) -> StepResult:
     """One step of DataParallel with the optimizer before the (compressed) reduction."""
     ddp, config = strategy.ddp, strategy.config
     span = strategy.timeline.span
     strategy.optimizer.lr = lr
-    ddp.zero_grad()
-    ddp.set_batch_share(len(local), config.batch_size)
-    local_loss = strategy.backward(local, sync=False)  # this rank's own mean gradient
-    strategy.steps_done += 1
-    step_loss = global_loss(local_loss, ddp.share, strategy.dp_group)
+    step_loss, local_loss = local_backward(strategy, local)
     if not np.isfinite(step_loss):  # alike on every rank: no step, no message
         return StepResult(step_loss, local_loss)
     params = ddp.parameters()

@@ -31,7 +31,8 @@ import numpy as np
 from minidp import comm, optim
 from minidp.config import VELOCITY_COMPRESSORS  # the sparsifiers: what they sent is a set S_w
 from minidp.parallel.buckets import Bucket
-from minidp.parallel.strategy import StepResult, global_loss
+from minidp.parallel.compress_update import local_backward
+from minidp.parallel.strategy import StepResult
 
 __all__ = ["VELOCITY_COMPRESSORS", "MomentumCorrection", "velocity_step"]
 
@@ -72,11 +73,7 @@ class MomentumCorrection:
 def velocity_step(strategy, local: np.ndarray, lr: float) -> StepResult:
     """One step of DataParallel with DGC's momentum correction (the module docstring)."""
     ddp, config = strategy.ddp, strategy.config
-    ddp.zero_grad()
-    ddp.set_batch_share(len(local), config.batch_size)
-    local_loss = strategy.backward(local, sync=False)  # this rank's own mean gradient
-    strategy.steps_done += 1
-    step_loss = global_loss(local_loss, ddp.share, strategy.dp_group)
+    step_loss, local_loss = local_backward(strategy, local)  # this rank's own gradient
     if not np.isfinite(step_loss):  # alike on every rank: no step, no message
         return StepResult(step_loss, local_loss)
     params = ddp.parameters()
