@@ -9,6 +9,7 @@ import pytest
 
 from minidp import comm, nn
 from minidp.autograd import Tensor
+from minidp.comm import shm
 from minidp.comm.shm import SharedMemory
 from minidp.parallel import DistributedDataParallel
 
@@ -32,7 +33,7 @@ def test_a_shared_array_is_reduced_in_place_by_auto_with_no_message_and_the_ring
         assert counts["messages_sent"] == 0  # loads only (and MPI's barriers)
         chunk = comm.chunk_bounds(n, p)
         mine = chunk[r + 1] - chunk[r]
-        assert counts["bytes_sent"] == 2 * (n - mine) * 4  # what the others read of ours
+        assert counts["bytes_sent"] == (n + (p - 2) * mine) * 4  # what the others read of ours
         assert np.array_equal(shared, ring)  # the ring's order of additions, so its bits
         np.testing.assert_allclose(shared, mpi, rtol=1e-5, atol=1e-5)
     g.free()
@@ -65,7 +66,7 @@ def test_shared_arrays_of_different_sizes_are_refused_on_every_rank():
 
 @pytest.mark.timeout(60)
 @pytest.mark.parallel(nprocs=2)
-def test_a_group_spread_over_machines_refuses_shm_and_ddp_keeps_plain_buckets():
+def test_a_group_spread_over_machines_refuses_shm_and_ddp_keeps_plain_buckets(monkeypatch):
     g = comm.world().dup()
     g.shared = SharedMemory(g)
     g.shared.local = False  # what Split_type(COMM_TYPE_SHARED) says across two machines
@@ -73,6 +74,55 @@ def test_a_group_spread_over_machines_refuses_shm_and_ddp_keeps_plain_buckets():
         comm.allreduce(np.ones(4), algo="shm", group=g)
     with pytest.raises(ValueError, match="not all on one machine"):
         comm.shared_zeros(4, np.float32, g)
+    g.free()
+    monkeypatch.setattr(comm, "on_one_machine", lambda group: False)
+    ddp = DistributedDataParallel(_mlp(), comm.world(), algo="auto")
+    assert ddp.arena is None
+    assert not any(comm.in_shared_memory(b.data, ddp.comm_group) for b in ddp.buckets)
+    ddp.close()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parallel(nprocs=2)
+def test_ddp_keeps_plain_buckets_when_dev_shm_has_no_room(monkeypatch):
+    monkeypatch.setattr(shm, "_room", lambda: 0)  # a small /dev/shm (Docker's is 64 MiB)
+    auto = DistributedDataParallel(_mlp(), comm.world(), algo="auto")
+    assert auto.arena is None
+    forced = DistributedDataParallel(_mlp(), comm.world(), algo="shm")  # asked for: tried
+    assert comm.in_shared_memory(forced.buckets[0].data, forced.comm_group)
+    auto.close()
+    forced.close()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parallel(nprocs=2)
+def test_closed_ddps_hand_their_shared_memory_back_for_the_next_one():
+    world = comm.world()
+    x, y = np.ones((2, 6)), np.array([0, 1])
+    segments, before = len(shm.pool(world)), None
+    for i in range(30):  # a process that builds many models holds one segment, not thirty
+        ddp = DistributedDataParallel(_mlp(), world, algo="auto")
+        nn.cross_entropy(ddp(Tensor(x * i)), y).backward()  # other gradients each time
+        ddp.finish_gradient_sync()
+        if before is not None:  # the last DDP's gradients moved out of the reused memory
+            for p, k in zip(*before, strict=True):
+                assert np.array_equal(p.grad, k)
+        ddp.close()
+        before = ddp.parameters(), [p.grad.copy() for p in ddp.parameters()]
+    assert len(shm.pool(world)) <= segments + 1
+    with pytest.raises(ValueError, match="not an array shared_zeros made"):
+        comm.release_shared(np.zeros(3), world)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parallel(nprocs=2)
+def test_ranks_whose_pools_differ_are_refused_on_every_rank_not_left_waiting():
+    g = comm.world().dup()
+    a = comm.shared_zeros(16, np.float32, g)
+    if g.rank == 0:
+        comm.release_shared(a, g)  # rank 0 would reuse it; rank 1 would allocate
+    with pytest.raises(comm.CollectiveMismatch, match="pools differ"):
+        comm.shared_zeros(16, np.float32, g)
     g.free()
 
 
@@ -82,7 +132,7 @@ def _mlp():
 
 @pytest.mark.timeout(120)
 @pytest.mark.parallel(nprocs=[2, 3])
-def test_ddp_buckets_live_in_shared_memory_with_the_rings_bits_and_outlive_close():
+def test_ddp_buckets_live_in_shared_memory_with_the_rings_bits():
     world = comm.world()
     x = np.random.default_rng(world.rank).standard_normal((4, 6))
     y = np.arange(4) % 3
@@ -94,9 +144,7 @@ def test_ddp_buckets_live_in_shared_memory_with_the_rings_bits_and_outlive_close
         nn.cross_entropy(ddp(Tensor(x)), y).backward()
         ddp.finish_gradient_sync()
         grads[algo] = [p.grad.copy() for p in ddp.parameters()]
-        ddp.close()  # the shared memory stays with the process: the gradients stay readable
-        for p, kept in zip(ddp.parameters(), grads[algo], strict=True):
-            assert np.array_equal(p.grad, kept)
+        ddp.close()
     for algo in ("auto", "shm"):
         for ours, ring in zip(grads[algo], grads["ring"], strict=True):
             assert np.array_equal(ours, ring)

@@ -60,7 +60,13 @@ from minidp.comm.rooted import (
     reduce,
     scatter,
 )
-from minidp.comm.shm import in_shared_memory, on_one_machine, peer_arrays, shared_zeros
+from minidp.comm.shm import (
+    in_shared_memory,
+    on_one_machine,
+    peer_arrays,
+    release_shared,
+    shared_zeros,
+)
 from minidp.comm.text import broadcast_text, gather_text
 
 ALGORITHMS = {
@@ -101,6 +107,7 @@ __all__ = [
     "peer_arrays",
     "reduce",
     "reduce_scatter",
+    "release_shared",
     "scatter",
     "shared_zeros",
     "world",

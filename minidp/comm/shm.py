@@ -14,10 +14,10 @@ ordinary NumPy loads, and the allreduce is the ring's two halves done by reading
 A message between processes on one machine is itself two copies (the sender's into a shared
 cell, the receiver's out of it); here each byte is read once, where it lies. Each chunk is
 reduced by one owner, in the ring's order, and then copied, so every rank ends with the same
-bits, and with the ring's bits. Three barriers order the steps: inputs ready, chunks
-reduced, and everyone done reading before anyone writes its array again (a fourth for a
-plain array, once it is copied in). Intra-node collectives in MPICH, NCCL and DeepSpeed's
-CPU allreduce use shared memory the same way.
+bits, and with the ring's bits. Three synchronizations order the steps: inputs ready (the
+allgather below), chunks reduced, and everyone done reading before anyone writes its array
+again (barriers; a fourth for a plain array, once it is copied in). Intra-node collectives
+in MPICH, NCCL and DeepSpeed's CPU allreduce use shared memory the same way.
 
 Zero copies need the array itself in shared memory: `shared_zeros(n, dtype, group)` makes
 one (collective; DDP's buckets are made this way when they are reduced with "shm" or
@@ -27,41 +27,86 @@ allreduce by hand with it). algo="auto" picks "shm" exactly for arrays in shared
 Any other array can be reduced with algo="shm" too: it is copied into a shared scratch
 segment and back, which costs more than a ring (two extra copies).
 
-Counted as bytes sent: what the other ranks load from this rank's memory, 2(p-1)/p·n, the
-same bytes the ring sends (no messages). Before reading, every rank posts which segment,
-offset and size it passed in a small shared table; after the first barrier each rank reads
-the table, and if the ranks disagree (another bucket, a plain array beside a shared one)
-every rank raises CollectiveMismatch, having read nothing. A group spread over machines
-cannot use it: ValueError on every rank.
+Counted as bytes sent: what the other ranks load from this rank's memory, n + (p-2)·c_r for
+a chunk c_r of its own, about 2(p-1)/p·n, the ring's (no messages). First every rank tells
+the others which segment, offset and size it passed (an allgather of four numbers, which is
+also the first barrier); if the ranks disagree (another bucket, a plain array beside a
+shared one) every rank raises CollectiveMismatch, having read nothing. With "auto" the choice
+of shm is each rank's own (its array is in shared memory or not): ranks that mix the two
+run different algorithms, which the default checks catch (the fingerprint names the
+algorithm) and which, with MINIDP_CHECKS=0, hangs like any mismatched call. A group spread
+over machines cannot use shm: ValueError on every rank.
+
+Segments are never freed: MPI_Win_free waits for every rank, and a DDP closes on error paths
+too, where the other ranks may never come. Instead `release_shared` hands an array back to
+the pool of its ranks (every group over the same ranks, dup()s included, shares one), and
+the next `shared_zeros` of the same size reuses it, so a process that builds many DDPs
+holds only as many segments as it uses at once.
 """
+
+import os
+from dataclasses import dataclass
 
 import numpy as np
 from mpi4py import MPI
 
 from minidp.chunks import chunk_bounds
-from minidp.comm.builtin import mpi_barrier
+from minidp.comm.builtin import mpi_allgather, mpi_barrier
 from minidp.comm.errors import CollectiveMismatch
 from minidp.comm.ops import combine
 
-_SCRATCH = -1  # the table's segment number for the scratch segment (a plain array's copy)
+_SCRATCH = -1  # the segment number that means: a plain array, copied into the scratch
+
+
+@dataclass
+class Segment:
+    """One window: this rank's address and size, and every rank's bytes (uint8), by rank."""
+
+    address: int
+    nbytes: int
+    win: MPI.Win
+    per_rank: list
+    in_use: bool = True
+
+
+_POOLS: dict[tuple[int, ...], list[Segment]] = {}  # world ranks -> the segments among them
+
+
+def _window(group, nbytes: int) -> Segment:
+    """A window of nbytes on every rank of group (collective), locked for its whole life."""
+    info = MPI.Info.Create()
+    info.Set("alloc_shared_noncontig", "true")  # each rank's segment page-aligned
+    win = MPI.Win.Allocate_shared(max(nbytes, 1), 1, info, comm=group.comm)
+    info.Free()
+    win.Lock_all(MPI.MODE_NOCHECK)  # passive target for the whole life: Sync() orders
+    per_rank = []
+    for q in range(group.size):
+        buf, _ = win.Shared_query(q)
+        per_rank.append(np.frombuffer(buf, dtype=np.uint8, count=nbytes))
+    return Segment(per_rank[group.rank].__array_interface__["data"][0], nbytes, win, per_rank)
+
+
+def _room() -> int:
+    """Bytes free in /dev/shm, where MPI maps shared windows (0 if it cannot tell)."""
+    try:
+        st = os.statvfs("/dev/shm")
+    except OSError:
+        return 0
+    return st.f_bavail * st.f_frsize
 
 
 class SharedMemory:
-    """A group's shared segments: one window per `shared_zeros` call, a scratch and a table.
-
-    Made on first use by `of(group)`. The windows live until the process ends: freeing one
-    (MPI_Win_free) waits for every rank, and a DDP closes on error paths too, where the
-    other ranks may never come; so allocate few (DDP makes one for all its buckets)."""
+    """One group's shared memory: whether its ranks share a machine, the pool of segments
+    of those ranks (shared by every group over them), and a scratch for plain arrays."""
 
     def __init__(self, group):
         node = group.comm.Split_type(MPI.COMM_TYPE_SHARED)
         self.local = node.Get_size() == group.size  # the same answer on every rank
         node.Free()
         self.group = group
-        # (address, bytes, window, every rank's bytes) of each shared_zeros array
-        self.segments: list[tuple[int, int, MPI.Win, list[np.ndarray]]] = []
-        self.scratch: tuple[MPI.Win, list[np.ndarray]] | None = None
-        self.table: tuple[MPI.Win, list[np.ndarray]] | None = None  # (segment, offset, ...)
+        self.segments = pool(group)
+        self.scratch: Segment | None = None
+        self.rows = np.zeros(4 * group.size, np.int64)  # each call's (segment, offset, ...)
 
     def _require_local(self, what: str) -> None:
         if not self.local:
@@ -70,99 +115,84 @@ class SharedMemory:
                 "shared memory needs one (use another algo)"
             )
 
-    def _allocate(self, nbytes: int) -> tuple[MPI.Win, list[np.ndarray]]:
-        """A window of nbytes on every rank (collective), and every rank's bytes, as uint8."""
-        sizes = self.group.comm.allgather(nbytes)
-        if len(set(sizes)) != 1:
+    def zeros(self, count: int, dtype, check_room: bool = False) -> np.ndarray | None:
+        """A released segment of the same size, or a new one; None if check_room and
+        /dev/shm lacks room on some rank. Every rank agrees first (one allgather)."""
+        self._require_local("shared_zeros")
+        g, dtype = self.group, np.dtype(dtype)
+        nbytes = count * dtype.itemsize
+        free = [i for i, s in enumerate(self.segments) if not s.in_use and s.nbytes == nbytes]
+        reuse = free[0] if free else -1
+        room = reuse >= 0 or not check_room or _room() >= 2 * g.size * nbytes
+        agreed = g.comm.allgather((nbytes, reuse, room))
+        if len({a[0] for a in agreed}) != 1:
+            sizes = [a[0] for a in agreed]
             raise CollectiveMismatch(
                 f"shared memory: the ranks asked for different sizes {sizes} (bytes, by rank)"
             )
-        info = MPI.Info.Create()
-        info.Set("alloc_shared_noncontig", "true")  # each rank's segment page-aligned
-        win = MPI.Win.Allocate_shared(max(nbytes, 1), 1, info, comm=self.group.comm)
-        info.Free()
-        win.Lock_all(MPI.MODE_NOCHECK)  # passive target for the whole life: Sync() orders
-        per_rank = []
-        for q in range(self.group.size):
-            buf, _ = win.Shared_query(q)
-            per_rank.append(np.frombuffer(buf, dtype=np.uint8, count=nbytes))
-        return win, per_rank
-
-    def zeros(self, count: int, dtype) -> np.ndarray:
-        self._require_local("shared_zeros")
-        dtype = np.dtype(dtype)
-        win, per_rank = self._allocate(count * dtype.itemsize)
-        address = per_rank[self.group.rank].__array_interface__["data"][0]
-        self.segments.append((address, count * dtype.itemsize, win, per_rank))
-        mine = per_rank[self.group.rank].view(dtype)
+        if len({a[1] for a in agreed}) != 1:
+            raise CollectiveMismatch(
+                "shared memory: the ranks' pools differ (segment to reuse, by rank: "
+                f"{[a[1] for a in agreed]}): some rank released an array the others did not"
+            )
+        if reuse >= 0:
+            segment = self.segments[reuse]
+            segment.in_use = True
+        elif not all(a[2] for a in agreed):
+            return None
+        else:
+            segment = _window(g, nbytes)
+            self.segments.append(segment)
+        mine = segment.per_rank[g.rank].view(dtype)
         mine[...] = 0
         return mine
 
-    def find(self, x: np.ndarray) -> tuple[int, int] | None:
-        """(segment number, byte offset) of x inside one of this rank's segments, or None."""
-        start = x.__array_interface__["data"][0]
-        for i, (address, nbytes, _, _) in enumerate(self.segments):
-            if address <= start and start + x.nbytes <= address + nbytes:
-                return i, start - address
-        return None
-
-    def peers(self, segment: int, offset: int, x: np.ndarray) -> list[np.ndarray]:
-        """Every rank's array at x's place (segment, byte offset), shaped like x."""
-        return [
-            b[offset : offset + x.nbytes].view(x.dtype).reshape(x.shape)
-            for b in self.segments[segment][3]
-        ]
-
-    def _scratch(self, nbytes: int) -> tuple[MPI.Win, list[np.ndarray]]:
-        """The scratch window and every rank's bytes, at least nbytes (grown collectively:
-        every rank of a call passes the same size, which the fingerprint checks)."""
-        if self.scratch is None or self.scratch[1][0].size < nbytes:
+    def _scratch(self, nbytes: int) -> Segment:
+        """The scratch segment, at least nbytes (grown collectively: every rank of a call
+        passes the same size, which the call's allgather has just checked)."""
+        if self.scratch is None or self.scratch.nbytes < nbytes:
             if self.scratch is not None:  # every rank is in this call: safe to free here
-                self.scratch[0].Unlock_all()
-                self.scratch[0].Free()
-            self.scratch = self._allocate(nbytes)
+                self.scratch.win.Unlock_all()
+                self.scratch.win.Free()
+            self.scratch = _window(self.group, nbytes)
         return self.scratch
 
-    def _table(self) -> tuple[MPI.Win, list[np.ndarray]]:
-        if self.table is None:
-            win, per_rank = self._allocate(4 * 8)
-            self.table = win, [row.view(np.int64) for row in per_rank]
-        return self.table
-
-    def _sync(self, *windows: MPI.Win) -> None:
-        """Every rank's stores to `windows` before the barrier are seen by every rank's
-        loads after it (MPI_Win_sync on each side of the barrier)."""
-        for win in windows:
-            win.Sync()
-        mpi_barrier(self.group)
-        for win in windows:
-            win.Sync()
+    def _sync(self, win: MPI.Win, step=None) -> None:
+        """Every rank's stores to win before step (a barrier by default) are seen by every
+        rank's loads after it (MPI_Win_sync on each side)."""
+        win.Sync()
+        step() if step else mpi_barrier(self.group)
+        win.Sync()
 
     def allreduce(self, src: np.ndarray, out: np.ndarray, op: str) -> None:
         self._require_local("allreduce algo='shm'")
         g, p, r = self.group, self.group.size, self.group.rank
-        where = self.find(out) if src is out else None
-        where = (_SCRATCH, 0) if where is None else where  # a plain array: via the scratch
-        table_win, table = self._table()
-        segment, offset = where
-        win = None if segment == _SCRATCH else self.segments[segment][2]
-        table[r][:] = (segment, offset, out.nbytes, out.dtype.num)
-        self._sync(table_win, *([win] if win else []))  # 1: table rows (and inputs) written
-        rows = [tuple(int(v) for v in row) for row in table]
-        if len(set(rows)) != 1:
-            self._sync(table_win)  # every rank has read the table before any raises
+        where = find(self.segments, out) if src is out else None
+        segment, offset = (_SCRATCH, 0) if where is None else where  # plain: via scratch
+        rows = self.rows.reshape(p, 4)
+        rows[r] = (segment, offset, out.nbytes, out.dtype.num)
+
+        def exchange():
+            mpi_allgather(g, self.rows, chunk_bounds(self.rows.size, p))
+
+        if segment == _SCRATCH:
+            exchange()  # 1: who passed what
+        else:  # 1: who passed what, and every input in place
+            self._sync(self.segments[segment].win, exchange)
+        if len({tuple(row) for row in rows.tolist()}) != 1:  # every rank holds the same rows
             raise CollectiveMismatch(
                 "allreduce algo='shm': the ranks passed different arrays "
-                f"(segment, byte offset, bytes, dtype by rank: {rows}; segment -1 is a plain "
-                "array copied in)"
+                f"(segment, byte offset, bytes, dtype by rank: {rows.tolist()}; segment -1 "
+                "is a plain array copied in)"
             )
         if segment == _SCRATCH:  # every rank agrees, so every rank takes part in a growth
-            win, scratch = self._scratch(out.nbytes)
-            per_rank = [b[: out.nbytes].view(out.dtype) for b in scratch]
+            scratch = self._scratch(out.nbytes)
+            win = scratch.win
+            per_rank = [b[: out.nbytes].view(out.dtype) for b in scratch.per_rank]
             np.copyto(per_rank[r], src)
             self._sync(win)  # 1b: the copies in place
         else:
-            per_rank = self.peers(segment, offset, out)
+            win, per_rank = self.segments[segment].win, peers(self.segments[segment], offset, out)
         bounds = chunk_bounds(out.size, p)
         lo, hi = bounds[r], bounds[r + 1]
         mine = per_rank[r]
@@ -180,11 +210,33 @@ class SharedMemory:
         for k in range(1, p):
             q = (r + k) % p
             mine[bounds[q] : bounds[q + 1]] = per_rank[q][bounds[q] : bounds[q + 1]]
-        moved = 2 * (out.nbytes - (hi - lo) * out.itemsize)  # what the others read of ours
+        # what the others read of ours: chunk q by each rank q, then our chunk by all of them
+        moved = (out.size + (p - 2) * (hi - lo)) * out.itemsize
         g.traffic(moved, moved, 0)
         self._sync(win)  # 3: nobody writes its array again while another still reads it
         if mine is not out:
             np.copyto(out, mine)
+
+
+def pool(group) -> list[Segment]:
+    """The segments among the group's ranks (local: no message)."""
+    return _POOLS.setdefault(group.world_ranks, [])
+
+
+def find(segments: list[Segment], x) -> tuple[int, int] | None:
+    """(segment number, byte offset) of ndarray x inside one of this rank's segments in use."""
+    if not isinstance(x, np.ndarray):
+        return None
+    start = x.__array_interface__["data"][0]
+    for i, s in enumerate(segments):
+        if s.in_use and s.address <= start and start + x.nbytes <= s.address + s.nbytes:
+            return i, start - s.address
+    return None
+
+
+def peers(segment: Segment, offset: int, x: np.ndarray) -> list[np.ndarray]:
+    """Every rank's array at x's place (byte offset in the segment), shaped like x."""
+    return [b[offset : offset + x.nbytes].view(x.dtype).reshape(x.shape) for b in segment.per_rank]
 
 
 def of(group) -> SharedMemory:
@@ -200,14 +252,30 @@ def shared_zeros(count: int, dtype, group) -> np.ndarray:
     return of(group).zeros(count, dtype)
 
 
+def shared_zeros_if_room(count: int, dtype, group) -> np.ndarray | None:
+    """shared_zeros, or None on every rank when /dev/shm could not hold twice the bytes of
+    all the ranks' arrays on some rank (DDP then keeps its buckets in plain memory)."""
+    return of(group).zeros(count, dtype, check_room=True)
+
+
+def release_shared(x: np.ndarray, group) -> None:
+    """Hand a shared_zeros array back to its ranks' pool; the next shared_zeros of its size
+    reuses the memory (no MPI call: every rank must release the same arrays). x must not
+    be used after."""
+    where = find(pool(group), x)
+    if where is None or where[1] != 0:
+        raise ValueError("release_shared: x is not an array shared_zeros made for these ranks")
+    pool(group)[where[0]].in_use = False
+
+
 def on_one_machine(group) -> bool:
     """Whether every rank of the group shares this machine's memory (collective on first use)."""
     return of(group).local
 
 
-def in_shared_memory(x: np.ndarray, group) -> bool:
-    """Whether x lies in a segment made by shared_zeros for this group (local: no message)."""
-    return group.shared is not None and group.shared.find(x) is not None
+def in_shared_memory(x, group) -> bool:
+    """Whether x lies in an array made by shared_zeros for these ranks (local: no message)."""
+    return find(pool(group), x) is not None
 
 
 def peer_arrays(x: np.ndarray, group) -> list[np.ndarray]:
@@ -215,10 +283,10 @@ def peer_arrays(x: np.ndarray, group) -> list[np.ndarray]:
     shared_zeros, or a contiguous slice of one). Reading another rank's element is a load
     from its memory: order it with a barrier after the writes (shm.py also calls
     MPI_Win_sync around its barriers, as the MPI standard asks)."""
-    where = group.shared.find(x) if group.shared is not None else None
+    where = find(pool(group), x)
     if where is None or not x.flags.c_contiguous:
         raise ValueError("peer_arrays: x is not in this group's shared memory (shared_zeros)")
-    return group.shared.peers(*where, x)
+    return peers(pool(group)[where[0]], where[1], x)
 
 
 def shm_allreduce(group, src: np.ndarray, out: np.ndarray, op: str) -> None:

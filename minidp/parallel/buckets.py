@@ -33,10 +33,11 @@ class Bucket:
         # or where `zeros(count, dtype)` puts it (DDP: shared memory, for algo "shm")
         zeros = zeros or namespace(params[0].data).zeros
         self.data = zeros(sum(p.size for p in params), dtype=dtype)
-        self.views = []
+        self.views, self.offsets = [], []
         offset = 0
         for p in params:
             self.views.append(self.data[offset : offset + p.size].reshape(p.shape))
+            self.offsets.append(offset)
             offset += p.size
         self.rearm()
 
@@ -44,6 +45,16 @@ class Bucket:
         """Point every parameter's .grad at its slot in this bucket (zero_grad's half)."""
         for p, view in zip(self.params, self.views):
             p.grad = view
+
+    def detach(self) -> None:
+        """Move the buffer into private memory, values kept and every .grad still its view,
+        so that the memory it lay in can be reused (DDP.close hands its shared memory back)."""
+        data = self.data.copy()
+        views = [data[o : o + p.size].reshape(p.shape) for o, p in zip(self.offsets, self.params)]
+        for p, old, new in zip(self.params, self.views, views):
+            if p.grad is old:
+                p.grad = new
+        self.data, self.views = data, views
 
     def weigh(self, i: int, scale: float) -> None:
         """Slot i = scale * parameter i's gradient, in one pass; once per backward.

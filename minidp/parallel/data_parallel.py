@@ -48,6 +48,7 @@ import zlib
 import numpy as np
 
 from minidp import comm
+from minidp.comm.shm import shared_zeros_if_room
 from minidp.info import cores_per_rank
 from minidp.nn import Module
 from minidp.parallel.buckets import Bucket, assign_buckets
@@ -178,21 +179,26 @@ class DistributedDataParallel:
 
     def _bucket_memory(self, params):
         """Where the buckets live: in memory every rank reads (comm/shm.py) when they are
-        reduced by loads (algo "shm", or "auto" with every rank on one machine), so the
-        allreduce copies nothing in or out: one shared array for all buckets, each a slice
-        of it. Else None: the parameters' own library."""
+        reduced by loads (algo "shm", or "auto" with every rank on one machine and room in
+        /dev/shm), so the allreduce copies nothing in or out: one shared array for all
+        buckets, each a slice of it. Else None: the parameters' own library."""
+        self.arena = None
         if self.algo not in ("auto", "shm") or self.comm_group.size == 1:
             return None
         if not isinstance(params[0].data, np.ndarray):  # torch tensors stage through the host
             return None
-        if self.algo == "auto" and not comm.on_one_machine(self.comm_group):
+        count, dtype = sum(p.size for p in params), params[0].dtype
+        if self.algo == "shm":
+            self.arena = comm.shared_zeros(count, dtype, self.comm_group)
+        elif comm.on_one_machine(self.comm_group):  # the same answer on every rank
+            self.arena = shared_zeros_if_room(count, dtype, self.comm_group)
+        if self.arena is None:
             return None
-        arena = comm.shared_zeros(sum(p.size for p in params), params[0].dtype, self.comm_group)
         taken = [0]
 
         def zeros(count, dtype):  # the next `count` elements of the arena
             taken[0] += count
-            return arena[taken[0] - count : taken[0]]
+            return self.arena[taken[0] - count : taken[0]]
 
         return zeros
 
@@ -299,6 +305,11 @@ class DistributedDataParallel:
         The model can be wrapped again afterwards; `comm_group.counters` stay readable."""
         stuck = self._stop_thread()  # runs once: later calls return None
         self._thread = None
+        if not stuck and self.arena is not None:  # the gradients move out; the memory goes
+            for bucket in self.buckets:  # back to the pool, for the next DDP (no MPI call)
+                bucket.detach()
+            comm.release_shared(self.arena, self.comm_group)
+            self.arena = None
         if not stuck and not self.comm_group.broken:
             # MPI_Comm_free completes locally in MPICH and Open MPI: safe on an error path too.
             # A group a collective error broke, or a thread still inside one, keeps its own.
