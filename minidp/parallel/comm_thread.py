@@ -85,7 +85,7 @@ class Reducer:
         device = None if isinstance(bucket.data, np.ndarray) else bucket
         if device is not None:  # a torch tensor: the hook works on its host copy
             bucket = HostBucket(device, self.stage.to_host(device.data, f"bucket {device.index}"))
-        if share != 1.0:  # n_r / B (ZeRO's buckets; DDP's are weighted by Bucket.collect)
+        if share != 1.0:  # n_r / B (ZeRO's buckets; DDP weighs its own, Bucket.weigh)
             bucket.data *= bucket.data.dtype.type(share)
         size = bucket.data.nbytes  # read first: a hook may drop the bucket's data (ZeRO-2)
         self.hook(bucket, self.group)

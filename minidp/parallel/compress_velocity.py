@@ -22,8 +22,9 @@ nothing: Σ_w u_w is then the momentum buffer of the mean gradient, and the step
 SGD's (tests/test_compress_velocity.py checks it against `--compress-on gradient`).
 
 Only the sparsifiers (topk, randomk) clear what they sent, so only they run here; DGC also
-clips each rank's gradient locally (as here, with --grad-clip) and ramps the density up in
-its first epochs (here: --compress-warmup, uncompressed steps first).
+clips each rank's gradient locally (here with the whole --grad-clip threshold; DGC scales
+it by N^-1/2 for N ranks) and ramps the density up in its first epochs (here:
+--compress-warmup, uncompressed steps first).
 """
 
 import numpy as np

@@ -288,7 +288,11 @@ class DistributedDataParallel:
             self.reducer(bucket, 1.0)
 
     def finish_gradient_sync(self) -> None:
-        """After backward: launch any bucket not yet launched, wait for all of them."""
+        """After backward: launch any bucket not yet launched, wait for all of them.
+
+        A gradient is weighed by n_r / B into its bucket the moment backward finishes it
+        (its grad-ready hook), so change no .grad between a synchronized backward and this
+        call (add a regularizer before backward, or under no_sync)."""
         if not self.sync_enabled:
             return
         start = time.perf_counter()
