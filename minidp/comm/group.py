@@ -6,7 +6,8 @@ A Group wraps one MPI communicator and adds what the algorithms need:
     left, right         ring neighbours: (rank - 1) % size and (rank + 1) % size
     world_ranks         world rank of each group rank (for error messages and logs)
     scratch             reusable work buffers (buffers.py), owned by this group alone
-    shared              its shared-memory segments (shm.py), when algo="shm" made some
+    shared              its shm.SharedMemory, made when shm is first used: whether its
+                        ranks share a machine, the pool of their shared arrays, a scratch
     counters            {collective: {"calls", "bytes_sent", "bytes_recv", "messages_sent"}}
     seconds             wall time this rank spent inside the group's collectives, in total
     checks, timeout     cross-rank fingerprints and the wait deadline (checks.py); the
