@@ -246,16 +246,12 @@ def of(group) -> SharedMemory:
     return group.shared
 
 
-def shared_zeros(count: int, dtype, group) -> np.ndarray:
+def shared_zeros(count: int, dtype, group, if_room: bool = False) -> np.ndarray | None:
     """A 1-D array of zeros in memory every rank of `group` can read (collective: every rank
-    calls it with the same count and dtype). ValueError unless the group is on one machine."""
-    return of(group).zeros(count, dtype)
-
-
-def shared_zeros_if_room(count: int, dtype, group) -> np.ndarray | None:
-    """shared_zeros, or None on every rank when /dev/shm could not hold twice the bytes of
-    all the ranks' arrays on some rank (DDP then keeps its buckets in plain memory)."""
-    return of(group).zeros(count, dtype, check_room=True)
+    calls it with the same count and dtype). ValueError unless the group is on one machine.
+    if_room: None on every rank instead when /dev/shm could not hold twice the bytes of all
+    the ranks' arrays on some rank (DDP then keeps its buckets in plain memory)."""
+    return of(group).zeros(count, dtype, check_room=if_room)
 
 
 def release_shared(x: np.ndarray, group) -> None:

@@ -21,21 +21,20 @@ is u_w and its masking. A `--compress-warmup` round allreduces u_w uncompressed 
 nothing: Σ_w u_w is then the momentum buffer of the mean gradient, and the step is momentum
 SGD's (tests/test_compress_velocity.py checks it against `--compress-on gradient`).
 
-Only the sparsifiers (topk, randomk) clear what they sent, so only they run here; DGC also
-clips each rank's gradient locally (here with the whole --grad-clip threshold; DGC scales
-it by N^-1/2 for N ranks) and ramps the density up in its first epochs (here:
---compress-warmup, uncompressed steps first).
+Only the sparsifiers (config.VELOCITY_COMPRESSORS: topk, randomk) clear what they sent,
+so only they run here; DGC also clips each rank's gradient locally (here with the whole
+--grad-clip threshold; DGC scales it by N^-1/2 for N ranks) and ramps the density up in
+its first epochs (here: --compress-warmup, uncompressed steps first).
 """
 
 import numpy as np
 
 from minidp import comm, optim
-from minidp.config import VELOCITY_COMPRESSORS  # the sparsifiers: what they sent is a set S_w
 from minidp.parallel.buckets import Bucket
 from minidp.parallel.compress_update import local_backward
 from minidp.parallel.strategy import StepResult
 
-__all__ = ["VELOCITY_COMPRESSORS", "MomentumCorrection", "velocity_step"]
+__all__ = ["MomentumCorrection", "velocity_step"]
 
 
 class MomentumCorrection:

@@ -48,7 +48,6 @@ import zlib
 import numpy as np
 
 from minidp import comm
-from minidp.comm.shm import shared_zeros_if_room
 from minidp.info import cores_per_rank
 from minidp.nn import Module
 from minidp.parallel.buckets import Bucket, assign_buckets
@@ -158,7 +157,10 @@ class DistributedDataParallel:
 
         params = model.parameters()[::-1]  # the order backward produces their gradients
         cap = max(1, int(bucket_cap_mb * 2**20))
-        self.buckets = assign_buckets(params, cap, self._bucket_memory(params))
+        self.arena = self._shared_arena(params)
+        self.buckets = assign_buckets(
+            params, cap, None if self.arena is None else _carve(self.arena)
+        )
         self._slot_of = {id(p): (b, i) for b in self.buckets for i, p in enumerate(b.params)}
         # A grad-ready hook on every parameter: it weighs each gradient into its bucket the
         # moment it is final (hot in cache), and with overlap launches complete buckets.
@@ -177,30 +179,20 @@ class DistributedDataParallel:
         self._stop_thread = weakref.finalize(self, _stop, self._thread)
         self.zero_grad()
 
-    def _bucket_memory(self, params):
-        """Where the buckets live: in memory every rank reads (comm/shm.py) when they are
+    def _shared_arena(self, params) -> np.ndarray | None:
+        """One array for all buckets in memory every rank reads (comm/shm.py), when they are
         reduced by loads (algo "shm", or "auto" with every rank on one machine and room in
-        /dev/shm), so the allreduce copies nothing in or out: one shared array for all
-        buckets, each a slice of it. Else None: the parameters' own library."""
-        self.arena = None
+        /dev/shm), so the allreduce copies nothing in or out; else None (plain buckets)."""
         if self.algo not in ("auto", "shm") or self.comm_group.size == 1:
             return None
         if not isinstance(params[0].data, np.ndarray):  # torch tensors stage through the host
             return None
-        count, dtype = sum(p.size for p in params), params[0].dtype
-        if self.algo == "shm":
-            self.arena = comm.shared_zeros(count, dtype, self.comm_group)
-        elif comm.on_one_machine(self.comm_group):  # the same answer on every rank
-            self.arena = shared_zeros_if_room(count, dtype, self.comm_group)
-        if self.arena is None:
-            return None
-        taken = [0]
-
-        def zeros(count, dtype):  # the next `count` elements of the arena
-            taken[0] += count
-            return self.arena[taken[0] - count : taken[0]]
-
-        return zeros
+        if self.algo == "auto" and not comm.on_one_machine(self.comm_group):
+            return None  # the same answer on every rank
+        count = sum(p.size for p in params)
+        return comm.shared_zeros(
+            count, params[0].dtype, self.comm_group, if_room=self.algo == "auto"
+        )
 
     def __call__(self, *args, **kwargs):
         return self.model(*args, **kwargs)
@@ -321,6 +313,17 @@ class DistributedDataParallel:
         for unhook in self._unhook:
             unhook()
         self._unhook = []
+
+
+def _carve(arena: np.ndarray):
+    """zeros(count, dtype) for assign_buckets: the arena's next `count` elements, in order."""
+    taken = [0]
+
+    def zeros(count, dtype):
+        taken[0] += count
+        return arena[taken[0] - count : taken[0]]
+
+    return zeros
 
 
 def _stop(thread: CommThread | None) -> bool:
