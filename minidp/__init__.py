@@ -16,7 +16,7 @@ public `minidp.autograd.op`; autograd.py's docstring states its contract.
 """
 
 from minidp import autograd, nn, ops, optim
-from minidp.autograd import Tensor, is_grad_enabled, no_grad, op
+from minidp.autograd import Product, Tensor, defer_weight_grads, is_grad_enabled, no_grad, op
 from minidp.ops import (
     concatenate,
     cross_entropy,
@@ -34,6 +34,8 @@ __all__ = [
     "op",
     "no_grad",
     "is_grad_enabled",
+    "defer_weight_grads",
+    "Product",
     "autograd",
     "nn",
     "ops",

@@ -12,6 +12,10 @@ beside the forward, maps the gradient of the loss with respect to the output to 
 one entry per parent: that parent's gradient, or None where it needs none. A backward
 - never writes into `g` (it may be shared, or a read-only view), and
 - returns gradients of its inputs' shapes: `unbroadcast(grad, shape)` undoes broadcasting.
+A weight's gradient may be returned unmultiplied, as `Product(x, g)` for x^T g (nn.linear
+does): the engine multiplies it out for anything but a leaf, and a leaf inside
+`defer_weight_grads()` (DDP's no_sync) keeps its rows for one product over all the
+micro-batches of gradient accumulation, taken when .grad is first read.
 Parallel schemes write their communication ops this way, outside this file: Megatron's f
 (identity forward, allreduce backward), pipeline send / recv, ZeRO's gather-on-use.
 
@@ -28,9 +32,17 @@ from collections.abc import Callable
 import numpy as np
 
 from minidp.backend import backend_torch, base_of, is_torch, is_torch_dtype, namespace
-from minidp.grad_mode import _grad_mode, is_grad_enabled, no_grad
+from minidp.grad_mode import _grad_mode, defer_weight_grads, is_grad_enabled, no_grad
 
-__all__ = ["Tensor", "is_grad_enabled", "no_grad", "op", "unbroadcast"]
+__all__ = [
+    "Product",
+    "Tensor",
+    "defer_weight_grads",
+    "is_grad_enabled",
+    "no_grad",
+    "op",
+    "unbroadcast",
+]
 
 
 def _as_array(data, dtype=None) -> np.ndarray:
@@ -89,7 +101,10 @@ def op(data: np.ndarray, parents: tuple, backward: Callable) -> "Tensor":
     Nothing is checked here (this runs once per op, on the hot path); backward checks that
     each leaf's gradient has the leaf's shape.
     """
-    out = Tensor(data)
+    out = Tensor.__new__(Tensor)  # not Tensor(data): an op's data is mostly an array already
+    # (0-d NumPy arithmetic returns a scalar: _as_array makes it an array again)
+    out.data = data if type(data) is np.ndarray else _as_array(data)
+    # every other field keeps its class default: a leaf that records nothing
     if _grad_mode.enabled:
         for parent in parents:  # a loop, not any(...): no generator per op
             if parent.requires_grad:
@@ -98,6 +113,78 @@ def op(data: np.ndarray, parents: tuple, backward: Callable) -> "Tensor":
                 out._backward = backward
                 break
     return out
+
+
+class Product:
+    """A weight's gradient x^T g, kept as its two factors: x (rows, in), g (rows, out).
+
+    `nn.linear`'s backward returns one for its weight. The engine multiplies it out at once
+    (`.value()`) for any tensor but a leaf; a leaf inside `defer_weight_grads()` keeps copies
+    of its rows instead, stacked under those of earlier backward passes, and multiplies them
+    once, when .grad is read (a leaf's `_Rows`)."""
+
+    __slots__ = ("x", "g")
+
+    def __init__(self, x, g):
+        self.x, self.g = x, g
+
+    @property
+    def shape(self) -> tuple:
+        return (self.x.shape[1], self.g.shape[1])
+
+    def value(self):
+        return self.x.T @ self.g
+
+
+def _array(g):
+    """A gradient as an array: a Product multiplied out."""
+    return g.value() if type(g) is Product else g
+
+
+class _Rows:
+    """A leaf's deferred gradient: the rows of its Products, copied and stacked, at most as
+    many as make the copies no larger than the gradient itself (in * out / (in + out) rows),
+    so the deferral never costs more memory than one more gradient."""
+
+    def __init__(self, first: Product):
+        n_in, n_out = first.shape
+        self.capacity = n_in * n_out // (n_in + n_out)
+        self.x = np.empty((self.capacity, n_in), first.x.dtype)
+        self.g = np.empty((self.capacity, n_out), first.g.dtype)
+        self.rows = 0
+
+    def fits(self, p: Product) -> bool:
+        return (
+            self.rows + len(p.x) <= self.capacity
+            and p.x.dtype == self.x.dtype
+            and p.g.dtype == self.g.dtype
+        )
+
+    def add(self, p: Product) -> None:
+        """Copy p's rows in: the caller's arrays may change before the product is taken."""
+        lo, self.rows = self.rows, self.rows + len(p.x)
+        self.x[lo : self.rows] = p.x
+        self.g[lo : self.rows] = p.g
+
+    def value(self, last: Product | None = None) -> np.ndarray:
+        """The product over every row kept, and `last`'s rows after them."""
+        x, g = self.x[: self.rows], self.g[: self.rows]
+        if last is not None and self.fits(last):
+            self.add(last)
+            x, g = self.x[: self.rows], self.g[: self.rows]
+        elif last is not None:
+            x, g = np.concatenate((x, last.x)), np.concatenate((g, last.g))
+        return x.T @ g
+
+
+def _deferrable(p: Product) -> bool:
+    """NumPy factors whose copies are smaller than the gradient they stand for."""
+    n_in, n_out = p.shape
+    return (
+        isinstance(p.x, np.ndarray)
+        and isinstance(p.g, np.ndarray)
+        and (len(p.x) * (n_in + n_out) <= n_in * n_out)
+    )
 
 
 def _permute(a, axes):
@@ -110,13 +197,18 @@ class Tensor:
 
     __array_priority__ = 100  # `ndarray + Tensor` defers to Tensor.__radd__
 
+    # Defaults, on the class so that op() sets only what differs (it runs once per op):
+    requires_grad = False
+    _grad: np.ndarray | None = None
+    _rows: "_Rows | None" = None  # deferred weight-gradient rows (defer_weight_grads)
+    _parents: tuple = ()
+    _backward: Callable | None = None  # None marks a leaf
+    _hooks: tuple | list = ()  # a list of its own once a hook is registered
+
     def __init__(self, data, requires_grad: bool = False, dtype=None):
         self.data = _as_array(data, dtype)
-        self.grad: np.ndarray | None = None
-        self.requires_grad = bool(requires_grad)
-        self._parents: tuple = ()
-        self._backward: Callable | None = None  # None marks a leaf
-        self._hooks: list[Callable] = []
+        if requires_grad:
+            self.requires_grad = True
 
     # ---- array-like conveniences ------------------------------------------------------
     shape = property(lambda self: self.data.shape)
@@ -140,10 +232,25 @@ class Tensor:
     def detach(self) -> "Tensor":
         return Tensor(self.data)
 
+    @property
+    def grad(self) -> np.ndarray | None:
+        """The accumulated gradient (a leaf's). Rows deferred by `defer_weight_grads()` are
+        multiplied into it here, on first read, so every reader sees the whole gradient."""
+        if self._rows is not None:
+            self._multiply_rows()
+        return self._grad
+
+    @grad.setter
+    def grad(self, value) -> None:
+        self._rows = None  # replaced: deferred rows go with the old gradient
+        self._grad = value
+
     # ---- the engine ---------------------------------------------------------------------
     def register_grad_ready_hook(self, hook: Callable[["Tensor"], None]) -> Callable[[], None]:
         """Call `hook(self)` each time backward has finished this leaf's gradient; returns a
         function that removes the hook."""
+        if not isinstance(self._hooks, list):
+            self._hooks = []
         self._hooks.append(hook)
         return lambda: self._hooks.remove(hook)
 
@@ -194,20 +301,46 @@ class Tensor:
                 continue
             for parent, pg in zip(node._parents, node._backward(g)):
                 if pg is not None and parent.requires_grad:
+                    if type(pg) is Product and parent._backward is not None:
+                        pg = pg.value()  # only a leaf keeps a gradient as its factors
                     key = id(parent)
                     total = grads.get(key)
-                    grads[key] = pg if total is None else total + pg
+                    grads[key] = pg if total is None else _array(total) + _array(pg)
                     handed_out.add(id(pg))
 
-    def _accumulate(self, g: np.ndarray, owned: bool) -> None:
+    def _accumulate(self, g, owned: bool) -> None:
+        """Add backward's gradient g (an array, or a Product) into this leaf's."""
         if g.shape != self.data.shape:  # += would broadcast a wrong gradient silently
             raise ValueError(f"gradient of shape {g.shape} for a tensor of shape {self.shape}")
-        if self.grad is not None:
-            self.grad += g  # in place: data parallelism's gradients are views into buckets
+        if type(g) is Product:
+            rows = self._rows
+            if not _grad_mode.defer:  # the last pass: one product over every row
+                self._rows = None
+                g = g.value() if rows is None else rows.value(g)
+            else:
+                if rows is not None and not rows.fits(g):
+                    self._multiply_rows()  # full: their product goes in first
+                    rows = None
+                if rows is None and _deferrable(g):
+                    rows = self._rows = _Rows(g)
+                if rows is not None:
+                    rows.add(g)
+                    return  # more backward passes come: multiply later, once
+                g = g.value()
+            owned = True
+        self._add(g, owned)
+
+    def _multiply_rows(self) -> None:
+        rows, self._rows = self._rows, None
+        self._add(rows.value(), owned=True)
+
+    def _add(self, g: np.ndarray, owned: bool) -> None:
+        if self._grad is not None:
+            self._grad += g  # in place: data parallelism's gradients are views into buckets
         elif owned and g.dtype == self.dtype:
-            self.grad = g
+            self._grad = g
         else:
-            self.grad = namespace(g).array(g, dtype=self.dtype)  # a private copy
+            self._grad = namespace(g).array(g, dtype=self.dtype)  # a private copy
 
     # ---- arithmetic (forward beside backward) -------------------------------------------
     def _lift(self, other) -> "Tensor":

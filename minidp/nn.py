@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from minidp import ops
-from minidp.autograd import Tensor, no_grad, op
+from minidp.autograd import Product, Tensor, no_grad, op
 from minidp.backend import is_torch, to_numpy
 from minidp.ops import cross_entropy, mse
 
@@ -142,12 +142,12 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
         raise ValueError(f"linear: input {x.shape} does not fit a weight of shape {W.shape}")
     y = X @ W
     if bias is not None:
-        y = y + bias.data
+        y += bias.data  # in place: y is this op's own new array
 
     def backward(g):  # y = X W + b  ->  dX = g W^T,  dW = X^T g,  db = sum of g over rows
         g = g.reshape(y.shape)
         dx = (g @ W.T).reshape(x.shape) if x.requires_grad else None
-        dw = X.T @ g if weight.requires_grad else None
+        dw = Product(X, g) if weight.requires_grad else None  # X^T g, multiplied by the engine
         if bias is None:
             return dx, dw
         return dx, dw, (g.sum(axis=0) if bias.requires_grad else None)

@@ -36,8 +36,11 @@ on some rank (its bucket then goes at `finish_gradient_sync`, carrying zeros for
 Averaging, with uneven batches. A rank's loss is the mean over its n_r examples. The global
 batch mean is sum_r (n_r / B) * mean_r, so before the allreduce(sum) each rank scales its
 bucket by n_r / B (`set_batch_share`); with equal slices that is 1 / world, plain averaging.
-`no_sync()` skips communication (gradient accumulation): gradients keep adding up in the
-buckets and the next synchronized backward reduces the total.
+`no_sync()` skips communication (gradient accumulation): gradients keep adding up on the
+parameters and the next synchronized backward weighs and reduces the total. Inside it,
+backward defers weight gradients (autograd.defer_weight_grads): a Linear's weight keeps the
+micro-batches' rows, and the synchronized backward multiplies them all in one product, so
+accumulation costs no extra pass over the gradient per micro-batch.
 """
 
 import contextlib
@@ -48,6 +51,7 @@ import zlib
 import numpy as np
 
 from minidp import comm
+from minidp.autograd import defer_weight_grads
 from minidp.info import cores_per_rank
 from minidp.nn import Module
 from minidp.parallel.buckets import Bucket, assign_buckets
@@ -177,7 +181,9 @@ class DistributedDataParallel:
         self._thread = CommThread(self.reducer) if self.overlap else None
         # a DDP dropped without close() must not leave its thread (and GIL setting) behind
         self._stop_thread = weakref.finalize(self, _stop, self._thread)
-        self.zero_grad()
+        for bucket in self.buckets:  # every .grad starts as its (zero) slot in a bucket
+            bucket.attach()
+        self._rearm()
 
     def _shared_arena(self, params) -> np.ndarray | None:
         """One array for all buckets in memory every rank reads (comm/shm.py), when they are
@@ -231,10 +237,13 @@ class DistributedDataParallel:
         self.share = local_examples / global_examples
 
     def zero_grad(self) -> None:
-        """Zero the buckets in place; every .grad is its bucket view again."""
+        """Set every .grad to None (PyTorch's set_to_none): the first backward's gradient is
+        the array it computes, and its hook multiplies it into the bucket slot in one pass
+        (Bucket.weigh); zeroing the buckets first would cost a pass to zero them and one to
+        add into them."""
         for bucket in self.buckets:
-            bucket.data[...] = 0
-            bucket.attach()
+            for p in bucket.params:
+                p.grad = None
         self._rearm()
 
     def _rearm(self) -> None:
@@ -249,14 +258,15 @@ class DistributedDataParallel:
         """Accumulate gradients locally; the next backward outside the block reduces them."""
         previous, self.sync_enabled = self.sync_enabled, False
         try:
-            yield
+            with defer_weight_grads():  # more backward passes come before .grad is read
+                yield
         finally:
             self.sync_enabled = previous
             self._rearm()
 
     # ---- communication --------------------------------------------------------------------
     def _grad_ready(self, p) -> None:
-        if not self.sync_enabled:  # under no_sync: gradients keep adding up in place
+        if not self.sync_enabled:  # under no_sync: gradients keep adding up, unweighed
             return
         bucket, i = self._slot_of[id(p)]
         bucket.pending -= 1

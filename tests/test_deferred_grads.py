@@ -1,0 +1,206 @@
+"""Deferred weight gradients (autograd.defer_weight_grads, autograd.Product): gradient
+accumulation that multiplies each weight's rows once, on the first read of .grad.
+
+Every test compares against the same backward passes without deferral, or against the
+gradient of the whole batch at once."""
+
+import contextlib
+
+import numpy as np
+import pytest
+
+from minidp import optim
+from minidp.autograd import Product, Tensor, defer_weight_grads
+from minidp.nn import MLP, cross_entropy, linear
+
+SIZES = [12, 16, 16, 3]  # 12*16 / 28: a stash of up to 6 rows for the first weight
+
+
+def mlp(seed=0):
+    return MLP(SIZES, rng=np.random.default_rng(seed), dtype=np.float64)
+
+
+def batch(n, seed=1):
+    rng = np.random.default_rng(seed)
+    return rng.standard_normal((n, SIZES[0])), rng.integers(0, SIZES[-1], n)
+
+
+def accumulate(model, x, y, cuts, defer=True):
+    """Backward over x[cuts[k]:cuts[k+1]], each loss weighed m_k / n (their sum: the batch
+    mean); all but the last pass inside defer_weight_grads() when `defer`."""
+    model.zero_grad()
+    n = len(x)
+    for k, (lo, hi) in enumerate(zip(cuts, cuts[1:])):
+        last = k == len(cuts) - 2
+        with defer_weight_grads() if defer and not last else contextlib.nullcontext():
+            (cross_entropy(model(Tensor(x[lo:hi])), y[lo:hi]) * ((hi - lo) / n)).backward()
+    return [p.grad.copy() for p in model.parameters()]
+
+
+def whole_batch(model, x, y):
+    model.zero_grad()
+    cross_entropy(model(Tensor(x)), y).backward()
+    return [p.grad.copy() for p in model.parameters()]
+
+
+def test_deferred_accumulation_is_the_gradient_of_the_whole_batch():
+    x, y = batch(8)
+    model = mlp()
+    want = whole_batch(model, x, y)
+    cuts = [0, 2, 4, 6, 8]
+    got = accumulate(model, x, y, cuts)
+    plain = accumulate(model, x, y, cuts, defer=False)
+    for g, w, p in zip(got, want, plain):
+        np.testing.assert_allclose(g, w, rtol=1e-12, atol=1e-15)
+        np.testing.assert_allclose(p, w, rtol=1e-12, atol=1e-15)
+
+
+def test_backward_passes_inside_the_block_keep_rows_not_products():
+    x, y = batch(4)
+    model = mlp()
+    with defer_weight_grads():
+        cross_entropy(model(Tensor(x[:2])), y[:2]).backward()
+    first = model.layers[0].weight
+    assert first._rows is not None and first._rows.rows == 2  # kept, not multiplied
+    assert first._grad is None
+    assert first.grad is not None and first._rows is None  # the read multiplies them in
+
+
+def test_rows_are_copied_so_changing_the_input_afterwards_changes_nothing():
+    """A loader that refills one input buffer between micro-batches must not change the
+    deferred gradient (NumPy has no version counter to catch it)."""
+    x, y = batch(4)
+    model = mlp()
+    want = accumulate(model, x, y, [0, 2, 4], defer=False)
+    model.zero_grad()
+    buffer = x[:2].copy()
+    with defer_weight_grads():
+        (cross_entropy(model(Tensor(buffer)), y[:2]) * 0.5).backward()
+    buffer[...] = x[2:]  # refilled for the next micro-batch
+    (cross_entropy(model(Tensor(buffer)), y[2:]) * 0.5).backward()
+    for p, w in zip(model.parameters(), want):
+        np.testing.assert_allclose(p.grad, w, rtol=1e-12, atol=1e-15)
+
+
+def test_reading_grad_between_passes_sees_everything_so_far_and_accumulation_goes_on():
+    x, y = batch(6)
+    model = mlp()
+    want_two = accumulate(model, x[:4], y[:4], [0, 2, 4], defer=False)
+    model.zero_grad()
+    with defer_weight_grads():
+        (cross_entropy(model(Tensor(x[:2])), y[:2]) * 0.5).backward()
+        (cross_entropy(model(Tensor(x[2:4])), y[2:4]) * 0.5).backward()
+        seen = [p.grad.copy() for p in model.parameters()]  # mid-accumulation
+        (cross_entropy(model(Tensor(x[4:])), y[4:]) * 0.5).backward()
+    for s, w in zip(seen, want_two):
+        np.testing.assert_allclose(s, w, rtol=1e-12, atol=1e-15)
+    third = whole_batch(mlp(), x[4:], y[4:])
+    for p, w, t in zip(model.parameters(), want_two, third):
+        np.testing.assert_allclose(p.grad, w + 0.5 * t, rtol=1e-12, atol=1e-15)
+
+
+def test_setting_grad_to_none_drops_the_deferred_rows():
+    x, y = batch(4)
+    model = mlp()
+    with defer_weight_grads():
+        cross_entropy(model(Tensor(x[:2])), y[:2]).backward()
+    model.zero_grad()  # p.grad = None: the rows go with the old gradient
+    cross_entropy(model(Tensor(x[2:])), y[2:]).backward()
+    for p, w in zip(model.parameters(), whole_batch(mlp(), x[2:], y[2:])):
+        np.testing.assert_allclose(p.grad, w, rtol=1e-12, atol=1e-15)
+
+
+def test_the_stash_never_outgrows_the_gradient_and_the_sum_stays_right():
+    """12 x 16 weight: at most 12*16 // 28 = 6 rows kept; 7 passes of 2 rows overflow it."""
+    x, y = batch(14)
+    model = mlp()
+    cuts = list(range(0, 15, 2))
+    want = accumulate(model, x, y, cuts, defer=False)
+    model.zero_grad()
+    first = model.layers[0].weight
+    most = 0
+    with defer_weight_grads():
+        for lo in cuts[:-1]:
+            (cross_entropy(model(Tensor(x[lo : lo + 2])), y[lo : lo + 2]) * (2 / 14)).backward()
+            if first._rows is not None:
+                most = max(most, first._rows.rows)
+                assert first._rows.x.nbytes + first._rows.g.nbytes <= first.data.nbytes
+    assert most == 6
+    for p, w in zip(model.parameters(), want):
+        np.testing.assert_allclose(p.grad, w, rtol=1e-12, atol=1e-15)
+
+
+def test_too_many_rows_for_the_gradient_are_multiplied_at_once():
+    x, y = batch(8)
+    model = mlp()
+    with defer_weight_grads():  # 8 rows > 6: keeping them would cost more than the gradient
+        cross_entropy(model(Tensor(x)), y).backward()
+    assert model.layers[0].weight._rows is None
+    assert model.layers[1].weight._rows is not None  # 16 * 16 // 32 = 8 rows: they fit
+    model.layers[1].weight.grad  # noqa: B018
+    for p, w in zip(model.parameters(), whole_batch(mlp(), x, y)):
+        np.testing.assert_allclose(p.grad, w, rtol=1e-12, atol=1e-15)
+
+
+def test_a_hook_that_reads_grad_inside_the_block_sees_the_whole_gradient():
+    x, y = batch(4)
+    model = mlp()
+    seen = []
+    weight = model.layers[0].weight
+    weight.register_grad_ready_hook(lambda p: seen.append(p.grad.copy()))
+    with defer_weight_grads():
+        cross_entropy(model(Tensor(x)), y).backward()
+    np.testing.assert_allclose(seen[0], whole_batch(mlp(), x, y)[0], rtol=1e-12, atol=1e-15)
+
+
+def test_a_weight_that_is_no_leaf_gets_an_array_and_a_shared_weight_sums_both_uses():
+    rng = np.random.default_rng(3)
+    W = Tensor(rng.standard_normal((4, 4)), requires_grad=True)
+    x = Tensor(rng.standard_normal((2, 4)))
+    with defer_weight_grads():  # W * 2.0 is an op's output: its backward needs an array
+        linear(linear(x, W * 2.0).tanh(), W).sum().backward()
+    h = np.tanh(x.data @ (2 * W.data))
+    upstream = np.ones((2, 4)) @ W.data.T * (1 - h * h)
+    by_hand = h.T @ np.ones((2, 4)) + 2 * (x.data.T @ upstream)
+    np.testing.assert_allclose(W.grad, by_hand, rtol=1e-12)
+
+
+def test_a_product_stands_for_x_transposed_times_g():
+    rng = np.random.default_rng(4)
+    x, g = rng.standard_normal((5, 3)), rng.standard_normal((5, 2))
+    p = Product(x, g)
+    assert p.shape == (3, 2)
+    np.testing.assert_array_equal(p.value(), x.T @ g)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_an_mlp_trained_with_deferred_accumulation_tracks_the_plain_one(dtype):
+    x, y = batch(16)
+    models = [MLP(SIZES, rng=np.random.default_rng(0), dtype=dtype) for _ in range(2)]
+    opts = [optim.SGD(m.parameters(), lr=0.1) for m in models]
+    for _ in range(5):
+        for model, opt, defer in zip(models, opts, (True, False)):
+            accumulate(model, x.astype(dtype), y, [0, 4, 8, 12, 16], defer=defer)
+            opt.step()
+    tol = 1e-5 if dtype == np.float32 else 1e-12
+    for a, b in zip(models[0].parameters(), models[1].parameters()):
+        np.testing.assert_allclose(a.data, b.data, rtol=tol, atol=tol)
+
+
+def test_ddp_no_sync_defers_and_the_synchronized_backward_multiplies_once():
+    from minidp import comm
+    from minidp.parallel import DistributedDataParallel
+
+    x, y = batch(4)
+    want = accumulate(mlp(), x, y, [0, 2, 4], defer=False)
+    model = mlp()
+    with DistributedDataParallel(model, comm.world(), overlap=False) as ddp:
+        ddp.zero_grad()
+        with ddp.no_sync():
+            (cross_entropy(ddp(Tensor(x[:2])), y[:2]) * 0.5).backward()
+        assert model.layers[0].weight._rows is not None  # no_sync defers
+        (cross_entropy(ddp(Tensor(x[2:])), y[2:]) * 0.5).backward()
+        ddp.finish_gradient_sync()
+        assert all(p._rows is None for p in model.parameters())
+        for p, w in zip(model.parameters(), want):
+            np.testing.assert_allclose(p.grad, w * comm.world().size, rtol=1e-12, atol=1e-15)
