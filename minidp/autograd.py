@@ -143,14 +143,14 @@ def _array(g):
 
 class _Rows:
     """A leaf's deferred gradient: the rows of its Products, copied and stacked, at most as
-    many as make the copies no larger than the gradient itself (in * out / (in + out) rows),
-    so the deferral never costs more memory than one more gradient."""
+    many as make the copies no larger than the gradient itself (for one dtype throughout:
+    in * out / (in + out) rows), so the deferral never costs more memory than one more
+    gradient."""
 
-    def __init__(self, first: Product):
-        n_in, n_out = first.shape
-        self.capacity = n_in * n_out // (n_in + n_out)
-        self.x = np.empty((self.capacity, n_in), first.x.dtype)
-        self.g = np.empty((self.capacity, n_out), first.g.dtype)
+    def __init__(self, first: Product, grad_bytes: int):
+        self.capacity = _row_capacity(first, grad_bytes)
+        self.x = np.empty((self.capacity, first.x.shape[1]), first.x.dtype)
+        self.g = np.empty((self.capacity, first.g.shape[1]), first.g.dtype)
         self.rows = 0
 
     def fits(self, p: Product) -> bool:
@@ -177,13 +177,17 @@ class _Rows:
         return x.T @ g
 
 
-def _deferrable(p: Product) -> bool:
-    """NumPy factors whose copies are smaller than the gradient they stand for."""
-    n_in, n_out = p.shape
+def _row_capacity(p: Product, grad_bytes: int) -> int:
+    """How many rows of p's shape and dtypes fit in grad_bytes."""
+    return grad_bytes // (p.x.shape[1] * p.x.itemsize + p.g.shape[1] * p.g.itemsize)
+
+
+def _deferrable(p: Product, grad_bytes: int) -> bool:
+    """NumPy factors whose copies are no larger than the gradient they stand for."""
     return (
         isinstance(p.x, np.ndarray)
         and isinstance(p.g, np.ndarray)
-        and (len(p.x) * (n_in + n_out) <= n_in * n_out)
+        and len(p.x) <= _row_capacity(p, grad_bytes)
     )
 
 
@@ -235,7 +239,8 @@ class Tensor:
     @property
     def grad(self) -> np.ndarray | None:
         """The accumulated gradient (a leaf's). Rows deferred by `defer_weight_grads()` are
-        multiplied into it here, on first read, so every reader sees the whole gradient."""
+        multiplied into it here, on first read, so every reader sees the whole gradient.
+        (So a read may write: like backward itself, it belongs to one thread at a time.)"""
         if self._rows is not None:
             self._multiply_rows()
         return self._grad
@@ -321,8 +326,8 @@ class Tensor:
                 if rows is not None and not rows.fits(g):
                     self._multiply_rows()  # full: their product goes in first
                     rows = None
-                if rows is None and _deferrable(g):
-                    rows = self._rows = _Rows(g)
+                if rows is None and _deferrable(g, self.data.nbytes):
+                    rows = self._rows = _Rows(g, self.data.nbytes)
                 if rows is not None:
                     rows.add(g)
                     return  # more backward passes come: multiply later, once

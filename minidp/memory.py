@@ -12,7 +12,9 @@ rank by rank (ZeRO's point is that some of these shrink with the number of ranks
 Counted from `ndarray.nbytes` (a torch tensor's `.nbytes` alike), never estimated from shapes
 and dtypes by hand. One caveat, said once: `activation_bytes` counts the output array of every
 op in the graph; arrays that an op's backward closure keeps besides its output (a dropout
-mask, a softmax) are not seen, so it is a lower bound on what backward holds.
+mask, a softmax) are not seen, so it is a lower bound on what backward holds. Nor are the
+rows a weight keeps during gradient accumulation (autograd.defer_weight_grads): at most
+its gradient's size per weight, from the first micro-batch to the last.
 """
 
 from minidp.backend import base_of

@@ -141,8 +141,10 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     if X.shape[-1] != W.shape[0]:
         raise ValueError(f"linear: input {x.shape} does not fit a weight of shape {W.shape}")
     y = X @ W
-    if bias is not None:
+    if bias is not None and bias.dtype == y.dtype:
         y += bias.data  # in place: y is this op's own new array
+    elif bias is not None:
+        y = y + bias.data  # the dtype x @ weight + bias has
 
     def backward(g):  # y = X W + b  ->  dX = g W^T,  dW = X^T g,  db = sum of g over rows
         g = g.reshape(y.shape)

@@ -9,7 +9,7 @@ import contextlib
 import numpy as np
 import pytest
 
-from minidp import optim
+from minidp import nn, optim
 from minidp.autograd import Product, Tensor, defer_weight_grads
 from minidp.nn import MLP, cross_entropy, linear
 
@@ -34,7 +34,7 @@ def accumulate(model, x, y, cuts, defer=True):
         last = k == len(cuts) - 2
         with defer_weight_grads() if defer and not last else contextlib.nullcontext():
             (cross_entropy(model(Tensor(x[lo:hi])), y[lo:hi]) * ((hi - lo) / n)).backward()
-    return [p.grad.copy() for p in model.parameters()]
+    return [None if p.grad is None else p.grad.copy() for p in model.parameters()]
 
 
 def whole_batch(model, x, y):
@@ -187,11 +187,12 @@ def test_an_mlp_trained_with_deferred_accumulation_tracks_the_plain_one(dtype):
         np.testing.assert_allclose(a.data, b.data, rtol=tol, atol=tol)
 
 
+@pytest.mark.parallel(nprocs=[2])
 def test_ddp_no_sync_defers_and_the_synchronized_backward_multiplies_once():
     from minidp import comm
     from minidp.parallel import DistributedDataParallel
 
-    x, y = batch(4)
+    x, y = batch(4)  # every rank the same data: the mean over ranks is one rank's gradient
     want = accumulate(mlp(), x, y, [0, 2, 4], defer=False)
     model = mlp()
     with DistributedDataParallel(model, comm.world(), overlap=False) as ddp:
@@ -203,4 +204,105 @@ def test_ddp_no_sync_defers_and_the_synchronized_backward_multiplies_once():
         ddp.finish_gradient_sync()
         assert all(p._rows is None for p in model.parameters())
         for p, w in zip(model.parameters(), want):
-            np.testing.assert_allclose(p.grad, w * comm.world().size, rtol=1e-12, atol=1e-15)
+            np.testing.assert_allclose(p.grad, w, rtol=1e-12, atol=1e-15)
+
+
+def test_accumulation_adds_in_the_buckets_and_an_unused_parameter_has_a_zero_slot():
+    """After ddp.zero_grad() (every .grad None), no_sync points each .grad at its zeroed
+    bucket slot: micro-batches add up in place (one gradient's memory, not two), and a
+    parameter no micro-batch reaches still has a .grad to write (compress_update does)."""
+    from minidp import comm
+    from minidp.parallel import DistributedDataParallel
+
+    def model_with_a_spare_layer():
+        net = mlp()
+        net.spare = nn.Linear(3, 3, rng=np.random.default_rng(9), dtype=np.float64)
+        return net
+
+    x, y = batch(4)
+    reference = model_with_a_spare_layer()
+    want = accumulate(reference, x, y, [0, 2, 4], defer=False)
+    model = model_with_a_spare_layer()
+    spare = model.spare.weight
+    with DistributedDataParallel(model, comm.world(), overlap=False) as ddp:
+        ddp.zero_grad()
+        assert all(p.grad is None for p in model.parameters())
+        with ddp.no_sync():
+            (cross_entropy(ddp(Tensor(x[:2])), y[:2]) * 0.5).backward()
+        views = {id(v) for b in ddp.buckets for v in b.views}
+        assert all(id(p._grad) in views for p in model.parameters())  # in the buckets
+        assert not spare.grad.any()
+        spare.grad[...] = 0.0  # writable: a slot, not None
+        (cross_entropy(ddp(Tensor(x[2:])), y[2:]) * 0.5).backward()
+        ddp.finish_gradient_sync()
+        for p, w in zip(model.parameters(), want):
+            if w is None:
+                assert p is spare or p is model.spare.bias
+                assert not p.grad.any()
+            else:
+                np.testing.assert_allclose(p.grad, w, rtol=1e-12, atol=1e-15)
+
+
+def test_rows_of_another_dtype_than_the_weight_take_no_more_bytes_than_its_gradient():
+    x, y = batch(8)
+    model = MLP(SIZES, rng=np.random.default_rng(0), dtype=np.float32)
+    want = accumulate(model, x.astype(np.float32), y, [0, 2, 4, 6, 8], defer=False)
+    model.zero_grad()
+    first = model.layers[0].weight
+    with defer_weight_grads():  # float64 rows into a float32 weight: 3 rows, not 6
+        for lo in (0, 2, 4):
+            part = slice(lo, lo + 2)
+            (cross_entropy(model(Tensor(x[part])), y[part]) * 0.25).backward()
+            if first._rows is not None:
+                assert first._rows.x.nbytes + first._rows.g.nbytes <= first.data.nbytes
+    (cross_entropy(model(Tensor(x[6:])), y[6:]) * 0.25).backward()
+    for p, w in zip(model.parameters(), want):
+        np.testing.assert_allclose(p.grad, w, rtol=1e-5, atol=1e-6)
+
+
+def test_zero_stage_2_accumulation_defers_too(monkeypatch):
+    from minidp import autograd, comm
+    from minidp.config import TrainConfig
+    from minidp.parallel import ZeRO
+    from minidp.tasks import Task
+
+    kept = []
+    add = autograd._Rows.add
+    monkeypatch.setattr(
+        autograd._Rows, "add", lambda rows, p: (kept.append(len(p.x)), add(rows, p))
+    )
+    config = TrainConfig(
+        model="mlp", strategy="zero", zero_stage=2, grad_accum=2, batch_size=8, hidden=32,
+        dtype="float64", overlap="off",
+    )  # fmt: skip
+    with ZeRO(Task(config, np.float64), config, comm.world()) as zero:
+        zero.step(np.arange(8), config.lr)
+    assert kept  # the first micro-batch's rows were kept, not multiplied
+
+
+def test_linear_keeps_the_dtype_of_x_at_weight_plus_bias():
+    rng = np.random.default_rng(5)
+    x, W = rng.standard_normal((2, 3)).astype(np.float32), rng.standard_normal((3, 4))
+    W32, b64 = W.astype(np.float32), rng.standard_normal(4)
+    out = linear(Tensor(x), Tensor(W32), Tensor(b64))
+    assert out.dtype == (x @ W32 + b64).dtype == np.float64
+    ints = linear(Tensor(np.ones((2, 3), np.int64)), Tensor(np.ones((3, 4), np.int64)), Tensor(b64))
+    np.testing.assert_array_equal(ints.data, np.full((2, 4), 3.0) + b64)
+
+
+def test_rows_of_a_new_dtype_are_not_rounded_into_the_old_ones():
+    """A float32 micro-batch then a float64 one, into float64 weights: the second's rows
+    must not be copied into float32 storage (that would round them silently)."""
+    x, y = batch(4)
+    model = mlp()
+    inputs = [x[:2].astype(np.float32), x[2:]]
+    for defer in (False, True):
+        model.zero_grad()
+        with defer_weight_grads() if defer else contextlib.nullcontext():
+            for part, targets in zip(inputs, (y[:2], y[2:])):
+                (cross_entropy(model(Tensor(part)), targets) * 0.5).backward()
+        got = [p.grad.copy() for p in model.parameters()]
+        if not defer:
+            want = got
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g, w, rtol=1e-13, atol=1e-15)

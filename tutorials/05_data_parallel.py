@@ -53,6 +53,14 @@ cross_entropy(
 ).backward()
 want = [p.grad.copy() for p in single.parameters()]
 
+
+def has_reference_gradients(net) -> bool:
+    """Every gradient of `net` equals the one-process gradient `want`, to rounding."""
+    return all(
+        np.allclose(p.grad, ref, rtol=1e-12, atol=1e-15) for p, ref in zip(net.parameters(), want)
+    )
+
+
 # %% [markdown]
 # ## 2. Average the gradients after backward
 # Each rank's loss is the mean over its own examples, so the global mean gradient is the
@@ -65,8 +73,7 @@ cross_entropy(model(Tensor(x_all[local])), y_all[local]).backward()
 group.reset_counters()
 for p in model.parameters():
     comm.allreduce(p.grad, op="avg", group=group, out=p.grad)
-for got, ref in zip((p.grad for p in model.parameters()), want):
-    assert np.allclose(got, ref, rtol=1e-12, atol=1e-15)
+assert has_reference_gradients(model)
 calls = group.counters["allreduce"]["calls"]
 print0(f"per-parameter averaging matches one process: {calls} allreduce calls")
 
@@ -87,9 +94,7 @@ ddp.comm_group.reset_counters()
 ddp.zero_grad()
 cross_entropy(ddp(Tensor(x_all[local])), y_all[local]).backward()
 ddp.finish_gradient_sync()
-assert all(
-    np.allclose(p.grad, ref, rtol=1e-12, atol=1e-15) for p, ref in zip(model.parameters(), want)
-)
+assert has_reference_gradients(model)
 print0(f"bucketed: {ddp.comm_group.counters['allreduce']['calls']} allreduce calls, same gradients")
 ddp.close()
 
@@ -108,9 +113,7 @@ with timeline.span("backward"):
     cross_entropy(ddp(Tensor(x_all[local])), y_all[local]).backward()
 with timeline.span("gradient sync wait"):
     ddp.finish_gradient_sync()
-assert all(
-    np.allclose(p.grad, ref, rtol=1e-12, atol=1e-15) for p, ref in zip(model.parameters(), want)
-)
+assert has_reference_gradients(model)
 backward = next(e for e in timeline.events if e["name"] == "backward")
 sends = sorted(
     (e for e in timeline.events if e["name"].startswith("allreduce")), key=lambda e: e["ts"]
@@ -155,3 +158,64 @@ assert all(
 )
 print0("5 data-parallel steps == 5 single-process steps; ranks identical")
 ddp.close()
+
+# %% [markdown]
+# ## 6. Gradient accumulation: micro-batches, and one product per weight
+# A rank can cut its slice into K micro-batches (less activation memory at once): each loss
+# weighs m_k / n_r, the first K-1 backward passes run under `ddp.no_sync()` (no
+# communication), and the last one reduces the sum. Plainly, every backward adds x_k^T g_k
+# into each weight's gradient: a matrix product that writes the whole gradient, then an
+# addition that reads and writes it again, K times. Under `no_sync` a Linear's weight keeps
+# copies of the rows x_k and g_k instead (`minidp.defer_weight_grads()`), and the last
+# backward multiplies them once: sum_k x_k^T g_k = [x_1; ...; x_K]^T [g_1; ...; g_K], the
+# product of the whole slice. The copies never take more memory than the gradient itself
+# (past that, the rows so far are multiplied at once), and reading `.grad` in between
+# multiplies what is kept, so no reader ever sees a partial gradient.
+
+# %%
+import contextlib  # noqa: E402
+import time  # noqa: E402
+
+from minidp import defer_weight_grads  # noqa: E402
+
+K = 4
+cuts = comm.chunk_bounds(len(local), K)
+parts = [local[lo:hi] for lo, hi in zip(cuts, cuts[1:])]
+
+
+def accumulate(net, defer_first: bool, no_sync=None):
+    """K backward passes into net's gradients; the first K-1 deferred if `defer_first`."""
+    for k, part in enumerate(parts):
+        first = k < K - 1 and defer_first
+        block = (no_sync or defer_weight_grads)() if first else contextlib.nullcontext()
+        with block:
+            loss = cross_entropy(net(Tensor(x_all[part])), y_all[part])
+            (loss * (len(part) / len(local))).backward()
+
+
+model = new_model()
+ddp = DistributedDataParallel(model, group, bucket_cap_mb=0.3)
+ddp.zero_grad()
+accumulate(ddp, True, ddp.no_sync)
+ddp.finish_gradient_sync()
+assert has_reference_gradients(model)
+print0(f"{K} micro-batches under no_sync: the whole global batch's gradient")
+ddp.close()
+
+# One process, the same K backward passes with and without deferring (medians of 30; each
+# twice, the second counts):
+net = new_model()
+seconds = {}
+for defer in (False, True, False, True):
+    times = []
+    for _ in range(30):
+        net.zero_grad()
+        start = time.perf_counter()
+        accumulate(net, defer)
+        _ = [p.grad for p in net.parameters()]  # the read that multiplies deferred rows
+        times.append(time.perf_counter() - start)
+    seconds[defer] = float(np.median(times))
+print0(
+    f"{K} micro-batches of {len(parts[0])} rows: plain {1e3 * seconds[False]:.2f} ms, "
+    f"deferred {1e3 * seconds[True]:.2f} ms per accumulation"
+)

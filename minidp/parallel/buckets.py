@@ -1,4 +1,5 @@
-"""Gradient buckets: a few flat buffers that every parameter's `.grad` is a view into.
+"""Gradient buckets: a few flat buffers that every parameter's `.grad` is a view into, once
+DDP has weighed it in.
 
 One message per bucket instead of one per parameter pays the α (latency) term of a
 collective once per bucket, and a flat buffer can be reduced in place with no packing copy.
@@ -42,7 +43,7 @@ class Bucket:
         self.rearm()
 
     def attach(self) -> None:
-        """Point every parameter's .grad at its slot in this bucket (zero_grad's half)."""
+        """Point every parameter's .grad at its slot in this bucket (as DDP is built)."""
         for p, view in zip(self.params, self.views):
             p.grad = view
 

@@ -9,8 +9,9 @@ and the ranks average their gradients before each optimizer step (PyTorch DDP, H
     opt.step()
 
 Buckets (buckets.py). Gradients live in a few flat, contiguous buckets, filled in *reverse*
-parameter order (the order backward produces them); each `p.grad` is a view into its
-bucket, so a bucket is reduced in place with no packing copy, one message per bucket:
+parameter order (the order backward produces them); once weighed, each `p.grad` is a view
+into its bucket, so a bucket is reduced in place with no packing copy, one message per
+bucket:
 
     params   W0 b0 W1 b1 W2 b2            (forward order)
     buckets  [b2 W2 b1] [W1 b0] [W0]      (reverse order, each up to bucket_cap_mb)
@@ -36,11 +37,12 @@ on some rank (its bucket then goes at `finish_gradient_sync`, carrying zeros for
 Averaging, with uneven batches. A rank's loss is the mean over its n_r examples. The global
 batch mean is sum_r (n_r / B) * mean_r, so before the allreduce(sum) each rank scales its
 bucket by n_r / B (`set_batch_share`); with equal slices that is 1 / world, plain averaging.
-`no_sync()` skips communication (gradient accumulation): gradients keep adding up on the
-parameters and the next synchronized backward weighs and reduces the total. Inside it,
-backward defers weight gradients (autograd.defer_weight_grads): a Linear's weight keeps the
-micro-batches' rows, and the synchronized backward multiplies them all in one product, so
-accumulation costs no extra pass over the gradient per micro-batch.
+`no_sync()` skips communication (gradient accumulation): gradients keep adding up in the
+buckets and the next synchronized backward weighs and reduces the total. Inside it, backward
+defers weight gradients (autograd.defer_weight_grads): a Linear weight whose micro-batches
+have few rows (their copies no larger than its gradient) keeps them, and the synchronized
+backward multiplies them all in one product, instead of one product and one addition into
+the bucket per micro-batch.
 """
 
 import contextlib
@@ -183,6 +185,7 @@ class DistributedDataParallel:
         self._stop_thread = weakref.finalize(self, _stop, self._thread)
         for bucket in self.buckets:  # every .grad starts as its (zero) slot in a bucket
             bucket.attach()
+        self._accumulate_in_buckets = False  # zero_grad() sets it: no_sync's first entry
         self._rearm()
 
     def _shared_arena(self, params) -> np.ndarray | None:
@@ -237,14 +240,28 @@ class DistributedDataParallel:
         self.share = local_examples / global_examples
 
     def zero_grad(self) -> None:
-        """Set every .grad to None (PyTorch's set_to_none): the first backward's gradient is
-        the array it computes, and its hook multiplies it into the bucket slot in one pass
-        (Bucket.weigh); zeroing the buckets first would cost a pass to zero them and one to
-        add into them."""
+        """Set every .grad to None (PyTorch's set_to_none): a step without accumulation then
+        takes each gradient as the array backward computes, and its hook multiplies it into
+        the bucket slot in one pass (Bucket.weigh), where zeroed buckets would cost a pass to
+        zero them and one to add into them. The next `no_sync()` points every .grad at its
+        zeroed slot instead, so micro-batches add up in place, in one gradient's memory."""
         for bucket in self.buckets:
             for p in bucket.params:
                 p.grad = None
+        self._accumulate_in_buckets = True
         self._rearm()
+
+    def _grads_into_buckets(self) -> None:
+        """Each .grad that is None becomes its bucket slot, zeroed (for accumulation)."""
+        for bucket in self.buckets:
+            if all(p.grad is None for p in bucket.params):  # as zero_grad() left them
+                bucket.data[...] = 0
+                bucket.attach()
+                continue
+            for p, view in zip(bucket.params, bucket.views):
+                if p.grad is None:
+                    view[...] = 0
+                    p.grad = view
 
     def _rearm(self) -> None:
         """Count every bucket's gradients from zero again, for the next backward. (A backward
@@ -256,6 +273,9 @@ class DistributedDataParallel:
     @contextlib.contextmanager
     def no_sync(self):
         """Accumulate gradients locally; the next backward outside the block reduces them."""
+        if self._accumulate_in_buckets:  # the first micro-batch since zero_grad()
+            self._grads_into_buckets()
+            self._accumulate_in_buckets = False
         previous, self.sync_enabled = self.sync_enabled, False
         try:
             with defer_weight_grads():  # more backward passes come before .grad is read

@@ -23,6 +23,7 @@ import time
 import numpy as np
 
 from minidp import comm
+from minidp.autograd import defer_weight_grads
 from minidp.parallel.comm_thread import CommThread, Reducer
 from minidp.parallel.zero_flat import ShardLayout
 from minidp.trace import Timeline
@@ -107,7 +108,8 @@ class ShardedGradients:
             return
         previous, self.sync_enabled = self.sync_enabled, False
         try:
-            yield
+            with defer_weight_grads():  # as DDP's no_sync: one product per weight at the end
+                yield
         finally:
             self.sync_enabled = previous
             self.rearm()
