@@ -14,8 +14,9 @@ one entry per parent: that parent's gradient, or None where it needs none. A bac
 - returns gradients of its inputs' shapes: `unbroadcast(grad, shape)` undoes broadcasting.
 A weight's gradient may be returned unmultiplied, as `Product(x, g)` for x^T g (nn.linear
 does): the engine multiplies it out for anything but a leaf, and a leaf inside
-`defer_weight_grads()` (DDP's no_sync) keeps its rows for one product over all the
-micro-batches of gradient accumulation, taken when .grad is first read.
+`defer_weight_grads()` (DDP's no_sync) keeps its rows, as many as fit in its gradient's
+bytes, for one product over the micro-batches of gradient accumulation, taken by the next
+backward outside the block or by the first read of .grad, whichever comes first.
 Parallel schemes write their communication ops this way, outside this file: Megatron's f
 (identity forward, allreduce backward), pipeline send / recv, ZeRO's gather-on-use.
 
@@ -120,8 +121,9 @@ class Product:
 
     `nn.linear`'s backward returns one for its weight. The engine multiplies it out at once
     (`.value()`) for any tensor but a leaf; a leaf inside `defer_weight_grads()` keeps copies
-    of its rows instead, stacked under those of earlier backward passes, and multiplies them
-    once, when .grad is read (a leaf's `_Rows`)."""
+    of its rows instead, stacked under those of earlier backward passes (a leaf's `_Rows`,
+    multiplied out whenever it is full), and takes their product in the next backward
+    outside the block, or when .grad is read."""
 
     __slots__ = ("x", "g")
 
@@ -249,6 +251,12 @@ class Tensor:
     def grad(self, value) -> None:
         self._rows = None  # replaced: deferred rows go with the old gradient
         self._grad = value
+
+    @property
+    def has_grad(self) -> bool:
+        """Whether this tensor holds a gradient, deferred rows included: `.grad is not None`
+        without multiplying them (DDP asks at each micro-batch)."""
+        return self._grad is not None or self._rows is not None
 
     # ---- the engine ---------------------------------------------------------------------
     def register_grad_ready_hook(self, hook: Callable[["Tensor"], None]) -> Callable[[], None]:

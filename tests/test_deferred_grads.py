@@ -211,8 +211,6 @@ def test_accumulation_adds_in_the_buckets_and_an_unused_parameter_has_a_zero_slo
     """After ddp.zero_grad() (every .grad None), no_sync points each .grad at its zeroed
     bucket slot: micro-batches add up in place (one gradient's memory, not two), and a
     parameter no micro-batch reaches still has a .grad to write (compress_update does)."""
-    from minidp import comm
-    from minidp.parallel import DistributedDataParallel
 
     def model_with_a_spare_layer():
         net = mlp()
@@ -222,10 +220,20 @@ def test_accumulation_adds_in_the_buckets_and_an_unused_parameter_has_a_zero_slo
     x, y = batch(4)
     reference = model_with_a_spare_layer()
     want = accumulate(reference, x, y, [0, 2, 4], defer=False)
-    model = model_with_a_spare_layer()
+    for zero_grad in ("ddp", "optimizer"):  # DDP's own, or an optimizer's set-to-None
+        accumulates_in_the_buckets(model_with_a_spare_layer(), x, y, want, zero_grad)
+
+
+def accumulates_in_the_buckets(model, x, y, want, zero_grad):
+    from minidp import comm
+    from minidp.parallel import DistributedDataParallel
+
     spare = model.spare.weight
     with DistributedDataParallel(model, comm.world(), overlap=False) as ddp:
-        ddp.zero_grad()
+        if zero_grad == "ddp":
+            ddp.zero_grad()
+        else:
+            optim.SGD(model.parameters(), lr=0.1).zero_grad()
         assert all(p.grad is None for p in model.parameters())
         with ddp.no_sync():
             (cross_entropy(ddp(Tensor(x[:2])), y[:2]) * 0.5).backward()
@@ -306,3 +314,23 @@ def test_rows_of_a_new_dtype_are_not_rounded_into_the_old_ones():
             want = got
     for g, w in zip(got, want):
         np.testing.assert_allclose(g, w, rtol=1e-13, atol=1e-15)
+
+
+@pytest.mark.parallel(nprocs=[2])
+def test_closing_ddp_with_rows_kept_keeps_the_gradient():
+    """DDP.close() moves the gradients out of shared memory (algo auto, one machine): rows a
+    weight still keeps must be multiplied in before the move, not lost with the old slot."""
+    from minidp import comm
+    from minidp.parallel import DistributedDataParallel
+
+    x, y = batch(2)
+    want = whole_batch(mlp(), x, y)
+    model = mlp()
+    ddp = DistributedDataParallel(model, comm.world(), overlap=False)
+    ddp.zero_grad()
+    with ddp.no_sync():
+        cross_entropy(ddp(Tensor(x)), y).backward()
+    assert model.layers[0].weight._rows is not None
+    ddp.close()
+    for p, w in zip(model.parameters(), want):
+        np.testing.assert_allclose(p.grad, w, rtol=1e-12, atol=1e-15)

@@ -11,9 +11,9 @@ scaling: more ranks, fewer examples each), each rank's slice cut into 4 micro-ba
     hand    per micro-batch, forward and backward written out in NumPy (_mlp.numpy_gradients),
             the gradients added up; then one MPI Iallreduce per parameter, Waitall, SGD
     minidp  DDP around nn.MLP: no_sync() for the first 3 micro-batches (which defers the
-            weight gradients: one product per weight over all the rows, at the last
-            backward), then the buckets reduced with ALGO during the last backward
-            (overlap on) or after it (off); SGD
+            weight gradients: each weight whose rows fit takes one product over all of
+            them, at the last backward), then the buckets reduced with ALGO during the last
+            backward (overlap on) or after it (off); SGD
 
 Both start from the same weights and see the same examples: before anything is timed, one
 step of each is taken and their parameters compared (float32 tolerance; exit code 1 if they

@@ -43,17 +43,18 @@ class Bucket:
         self.rearm()
 
     def attach(self) -> None:
-        """Point every parameter's .grad at its slot in this bucket (as DDP is built)."""
+        """Point every parameter's .grad at its slot in this bucket."""
         for p, view in zip(self.params, self.views):
             p.grad = view
 
     def detach(self) -> None:
         """Move the buffer into private memory, values kept and every .grad still its view,
         so that the memory it lay in can be reused (DDP.close hands its shared memory back)."""
+        grads = [p.grad for p in self.params]  # first: reading multiplies deferred rows in
         data = self.data.copy()
         views = [data[o : o + p.size].reshape(p.shape) for o, p in zip(self.offsets, self.params)]
-        for p, old, new in zip(self.params, self.views, views):
-            if p.grad is old:
+        for p, grad, old, new in zip(self.params, grads, self.views, views):
+            if grad is old:
                 p.grad = new
         self.data, self.views = data, views
 

@@ -185,7 +185,6 @@ class DistributedDataParallel:
         self._stop_thread = weakref.finalize(self, _stop, self._thread)
         for bucket in self.buckets:  # every .grad starts as its (zero) slot in a bucket
             bucket.attach()
-        self._accumulate_in_buckets = False  # zero_grad() sets it: no_sync's first entry
         self._rearm()
 
     def _shared_arena(self, params) -> np.ndarray | None:
@@ -243,23 +242,22 @@ class DistributedDataParallel:
         """Set every .grad to None (PyTorch's set_to_none): a step without accumulation then
         takes each gradient as the array backward computes, and its hook multiplies it into
         the bucket slot in one pass (Bucket.weigh), where zeroed buckets would cost a pass to
-        zero them and one to add into them. The next `no_sync()` points every .grad at its
-        zeroed slot instead, so micro-batches add up in place, in one gradient's memory."""
+        zero them and one to add into them. `no_sync()` points every .grad that is None at
+        its zeroed slot instead, so micro-batches add up in place, in one gradient's memory."""
         for bucket in self.buckets:
             for p in bucket.params:
                 p.grad = None
-        self._accumulate_in_buckets = True
         self._rearm()
 
     def _grads_into_buckets(self) -> None:
-        """Each .grad that is None becomes its bucket slot, zeroed (for accumulation)."""
+        """Each parameter without a gradient gets its bucket slot, zeroed, as its .grad."""
         for bucket in self.buckets:
-            if all(p.grad is None for p in bucket.params):  # as zero_grad() left them
+            if not any(p.has_grad for p in bucket.params):  # as zero_grad() left them
                 bucket.data[...] = 0
                 bucket.attach()
                 continue
             for p, view in zip(bucket.params, bucket.views):
-                if p.grad is None:
+                if not p.has_grad:
                     view[...] = 0
                     p.grad = view
 
@@ -273,9 +271,7 @@ class DistributedDataParallel:
     @contextlib.contextmanager
     def no_sync(self):
         """Accumulate gradients locally; the next backward outside the block reduces them."""
-        if self._accumulate_in_buckets:  # the first micro-batch since zero_grad()
-            self._grads_into_buckets()
-            self._accumulate_in_buckets = False
+        self._grads_into_buckets()  # accumulate in the buckets (after any zero_grad)
         previous, self.sync_enabled = self.sync_enabled, False
         try:
             with defer_weight_grads():  # more backward passes come before .grad is read

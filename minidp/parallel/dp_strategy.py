@@ -4,7 +4,7 @@ Every rank holds the whole model and an optimizer of its own (--optimizer: AdamW
 default), and reads its slice of the global batch (its data-parallel coordinate is its
 rank). One step, on this rank's examples:
 
-    zero the buckets; weight = n_r / B
+    zero the gradients; weight = n_r / B
     for each of the K micro-batches:           # all but the last under no_sync()
         loss_k = mean loss of micro-batch k * (m_k / n_r)     # the K sum to the local mean
         backward                                # buckets reduced as they fill (overlap)
