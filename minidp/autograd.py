@@ -16,8 +16,8 @@ A weight's gradient may be returned unmultiplied, as `Product(x, g)` for x^T g (
 does): the engine multiplies it out for anything but a leaf, and a leaf inside
 `defer_weight_grads()` (DDP's no_sync) keeps its rows, as many as fit in its gradient's
 bytes, for one product over the micro-batches of gradient accumulation, taken by the next
-backward outside the block or by the first read of .grad, whichever comes first.
-Parallel schemes write their communication ops this way, outside this file: Megatron's f
+backward outside the block or by the first read of .grad, whichever comes first
+(weight_grads.py). Parallel schemes write their communication ops this way, outside this file: Megatron's f
 (identity forward, allreduce backward), pipeline send / recv, ZeRO's gather-on-use.
 
 Grad mode is per thread (grad_mode.py). The arrays are NumPy's, or torch tensors with
@@ -34,6 +34,7 @@ import numpy as np
 
 from minidp.backend import backend_torch, base_of, is_torch, is_torch_dtype, namespace
 from minidp.grad_mode import _grad_mode, defer_weight_grads, is_grad_enabled, no_grad
+from minidp.weight_grads import Product, Rows, deferrable, multiplied
 
 __all__ = [
     "Product",
@@ -116,83 +117,6 @@ def op(data: np.ndarray, parents: tuple, backward: Callable) -> "Tensor":
     return out
 
 
-class Product:
-    """A weight's gradient x^T g, kept as its two factors: x (rows, in), g (rows, out).
-
-    `nn.linear`'s backward returns one for its weight. The engine multiplies it out at once
-    (`.value()`) for any tensor but a leaf; a leaf inside `defer_weight_grads()` keeps copies
-    of its rows instead, stacked under those of earlier backward passes (a leaf's `_Rows`,
-    multiplied out whenever it is full), and takes their product in the next backward
-    outside the block, or when .grad is read."""
-
-    __slots__ = ("x", "g")
-
-    def __init__(self, x, g):
-        self.x, self.g = x, g
-
-    @property
-    def shape(self) -> tuple:
-        return (self.x.shape[1], self.g.shape[1])
-
-    def value(self):
-        return self.x.T @ self.g
-
-
-def _array(g):
-    """A gradient as an array: a Product multiplied out."""
-    return g.value() if type(g) is Product else g
-
-
-class _Rows:
-    """A leaf's deferred gradient: the rows of its Products, copied and stacked, at most as
-    many as make the copies no larger than the gradient itself (for one dtype throughout:
-    in * out / (in + out) rows), so the deferral never costs more memory than one more
-    gradient."""
-
-    def __init__(self, first: Product, grad_bytes: int):
-        self.capacity = _row_capacity(first, grad_bytes)
-        self.x = np.empty((self.capacity, first.x.shape[1]), first.x.dtype)
-        self.g = np.empty((self.capacity, first.g.shape[1]), first.g.dtype)
-        self.rows = 0
-
-    def fits(self, p: Product) -> bool:
-        return (
-            self.rows + len(p.x) <= self.capacity
-            and p.x.dtype == self.x.dtype
-            and p.g.dtype == self.g.dtype
-        )
-
-    def add(self, p: Product) -> None:
-        """Copy p's rows in: the caller's arrays may change before the product is taken."""
-        lo, self.rows = self.rows, self.rows + len(p.x)
-        self.x[lo : self.rows] = p.x
-        self.g[lo : self.rows] = p.g
-
-    def value(self, last: Product | None = None) -> np.ndarray:
-        """The product over every row kept, and `last`'s rows after them."""
-        x, g = self.x[: self.rows], self.g[: self.rows]
-        if last is not None and self.fits(last):
-            self.add(last)
-            x, g = self.x[: self.rows], self.g[: self.rows]
-        elif last is not None:
-            x, g = np.concatenate((x, last.x)), np.concatenate((g, last.g))
-        return x.T @ g
-
-
-def _row_capacity(p: Product, grad_bytes: int) -> int:
-    """How many rows of p's shape and dtypes fit in grad_bytes."""
-    return grad_bytes // (p.x.shape[1] * p.x.itemsize + p.g.shape[1] * p.g.itemsize)
-
-
-def _deferrable(p: Product, grad_bytes: int) -> bool:
-    """NumPy factors whose copies are no larger than the gradient they stand for."""
-    return (
-        isinstance(p.x, np.ndarray)
-        and isinstance(p.g, np.ndarray)
-        and len(p.x) <= _row_capacity(p, grad_bytes)
-    )
-
-
 def _permute(a, axes):
     """NumPy's a.transpose(axes); torch calls it permute."""
     return a.transpose(axes) if isinstance(a, np.ndarray | np.generic) else a.permute(axes)
@@ -206,7 +130,7 @@ class Tensor:
     # Defaults, on the class so that op() sets only what differs (it runs once per op):
     requires_grad = False
     _grad: np.ndarray | None = None
-    _rows: "_Rows | None" = None  # deferred weight-gradient rows (defer_weight_grads)
+    _rows: Rows | None = None  # deferred weight-gradient rows (defer_weight_grads)
     _parents: tuple = ()
     _backward: Callable | None = None  # None marks a leaf
     _hooks: tuple | list = ()  # a list of its own once a hook is registered
@@ -318,7 +242,7 @@ class Tensor:
                         pg = pg.value()  # only a leaf keeps a gradient as its factors
                     key = id(parent)
                     total = grads.get(key)
-                    grads[key] = pg if total is None else _array(total) + _array(pg)
+                    grads[key] = pg if total is None else multiplied(total) + multiplied(pg)
                     handed_out.add(id(pg))
 
     def _accumulate(self, g, owned: bool) -> None:
@@ -334,8 +258,8 @@ class Tensor:
                 if rows is not None and not rows.fits(g):
                     self._multiply_rows()  # full: their product goes in first
                     rows = None
-                if rows is None and _deferrable(g, self.data.nbytes):
-                    rows = self._rows = _Rows(g, self.data.nbytes)
+                if rows is None and deferrable(g, self.data.nbytes):
+                    rows = self._rows = Rows(g, self.data.nbytes)
                 if rows is not None:
                     rows.add(g)
                     return  # more backward passes come: multiply later, once

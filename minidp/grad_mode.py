@@ -42,14 +42,9 @@ def is_grad_enabled() -> bool:
 def defer_weight_grads() -> Iterator[None]:
     """Backward passes in this block leave weight gradients unmultiplied: more will follow.
 
-    Gradient accumulation adds one x_k^T g_k per micro-batch into each weight's .grad: a
-    matrix product that writes the whole gradient, then an addition that reads and writes it
-    again, per micro-batch. Inside this block a leaf keeps copies of the rows x_k and g_k
-    instead (while they take no more memory than its gradient), and the first read of .grad
-    multiplies them all at once: sum_k x_k^T g_k = [x_1; ...; x_K]^T [g_1; ...; g_K], one
-    product over the stacked rows, which is the gradient of the whole batch. DDP's no_sync()
-    enters this block (Megatron-LM fuses the same addition into its weight-gradient GEMM:
-    --gradient-accumulation-fusion). See autograd.Product."""
+    A leaf then keeps copies of its Products' rows, while they take no more memory than its
+    gradient, and takes one product over all of them in the next backward outside the block
+    or at the first read of .grad (weight_grads.py says why). DDP's no_sync() enters it."""
     previous, _grad_mode.defer = _grad_mode.defer, True
     try:
         yield

@@ -269,15 +269,15 @@ def test_rows_of_another_dtype_than_the_weight_take_no_more_bytes_than_its_gradi
 
 
 def test_zero_stage_2_accumulation_defers_too(monkeypatch):
-    from minidp import autograd, comm
+    from minidp import comm, weight_grads
     from minidp.config import TrainConfig
     from minidp.parallel import ZeRO
     from minidp.tasks import Task
 
     kept = []
-    add = autograd._Rows.add
+    add = weight_grads.Rows.add
     monkeypatch.setattr(
-        autograd._Rows, "add", lambda rows, p: (kept.append(len(p.x)), add(rows, p))
+        weight_grads.Rows, "add", lambda rows, p: (kept.append(len(p.x)), add(rows, p))
     )
     config = TrainConfig(
         model="mlp", strategy="zero", zero_stage=2, grad_accum=2, batch_size=8, hidden=32,

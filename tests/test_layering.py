@@ -1,6 +1,6 @@
 """Layering that reads bottom up: what imports without MPI, and who may import whom.
 
-    chunks  autograd  grad_mode  ops  nn  optim  data  log  config      no MPI
+    chunks  autograd  grad_mode  weight_grads  ops  nn  optim  data  log  config   no MPI
     parser  plots  backend  prune    (torch_ref, backend_torch: torch, not MPI)
     comm  trace  parallel  train  cli  bench                        on MPI (mpi4py)
 
@@ -31,6 +31,7 @@ NO_MPI_MODULES = (
     "minidp.plots",
     "minidp.backend",
     "minidp.grad_mode",
+    "minidp.weight_grads",
     "minidp.prune",
 )
 BLOCK_MPI4PY = """

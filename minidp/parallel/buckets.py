@@ -72,16 +72,17 @@ class Bucket:
                 "accumulate micro-batches inside ddp.no_sync()"
             )
         p, view = self.params[i], self.views[i]
+        grad = p.grad  # one read (it multiplies in any rows a deferred weight kept)
         factor = self.data.dtype.type(scale) if isinstance(self.data, np.ndarray) else scale
-        if p.grad is None:
+        if grad is None:
             view[...] = 0
-        elif p.grad is view:
+        elif grad is view:
             if scale != 1.0:
                 view *= factor
-        elif isinstance(view, np.ndarray) and p.grad.dtype == view.dtype:
-            np.multiply(p.grad, factor, out=view)
+        elif isinstance(view, np.ndarray) and grad.dtype == view.dtype:
+            np.multiply(grad, factor, out=view)
         else:  # a torch tensor (--backend torch), or another dtype: copy, then scale
-            view[...] = p.grad
+            view[...] = grad
             view *= factor
         p.grad = view
         self.weighed[i] = True
