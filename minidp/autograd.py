@@ -17,8 +17,9 @@ does): the engine multiplies it out for anything but a leaf, and a leaf inside
 `defer_weight_grads()` (DDP's no_sync) keeps its rows, as many as fit in its gradient's
 bytes, for one product over the micro-batches of gradient accumulation, taken by the next
 backward outside the block or by the first read of .grad, whichever comes first
-(weight_grads.py). Parallel schemes write their communication ops this way, outside this file: Megatron's f
-(identity forward, allreduce backward), pipeline send / recv, ZeRO's gather-on-use.
+(weight_grads.py). Parallel schemes write their communication ops this way, outside this
+file: Megatron's f (identity forward, allreduce backward), pipeline send / recv, ZeRO's
+gather-on-use.
 
 Grad mode is per thread (grad_mode.py). The arrays are NumPy's, or torch tensors with
 `--backend torch`: an op that calls a NumPy function resolves `xp = namespace(data)` once
@@ -181,6 +182,22 @@ class Tensor:
         """Whether this tensor holds a gradient, deferred rows included: `.grad is not None`
         without multiplying them (DDP asks at each micro-batch)."""
         return self._grad is not None or self._rows is not None
+
+    def keep_grad_in(self, home) -> None:
+        """Make `home` (an array of this leaf's shape and dtype) hold its gradient from now
+        on: a .grad it has is copied in, none at all is zeros, and later backward passes add
+        into home. Deferred rows stay deferred; their product is added in when taken. (DDP's
+        no_sync calls it at each block's end: the first micro-batch's gradients move into
+        their bucket slots, the later ones add up there.)"""
+        if self._grad is home:
+            return
+        if self._grad is not None:
+            home[...] = self._grad
+        elif self._rows is not None:
+            return  # nothing multiplied yet: the product goes in whole, later
+        else:
+            home[...] = 0
+        self._grad = home
 
     # ---- the engine ---------------------------------------------------------------------
     def register_grad_ready_hook(self, hook: Callable[["Tensor"], None]) -> Callable[[], None]:

@@ -21,7 +21,7 @@ import numpy as np
 
 from minidp import ops
 from minidp.autograd import Product, Tensor, no_grad, op
-from minidp.backend import is_torch, to_numpy
+from minidp.backend import is_torch, namespace, to_numpy
 from minidp.ops import cross_entropy, mse
 
 __all__ = [
@@ -126,14 +126,18 @@ def _uniform(rng, shape, bound, dtype):
     return rng.uniform(-bound, bound, size=shape).astype(dtype)
 
 
-def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
-    """y = x W + b as one op, for x of shape (..., in): what `x @ weight + bias` computes.
+def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, relu: bool = False) -> Tensor:
+    """y = x W + b as one op, for x of shape (..., in): what `x @ weight + bias` computes;
+    with relu=True, max(x W + b, 0): what `(x @ weight + bias).relu()` computes.
 
     Why fused: composed, a Linear records two graph nodes (four for a (B, T, C) input: a
-    reshape in and out), each with a Tensor, a closure and an unbroadcast in backward. On a
-    small model that bookkeeping costs as much as the arithmetic; one op does the same NumPy
-    calls, so the same float bits, with one node. It is also the op API at its plainest:
-    arrays in, `op(data, parents, backward)` out, the three gradients beside the forward.
+    reshape in and out), each with a Tensor, a closure and an unbroadcast in backward, and a
+    ReLU after it one more. On a small model that bookkeeping costs as much as the
+    arithmetic; one op does the same NumPy calls, so the same float bits, with one node (and
+    keeps one array where the ReLU kept three: its input, its mask, its output). It is also
+    the op API at its plainest: arrays in, `op(data, parents, backward)` out, the gradients
+    beside the forward. (PyTorch fuses the same way on GPUs: cuBLASLt's GEMM epilogues add
+    the bias and apply the ReLU in the product's kernel.)
     """
     x = x if isinstance(x, Tensor) else Tensor(x)
     X = x.data if x.ndim == 2 else x.data.reshape(-1, x.shape[-1])  # (N, in): one plain product
@@ -145,9 +149,15 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
         y += bias.data  # in place: y is this op's own new array
     elif bias is not None:
         y = y + bias.data  # the dtype x @ weight + bias has
+    if relu and isinstance(y, np.ndarray):
+        np.maximum(y, 0, out=y)  # maximum, not y * (y > 0): -inf * 0 would be nan
+    elif relu:
+        y = namespace(y).maximum(y, 0)  # a torch tensor (--backend torch)
 
     def backward(g):  # y = X W + b  ->  dX = g W^T,  dW = X^T g,  db = sum of g over rows
         g = g.reshape(y.shape)
+        if relu:  # through the ReLU first: y > 0 exactly where x W + b > 0
+            g = g * (y > 0)
         dx = (g @ W.T).reshape(x.shape) if x.requires_grad else None
         dw = Product(X, g) if weight.requires_grad else None  # X^T g, multiplied by the engine
         if bias is None:
@@ -184,8 +194,9 @@ class Linear(Module):
             b = _uniform(rng, out_features, bound, dtype) if std is None else np.zeros(out_features)
             self.bias = Parameter(b, dtype=dtype)
 
-    def forward(self, x: Tensor) -> Tensor:
-        return linear(x, self.weight, self.bias)
+    def forward(self, x: Tensor, relu: bool = False) -> Tensor:
+        """x W + b; with relu=True, max(x W + b, 0) in the same op (see `linear`)."""
+        return linear(x, self.weight, self.bias, relu=relu)
 
 
 class MLP(Module):
@@ -195,10 +206,9 @@ class MLP(Module):
         self.layers = [Linear(a, b, rng=rng, dtype=dtype) for a, b in zip(sizes[:-1], sizes[1:])]
 
     def forward(self, x: Tensor) -> Tensor:
+        last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
-            x = layer(x)
-            if i < len(self.layers) - 1:
-                x = x.relu()
+            x = layer(x, relu=i < last)  # Linear and ReLU as one op (see `linear`)
         return x
 
 

@@ -55,6 +55,53 @@ def test_ranks_that_pass_different_shared_arrays_all_raise_instead_of_reading_th
         g.free()
 
 
+@pytest.mark.timeout(120)
+@pytest.mark.parallel(nprocs=[2, 3, 4])
+def test_coalesced_shared_arrays_are_one_call_with_the_bits_of_one_allreduce_each():
+    g = comm.world().dup()
+    p, r = g.size, g.rank
+    sizes = (7, 1, 30_001, 2)  # chunks of each array by itself, some smaller than p
+    x = np.random.default_rng(r).standard_normal(sum(sizes))
+    edges = np.cumsum((0, *sizes))
+    want = [comm.allreduce(x[a:b], algo="ring", group=g) for a, b in zip(edges, edges[1:])]
+    shared = comm.shared_zeros(len(x), np.float64, g)
+    pieces = [shared[a:b] for a, b in zip(edges, edges[1:])]
+    for op in ("sum", "avg"):
+        shared[...] = x
+        g.reset_counters()
+        comm.allreduce_coalesced(pieces, op=op, group=g)  # auto: all shared, so one shm call
+        assert g.counters["allreduce"]["calls"] == 1
+        moved = sum(n + (p - 2) * int(np.diff(comm.chunk_bounds(n, p))[r]) for n in sizes)
+        assert g.counters["allreduce"]["bytes_sent"] == moved * 8
+        for got, ring in zip(pieces, want, strict=True):
+            assert np.array_equal(got, ring / (p if op == "avg" else 1))
+    plain = [x[a:b].copy() for a, b in zip(edges, edges[1:])]  # not shared: one call each
+    g.reset_counters()
+    comm.allreduce_coalesced(plain, group=g, algo="ring")
+    assert g.counters["allreduce"]["calls"] == len(sizes)
+    assert all(np.array_equal(a, b) for a, b in zip(plain, want, strict=True))
+    g.free()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parallel(nprocs=[2, 3])
+def test_ranks_that_coalesce_other_arrays_all_raise_instead_of_reading_the_wrong_ones():
+    shared_g = comm.world().dup()
+    a = comm.shared_zeros(12, np.float32, shared_g)
+    orders = {
+        "another split of the same bytes": lambda: (
+            [a[:5], a[5:]] if shared_g.rank else [a[:6], a[6:]]
+        ),
+        "another order": lambda: [a[6:], a[:6]] if shared_g.rank == 0 else [a[:6], a[6:]],
+    }
+    for pieces in orders.values():  # an error breaks the group: a fresh one each
+        g = shared_g.dup()
+        with pytest.raises(comm.CollectiveMismatch, match="different arrays"):
+            comm.allreduce_coalesced(pieces(), algo="shm", group=g)
+        g.free()
+    shared_g.free()
+
+
 @pytest.mark.timeout(60)
 @pytest.mark.parallel(nprocs=[2, 3])
 def test_shared_arrays_of_different_sizes_are_refused_on_every_rank():
@@ -138,16 +185,24 @@ def test_ddp_buckets_live_in_shared_memory_with_the_rings_bits():
     y = np.arange(4) % 3
     grads = {}
     for algo in ("auto", "shm", "ring"):
-        ddp = DistributedDataParallel(_mlp(), world, bucket_cap_mb=1e-4, algo=algo)
-        shared = [comm.in_shared_memory(b.data, ddp.comm_group) for b in ddp.buckets]
-        assert all(shared) if algo != "ring" else not any(shared), algo
-        nn.cross_entropy(ddp(Tensor(x)), y).backward()
-        ddp.finish_gradient_sync()
-        grads[algo] = [p.grad.copy() for p in ddp.parameters()]
-        ddp.close()
-    for algo in ("auto", "shm"):
-        for ours, ring in zip(grads[algo], grads["ring"], strict=True):
-            assert np.array_equal(ours, ring)
+        for overlap in (False, True):
+            ddp = DistributedDataParallel(
+                _mlp(), world, bucket_cap_mb=1e-4, algo=algo, overlap=overlap
+            )
+            shared = [comm.in_shared_memory(b.data, ddp.comm_group) for b in ddp.buckets]
+            assert all(shared) if algo != "ring" else not any(shared), algo
+            ddp.comm_group.reset_counters()
+            nn.cross_entropy(ddp(Tensor(x)), y).backward()
+            ddp.finish_gradient_sync()
+            # without overlap every bucket goes at the finish: in shared memory, in one call
+            one_call = algo != "ring" and not overlap
+            calls = ddp.comm_group.counters["allreduce"]["calls"]
+            assert len(ddp.buckets) > 1 and calls == (1 if one_call else len(ddp.buckets))
+            grads[algo, overlap] = [p.grad.copy() for p in ddp.parameters()]
+            ddp.close()
+    for key, grad in grads.items():
+        for ours, ring in zip(grad, grads["ring", False], strict=True):
+            assert np.array_equal(ours, ring), key
 
 
 @pytest.mark.timeout(60)

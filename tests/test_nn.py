@@ -180,12 +180,13 @@ def test_layer_norm_gradients_by_central_differences():
     )
 
 
-def test_linear_gradients_by_central_differences():
+@pytest.mark.parametrize("relu", [False, True])
+def test_linear_gradients_by_central_differences(relu):
     layer = Linear(4, 3, rng=np.random.default_rng(0), dtype=np.float64)
 
     def linear(x, weight, bias):
         layer.weight, layer.bias = weight, bias
-        return layer(x)
+        return layer(x, relu=relu)
 
     rng = np.random.default_rng(1)
     check_gradients(
@@ -194,30 +195,48 @@ def test_linear_gradients_by_central_differences():
     )
 
 
-def composed_linear(x, weight, bias):
-    """What Linear computed before it was one op: reshape, matmul, add, reshape back."""
+def composed_linear(x, weight, bias, relu=False):
+    """What Linear computed before it was one op: reshape, matmul, add, reshape back (and
+    what an MLP's hidden layer computed before: then a ReLU)."""
     x2 = x if x.ndim == 2 else x.reshape(-1, x.shape[-1])
     y = x2 @ weight
     y = y if bias is None else y + bias
-    return y if x.ndim == 2 else y.reshape(*x.shape[:-1], y.shape[-1])
+    y = y if x.ndim == 2 else y.reshape(*x.shape[:-1], y.shape[-1])
+    return y.relu() if relu else y
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize("shape", [(16, 37), (3, 5, 37), (37,), (1, 37)])
 @pytest.mark.parametrize("bias", [True, False])
-def test_fused_linear_has_the_bits_of_matmul_then_add(dtype, shape, bias):
+@pytest.mark.parametrize("relu", [False, True])
+def test_fused_linear_has_the_bits_of_matmul_then_add(dtype, shape, bias, relu):
     """Forward and every gradient equal, bit for bit, to the composed ops (losses too)."""
     rng = np.random.default_rng(0)
     arrays = [rng.standard_normal(shape), rng.standard_normal((37, 23)), rng.standard_normal(23)]
+    if arrays[0].size > 37:  # ReLU's edges in the last row: outputs of inf, -inf and nan
+        arrays[0][(-1,) * (len(shape) - 1)][:3] = (np.inf, -np.inf, np.nan)
     results = []
     for f in (linear, composed_linear):
         x, w, b = (Tensor(a.astype(dtype), requires_grad=True) for a in arrays)
-        y = f(x, w, b if bias else None)
-        (y * Tensor(np.cos(np.arange(y.size)).reshape(y.shape).astype(dtype))).sum().backward()
+        with np.errstate(invalid="ignore"):  # inf - inf in the products: nan, as wanted
+            y = f(x, w, b if bias else None, relu=relu)
+            weights = np.cos(np.arange(y.size)).reshape(y.shape).astype(dtype)
+            (y * Tensor(weights)).sum().backward()
         results.append([y.data, x.grad, w.grad] + ([b.grad] if bias else []))
     for ours, theirs in zip(*results):
         assert ours.dtype == theirs.dtype and ours.shape == theirs.shape
         assert ours.tobytes() == theirs.tobytes()
+
+
+def test_an_mlp_records_one_node_per_layer_and_keeps_one_array_per_layer():
+    """Linear and ReLU fused (nn.linear(relu=True)): 3 layers, 3 nodes before the loss."""
+    from minidp.memory import activation_bytes
+
+    model = MLP([6, 5, 4, 3], rng=np.random.default_rng(0), dtype=np.float64)
+    out = model(Tensor(np.ones((2, 6))))
+    nodes = [t for t in out._topological_order() if t._parents]
+    assert len(nodes) == 3
+    assert activation_bytes(out) == 2 * (5 + 4 + 3) * 8  # each layer's output only
 
 
 def test_gpt_gradients_by_central_differences_on_sampled_entries():

@@ -9,6 +9,9 @@ allocated after the first call); without it the result is a new array. Pass ever
 by keyword. `group=None` means `world()`.
 
     allreduce(x, op, algo, group, out)        -> x.shape: the op over all ranks' x
+    allreduce_coalesced(xs, op, algo, group)  -> None: allreduce(x, out=x) for each x of the
+                                                 list xs, the same bits, as one call where
+                                                 the algorithm can (shm)
     reduce_scatter(x, op, algo, group, out)   -> 1-D: this rank's chunk of the reduced x,
                                                  elements [b[r], b[r+1]) where
                                                  b = chunk_bounds(x.size, p)
@@ -53,7 +56,7 @@ from minidp.comm.recursive import (
     recursive_doubling_allreduce,
 )
 from minidp.comm.ring import ring_allgather, ring_allreduce, ring_reduce_scatter
-from minidp.comm.shm import in_shared_memory, shm_allreduce
+from minidp.comm.shm import in_shared_memory, shm_allreduce, shm_allreduce_many
 from minidp.comm.tree import tree_allreduce
 from minidp.names import table
 
@@ -125,6 +128,35 @@ def allreduce(
             ALLREDUCE[algo](group, dst if in_place else src, dst, op)
         finish(op, dst, group.size)
     return res
+
+
+def allreduce_coalesced(
+    xs: list[np.ndarray], op: str = "sum", algo: str = "auto", group: Group | None = None
+) -> None:
+    """Reduce every array of xs in place, with the bits of `allreduce(x, out=x)` for each.
+
+    With "shm" (or "auto" when every x lies in shared memory, as DDP's buckets do) it is one
+    collective: one agreement, one barrier after the reductions and one after the copies,
+    for all of them, instead of three synchronizations per array (torch.distributed's
+    all_reduce_coalesced, Horovod's tensor fusion, without packing: the arrays stay where
+    they are). Any other algorithm reduces them one by one."""
+    group = group or world()
+    if not xs:
+        return
+    if algo == "auto" and all(in_shared_memory(x, group) for x in xs):
+        algo = "shm"
+    if algo != "shm" or group.size == 1 or len(xs) == 1:
+        for x in xs:
+            allreduce(x, op=op, algo=algo, group=group, out=x)
+        return
+    arrays = [flat(x) for x in xs]
+    for x in xs:
+        check_op(op, x.dtype)
+    total = sum(a.size for a in arrays)
+    with group.collective("allreduce", "shm", op, xs[0].dtype, None, (total,)):
+        shm_allreduce_many(group, arrays, op)
+        for a in arrays:
+            finish(op, a, group.size)
 
 
 def reduce_scatter(

@@ -31,7 +31,12 @@ Counted as bytes sent: what the other ranks load from this rank's memory, n + (p
 a chunk c_r of its own, about 2(p-1)/p·n, the ring's (no messages). First every rank tells
 the others which segment, offset and size it passed (an allgather of four numbers, which is
 also the first barrier); if the ranks disagree (another bucket, a plain array beside a
-shared one) every rank raises CollectiveMismatch, having read nothing. With "auto" the choice
+shared one) every rank raises CollectiveMismatch, having read nothing.
+
+Several arrays at once (`comm.allreduce_coalesced`, DDP's buckets when they all go after
+backward): the same three synchronizations serve all of them, each array chunked and
+summed as by itself (so with the same bits), and the four numbers describe the first array
+and a checksum of every array's place, size and dtype. With "auto" the choice
 of shm is each rank's own (its array is in shared memory or not): ranks that mix the two
 run different algorithms, which the default checks catch (the fingerprint names the
 algorithm) and which, with MINIDP_CHECKS=0, hangs like any mismatched call. A group spread
@@ -45,6 +50,7 @@ holds only as many segments as it uses at once.
 """
 
 import os
+import zlib
 from dataclasses import dataclass
 
 import numpy as np
@@ -157,65 +163,96 @@ class SharedMemory:
             self.scratch = _window(self.group, nbytes)
         return self.scratch
 
-    def _sync(self, win: MPI.Win, step=None) -> None:
-        """Every rank's stores to win before step (a barrier by default) are seen by every
-        rank's loads after it (MPI_Win_sync on each side)."""
-        win.Sync()
+    def _sync(self, wins: list[MPI.Win], step=None) -> None:
+        """Every rank's stores to the windows before step (a barrier by default) are seen
+        by every rank's loads after it (MPI_Win_sync on each side)."""
+        for win in wins:
+            win.Sync()
         step() if step else mpi_barrier(self.group)
-        win.Sync()
+        for win in wins:
+            win.Sync()
 
-    def allreduce(self, src: np.ndarray, out: np.ndarray, op: str) -> None:
-        self._require_local("allreduce algo='shm'")
+    def _agree(self, arrays: list, places: list, wins: list) -> None:
+        """Step 1, who passed what: an allgather of four numbers per rank (segment, byte
+        offset and bytes of the first array, a checksum of every array's place, size and
+        dtype), which is also the barrier after which every input is in place. If the
+        ranks disagree, every rank raises CollectiveMismatch, having read nothing."""
         g, p, r = self.group, self.group.size, self.group.rank
-        where = find(self.segments, out) if src is out else None
-        segment, offset = (_SCRATCH, 0) if where is None else where  # plain: via scratch
+        layout = [(seg, off, x.nbytes, x.dtype.num) for (seg, off), x in zip(places, arrays)]
         rows = self.rows.reshape(p, 4)
-        rows[r] = (segment, offset, out.nbytes, out.dtype.num)
+        segment, offset = places[0]
+        rows[r] = (
+            segment,
+            offset,
+            sum(x.nbytes for x in arrays),
+            zlib.crc32(repr(layout).encode()),
+        )
 
         def exchange():
             mpi_allgather(g, self.rows, chunk_bounds(self.rows.size, p))
 
-        if segment == _SCRATCH:
-            exchange()  # 1: who passed what
-        else:  # 1: who passed what, and every input in place
-            self._sync(self.segments[segment].win, exchange)
+        self._sync(wins, exchange) if wins else exchange()
         if len({tuple(row) for row in rows.tolist()}) != 1:  # every rank holds the same rows
             raise CollectiveMismatch(
-                "allreduce algo='shm': the ranks passed different arrays "
-                f"(segment, byte offset, bytes, dtype by rank: {rows.tolist()}; segment -1 "
-                "is a plain array copied in)"
+                "allreduce algo='shm': the ranks passed different arrays (segment, byte "
+                f"offset, bytes, checksum of every array's place and dtype, by rank: "
+                f"{rows.tolist()}; segment -1 is a plain array copied in)"
             )
-        if segment == _SCRATCH:  # every rank agrees, so every rank takes part in a growth
-            scratch = self._scratch(out.nbytes)
-            win = scratch.win
-            per_rank = [b[: out.nbytes].view(out.dtype) for b in scratch.per_rank]
-            np.copyto(per_rank[r], src)
-            self._sync(win)  # 1b: the copies in place
-        else:
-            win, per_rank = self.segments[segment].win, peers(self.segments[segment], offset, out)
-        bounds = chunk_bounds(out.size, p)
-        lo, hi = bounds[r], bounds[r + 1]
-        mine = per_rank[r]
-        # Chunk r, summed in the ring's order (ring.py: from rank r + 1 around to r itself),
-        # so that both algorithms give the same bits: ((x[r+1] + x[r+2]) + ...) + x[r].
-        if p == 2:
-            combine(op, per_rank[(r + 1) % p][lo:hi], mine[lo:hi], mine[lo:hi])
-        else:
-            partial = g.scratch.get("shm.partial", hi - lo, out.dtype)
-            combine(op, per_rank[(r + 1) % p][lo:hi], per_rank[(r + 2) % p][lo:hi], partial)
-            for k in range(3, p):
-                combine(op, partial, per_rank[(r + k) % p][lo:hi], partial)
-            combine(op, partial, mine[lo:hi], mine[lo:hi])
-        self._sync(win)  # 2: every chunk reduced by its owner
-        for k in range(1, p):
-            q = (r + k) % p
-            mine[bounds[q] : bounds[q + 1]] = per_rank[q][bounds[q] : bounds[q + 1]]
-        # what the others read of ours: chunk q by each rank q, then our chunk by all of them
-        moved = (out.size + (p - 2) * (hi - lo)) * out.itemsize
+
+    def _reduce(self, per_ranks: list[list[np.ndarray]], op: str, wins: list) -> None:
+        """Steps 2 and 3 for every array at once: each rank reduces its chunk of each array,
+        one barrier, each copies the other chunks of each array, one barrier."""
+        g, p, r = self.group, self.group.size, self.group.rank
+        moved = 0
+        for per_rank in per_ranks:
+            mine = per_rank[r]
+            lo, hi = chunk_bounds(mine.size, p)[r : r + 2]
+            # Chunk r, summed in the ring's order (ring.py: from rank r + 1 around to r
+            # itself), so both algorithms give the same bits: ((x[r+1] + x[r+2]) + ...) + x[r].
+            if p == 2:
+                combine(op, per_rank[(r + 1) % p][lo:hi], mine[lo:hi], mine[lo:hi])
+            else:
+                partial = g.scratch.get("shm.partial", hi - lo, mine.dtype)
+                combine(op, per_rank[(r + 1) % p][lo:hi], per_rank[(r + 2) % p][lo:hi], partial)
+                for k in range(3, p):
+                    combine(op, partial, per_rank[(r + k) % p][lo:hi], partial)
+                combine(op, partial, mine[lo:hi], mine[lo:hi])
+            # what the others read of ours: chunk q by each rank q, then our chunk by all
+            moved += (mine.size + (p - 2) * (hi - lo)) * mine.itemsize
+        self._sync(wins)  # 2: every chunk reduced by its owner
+        for per_rank in per_ranks:
+            mine = per_rank[r]
+            bounds = chunk_bounds(mine.size, p)
+            for k in range(1, p):
+                q = (r + k) % p
+                mine[bounds[q] : bounds[q + 1]] = per_rank[q][bounds[q] : bounds[q + 1]]
         g.traffic(moved, moved, 0)
-        self._sync(win)  # 3: nobody writes its array again while another still reads it
-        if mine is not out:
-            np.copyto(out, mine)
+        self._sync(wins)  # 3: nobody writes its array again while another still reads it
+
+    def allreduce(self, src: np.ndarray, out: np.ndarray, op: str) -> None:
+        self._require_local("allreduce algo='shm'")
+        where = find(self.segments, out) if src is out else None
+        if where is not None:
+            self.allreduce_in_place([out], [where], op)
+            return
+        # a plain array: agree first (every rank then takes part in a growth of the scratch),
+        # copy it into the scratch, and reduce it there
+        self._agree([out], [(_SCRATCH, 0)], [])
+        scratch = self._scratch(out.nbytes)
+        per_rank = [b[: out.nbytes].view(out.dtype) for b in scratch.per_rank]
+        np.copyto(per_rank[self.group.rank], src)
+        self._sync([scratch.win])  # 1b: the copies in place
+        self._reduce([per_rank], op, [scratch.win])
+        np.copyto(out, per_rank[self.group.rank])
+
+    def allreduce_in_place(self, arrays: list[np.ndarray], places: list, op: str) -> None:
+        """Reduce arrays lying in shared memory (places: their (segment, byte offset)), in
+        place, with one set of three synchronizations for all of them."""
+        self._require_local("allreduce algo='shm'")
+        wins = list({id(self.segments[s].win): self.segments[s].win for s, _ in places}.values())
+        self._agree(arrays, places, wins)
+        per_ranks = [peers(self.segments[s], off, x) for (s, off), x in zip(places, arrays)]
+        self._reduce(per_ranks, op, wins)
 
 
 def pool(group) -> list[Segment]:
@@ -287,3 +324,15 @@ def peer_arrays(x: np.ndarray, group) -> list[np.ndarray]:
 
 def shm_allreduce(group, src: np.ndarray, out: np.ndarray, op: str) -> None:
     of(group).allreduce(src, out, op)
+
+
+def shm_allreduce_many(group, arrays: list[np.ndarray], op: str) -> None:
+    """Reduce every array (each in shared memory: shared_zeros, or a slice of one) in
+    place, as one allreduce per array would, bit for bit, but with one set of
+    synchronizations for all of them (collective: every rank passes the same list)."""
+    places = [find(pool(group), x) for x in arrays]
+    if any(place is None for place in places):
+        raise ValueError(
+            "allreduce of several arrays with algo='shm': each must lie in shared memory"
+        )
+    of(group).allreduce_in_place(arrays, places, op)

@@ -37,12 +37,12 @@ on some rank (its bucket then goes at `finish_gradient_sync`, carrying zeros for
 Averaging, with uneven batches. A rank's loss is the mean over its n_r examples. The global
 batch mean is sum_r (n_r / B) * mean_r, so before the allreduce(sum) each rank scales its
 bucket by n_r / B (`set_batch_share`); with equal slices that is 1 / world, plain averaging.
-`no_sync()` skips communication (gradient accumulation): gradients keep adding up in the
-buckets and the next synchronized backward weighs and reduces the total. Inside it, backward
-defers weight gradients (autograd.defer_weight_grads): a Linear weight whose micro-batches
-have few rows (their copies no larger than its gradient) keeps them, and the synchronized
-backward multiplies them all in one product, instead of one product and one addition into
-the bucket per micro-batch.
+`no_sync()` skips communication (gradient accumulation): gradients keep adding up (each in
+its own array after a zero_grad) and the next synchronized backward weighs the total into
+the buckets and reduces them. Inside it, backward defers weight gradients
+(autograd.defer_weight_grads): a Linear weight whose micro-batches have few rows (their
+copies no larger than its gradient) keeps them, and the synchronized backward multiplies
+them all in one product, instead of one product and one addition per micro-batch.
 """
 
 import contextlib
@@ -239,27 +239,15 @@ class DistributedDataParallel:
         self.share = local_examples / global_examples
 
     def zero_grad(self) -> None:
-        """Set every .grad to None (PyTorch's set_to_none): a step without accumulation then
-        takes each gradient as the array backward computes, and its hook multiplies it into
-        the bucket slot in one pass (Bucket.weigh), where zeroed buckets would cost a pass to
-        zero them and one to add into them. `no_sync()` points every .grad that is None at
-        its zeroed slot instead, so micro-batches add up in place, in one gradient's memory."""
+        """Set every .grad to None (PyTorch's set_to_none): each gradient backward computes
+        is then its own array (or, under `no_sync()`, a deferred weight's kept rows), and the
+        synchronized backward's hook multiplies it into its bucket slot in one pass
+        (Bucket.weigh), where zeroed buckets would cost a pass to zero them and one to add
+        into them."""
         for bucket in self.buckets:
             for p in bucket.params:
                 p.grad = None
         self._rearm()
-
-    def _grads_into_buckets(self) -> None:
-        """Each parameter without a gradient gets its bucket slot, zeroed, as its .grad."""
-        for bucket in self.buckets:
-            if not any(p.has_grad for p in bucket.params):  # as zero_grad() left them
-                bucket.data[...] = 0
-                bucket.attach()
-                continue
-            for p, view in zip(bucket.params, bucket.views):
-                if not p.has_grad:
-                    view[...] = 0
-                    p.grad = view
 
     def _rearm(self) -> None:
         """Count every bucket's gradients from zero again, for the next backward. (A backward
@@ -270,14 +258,22 @@ class DistributedDataParallel:
 
     @contextlib.contextmanager
     def no_sync(self):
-        """Accumulate gradients locally; the next backward outside the block reduces them."""
-        self._grads_into_buckets()  # accumulate in the buckets (after any zero_grad)
+        """Accumulate gradients locally; the next backward outside the block reduces them.
+
+        After a zero_grad, the block's first backward leaves each gradient in an array of its
+        own (a deferred weight: its rows), and the block's end moves it into its bucket slot
+        (Tensor.keep_grad_in), where later micro-batches add up in place: one pass, where
+        pointing every .grad at a zeroed slot first would cost two (zero, then add). A
+        parameter no micro-batch reached gets its slot, zeroed, as its .grad."""
         previous, self.sync_enabled = self.sync_enabled, False
         try:
             with defer_weight_grads():  # more backward passes come before .grad is read
                 yield
         finally:
             self.sync_enabled = previous
+            for bucket in self.buckets:
+                for p, view in zip(bucket.params, bucket.views):
+                    p.keep_grad_in(view)
             self._rearm()
 
     # ---- communication --------------------------------------------------------------------
@@ -314,7 +310,14 @@ class DistributedDataParallel:
         if not self.sync_enabled:
             return
         start = time.perf_counter()
-        while self._next < len(self.buckets):  # the rest (all of them without overlap)
+        if self._thread is None:  # the rest (all of them without overlap), in one call
+            rest = self.buckets[self._next :]
+            for bucket in rest:
+                bucket.collect(self.share)  # the slots no hook has weighed yet
+            self._next = len(self.buckets)
+            if rest:
+                self.reducer.many(rest)
+        while self._next < len(self.buckets):  # the rest, after the thread's ones
             self._launch(self.buckets[self._next])
         if self._thread is not None:
             self._thread.wait()
