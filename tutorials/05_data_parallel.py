@@ -81,7 +81,10 @@ print0(f"per-parameter averaging matches one process: {calls} allreduce calls")
 # ## 3. Buckets: fewer, larger messages
 # Each allreduce pays a latency α however small it is. DDP packs gradients into a few flat
 # buckets, in reverse parameter order (the order backward produces them), and makes each
-# `p.grad` a *view* into its bucket: no packing copy, one message per bucket.
+# `p.grad` a *view* into its bucket: no packing copy, one message per bucket. Without
+# overlap every bucket goes after backward, and buckets in shared memory (algo "auto" on
+# one machine) then go in one coalesced call, `comm.allreduce_coalesced`: one set of
+# synchronizations for all, each bucket summed as by itself (the same bits).
 
 # %%
 model = new_model()
@@ -95,7 +98,8 @@ ddp.zero_grad()
 cross_entropy(ddp(Tensor(x_all[local])), y_all[local]).backward()
 ddp.finish_gradient_sync()
 assert has_reference_gradients(model)
-print0(f"bucketed: {ddp.comm_group.counters['allreduce']['calls']} allreduce calls, same gradients")
+calls = ddp.comm_group.counters["allreduce"]["calls"]
+print0(f"bucketed: {len(ddp.buckets)} buckets in {calls} allreduce call(s), same gradients")
 ddp.close()
 
 # %% [markdown]

@@ -13,7 +13,8 @@ scaling: more ranks, fewer examples each), each rank's slice cut into 4 micro-ba
     minidp  DDP around nn.MLP: no_sync() for the first 3 micro-batches (which defers the
             weight gradients: each weight whose rows fit takes one product over all of
             them, at the last backward), then the buckets reduced with ALGO during the last
-            backward (overlap on) or after it (off); SGD
+            backward (overlap on) or after it (off: all in one call where ALGO allows,
+            comm.allreduce_coalesced); SGD
 
 Both start from the same weights and see the same examples: before anything is timed, one
 step of each is taken and their parameters compared (float32 tolerance; exit code 1 if they
