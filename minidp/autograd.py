@@ -177,18 +177,14 @@ class Tensor:
         self._rows = None  # replaced: deferred rows go with the old gradient
         self._grad = value
 
-    @property
-    def has_grad(self) -> bool:
-        """Whether this tensor holds a gradient, deferred rows included: `.grad is not None`
-        without multiplying them (DDP asks at each micro-batch)."""
-        return self._grad is not None or self._rows is not None
-
     def keep_grad_in(self, home) -> None:
         """Make `home` (an array of this leaf's shape and dtype) hold its gradient from now
-        on: a .grad it has is copied in, none at all is zeros, and later backward passes add
-        into home. Deferred rows stay deferred; their product is added in when taken. (DDP's
-        no_sync calls it at each block's end: the first micro-batch's gradients move into
-        their bucket slots, the later ones add up there.)"""
+        on: a .grad it has is copied in, none at all (and no rows) is zeros, and later
+        backward passes add into home. A leaf that holds only deferred rows is left as it
+        is: home is not zeroed for them, and their product, once taken, is the leaf's own
+        array (DDP's hook then weighs it into the slot). DDP's no_sync calls it at each
+        block's end: the first micro-batch's gradients move into their bucket slots, the
+        later ones add up there."""
         if self._grad is home:
             return
         if self._grad is not None:

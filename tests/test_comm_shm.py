@@ -86,20 +86,40 @@ def test_coalesced_shared_arrays_are_one_call_with_the_bits_of_one_allreduce_eac
 @pytest.mark.timeout(120)
 @pytest.mark.parallel(nprocs=[2, 3])
 def test_ranks_that_coalesce_other_arrays_all_raise_instead_of_reading_the_wrong_ones():
-    shared_g = comm.world().dup()
-    a = comm.shared_zeros(12, np.float32, shared_g)
-    orders = {
-        "another split of the same bytes": lambda: (
-            [a[:5], a[5:]] if shared_g.rank else [a[:6], a[6:]]
-        ),
-        "another order": lambda: [a[6:], a[:6]] if shared_g.rank == 0 else [a[:6], a[6:]],
+    world = comm.world()
+    a = comm.shared_zeros(12, np.float32, world)
+    plain = np.zeros(6, np.float32)
+    r = world.rank
+    calls = {  # what rank 0 passes, and what the others pass
+        "another split of the same bytes": ([a[:6], a[6:]], [a[:5], a[5:]]),
+        "another order": ([a[6:], a[:6]], [a[:6], a[6:]]),
+        "a plain array where the others have a shared one": ([plain, a[6:]], [a[:6], a[6:]]),
     }
-    for pieces in orders.values():  # an error breaks the group: a fresh one each
-        g = shared_g.dup()
-        with pytest.raises(comm.CollectiveMismatch, match="different arrays"):
-            comm.allreduce_coalesced(pieces(), algo="shm", group=g)
+    for checks in (True, False):  # caught by the fingerprint, or by shm's own agreement
+        for first, others in calls.values():  # an error breaks the group: a fresh one each
+            g = comm.Group(world.comm.Dup(), checks=checks)
+            with pytest.raises(comm.CollectiveMismatch):
+                comm.allreduce_coalesced(first if r == 0 else others, algo="shm", group=g)
+            g.free()
+        g = comm.Group(world.comm.Dup(), checks=checks)
+        with pytest.raises(ValueError, match="overlap"):  # alike on every rank
+            comm.allreduce_coalesced([a[:8], a[4:]], algo="shm", group=g)
         g.free()
-    shared_g.free()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parallel(nprocs=[2, 3])
+def test_coalesced_plain_arrays_with_shm_go_through_the_scratch_one_by_one():
+    g = comm.world().dup()
+    rng = np.random.default_rng(g.rank)
+    xs = [rng.standard_normal(n) for n in (5, 1000)]
+    want = [comm.allreduce(x, algo="ring", group=g) for x in xs]
+    shared = comm.shared_zeros(3, np.float64, g)
+    shared[...] = g.rank + 1
+    comm.allreduce_coalesced([xs[0], shared, xs[1]], algo="shm", group=g)
+    assert all(np.array_equal(x, w) for x, w in zip(xs, want, strict=True))
+    assert np.array_equal(shared, np.full(3, g.size * (g.size + 1) / 2))
+    g.free()
 
 
 @pytest.mark.timeout(60)

@@ -139,7 +139,9 @@ def allreduce_coalesced(
     collective: one agreement, one barrier after the reductions and one after the copies,
     for all of them, instead of three synchronizations per array (torch.distributed's
     all_reduce_coalesced, Horovod's tensor fusion, without packing: the arrays stay where
-    they are). Any other algorithm reduces them one by one."""
+    they are). Any other algorithm reduces them one by one. The arrays must not overlap.
+    The default checks fingerprint the call as an allreduce whose shape lists the arrays'
+    sizes, so it does not pass for a single allreduce of their total."""
     group = group or world()
     if not xs:
         return
@@ -152,8 +154,8 @@ def allreduce_coalesced(
     arrays = [flat(x) for x in xs]
     for x in xs:
         check_op(op, x.dtype)
-    total = sum(a.size for a in arrays)
-    with group.collective("allreduce", "shm", op, xs[0].dtype, None, (total,)):
+    sizes = tuple(a.size for a in arrays)
+    with group.collective("allreduce", "shm", op, xs[0].dtype, None, sizes):
         shm_allreduce_many(group, arrays, op)
         for a in arrays:
             finish(op, a, group.size)

@@ -35,8 +35,9 @@ shared one) every rank raises CollectiveMismatch, having read nothing.
 
 Several arrays at once (`comm.allreduce_coalesced`, DDP's buckets when they all go after
 backward): the same three synchronizations serve all of them, each array chunked and
-summed as by itself (so with the same bits), and the four numbers describe the first array
-and a checksum of every array's place, size and dtype. With "auto" the choice
+summed as by itself (so with the same bits), and the four numbers are the first array's
+segment and offset, the bytes of all of them, and a checksum of every array's place, size
+and dtype. The arrays must not overlap (ValueError on every rank). With "auto" the choice
 of shm is each rank's own (its array is in shared memory or not): ranks that mix the two
 run different algorithms, which the default checks catch (the fingerprint names the
 algorithm) and which, with MINIDP_CHECKS=0, hangs like any mismatched call. A group spread
@@ -173,10 +174,11 @@ class SharedMemory:
             win.Sync()
 
     def _agree(self, arrays: list, places: list, wins: list) -> None:
-        """Step 1, who passed what: an allgather of four numbers per rank (segment, byte
-        offset and bytes of the first array, a checksum of every array's place, size and
-        dtype), which is also the barrier after which every input is in place. If the
-        ranks disagree, every rank raises CollectiveMismatch, having read nothing."""
+        """Step 1, who passed what: an allgather of four numbers per rank (segment and byte
+        offset of the first array, the bytes of all of them, a checksum of every array's
+        place, size and dtype), which is also the barrier after which every input is in
+        place. If the ranks disagree, every rank raises CollectiveMismatch, having read
+        nothing."""
         g, p, r = self.group, self.group.size, self.group.rank
         layout = [(seg, off, x.nbytes, x.dtype.num) for (seg, off), x in zip(places, arrays)]
         rows = self.rows.reshape(p, 4)
@@ -233,11 +235,14 @@ class SharedMemory:
         self._require_local("allreduce algo='shm'")
         where = find(self.segments, out) if src is out else None
         if where is not None:
-            self.allreduce_in_place([out], [where], op)
+            self.allreduce_many([out], op)
             return
         # a plain array: agree first (every rank then takes part in a growth of the scratch),
         # copy it into the scratch, and reduce it there
         self._agree([out], [(_SCRATCH, 0)], [])
+        self._through_scratch(src, out, op)
+
+    def _through_scratch(self, src: np.ndarray, out: np.ndarray, op: str) -> None:
         scratch = self._scratch(out.nbytes)
         per_rank = [b[: out.nbytes].view(out.dtype) for b in scratch.per_rank]
         np.copyto(per_rank[self.group.rank], src)
@@ -245,14 +250,31 @@ class SharedMemory:
         self._reduce([per_rank], op, [scratch.win])
         np.copyto(out, per_rank[self.group.rank])
 
-    def allreduce_in_place(self, arrays: list[np.ndarray], places: list, op: str) -> None:
-        """Reduce arrays lying in shared memory (places: their (segment, byte offset)), in
-        place, with one set of three synchronizations for all of them."""
+    def allreduce_many(self, arrays: list[np.ndarray], op: str) -> None:
+        """Reduce every array in place, each with the bits of its own allreduce; those in
+        shared memory with one set of three synchronizations for all of them, any plain
+        one after them through the scratch, one by one (every rank agrees first on which
+        is which: a plain array where another rank has a shared one is a mismatch)."""
         self._require_local("allreduce algo='shm'")
-        wins = list({id(self.segments[s].win): self.segments[s].win for s, _ in places}.values())
+        found = [find(self.segments, x) for x in arrays]
+        places = [(_SCRATCH, 0) if w is None else w for w in found]
+        shared = [i for i, w in enumerate(found) if w is not None]
+        wins = list(
+            {
+                id(self.segments[found[i][0]].win): self.segments[found[i][0]].win for i in shared
+            }.values()
+        )
         self._agree(arrays, places, wins)
-        per_ranks = [peers(self.segments[s], off, x) for (s, off), x in zip(places, arrays)]
-        self._reduce(per_ranks, op, wins)
+        # every rank passed the same places and sizes: each decides alike from here on
+        spans = sorted((found[i][0], found[i][1], found[i][1] + arrays[i].nbytes) for i in shared)
+        if any(a[0] == b[0] and b[1] < a[2] for a, b in zip(spans, spans[1:])):
+            raise ValueError("allreduce of several arrays with algo='shm': the arrays overlap")
+        per_ranks = [peers(self.segments[found[i][0]], found[i][1], arrays[i]) for i in shared]
+        if per_ranks:
+            self._reduce(per_ranks, op, wins)
+        for i, where in enumerate(found):
+            if where is None:
+                self._through_scratch(arrays[i], arrays[i], op)
 
 
 def pool(group) -> list[Segment]:
@@ -327,12 +349,7 @@ def shm_allreduce(group, src: np.ndarray, out: np.ndarray, op: str) -> None:
 
 
 def shm_allreduce_many(group, arrays: list[np.ndarray], op: str) -> None:
-    """Reduce every array (each in shared memory: shared_zeros, or a slice of one) in
-    place, as one allreduce per array would, bit for bit, but with one set of
-    synchronizations for all of them (collective: every rank passes the same list)."""
-    places = [find(pool(group), x) for x in arrays]
-    if any(place is None for place in places):
-        raise ValueError(
-            "allreduce of several arrays with algo='shm': each must lie in shared memory"
-        )
-    of(group).allreduce_in_place(arrays, places, op)
+    """Reduce every array in place, as one allreduce per array would, bit for bit, with one
+    set of synchronizations for all of those in shared memory (shared_zeros, or slices of
+    one; they must not overlap). Collective: every rank passes the same list."""
+    of(group).allreduce_many(arrays, op)

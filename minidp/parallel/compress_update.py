@@ -51,7 +51,7 @@ def update_step(strategy, local: np.ndarray, lr: float) -> StepResult:
             optim.clip_grad_norm(params, config.grad_clip)
         before = [p.data.copy() for p in params]
         strategy.optimizer.step()
-        for p, theta in zip(params, before):  # .grad (the bucket views) := u_w; θ back
+        for p, theta in zip(params, before):  # .grad := u_w (weighed into the buckets); θ back
             p.grad[...] = theta - p.data
             p.data[...] = theta
     with span("gradient sync wait"):

@@ -37,12 +37,13 @@ on some rank (its bucket then goes at `finish_gradient_sync`, carrying zeros for
 Averaging, with uneven batches. A rank's loss is the mean over its n_r examples. The global
 batch mean is sum_r (n_r / B) * mean_r, so before the allreduce(sum) each rank scales its
 bucket by n_r / B (`set_batch_share`); with equal slices that is 1 / world, plain averaging.
-`no_sync()` skips communication (gradient accumulation): gradients keep adding up (each in
-its own array after a zero_grad) and the next synchronized backward weighs the total into
-the buckets and reduces them. Inside it, backward defers weight gradients
-(autograd.defer_weight_grads): a Linear weight whose micro-batches have few rows (their
-copies no larger than its gradient) keeps them, and the synchronized backward multiplies
-them all in one product, instead of one product and one addition per micro-batch.
+`no_sync()` skips communication (gradient accumulation): gradients keep adding up in the
+buckets (the first micro-batch's, after a zero_grad, in arrays of their own until its block
+ends) and the next synchronized backward weighs the total and reduces the buckets. Inside
+it, backward defers weight gradients (autograd.defer_weight_grads): a Linear weight whose
+micro-batches have few rows (their copies no larger than its gradient) keeps them, and the
+synchronized backward multiplies them all in one product, instead of one product and one
+addition per micro-batch.
 """
 
 import contextlib
