@@ -259,11 +259,7 @@ class SharedMemory:
         found = [find(self.segments, x) for x in arrays]
         places = [(_SCRATCH, 0) if w is None else w for w in found]
         shared = [i for i, w in enumerate(found) if w is not None]
-        wins = list(
-            {
-                id(self.segments[found[i][0]].win): self.segments[found[i][0]].win for i in shared
-            }.values()
-        )
+        wins = [self.segments[s].win for s in sorted({found[i][0] for i in shared})]
         self._agree(arrays, places, wins)
         # every rank passed the same places and sizes: each decides alike from here on
         spans = sorted((found[i][0], found[i][1], found[i][1] + arrays[i].nbytes) for i in shared)

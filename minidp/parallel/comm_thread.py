@@ -96,37 +96,32 @@ class Reducer:
         self.hook(bucket, self.group)
         if device is not None:
             self.stage.to_device(bucket.data, device.data, f"bucket {device.index}")
-        end = time.perf_counter()
-        self.seconds += end - start
-        self.timeline.add(
-            f"{getattr(self.hook, 'label', 'allreduce')} bucket {bucket.index}",
-            "communication",
-            start,
-            end,
-            bytes=size,
-            algo=getattr(self.hook, "algo", type(self.hook).__name__),
-        )
+        self._record(f"bucket {bucket.index}", start, size)
 
     def many(self, buckets: list[Bucket]) -> None:
         """Reduce several buckets (DDP's weighed ones, share 1) that go at the same time:
         in one call when the hook can take them together (`hook.coalesced`, the default
         allreduce's), else one by one."""
         coalesced = getattr(self.hook, "coalesced", None)
-        if coalesced is None or len(buckets) == 1 or not isinstance(buckets[0].data, np.ndarray):
+        if coalesced is None or len(buckets) < 2 or not isinstance(buckets[0].data, np.ndarray):
             for bucket in buckets:
                 self(bucket, 1.0)
             return
         start = time.perf_counter()
         coalesced(buckets, self.group)
+        what = f"buckets {buckets[0].index}-{buckets[-1].index}"
+        self._record(what, start, sum(b.data.nbytes for b in buckets))
+
+    def _record(self, what: str, start: float, size: int) -> None:
+        """Count the time since start, and put it on the timeline's communication track."""
         end = time.perf_counter()
         self.seconds += end - start
         self.timeline.add(
-            f"{getattr(self.hook, 'label', 'allreduce')} buckets "
-            f"{buckets[0].index}-{buckets[-1].index}",
+            f"{getattr(self.hook, 'label', 'allreduce')} {what}",
             "communication",
             start,
             end,
-            bytes=sum(b.data.nbytes for b in buckets),
+            bytes=size,
             algo=getattr(self.hook, "algo", type(self.hook).__name__),
         )
 

@@ -297,10 +297,7 @@ class DistributedDataParallel:
     def _launch(self, bucket: Bucket) -> None:
         bucket.collect(self.share)  # the slots no hook has weighed yet (unused parameters)
         self._next += 1
-        if self._thread is not None:
-            self._thread.submit(bucket, 1.0)
-        else:
-            self.reducer(bucket, 1.0)
+        self._thread.submit(bucket, 1.0)
 
     def finish_gradient_sync(self) -> None:
         """After backward: launch any bucket not yet launched, wait for all of them.
@@ -311,16 +308,13 @@ class DistributedDataParallel:
         if not self.sync_enabled:
             return
         start = time.perf_counter()
-        if self._thread is None:  # the rest (all of them without overlap), in one call
-            rest = self.buckets[self._next :]
-            for bucket in rest:
+        if self._thread is None:  # no overlap: every bucket goes now, in one call
+            for bucket in self.buckets:
                 bucket.collect(self.share)  # the slots no hook has weighed yet
-            self._next = len(self.buckets)
-            if rest:
-                self.reducer.many(rest)
-        while self._next < len(self.buckets):  # the rest, after the thread's ones
-            self._launch(self.buckets[self._next])
-        if self._thread is not None:
+            self.reducer.many(self.buckets)
+        else:  # the buckets the hooks have not launched yet, then wait for all
+            while self._next < len(self.buckets):
+                self._launch(self.buckets[self._next])
             self._thread.wait()
         self.exposed_seconds += time.perf_counter() - start
         self._rearm()
