@@ -16,7 +16,7 @@ import sys
 import types
 
 from minidp.config import BadConfig, TrainConfig, config_fields
-from minidp.log import die, print0
+from minidp.log import JobError, die, print0
 from minidp.parser import Parser  # below cli.py: the benchmarks take it from there
 
 SUBCOMMANDS = ("train", "bench", "info")
@@ -40,6 +40,11 @@ def train_parser() -> argparse.ArgumentParser:
         if kind is bool:
             parser.add_argument(flag, dest=name, action="store_true", help=meta["help"])
             continue
+        shown = default
+        if "of_steps" in meta:  # unset: a fraction of --steps (config.py)
+            numerator, denominator, _ = meta["of_steps"]
+            shown = f"{numerator} x " if numerator > 1 else ""
+            shown += f"steps / {denominator}"
         parser.add_argument(
             flag,
             dest=name,
@@ -47,7 +52,7 @@ def train_parser() -> argparse.ArgumentParser:
             default=default,
             choices=meta.get("choices"),
             metavar=name.upper(),
-            help=f"{meta['help']} (default: {default})",
+            help=f"{meta['help']} (default: {shown})",
         )
     return parser
 
@@ -88,6 +93,7 @@ def main(argv: list[str] | None = None) -> int:
         print0(__doc__.strip())
         return 0
     command = argv.pop(0) if argv and argv[0] in SUBCOMMANDS else "train"
+    check_environment()
     if command == "info":
         from minidp.info import main as info_main
 
@@ -97,8 +103,8 @@ def main(argv: list[str] | None = None) -> int:
             return run_bench(argv)
         except SystemExit:  # die(): bad input, found alike on every rank
             raise
-        except BaseException:
-            abort_others()
+        except BaseException as error:
+            end_job(error)
             raise
     config = parse_train_args(argv)
     from minidp.train import TrainingDiverged, train
@@ -109,32 +115,62 @@ def main(argv: list[str] | None = None) -> int:
         raise die(str(error)) from None
     except TrainingDiverged as error:  # judged on the global loss: every rank alike
         raise die(str(error), code=1) from None
-    except BaseException:
-        abort_others()
+    except BaseException as error:
+        end_job(error)
         raise
     return 0
 
 
-def abort_others() -> None:
-    """An error on one rank ends the whole job at once (MPI_Abort), its traceback the cause.
+def check_environment() -> None:
+    """The variables minidp reads (MINIDP_TIMEOUT), checked before any rank uses them: one
+    line and exit code 2 for a bad value, on every rank alike."""
+    from minidp.comm.checks import timeout_from_env
 
-    Without this the other ranks would wait forever in their next collective."""
-    if "mpi4py.MPI" not in sys.modules:
+    try:
+        timeout_from_env(checks=True)
+    except ValueError as error:
+        raise die(str(error)) from None
+
+
+def end_job(error: BaseException) -> None:
+    """An error on one rank ends the whole job at once (MPI_Abort), its cause printed once.
+
+    Without this the other ranks would wait forever in their next collective. The cause is
+    the rank's traceback, or for a JobError its one line. A rank whose error another rank
+    reports (`reported_elsewhere`) prints nothing and gives that rank time to abort first.
+    Alone (no other rank to stop) it returns, and a JobError becomes one line, exit code 1."""
+    one_line = isinstance(error, JobError)
+    if not _other_ranks_running():
+        if one_line:
+            raise die(str(error), code=1) from None
         return
+    import os
+    import time
+    import traceback
+
     from mpi4py import MPI
 
-    if MPI.Is_initialized() and not MPI.Is_finalized() and MPI.COMM_WORLD.Get_size() > 1:
-        import os
-        import time
-        import traceback
-
-        rank = MPI.COMM_WORLD.Get_rank()
+    rank = MPI.COMM_WORLD.Get_rank()
+    if getattr(error, "reported_elsewhere", False):
+        report, grace = "", 10.0  # the rank that found it prints and aborts: that ends us
+    elif one_line:
+        report, grace = f"minidp: error: {error}\n", 0.5
+    else:
         report = f"minidp: rank {rank} failed; aborting all ranks. Root cause:\n"
-        sys.stderr.flush()
-        os.write(2, (report + traceback.format_exc()).encode())  # one write, unbuffered
-        time.sleep(0.5)  # let the launcher forward it before the abort tears the job down
-        MPI.COMM_WORLD.Abort(1)
-        os._exit(1)  # Abort may return before the launcher kills us: print nothing more
+        report, grace = report + traceback.format_exc(), 0.5
+    sys.stderr.flush()
+    os.write(2, report.encode())  # one write, unbuffered
+    time.sleep(grace)  # let the launcher forward it before the abort tears the job down
+    MPI.COMM_WORLD.Abort(1)
+    os._exit(1)  # Abort may return before the launcher kills us: print nothing more
 
 
-__all__ = ["main", "parse_train_args", "train_parser", "abort_others"]
+def _other_ranks_running() -> bool:
+    if "mpi4py.MPI" not in sys.modules:
+        return False
+    from mpi4py import MPI
+
+    return MPI.Is_initialized() and not MPI.Is_finalized() and MPI.COMM_WORLD.Get_size() > 1
+
+
+__all__ = ["main", "parse_train_args", "train_parser", "end_job"]

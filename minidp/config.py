@@ -6,12 +6,17 @@ Default run, the arithmetic:
   GPT 2 layers x 4 heads x 64 channels, block 64 tokens   ->  ~0.1 M parameters
   global batch 16 sequences x 64 tokens                   ->  1024 tokens per step
   300 steps                                               ->  ~0.3 M tokens, well under a minute
+
+Flags counted in steps (`--warmup`, `--prune-start`, `--prune-end`, `--prune-every`) default
+to a fraction of `--steps` (their metadata's "of_steps"): 300 steps warm up for 20 and prune
+from 50 to 200 every 10, 60 steps warm up for 4 and prune from 10 to 40 every 2. Left unset
+they are None here, and `resolved()` fills them in; a value given is kept as it is.
 """
 
 import math
 import os
 import tempfile
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 
 from minidp.names import ALGORITHMS, AUTO
 from minidp.optim import OPTIMIZERS
@@ -19,6 +24,11 @@ from minidp.optim import OPTIMIZERS
 
 class BadConfig(ValueError):
     """A flag value that cannot work: reported as one line, on rank 0, exit code 2."""
+
+
+DATA_PARALLEL = ("dp", "tp", "hybrid", "zero")
+"""The strategies whose ranks hold replicas (or shards) reduced by allreduce: they read the
+data-parallel flags (allreduce, buckets, overlap, micro-batches); the parameter server not."""
 
 
 @dataclass
@@ -35,7 +45,10 @@ class TrainConfig:
         default=16, metadata={"help": "GLOBAL batch (sequences for gpt, examples for mlp)"}
     )
     lr: float = field(default=3e-3, metadata={"help": "peak learning rate"})
-    warmup: int = field(default=20, metadata={"help": "linear warmup steps, then cosine decay"})
+    warmup: int | None = field(
+        default=None,
+        metadata={"help": "linear warmup steps, then cosine decay", "of_steps": (1, 15, 0)},
+    )
     min_lr_ratio: float = field(default=0.1, metadata={"help": "final lr = lr * this"})
     weight_decay: float = field(
         default=0.01,
@@ -45,26 +58,29 @@ class TrainConfig:
         },
     )
     grad_clip: float = field(default=1.0, metadata={"help": "global-norm clip (0 = off)"})
-    seed: int = field(default=1337, metadata={"help": "one seed for init, data and dropout"})
+    seed: int = field(default=1337, metadata={"help": "one seed (>= 0) for init, data and dropout"})
     dtype: str = field(
         default="float32", metadata={"help": "compute dtype", "choices": ("float32", "float64")}
     )
     log_every: int = field(default=25, metadata={"help": "log a line every N steps"})
     json: str | None = field(default=None, metadata={"help": "write JSON-lines records to FILE"})
     # model size (gpt)
-    block_size: int = field(default=64, metadata={"help": "gpt context length in tokens"})
-    n_layer: int = field(default=2, metadata={"help": "gpt transformer blocks"})
-    n_head: int = field(default=4, metadata={"help": "gpt attention heads"})
-    n_embd: int = field(default=64, metadata={"help": "gpt channels"})
+    block_size: int = field(
+        default=64, metadata={"models": ("gpt",), "help": "gpt context length in tokens"}
+    )
+    n_layer: int = field(default=2, metadata={"models": ("gpt",), "help": "gpt transformer blocks"})
+    n_head: int = field(default=4, metadata={"models": ("gpt",), "help": "gpt attention heads"})
+    n_embd: int = field(default=64, metadata={"models": ("gpt",), "help": "gpt channels"})
     dropout: float = field(
         default=0.0,
         metadata={
+            "models": ("gpt",),
             "help": "dropout probability (> 0: each rank masks its own slice, so data "
-            "parallel losses match one process in distribution, not bit for bit)"
+            "parallel losses match one process in distribution, not bit for bit)",
         },
     )
     # model size (mlp on the synthetic classification set)
-    hidden: int = field(default=128, metadata={"help": "mlp hidden width"})
+    hidden: int = field(default=128, metadata={"models": ("mlp",), "help": "mlp hidden width"})
     eval_batches: int = field(default=8, metadata={"help": "validation batches at the end"})
     sample_tokens: int = field(default=200, metadata={"help": "characters to generate (gpt)"})
 
@@ -74,18 +90,32 @@ class TrainConfig:
         metadata={
             "help": "gradient allreduce algorithm",
             "choices": (AUTO, *ALGORITHMS["allreduce"]),
+            "strategies": DATA_PARALLEL,
         },
     )
-    bucket_mb: float = field(default=0.25, metadata={"help": "gradient bucket size in MiB"})
+    bucket_mb: float = field(
+        default=0.25,
+        metadata={
+            "help": "gradient bucket size in MiB",
+            "strategies": DATA_PARALLEL,
+        },
+    )
     overlap: str = field(
         default="auto",
         metadata={
             "help": "reduce gradients during backward (on), after it (off), or on when every "
             "rank has a spare core (auto)",
             "choices": ("auto", "on", "off"),
+            "strategies": DATA_PARALLEL,
         },
     )
-    grad_accum: int = field(default=1, metadata={"help": "micro-batches per optimizer step"})
+    grad_accum: int = field(
+        default=1,
+        metadata={
+            "help": "micro-batches per optimizer step",
+            "strategies": DATA_PARALLEL,
+        },
+    )
     threads: int = field(
         default=0, metadata={"help": "BLAS threads per rank (0: cores / ranks on this machine)"}
     )
@@ -105,7 +135,7 @@ class TrainConfig:
             "help": "adamw, momentum (SGD with momentum 0.9) or sgd, with --lr and "
             "--weight-decay (minidp/optim.py, OPTIMIZERS)",
             "choices": tuple(OPTIMIZERS),
-            "strategies": ("dp", "tp", "hybrid", "zero"),
+            "strategies": DATA_PARALLEL,
         },
     )
 
@@ -156,7 +186,11 @@ class TrainConfig:
     )
     device: str = field(
         default="cpu",
-        metadata={"help": "device of --backend torch", "choices": ("cpu", "cuda")},
+        metadata={
+            "with": "backend",
+            "help": "device of --backend torch",
+            "choices": ("cpu", "cuda"),
+        },
     )
 
     # the rank mesh and tensor parallelism (--strategy tp, hybrid)
@@ -206,6 +240,7 @@ class TrainConfig:
     compress_warmup: int = field(
         default=0,
         metadata={
+            "with": "compress",
             "help": "the first STEPS reductions of each bucket are the plain allreduce, "
             "uncompressed, and compression starts from a zero residual after (PyTorch "
             "PowerSGD's start_powerSGD_iter)",
@@ -226,9 +261,10 @@ class TrainConfig:
         },
     )
 
-    # pruning (minidp/prune.py): default run, the arithmetic: prune from step 50 to 200 every
-    # 10 steps, 16 pruning steps on the cubic ramp; 114,688 of the GPT's 116,480 values are
-    # weight matrices, so --prune 0.9 leaves ~13,000 of them sent per step (11% of dense)
+    # pruning (minidp/prune.py): default run, the arithmetic: prune from step 50 (steps/6) to
+    # 200 (2 steps/3) every 10 (steps/30), 16 pruning steps on the cubic ramp; 114,688 of the
+    # GPT's 116,480 values are weight matrices, so --prune 0.9 leaves ~13,000 of them sent per
+    # step (11% of dense)
     prune: float = field(
         default=0.0,
         metadata={
@@ -237,24 +273,71 @@ class TrainConfig:
             "strategies": ("dp",),
         },
     )
-    prune_start: int = field(
-        default=50, metadata={"help": "step the cubic pruning ramp starts", "strategies": ("dp",)}
+    prune_start: int | None = field(
+        default=None,
+        metadata={
+            "with": "prune",
+            "help": "step the cubic pruning ramp starts",
+            "strategies": ("dp",),
+            "of_steps": (1, 6, 0),
+        },
     )
-    prune_end: int = field(
-        default=200,
-        metadata={"help": "step the target sparsity is reached", "strategies": ("dp",)},
+    prune_end: int | None = field(
+        default=None,
+        metadata={
+            "with": "prune",
+            "help": "step the target sparsity is reached",
+            "strategies": ("dp",),
+            "of_steps": (2, 3, 0),
+        },
     )
-    prune_every: int = field(
-        default=10, metadata={"help": "steps between pruning steps", "strategies": ("dp",)}
+    prune_every: int | None = field(
+        default=None,
+        metadata={
+            "with": "prune",
+            "help": "steps between pruning steps",
+            "strategies": ("dp",),
+            "of_steps": (1, 30, 1),
+        },
     )
     prune_scope: str = field(
         default="global",
         metadata={
+            "with": "prune",
             "help": "one magnitude threshold over all weight matrices, or one per matrix",
             "choices": ("global", "layer"),
             "strategies": ("dp",),
         },
     )
+
+    def resolved(self) -> "TrainConfig":
+        """This config with each step-counted flag left unset filled in from --steps."""
+        unset = {}
+        for f in fields(self):
+            if "of_steps" in f.metadata and getattr(self, f.name) is None:
+                numerator, denominator, least = f.metadata["of_steps"]
+                unset[f.name] = max(least, self.steps * numerator // denominator)
+        return replace(self, **unset) if unset else self
+
+    def applies(self, name: str) -> bool:
+        """Whether field `name` means anything under this --strategy and --model (the header
+        prints only those; setting one that does not is refused by validate)."""
+        meta = TrainConfig.__dataclass_fields__[name].metadata
+        return self.strategy in meta.get("strategies", (self.strategy,)) and self.model in meta.get(
+            "models", (self.model,)
+        )
+
+    def header(self) -> str:
+        """The config line of the run's header: the fields that apply to this --strategy and
+        --model, less those of a feature left off (--prune's schedule without --prune, say)."""
+        shown = []
+        for f in fields(self):
+            feature = f.metadata.get("with")  # the flag that turns this one's feature on
+            if self.applies(f.name) and (
+                feature is None or getattr(self, feature) != _DEFAULTS[feature]
+            ):
+                shown.append(f"{f.name}={getattr(self, f.name)}")
+        return "config: " + " ".join(shown)
 
     def validate(self) -> None:
         """Raise BadConfig with one clear line for a value that cannot work.
@@ -282,14 +365,31 @@ class TrainConfig:
                 raise BadConfig(
                     f"--{name.replace('_', '-')} must be positive and finite, got {value}"
                 )
-        if self.n_embd % self.n_head:
+        for f in fields(self):
+            if not self.applies(f.name) and getattr(self, f.name) != f.default:
+                whose = ("--model", f.metadata.get("models"), self.model)
+                if self.strategy not in f.metadata.get("strategies", (self.strategy,)):
+                    whose = ("--strategy", f.metadata["strategies"], self.strategy)
+                raise BadConfig(
+                    f"--{f.name.replace('_', '-')} is a flag of {whose[0]} "
+                    f"{' or '.join(whose[1])}, not of {whose[0]} {whose[2]}"
+                )
+        if self.model == "gpt" and self.n_embd % self.n_head:
             raise BadConfig(f"--n-embd ({self.n_embd}) must divide by --n-head ({self.n_head})")
+        if self.seed < 0:
+            raise BadConfig(f"--seed must be >= 0, got {self.seed}")
+        cores = os.cpu_count() or 1
+        if self.threads > cores:
+            raise BadConfig(
+                f"--threads {self.threads} is more than the {cores} cores here: BLAS threads "
+                "beyond them only wait for each other (0: the cores shared among the ranks)"
+            )
         if not 0.0 <= self.dropout < 1.0:
             raise BadConfig(f"--dropout must be in [0, 1), got {self.dropout}")
         if not 0.0 <= self.min_lr_ratio <= 1.0:
             raise BadConfig(f"--min-lr-ratio must be in [0, 1], got {self.min_lr_ratio}")
         for name in ("threads", "warmup", "sample_tokens", "grad_clip", "weight_decay"):
-            value = getattr(self, name)
+            value = getattr(self.resolved(), name)
             if not (0 <= value < math.inf):
                 raise BadConfig(f"--{name.replace('_', '-')} must be >= 0 and finite, got {value}")
         if self.servers < 1:
@@ -304,13 +404,11 @@ class TrainConfig:
                 if os.path.isdir(path):
                     raise BadConfig(f"{flag} {path} is a directory; give a file name")
                 _check_can_write(flag, os.path.dirname(os.path.abspath(path)))
-        for f in fields(self):
-            owners = f.metadata.get("strategies")
-            if owners and self.strategy not in owners and getattr(self, f.name) != f.default:
-                raise BadConfig(
-                    f"--{f.name.replace('_', '-')} is a flag of --strategy "
-                    f"{' or '.join(owners)}, not of --strategy {self.strategy}"
-                )
+        if self.json and self.trace and os.path.realpath(self.json) == os.path.realpath(self.trace):
+            raise BadConfig(
+                f"--json and --trace both name {self.json}: one would overwrite the other"
+            )
+        self._validate_memory()
         for name in ("dp", "tp"):
             if getattr(self, name) < 0:
                 raise BadConfig(f"--{name} must be >= 0 (0: what the world leaves)")
@@ -333,6 +431,22 @@ class TrainConfig:
             while not os.path.exists(existing):  # the directories it would create
                 existing = os.path.dirname(existing)
             _check_can_write("--log-dir", existing)
+
+    def _validate_memory(self) -> None:
+        """Refuse a model and batch whose estimated size is past this machine's memory, before
+        any rank allocates it (the ranks of one machine share it: the global batch counts)."""
+        need = estimated_bytes(self)
+        have = available_memory_bytes()
+        if have is not None and need > have:
+            sizes = (
+                f"--block-size {self.block_size}, --n-embd {self.n_embd}, --n-layer {self.n_layer}"
+                if self.model == "gpt"
+                else f"--hidden {self.hidden}"
+            )
+            raise BadConfig(
+                f"--batch-size {self.batch_size} with {sizes} needs about {need / 2**30:,.1f} "
+                f"GiB, more than the {have / 2**30:,.1f} GiB available here: make them smaller"
+            )
 
     def _validate_velocity(self) -> None:
         """--compress-on velocity moves SGD's momentum before a sparsifier: one line else."""
@@ -389,18 +503,51 @@ class TrainConfig:
             )
         if self.prune_scope not in ("global", "layer"):
             raise BadConfig(f"--prune-scope must be global or layer, got {self.prune_scope!r}")
-        if self.prune_every < 1:
-            raise BadConfig(f"--prune-every must be >= 1, got {self.prune_every}")
-        if not 0 <= self.prune_start <= self.prune_end:
+        r = self.resolved()  # the schedule's unset steps follow --steps
+        if r.prune_every < 1:
+            raise BadConfig(f"--prune-every must be >= 1, got {r.prune_every}")
+        if not 0 <= r.prune_start <= r.prune_end:
             raise BadConfig(
-                f"bad pruning schedule: need 0 <= --prune-start ({self.prune_start}) <= "
-                f"--prune-end ({self.prune_end})"
+                f"bad pruning schedule: need 0 <= --prune-start ({r.prune_start}) <= "
+                f"--prune-end ({r.prune_end})"
             )
-        if self.prune_end >= self.steps:
+        if r.prune_end >= r.steps:
             raise BadConfig(
-                f"--prune-end {self.prune_end} is past the last step (--steps {self.steps} "
-                f"runs steps 0 to {self.steps - 1}): lower --prune-end"
+                f"--prune-end {r.prune_end} is past the last step (--steps {r.steps} "
+                f"runs steps 0 to {r.steps - 1}): lower --prune-end"
             )
+
+
+def estimated_bytes(config: TrainConfig) -> int:
+    """A rough size of one training step: the parameters with their gradients and AdamW's two
+    moments, and the activations the global batch keeps for backward. For the GPT, per layer,
+    3 B H T^2 (scores, masked, softmax) + 20 B T C, and the T x T causal mask; within 2x of
+    what the graph holds (tests/test_config.py measures it)."""
+    itemsize = 8 if config.dtype == "float64" else 4
+    B = config.batch_size
+    if config.model == "gpt":
+        T, C, H, L, V = (config.block_size, config.n_embd, config.n_head, config.n_layer, 128)
+        params = L * 12 * C * C + (V + T) * C
+        activations = B * (L * (3 * H * T * T + 20 * T * C) + 3 * T * V) * itemsize + T * T
+    else:
+        params = (32 + config.hidden + 10) * config.hidden  # data.classification: 32 features
+        activations = B * 6 * config.hidden * itemsize
+    return 4 * params * itemsize + activations
+
+
+def available_memory_bytes() -> int | None:
+    """MemAvailable from /proc/meminfo (Linux), else the physical memory; None if unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
 
 
 def staleness_bound(consistency: str) -> float:

@@ -1,6 +1,7 @@
 """Printing in a many-process job: rank 0 talks to the terminal, every rank may keep a log.
 
-Public: `print0`, `die`, `RankLog` and `world_rank` (tutorials and benchmarks use them).
+Public: `print0`, `die`, `JobError`, `RankLog` and `world_rank` (tutorials and benchmarks use
+them).
 
 Who prints how, so lines never interleave across ranks:
 - the library, the command line and the multi-rank tutorials (03-05) print progress with
@@ -39,6 +40,19 @@ def die(message: str, code: int = 2) -> "SystemExit":
     if world_rank() == 0:
         print(f"minidp: error: {message}", file=sys.stderr, flush=True)
     return SystemExit(code)
+
+
+class JobError(RuntimeError):
+    """An error found while the job runs whose message says all there is to say (a silent
+    parameter-server worker, say): the command line prints it as one line, no traceback, and
+    ends the job on every rank (exit code 1).
+
+    `reported_elsewhere=True` marks a rank that learned of it from the rank that found it:
+    that one prints, this one stays silent, so the cause is printed once."""
+
+    def __init__(self, message: str, *, reported_elsewhere: bool = False):
+        super().__init__(message)
+        self.reported_elsewhere = reported_elsewhere
 
 
 class RankLog:

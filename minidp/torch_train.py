@@ -59,6 +59,7 @@ class ReferenceRun:
     `group` None: one process; otherwise DDP over its ranks (init_gloo first)."""
 
     def __init__(self, config: TrainConfig, group: comm.Group | None = None, device="cpu"):
+        config = config.resolved()  # --warmup unset: its fraction of --steps
         self.config, self.group = config, group
         torch.set_num_threads(config.threads or max(1, int(cores_per_rank())))  # as Task does
         self.task = Task(_numpy_config(config), np.dtype(config.dtype))  # data, init weights
@@ -110,6 +111,7 @@ class MinidpRun:
     def __init__(self, config: TrainConfig, group: comm.Group, timeline=None):
         from minidp.parallel import DataParallel
 
+        config = config.resolved()  # --warmup unset: its fraction of --steps
         self.config = config
         self.task = Task(config, np.dtype(config.dtype))
         self.strategy = DataParallel(self.task, config, group, timeline)

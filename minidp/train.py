@@ -50,6 +50,7 @@ def train(config: TrainConfig, group: comm.Group | None = None) -> dict:
 
 
 def _train(config: TrainConfig, group: comm.Group) -> dict:
+    config = config.resolved()  # the step-counted flags left unset follow --steps
     say = functools.partial(print0, rank=group.rank)  # one writer: the group's rank 0
     if config.strategy not in STRATEGIES:
         raise BadConfig(f"--strategy {config.strategy!r}: choose from {', '.join(STRATEGIES)}")
@@ -70,7 +71,7 @@ def _train(config: TrainConfig, group: comm.Group) -> dict:
             f"numpy {np.__version__} | {blas_info()}"
         )
         say(f"MPI: {mpi_library()} | {strategy.describe()}")
-        say("config: " + " ".join(f"{k}={v}" for k, v in vars(config).items()))
+        say(config.header())
 
         log = RankLog(config.log_dir, group.rank)
         meter = StepMeter(strategy)
@@ -119,6 +120,7 @@ def _train(config: TrainConfig, group: comm.Group) -> dict:
             "model": config.model,
             "dtype": config.dtype,
             **strategy.record(),
+            "config": vars(config),  # every field, those of other strategies too
         }
     report(final, config, say)
     if line := strategy.summary():

@@ -8,10 +8,15 @@ collective, so a parallel child that fails prints its report and calls `MPI_Abor
 mpi-pytest only sees a parallel child's exit code, so a skip there would read as a pass: a
 parallel child that skips fails instead (keep skips in serial tests).
 
-`MINIDP_REQUIRE_TORCH=1` (CI sets it) makes a missing or broken torch an error of the whole
-run, where the torch comparisons would otherwise skip.
+Tests that need PyTorch carry `@pytest.mark.torch`. Where torch does not import they are
+skipped here, at collection, so no parallel child is ever launched for them (mpi-pytest would
+read a skip inside a child as a pass, and an ImportError there as a failure). CI runs the
+README's commands first, without torch, then installs it and selects only these with
+`MINIDP_REQUIRE_TORCH=1 python -m pytest -m torch`: with that variable a missing or broken
+torch is an error of the whole run instead of a skip.
 """
 
+import functools
 import os
 
 import pytest
@@ -27,18 +32,43 @@ def _in_parallel_child() -> bool:
     return MPI.COMM_WORLD.size > 1
 
 
+@functools.cache
+def torch_import_error() -> Exception | None:
+    """None if torch imports, else why not (an ImportError, or a broken install's OSError)."""
+    try:
+        import torch  # noqa: F401
+    except Exception as error:
+        return error
+    return None
+
+
 def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "torch: needs PyTorch; skipped at collection where torch does not import"
+    )
     if (
         os.environ.get("MINIDP_REQUIRE_TORCH") == "1"
         and "_PYTEST_MPI_CHILD_PROCESS" not in os.environ
     ):
-        try:
-            import torch  # noqa: F401
-        except Exception as error:  # ImportError, or a broken install's OSError and others
+        error = torch_import_error()
+        if error is not None:
             raise pytest.UsageError(
                 f"MINIDP_REQUIRE_TORCH=1 but torch does not import ({type(error).__name__}: "
                 f"{error}): the torch comparisons must run, not skip"
             ) from error
+
+
+def pytest_collection_modifyitems(config, items):
+    """Skip the tests marked `torch` at collection where torch does not import."""
+    marked = [item for item in items if item.get_closest_marker("torch")]
+    if not marked or torch_import_error() is None:
+        return
+    skip = pytest.mark.skip(
+        reason="torch is not installed (a CPU build: pip install torch==2.13.0, or PyTorch's "
+        "CPU package index)"
+    )
+    for item in marked:
+        item.add_marker(skip)
 
 
 @pytest.hookimpl(hookwrapper=True)

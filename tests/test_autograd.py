@@ -29,10 +29,8 @@ from minidp.nn import MLP, Linear, linear
 try:
     import torch
     import torch.nn.functional as F
-except ImportError:  # the torch comparisons skip; the finite-difference checks still run
+except ImportError:  # the tests marked torch skip (conftest.py); finite differences still run
     torch = F = None
-
-needs_torch = pytest.mark.skipif(torch is None, reason="torch is not installed")
 
 
 # ---- drawing inputs ------------------------------------------------------------------------
@@ -463,7 +461,7 @@ def test_gradient_matches_central_differences(op, data):
     check_gradients(lambda *xs: op.minidp(*xs, **params), arrays)
 
 
-@needs_torch
+@pytest.mark.torch
 @pytest.mark.parametrize("op", OPS, ids=lambda op: op.name)
 @SETTINGS
 @given(data=st.data())
@@ -859,7 +857,7 @@ def test_cross_entropy_is_stable_for_huge_logits(dtype):
     np.testing.assert_allclose(shifted.item(), loss.item(), rtol=1e-6)
 
 
-@needs_torch
+@pytest.mark.torch
 def test_cross_entropy_matches_torch_for_huge_logits():
     logits = np.random.default_rng(0).standard_normal((8, 6)) * 1e3
     targets = np.random.default_rng(1).integers(0, 6, 8)

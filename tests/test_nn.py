@@ -19,7 +19,6 @@ try:
 except ImportError:
     torch = None
 
-needs_torch = pytest.mark.skipif(torch is None, reason="torch is not installed")
 
 CONFIG = GPTConfig(vocab_size=13, block_size=8, n_layer=2, n_head=2, n_embd=8, dropout=0.0)
 TIGHT = {"rtol": 1e-10, "atol": 1e-13}
@@ -373,7 +372,7 @@ def assert_same_gradients(ours: Module, torch_params: dict) -> None:
         )
 
 
-@needs_torch
+@pytest.mark.torch
 @pytest.mark.parametrize("T", [1, 5, 8])
 def test_gpt_logits_and_every_gradient_match_torch(T):
     ours = tiny_gpt(seed=T)
@@ -394,7 +393,7 @@ def test_gpt_logits_and_every_gradient_match_torch(T):
     assert_same_gradients(ours, params)
 
 
-@needs_torch
+@pytest.mark.torch
 def test_mlp_output_and_every_gradient_match_torch():
     sizes = [6, 9, 7, 4]
     ours = randomized(MLP(sizes, rng=np.random.default_rng(0), dtype=np.float64))
@@ -409,7 +408,7 @@ def test_mlp_output_and_every_gradient_match_torch():
     assert_same_gradients(ours, params)
 
 
-@needs_torch
+@pytest.mark.torch
 def test_layer_norm_matches_torch():
     rng = np.random.default_rng(0)
     ln = randomized(LayerNorm(5, dtype=np.float64))
@@ -425,7 +424,7 @@ def test_layer_norm_matches_torch():
         np.testing.assert_allclose(a.grad, b.grad.numpy(), **TIGHT)
 
 
-@needs_torch
+@pytest.mark.torch
 @pytest.mark.parametrize("shape", [(4,), (3, 4), (2, 3, 4)])
 def test_linear_on_any_leading_shape_matches_torch(shape):
     rng = np.random.default_rng(0)
@@ -445,7 +444,7 @@ def test_linear_on_any_leading_shape_matches_torch(shape):
     np.testing.assert_allclose(layer.bias.grad, tb.grad.numpy(), **TIGHT)
 
 
-@needs_torch
+@pytest.mark.torch
 def test_embedding_with_repeated_ids_matches_torch():
     emb = Embedding(6, 3, rng=np.random.default_rng(0), dtype=np.float64)
     ids = np.array([[1, 4, 1], [1, 0, 4]])

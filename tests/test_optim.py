@@ -18,7 +18,6 @@ try:
 except ImportError:
     torch = None
 
-needs_torch = pytest.mark.skipif(torch is None, reason="torch is not installed")
 
 SHAPES = [(3, 4), (5,), (2, 1, 3)]
 STEPS = 6
@@ -53,7 +52,7 @@ def set_grads(params, grads):
         p.grad = g.astype(p.dtype)
 
 
-@needs_torch
+@pytest.mark.torch
 @pytest.mark.parametrize(("name", "hyper"), CONFIGS, ids=lambda c: str(c))
 def test_matches_torch_optim_step_by_step(name, hyper):
     ours = make_params()
@@ -174,7 +173,7 @@ def test_global_grad_norm_is_the_norm_of_all_gradients_together():
     assert optim.global_grad_norm(params) == pytest.approx(expected, rel=1e-14)
 
 
-@needs_torch
+@pytest.mark.torch
 @pytest.mark.parametrize("max_norm", [0.5, 1e3])
 def test_clip_grad_norm_matches_torch(max_norm):
     params = make_params()
@@ -224,7 +223,7 @@ def test_warmup_cosine_without_warmup_starts_at_the_peak():
     assert optim.warmup_cosine(0, 1.0, 0, 100) == 1.0
 
 
-@needs_torch
+@pytest.mark.torch
 @pytest.mark.parametrize("name", ["Adam", "AdamW"])
 def test_adam_counts_steps_per_parameter_like_torch(name):
     """A parameter that got no gradient on early steps starts its bias correction later."""

@@ -12,6 +12,7 @@ import pytest
 from minidp.cli import main
 
 MLP = ["--strategy", "ps", "--model", "mlp", "--hidden", "16", "--steps", "3", "--batch-size", "8"]
+NOT_PS = "is a flag of --strategy dp or tp or hybrid or zero, not of --strategy ps"
 SILENT = ["--ps-timeout", "0.3", "--ps-slow-worker-ms", "1000", "--eval-batches", "1"]
 
 
@@ -24,10 +25,10 @@ SILENT = ["--ps-timeout", "0.3", "--ps-slow-worker-ms", "1000", "--eval-batches"
         (["--consistency", "asp"], "--consistency is a flag of --strategy ps"),
         (MLP, "--servers 1 leaves no worker in a world of 1 ranks"),  # servers >= world
         # data parallelism's flags, which the parameter server would ignore
-        ([*MLP, "--grad-accum", "2"], "--grad-accum is a flag of data parallelism"),
-        ([*MLP, "--overlap", "on"], "--overlap is a flag of data parallelism"),
-        ([*MLP, "--bucket-mb", "1"], "--bucket-mb is a flag of data parallelism"),
-        ([*MLP, "--allreduce", "ring"], "--allreduce is a flag of data parallelism"),
+        ([*MLP, "--grad-accum", "2"], f"--grad-accum {NOT_PS}"),
+        ([*MLP, "--overlap", "on"], f"--overlap {NOT_PS}"),
+        ([*MLP, "--bucket-mb", "1"], f"--bucket-mb {NOT_PS}"),
+        ([*MLP, "--allreduce", "ring"], f"--allreduce {NOT_PS}"),
     ],
 )
 def test_bad_input_is_one_line(args, words, capsys):

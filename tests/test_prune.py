@@ -48,9 +48,10 @@ def test_the_mask_keeps_exactly_the_largest_magnitudes(scope, sparsity):
             assert np.abs(w[m]).min() > np.abs(w[~m]).max()
 
 
+@pytest.mark.torch
 @pytest.mark.parametrize("scope", ["layer", "global"])
 def test_the_masks_are_torch_prunes(scope):
-    torch = pytest.importorskip("torch")
+    import torch
     from torch.nn.utils import prune
 
     weights = random_weights(1)

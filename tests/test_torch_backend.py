@@ -14,12 +14,15 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-torch = pytest.importorskip("torch")
+from minidp import backend, comm, ops
+from minidp.autograd import Tensor
+from minidp.config import BadConfig, TrainConfig
+from minidp.trace import Timeline
 
-from minidp import backend, comm, ops  # noqa: E402
-from minidp.autograd import Tensor  # noqa: E402
-from minidp.config import BadConfig, TrainConfig  # noqa: E402
-from minidp.trace import Timeline  # noqa: E402
+try:
+    import torch
+except ImportError:  # the tests marked torch skip at collection (conftest.py)
+    torch = None
 
 TINY = dict(
     n_layer=1, n_embd=16, n_head=2, block_size=8, hidden=16, seed=3, batch_size=4,
@@ -40,6 +43,7 @@ def one_rank():
     return world.split(world.rank)
 
 
+@pytest.mark.torch
 @pytest.mark.parametrize(
     ("model", "dtype", "rtol"), [("gpt", "float64", 1e-10), ("mlp", "float32", 1e-4)]
 )
@@ -63,7 +67,8 @@ def test_numpy_torch_and_pytorch_give_the_same_losses(model, dtype, rtol):
         np.testing.assert_allclose(value, want[name], rtol=100 * rtol, atol=100 * rtol)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device here")
+@pytest.mark.torch
+@pytest.mark.skipif(torch is None or not torch.cuda.is_available(), reason="no CUDA device here")
 @pytest.mark.parametrize(("dtype", "rtol"), [("float64", 1e-10), ("float32", 1e-4)])
 def test_the_same_losses_on_cuda(dtype, rtol):
     """The GPU check: minidp on CUDA tensors and PyTorch on CUDA against minidp on NumPy."""
@@ -94,6 +99,7 @@ def _graph(xp_array):
     return loss.item(), x.grad
 
 
+@pytest.mark.torch
 def test_the_torch_shim_computes_what_numpy_does_gradients_included():
     rng = np.random.default_rng(0)
     a = rng.random((3, 3, 4)) + 0.1
@@ -105,6 +111,7 @@ def test_the_torch_shim_computes_what_numpy_does_gradients_included():
     np.testing.assert_allclose(grad.numpy(), want_grad, rtol=1e-12, atol=1e-15)
 
 
+@pytest.mark.torch
 def test_staging_copies_are_counted_and_drawn():
     from minidp.torch_train import MinidpRun
 
@@ -122,6 +129,7 @@ def test_staging_copies_are_counted_and_drawn():
     assert names.count("stage to host bucket 0") == 2 and "stage to device bucket 0" in names
 
 
+@pytest.mark.torch
 def test_a_missing_torch_or_gpu_is_one_line(monkeypatch):
     if not torch.cuda.is_available():
         with pytest.raises(BadConfig, match="--device cuda: no CUDA device"):
@@ -154,6 +162,7 @@ def test_the_command_line_says_it_in_one_line_and_exits_2(tmp_path):
     assert len(lines) == 1 and "pip install torch" in lines[0], out.stderr
 
 
+@pytest.mark.torch
 def test_bench_compare_smoke(tmp_path, capsys):
     import json
 

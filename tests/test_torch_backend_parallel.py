@@ -3,9 +3,8 @@ minidp's DP on torch tensors (buckets staged through host buffers) and PyTorch D
 give single-process training's losses over 20 steps (float64: 1e-10 relative; float32:
 1e-4), and the torch replicas end identical. One launch checks them all.
 
-This runs in a parallel child, which must not skip (conftest.py): it imports torch outright
-(CI sets MINIDP_REQUIRE_TORCH=1, so torch is there); the serial tests in
-test_torch_backend.py are the ones that skip without it.
+It is marked torch: without torch it is skipped at collection, in the parent, so no parallel
+child is launched (a child must never skip, and an ImportError there would fail the run).
 """
 
 from dataclasses import replace
@@ -22,10 +21,9 @@ TINY = dict(
 )  # fmt: skip
 
 
+@pytest.mark.torch
 @pytest.mark.parallel(nprocs=[2])
 def test_dp_on_numpy_on_torch_and_pytorch_ddp_match_one_process():
-    import torch  # noqa: F401  (no skip in a parallel child: an ImportError fails the test)
-
     from minidp.torch_train import minidp_losses, train_reference
 
     world = comm.world()

@@ -30,8 +30,14 @@ def test_there_are_tutorials():
     assert TUTORIALS, "no numbered tutorials found"
 
 
+def with_marks(path: Path):
+    """A tutorial that imports torch is marked torch (skipped at collection without it)."""
+    needs_torch = re.search(r"^(import|from) torch\b", path.read_text(), re.MULTILINE)
+    return pytest.param(path, id=path.stem, marks=[pytest.mark.torch] if needs_torch else [])
+
+
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("path", TUTORIALS, ids=[p.stem for p in TUTORIALS])
+@pytest.mark.parametrize("path", [with_marks(p) for p in TUTORIALS])
 def test_tutorial_runs(path):
     nprocs, script = launch_line(path)
     run = f"import runpy\nrunpy.run_path({script!r}, run_name='__main__')\n"

@@ -11,6 +11,11 @@ import numpy as np
 from minidp.info import blas_info
 
 
+def summary(doc: str) -> str:
+    """A module docstring's first paragraph as one line: a benchmark's --help description."""
+    return " ".join(doc.strip().split("\n\n")[0].split())
+
+
 def median(values) -> float:
     return float(statistics.median(values))
 

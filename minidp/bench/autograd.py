@@ -14,7 +14,7 @@ Reported: median step time per contender and the median of the per-round ratios.
 
 import time
 
-from minidp.bench._common import environment, median, median_ratio, print_table, write_json
+from minidp.bench._common import environment, median, median_ratio, print_table, summary, write_json
 from minidp.bench._mlp import (
     BATCH,
     SIZES,
@@ -74,7 +74,7 @@ def measure(
 
 
 def main(argv: list[str]) -> int:
-    parser = Parser(prog="minidp bench autograd", description=__doc__.split("\n")[0])
+    parser = Parser(prog="minidp bench autograd", description=summary(__doc__))
     parser.add_argument("--iters", type=int, default=20, help="timed rounds (default 20)")
     parser.add_argument("--warmup", type=int, default=3, help="untimed rounds first (default 3)")
     parser.add_argument("--threads", default="1,2", help="BLAS/torch thread counts (default 1,2)")

@@ -26,7 +26,14 @@ import os
 from dataclasses import replace
 
 from minidp import backend, comm
-from minidp.bench._common import environment, median, print_table, rotated_rounds, write_json
+from minidp.bench._common import (
+    environment,
+    median,
+    print_table,
+    rotated_rounds,
+    summary,
+    write_json,
+)
 from minidp.config import TrainConfig
 from minidp.log import die, print0
 from minidp.parser import Parser
@@ -45,7 +52,7 @@ COLUMNS = [
 
 
 def parse_args(argv: list[str]):
-    parser = Parser(prog="minidp bench compare", description=__doc__.split("\n")[0])
+    parser = Parser(prog="minidp bench compare", description=summary(__doc__))
     parser.add_argument("--model", choices=("gpt", "mlp"), default="gpt", help="default gpt")
     parser.add_argument("--n-embd", type=int, default=64, help="GPT channels (default 64)")
     parser.add_argument("--n-layer", type=int, default=2, help="blocks (default 2)")

@@ -37,7 +37,15 @@ import numpy as np
 from mpi4py import MPI
 
 from minidp import comm, data, optim
-from minidp.bench._common import environment, median, median_ratio, print_table, timed, write_json
+from minidp.bench._common import (
+    environment,
+    median,
+    median_ratio,
+    print_table,
+    summary,
+    timed,
+    write_json,
+)
 from minidp.config import BadConfig, TrainConfig
 from minidp.log import die, print0
 from minidp.optim import MOMENTUM, OPTIMIZERS
@@ -58,7 +66,7 @@ LR = {"adamw": TrainConfig.lr, "momentum": MOMENTUM_LR, "sgd": MOMENTUM_LR / (1 
 
 
 def parse_args(argv: list[str]):
-    parser = Parser(prog="minidp bench compress", description=__doc__.split("\n")[0])
+    parser = Parser(prog="minidp bench compress", description=summary(__doc__))
     parser.add_argument("--steps", type=int, default=300, help="training steps (default 300)")
     parser.add_argument("--compressors", default=CONTENDERS, help="comma-separated; none first")
     parser.add_argument("--json", metavar="FILE", help="write JSON lines (rank 0)")
@@ -113,7 +121,7 @@ def train_side_by_side(args, group: comm.Group) -> dict:
         batch_size=args.batch_size,
         lr=args.lr,
         optimizer=args.optimizer,
-    )
+    ).resolved()
     runs = {}
     for spec in args.compressors:
         compressed = spec != "none"

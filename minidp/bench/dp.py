@@ -1,5 +1,5 @@
-"""Data-parallel training, measured: what does a second rank cost, and how close is minidp's
-DDP to a hand-written data-parallel loop?
+"""Data-parallel training, measured: what a second rank costs, and how close minidp's DDP
+comes to a hand-written data-parallel loop.
 
     mpiexec -n 2 python -m minidp bench dp [--iters 15] [--algos ring,mpi] [--checks off]
     mpiexec -n 4 python -m minidp bench dp --case shallowspeed [--json FILE]
@@ -43,6 +43,7 @@ from minidp.bench._common import (
     per_timed_step_ms,
     print_table,
     rotated_rounds,
+    summary,
     write_json,
     zero_comm_seconds,
 )
@@ -182,7 +183,7 @@ def default_settings(rows: list[dict], nprocs: int) -> str:
 
 
 def parse_args(argv: list[str]):
-    parser = Parser(prog="minidp bench dp", description=__doc__.split("\n")[0])
+    parser = Parser(prog="minidp bench dp", description=summary(__doc__))
     parser.add_argument("--case", choices=CASES, default="weak", help="what to measure")
     parser.add_argument("--iters", type=int, default=15, help="timed rounds (default 15)")
     parser.add_argument("--warmup", type=int, default=3, help="untimed rounds (default 3)")

@@ -30,6 +30,7 @@ from minidp.bench._common import (
     median_ratio,
     print_table,
     rotated_rounds,
+    summary,
     write_json,
 )
 from minidp.config import TrainConfig
@@ -143,7 +144,7 @@ def plot(rows: list[dict], path: str) -> None:
 
 
 def parse_args(argv: list[str]):
-    parser = Parser(prog="minidp bench memory", description=__doc__.split("\n")[0])
+    parser = Parser(prog="minidp bench memory", description=summary(__doc__))
     for flag, default, what in (
         ("--n-layer", 4, "GPT blocks"),
         ("--n-embd", 256, "GPT channels (4 x 256: about 3.2 M parameters)"),

@@ -30,7 +30,7 @@ from dataclasses import replace
 import numpy as np
 
 from minidp import comm
-from minidp.bench._common import median, print_table, rotated_rounds, write_json
+from minidp.bench._common import median, print_table, rotated_rounds, summary, write_json
 from minidp.config import BadConfig, TrainConfig
 from minidp.log import die, print0
 from minidp.parser import Parser
@@ -125,7 +125,7 @@ def plot(rows: list[dict], out: str) -> None:
 
 
 def parse_args(argv: list[str]):
-    parser = Parser(prog="minidp bench prune", description=__doc__.split("\n")[0])
+    parser = Parser(prog="minidp bench prune", description=summary(__doc__))
     parser.add_argument("--steps", type=int, default=300, help="training steps per run")
     parser.add_argument("--sparsities", default=",".join(f"{s:g}" for s in SPARSITIES))
     parser.add_argument("--widths", default="64,32", help="n_embd of each model (default 64,32)")

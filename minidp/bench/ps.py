@@ -25,7 +25,7 @@ from dataclasses import replace
 import numpy as np
 
 from minidp import comm, optim
-from minidp.bench._common import environment, median, print_table, write_json
+from minidp.bench._common import environment, median, print_table, summary, write_json
 from minidp.config import TrainConfig
 from minidp.data import DistributedSampler
 from minidp.log import print0
@@ -127,7 +127,7 @@ def plot(rows: list[dict], P: int, out: str) -> None:
 
 
 def main(argv: list[str]) -> int:
-    parser = Parser(prog="minidp bench ps", description=__doc__.split("\n")[0])
+    parser = Parser(prog="minidp bench ps", description=summary(__doc__))
     parser.add_argument("--steps", type=int, default=12, help="steps per run (default 12)")
     parser.add_argument("--rounds", type=int, default=3, help="rounds (default 3)")
     parser.add_argument("--slow-ms", type=float, default=50.0, help="slow worker's sleep")

@@ -30,7 +30,14 @@ import numpy as np
 from mpi4py import MPI
 
 from minidp import comm
-from minidp.bench._common import environment, median, print_table, rotated_rounds, write_json
+from minidp.bench._common import (
+    environment,
+    median,
+    print_table,
+    rotated_rounds,
+    summary,
+    write_json,
+)
 from minidp.config import TrainConfig
 from minidp.data import DistributedSampler
 from minidp.log import print0
@@ -42,7 +49,7 @@ from minidp.train import blas_threads_per_rank
 
 
 def parse_args(argv: list[str]):
-    parser = Parser(prog="minidp bench tp", description=__doc__.split("\n")[0])
+    parser = Parser(prog="minidp bench tp", description=summary(__doc__))
     parser.add_argument("--n-embd", type=int, default=256, help="GPT channels (default 256)")
     parser.add_argument("--n-layer", type=int, default=2, help="blocks (default 2)")
     parser.add_argument("--n-head", type=int, default=8, help="heads (default 8)")

@@ -46,6 +46,7 @@ on that rank (messages of the failed call may still be in flight) and refuses fu
 collectives: make a new group from a healthy one.
 """
 
+import math
 import os
 import time
 import zlib
@@ -75,13 +76,23 @@ def checks_from_env() -> bool:
 
 def timeout_from_env(checks: bool) -> float | None:
     """MINIDP_TIMEOUT seconds ('0', 'off', 'none': no deadline); unset: 300 s with checks,
-    none without."""
-    value = os.environ.get("MINIDP_TIMEOUT", "").strip().lower()
+    none without. Anything else (a word, a negative number, nan, inf) is a ValueError."""
+    raw = os.environ.get("MINIDP_TIMEOUT", "")
+    value = raw.strip().lower()
     if value in ("0", "off", "none"):
         return None
-    if value:
-        return float(value)
-    return DEFAULT_TIMEOUT_S if checks else None
+    if not value:
+        return DEFAULT_TIMEOUT_S if checks else None
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = math.nan
+    if not 0 < seconds < math.inf:
+        raise ValueError(
+            f"MINIDP_TIMEOUT={raw!r}: give the seconds a collective may wait (a number > 0), "
+            "or 0, off or none for no deadline"
+        )
+    return seconds
 
 
 def fingerprint(

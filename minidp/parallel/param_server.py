@@ -41,7 +41,6 @@ is the largest difference between what the workers pulled and that copy (0.0: bi
 same).
 """
 
-import dataclasses
 import functools
 import time
 
@@ -64,10 +63,6 @@ from minidp.parallel.strategy import (
     global_l2,
     stand_in,
 )
-
-DP_FLAGS = ("grad_accum", "overlap", "bucket_mb", "allreduce")
-"""Data parallelism's flags (dp, zero, tp, hybrid read them); the parameter server has no
-allreduce, buckets or micro-batches, so setting one is refused, never ignored."""
 
 
 class ParameterServer(Strategy):
@@ -147,7 +142,8 @@ class ParameterServer(Strategy):
             )  # fmt: skip
             for server, r in zip(self.servers, replies):
                 if r.version < 0:  # a server's word that a worker went silent (BSP)
-                    raise WorkerLost(lost_message(-1 - r.version, server, config.ps_timeout))
+                    message = lost_message(-1 - r.version, server, config.ps_timeout)
+                    raise WorkerLost(message, reported_elsewhere=True)  # the server says it
             p2p.waitall(self.ps, sent[0], [None] * len(sent[0]))
         self.comm_seconds += time.perf_counter() - start
         self.exposed_seconds = self.comm_seconds
@@ -296,11 +292,8 @@ class ParameterServer(Strategy):
 
 def check_config(config, world_size: int, num_examples: int) -> None:
     """BadConfig (one line) for what this world cannot run: on every rank alike, servers
-    included, which read no data and so never see the loop's check of the batch."""
-    for f in dataclasses.fields(config):
-        if f.name in DP_FLAGS and getattr(config, f.name) != f.default:
-            flag = "--" + f.name.replace("_", "-")
-            raise BadConfig(f"{flag} is a flag of data parallelism; --strategy ps does not use it")
+    included, which read no data and so never see the loop's check of the batch. (Data
+    parallelism's flags set under --strategy ps are refused by TrainConfig.validate.)"""
     P, S = world_size, config.servers
     if S >= P:
         raise BadConfig(f"--servers {S} leaves no worker in a world of {P} ranks: at most {P - 1}")

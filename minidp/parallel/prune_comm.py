@@ -89,6 +89,7 @@ def attach_pruner(ddp: DistributedDataParallel, optimizer, config) -> MaskedAllr
     The hook holds the pruner (`hook.pruner`)."""
     if not config.prune:
         return None
+    config = config.resolved()  # the schedule's unset steps follow --steps
     pruner = MagnitudePruner(
         ddp.model,
         optimizer,

@@ -41,6 +41,7 @@ import numpy as np
 from minidp import optim
 from minidp.autograd import Tensor
 from minidp.comm import p2p
+from minidp.log import JobError
 from minidp.parallel import ps_comm
 from minidp.parallel.ps_comm import PULL, PUSH, Header
 from minidp.parallel.strategy import clip_global_norm
@@ -53,8 +54,9 @@ OPTIMIZERS = {
 """--ps-optimizer -> the optimizer over a list of parameters (the same for a reference run)."""
 
 
-class WorkerLost(RuntimeError):
-    """Under BSP, a worker went silent: no clock can complete without it."""
+class WorkerLost(JobError):
+    """Under BSP, a worker went silent: no clock can complete without it. The server that
+    saw it says so; the workers it tells raise it with `reported_elsewhere=True`."""
 
 
 class ShardServer:
