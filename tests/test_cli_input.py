@@ -136,3 +136,28 @@ def test_every_help_reads_whole(command, capsys):
     assert exit.value.code == 0
     text = description(capsys.readouterr().out)
     assert text.endswith("."), f"{' '.join(command)} --help: {text!r}"
+
+
+# ---- an error every rank raises alike is printed once ------------------------------------------
+MISMATCH = """
+import sys
+from minidp import comm
+from minidp.cli import main
+
+if comm.world().rank == 1:  # rank 1 broadcasts where rank 0 allgathers: a mismatch on both
+    comm.allgather = lambda x, group=None, **kw: comm.broadcast(x, root=0, group=group)
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_mismatch_every_rank_finds_is_printed_once(tmp_path):
+    script = tmp_path / "mismatch.py"
+    script.write_text(MISMATCH)
+    result = subprocess.run(
+        ["mpiexec", "-n", "2", sys.executable, str(script), "--model", "mlp", "--steps", "1"],
+        capture_output=True, text=True, timeout=100, env={**os.environ, "MINIDP_CHECKS": "1"},
+    )  # fmt: skip
+    assert result.returncode == 1, result.stderr
+    assert result.stderr.count("Root cause") == 1, result.stderr
+    assert result.stderr.count("CollectiveMismatch:") == 1, result.stderr

@@ -207,10 +207,12 @@ class Fingerprints:
             MPI.Request.Waitall(self.requests)
         else:
             poll(group, self.requests, self.peers, statuses_for(group, len(self.requests)))
+        alike = group.rank != 0  # every rank reads this table: the group's rank 0 tells
         if (table[:, :FIELDS] != mine[:FIELDS]).any():
             raise CollectiveMismatch(
                 f"rank {group.rank} of {group.size}: ranks called different collectives or "
-                f"passed different arguments:\n{mismatch_report(table[:, :FIELDS])}"
+                f"passed different arguments:\n{mismatch_report(table[:, :FIELDS])}",
+                reported_elsewhere=alike,
             )
         if group.timeout is not None:
             entered = table[:, FIELDS]
@@ -222,7 +224,8 @@ class Fingerprints:
                     f"rank {group.rank} of {group.size}: {group._doing[0]} #{seq}: rank(s) "
                     f"{ranges(early)} entered it {spread:.1f} s before the last rank did, past "
                     f"the {group.timeout:g} s deadline, and have given up; so does every rank "
-                    "(this group is unusable now)"
+                    "(this group is unusable now)",
+                    reported_elsewhere=alike,
                 )
 
     def free(self) -> None:

@@ -2,7 +2,15 @@
 
 
 class CollectiveError(RuntimeError):
-    """Base class: a collective could not complete consistently on every rank."""
+    """Base class: a collective could not complete consistently on every rank.
+
+    `reported_elsewhere`: every rank of the group raises this same error (they all read the
+    same table of fingerprints), and one other rank reports it, so the command line prints
+    the cause once (cli.end_job)."""
+
+    def __init__(self, message: str = "", *, reported_elsewhere: bool = False):
+        super().__init__(message)
+        self.reported_elsewhere = reported_elsewhere
 
 
 class CollectiveMismatch(CollectiveError):
