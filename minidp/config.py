@@ -18,6 +18,7 @@ import os
 import tempfile
 from dataclasses import dataclass, field, fields, replace
 
+from minidp.memory import available_memory_bytes, estimated_bytes
 from minidp.names import ALGORITHMS, AUTO
 from minidp.optim import OPTIMIZERS
 
@@ -516,38 +517,6 @@ class TrainConfig:
                 f"--prune-end {r.prune_end} is past the last step (--steps {r.steps} "
                 f"runs steps 0 to {r.steps - 1}): lower --prune-end"
             )
-
-
-def estimated_bytes(config: TrainConfig) -> int:
-    """A rough size of one training step: the parameters with their gradients and AdamW's two
-    moments, and the activations the global batch keeps for backward. For the GPT, per layer,
-    3 B H T^2 (scores, masked, softmax) + 20 B T C, and the T x T causal mask; within 2x of
-    what the graph holds (tests/test_config.py measures it)."""
-    itemsize = 8 if config.dtype == "float64" else 4
-    B = config.batch_size
-    if config.model == "gpt":
-        T, C, H, L, V = (config.block_size, config.n_embd, config.n_head, config.n_layer, 128)
-        params = L * 12 * C * C + (V + T) * C
-        activations = B * (L * (3 * H * T * T + 20 * T * C) + 3 * T * V) * itemsize + T * T
-    else:
-        params = (32 + config.hidden + 10) * config.hidden  # data.classification: 32 features
-        activations = B * 6 * config.hidden * itemsize
-    return 4 * params * itemsize + activations
-
-
-def available_memory_bytes() -> int | None:
-    """MemAvailable from /proc/meminfo (Linux), else the physical memory; None if unknown."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    try:
-        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):
-        return None
 
 
 def staleness_bound(consistency: str) -> float:

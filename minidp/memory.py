@@ -10,12 +10,16 @@ rank by rank (ZeRO's point is that some of these shrink with the number of ranks
     buffers           communication scratch space (the groups' reusable buffers)
 
 Counted from `ndarray.nbytes` (a torch tensor's `.nbytes` alike), never estimated from shapes
-and dtypes by hand. One caveat, said once: `activation_bytes` counts the output array of every
-op in the graph; arrays that an op's backward closure keeps besides its output (a dropout
-mask, a softmax) are not seen, so it is a lower bound on what backward holds. Nor are the
-rows a weight keeps during gradient accumulation (autograd.defer_weight_grads): at most
-its gradient's size per weight, from the first micro-batch to the last.
+and dtypes by hand; the one estimate, `estimated_bytes`, is made before any array exists, so
+that a run too large for the machine is refused before it allocates. One caveat, said once:
+`activation_bytes` counts the output array of every op in the graph; arrays that an op's
+backward closure keeps besides its output (a dropout mask, a softmax) are not seen, so it is
+a lower bound on what backward holds. Nor are the rows a weight keeps during gradient
+accumulation (autograd.defer_weight_grads): at most its gradient's size per weight, from the
+first micro-batch to the last.
 """
+
+import os
 
 from minidp.backend import base_of
 
@@ -55,3 +59,37 @@ def activation_bytes(loss) -> int:
         else:
             leaves.add(id(base_of(node.data)))
     return nbytes(a for a in outputs if id(base_of(a)) not in leaves)
+
+
+# ---- before any array exists: an estimate, to refuse a run that cannot fit --------------------
+def estimated_bytes(config) -> int:
+    """A rough size of one training step of a TrainConfig: the parameters with their gradients
+    and AdamW's two moments, and the activations the global batch keeps for backward. For the
+    GPT, per layer, 3 B H T^2 (scores, masked, softmax) + 20 B T C, and the T x T causal
+    mask: within 2x of what train.py's report counts (tests/test_cli_input.py checks it).
+    The vocabulary is taken as 128 characters (the corpus has fewer)."""
+    itemsize = 8 if config.dtype == "float64" else 4
+    B = config.batch_size
+    if config.model == "gpt":
+        T, C, H, L, V = (config.block_size, config.n_embd, config.n_head, config.n_layer, 128)
+        params = L * 12 * C * C + (V + T) * C
+        activations = B * (L * (3 * H * T * T + 20 * T * C) + 3 * T * V) * itemsize + T * T
+    else:
+        params = (32 + config.hidden + 10) * config.hidden  # data.classification: 32 features
+        activations = B * 6 * config.hidden * itemsize
+    return 4 * params * itemsize + activations
+
+
+def available_memory_bytes() -> int | None:
+    """MemAvailable from /proc/meminfo (Linux), else the physical memory; None if unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None

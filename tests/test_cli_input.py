@@ -10,7 +10,8 @@ import sys
 import pytest
 
 from minidp.cli import benchmarks, main
-from minidp.config import TrainConfig, estimated_bytes
+from minidp.config import TrainConfig
+from minidp.memory import estimated_bytes
 
 
 def minidp(*args: str, nprocs: int = 1, env=None, timeout: float = 120):
