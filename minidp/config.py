@@ -324,9 +324,9 @@ class TrainConfig:
         """Whether field `name` means anything under this --strategy and --model (the header
         prints only those; setting one that does not is refused by validate)."""
         meta = TrainConfig.__dataclass_fields__[name].metadata
-        return self.strategy in meta.get("strategies", (self.strategy,)) and self.model in meta.get(
-            "models", (self.model,)
-        )
+        strategies = meta.get("strategies", (self.strategy,))  # no list: every one
+        models = meta.get("models", (self.model,))
+        return self.strategy in strategies and self.model in models
 
     def header(self) -> str:
         """The config line of the run's header: the fields that apply to this --strategy and
