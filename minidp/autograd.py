@@ -18,8 +18,7 @@ does): the engine multiplies it out for anything but a leaf, and a leaf inside
 bytes, for one product over the micro-batches of gradient accumulation, taken by the next
 backward outside the block or by the first read of .grad, whichever comes first
 (weight_grads.py). Parallel schemes write their communication ops this way, outside this
-file: Megatron's f (identity forward, allreduce backward), pipeline send / recv, ZeRO's
-gather-on-use.
+file: Megatron's f (identity forward, allreduce backward), ZeRO's gather-on-use.
 
 Grad mode is per thread (grad_mode.py). The arrays are NumPy's, or torch tensors with
 `--backend torch`: an op that calls a NumPy function resolves `xp = namespace(data)` once

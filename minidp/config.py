@@ -195,7 +195,7 @@ class TrainConfig:
     )
 
     # the rank mesh and tensor parallelism (--strategy tp, hybrid)
-    #   world = dp x tp (x pp): mpiexec -n 4 ... --strategy hybrid --dp 2 --tp 2
+    #   world = dp x tp: mpiexec -n 4 ... --strategy hybrid --dp 2 --tp 2
     dp: int = field(
         default=0,
         metadata={
@@ -544,7 +544,7 @@ def _check_can_write(flag: str, directory: str) -> None:
 
 
 VELOCITY_COMPRESSORS = ("topk", "randomk")  # what --compress-on velocity runs: sparsifiers
-TORCH_STRATEGIES = ("dp",)  # what --backend torch runs; the rest refuse (README says so)
+TORCH_STRATEGIES = ("dp",)  # what --backend torch runs; the rest refuse (docs/torch.md)
 
 _DEFAULTS = {f.name: f.default for f in fields(TrainConfig)}
 

@@ -1,7 +1,7 @@
 """The benchmarks run, say what they ran with, and refuse to time a wrong answer.
 
 Tiny sizes and one or two rounds: these check the benchmarks' plumbing and records, never a
-time (the README's "Benchmarks" section has the measured figures).
+time (docs/benchmarks.md has the measured figures).
 """
 
 import json

@@ -35,3 +35,43 @@ def test_ci_installs_the_same_package_the_readme_runs():
     install_and_run, _ = quickstart_commands()
     venv = install_and_run.split(" && ")[0]
     assert venv in (ROOT / ".ci" / "run").read_text()
+
+
+DOCS = ROOT / "docs"
+LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
+
+
+def prose(page: Path) -> str:
+    """The page without its fenced code blocks (where brackets are not links)."""
+    return re.sub(r"```.*?```", "", page.read_text(), flags=re.DOTALL)
+
+
+def anchors(page: Path) -> set[str]:
+    """GitHub's anchors for the page's headings: lower case, punctuation dropped, - for space."""
+    headings = re.findall(r"^#+ (.*)$", prose(page), flags=re.MULTILINE)
+    return {re.sub(r"[^\w\- ]", "", h.lower()).replace(" ", "-") for h in headings}
+
+
+def test_every_relative_link_in_the_readme_and_docs_points_at_a_file_that_exists():
+    for page in [ROOT / "README.md", *sorted(DOCS.glob("*.md"))]:
+        for target in LINK.findall(prose(page)):
+            if re.match(r"[a-z]+://", target):
+                continue  # a web address
+            path, _, anchor = target.partition("#")
+            linked = (page.parent / path).resolve() if path else page
+            where = f"{page.relative_to(ROOT)} links to {target}"
+            assert linked.exists() and ROOT in linked.parents, where
+            assert not anchor or anchor in anchors(linked), where + ": no such heading"
+
+
+def tables(page: Path) -> list[str]:
+    """Every markdown table of the page, each as one string of its lines."""
+    return re.findall(r"(?:^\|.*\n)+", page.read_text(), flags=re.MULTILINE)
+
+
+def test_the_tables_in_benchmarks_md_are_the_ones_on_the_scheme_pages():
+    """A re-measured table is changed on its scheme's page and in docs/benchmarks.md alike."""
+    pages = [page for page in DOCS.glob("*.md") if page.name != "benchmarks.md"]
+    on_pages = {table for page in pages for table in tables(page)}
+    for table in tables(DOCS / "benchmarks.md"):
+        assert table in on_pages, "docs/benchmarks.md has a table no scheme page has:\n" + table

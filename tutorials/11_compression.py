@@ -235,7 +235,7 @@ for round_ in range(4):
 # coordinates.
 #
 # Now the same model as in section 4, under `--optimizer momentum` (momentum 0.9) at the lr
-# `bench compress` uses, the best of the README's sweep: uncompressed, top-k of the
+# `bench compress` uses, the best of the sweep in docs/compression.md: uncompressed, top-k of the
 # gradient (error feedback before the momentum), and top-k of the velocity
 # (`compress_on="velocity"`). The same k values go on the wire in both top-k runs.
 
@@ -261,7 +261,7 @@ assert momentum_bytes["topk:0.01 velocity"] == momentum_bytes["topk:0.01 gradien
 assert momentum_bytes["none"] / momentum_bytes["topk:0.01 velocity"] > 40
 assert momentum_tail["topk:0.01 velocity"] < momentum_tail["topk:0.01 gradient"] - 0.05
 # Measured here: velocity ends about 0.1 below gradient-mode top-k (3.17 against 3.27), and
-# the README's 300-step table on the default GPT keeps the order (+1.6% against +5.6% vs
+# docs/compression.md's 300-step table on the default GPT keeps the order (+1.6% against +5.6% vs
 # none). That it also ends below none is this short run's: none's 60-step loss was 3.26-3.28
 # at every lr tried from 0.05 to 0.6, and at 300 steps none is ahead. The residual is v: it
 # accumulates u, about g/(1-m), so it is 15 times gradient mode's here (8.5 against 0.56).

@@ -27,7 +27,7 @@ at >= 100x fewer bytes; PowerSGD rank 2 within 2% at >= 10x; sign clearly better
 sign-noef. --compress-on and --compress-warmup apply to every contender but none (the
 baseline stays the plain path); --compress-on velocity (DGC) takes --optimizer momentum and
 only topk and randomk contenders (one line otherwise). --optimizer momentum's lr, 0.15, won
-a sweep of none at 2 ranks (0.03 to 3; the README has it). Checks (cross-rank
+a sweep of none at 2 ranks (0.03 to 3; docs/compression.md has it). Checks (cross-rank
 fingerprints) are off, as in `bench dp`.
 """
 
@@ -60,7 +60,7 @@ CONTENDERS = (
     "none,fp16,bf16,topk:0.001,randomk:0.01,sign,sign-noef,qsgd:4,powersgd:1,powersgd:2,powersgd:4"
 )
 TAIL = 10  # the final loss: the mean of this many last steps' losses
-MOMENTUM_LR = 0.15  # the best of a sweep of none under momentum SGD (README, compression)
+MOMENTUM_LR = 0.15  # the best of a sweep of none under momentum SGD (docs/compression.md)
 LR = {"adamw": TrainConfig.lr, "momentum": MOMENTUM_LR, "sgd": MOMENTUM_LR / (1 - MOMENTUM)}
 """--lr by --optimizer: plain SGD's is momentum's lr/(1 - 0.9), the same long-run step."""
 

@@ -4,7 +4,7 @@ Short messages are latency-bound (the α terms), long ones bandwidth-bound (the 
 the choice flips with size: lg p messages of the whole vector win when n is small, 2(p-1)
 messages of n/p win when it is large. The thresholds come from
 `mpiexec -n P python -m minidp bench collectives` at P = 2 and 4 on the 2-core development
-machine (one run's table is in the README's "Benchmarks" section):
+machine (one run's table is in docs/collectives.md):
 
     allreduce        n <= 64 KiB: recursive_doubling   fastest of ours at 4 and 64 KiB on 2 and
                                                        4 ranks (each call is dominated by its

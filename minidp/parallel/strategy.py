@@ -1,8 +1,8 @@
 """The strategy protocol: what the one training loop (train.py) drives.
 
 A strategy is one way for the ranks of a group to share the work of training a model: data
-parallelism, a parameter server, tensor or pipeline parallelism, ZeRO, a hybrid. The loop
-knows nothing of how; it asks the strategy, for every step, to do the step:
+parallelism, a parameter server, tensor parallelism, ZeRO, a hybrid. The loop knows nothing
+of how; it asks the strategy, for every step, to do the step:
 
     strategy = STRATEGIES[config.strategy](task, config, group, timeline)
     coordinate, count = strategy.data_shard       # which slice of the global batch is mine
