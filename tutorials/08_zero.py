@@ -29,6 +29,7 @@ import numpy as np
 from minidp import Tensor, comm, cross_entropy, data, nn, optim
 from minidp.chunks import chunk_range
 from minidp.log import print0
+from minidp.parallel import DistributedDataParallel, ZeroRedundancyOptimizer
 from minidp.parallel.zero import model_state_bytes
 from minidp.parallel.zero3 import GatheredUnits
 from minidp.parallel.zero_flat import ShardLayout, pieces
@@ -121,6 +122,26 @@ comm.allgather(flat[lo:hi], algo="ring", group=group, out=flat)
 assert np.array_equal(flat, want), "stage 1 differs from DP"
 m_and_v = sum(v.nbytes for k, v in opt.state[0].items() if k in ("m", "v"))
 check(1, {"parameters": flat.nbytes, "gradients": g.nbytes, "optimizer": m_and_v}, hi - lo, psi)
+
+# %% [markdown]
+# The same stage 1 as a piece around your own model and optimizer class, as PyTorch's
+# `ZeroRedundancyOptimizer`: DDP averages the whole gradient, the piece steps this rank's
+# chunk of the parameters with AdamW and allgathers them. (DDP allreduces, so 1.5x the bytes
+# of the reduce-scatter above; the library's strategy, at the end, reduce-scatters.)
+
+# %%
+model, _ = new_model()
+ddp = DistributedDataParallel(model, group, algo="ring")
+zero_opt = ZeroRedundancyOptimizer(model.parameters(), optim.AdamW, lr=1e-3, weight_decay=0.1)
+cross_entropy(ddp(x), y).backward()
+ddp.finish_gradient_sync()
+zero_opt.step()
+ddp.close()
+got = np.concatenate([p.data.ravel() for p in model.parameters()])
+np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-15)  # DDP's buckets: other sums
+m_and_v = sum(s[k].nbytes for s in zero_opt.optimizer.state for k in ("m", "v"))
+assert m_and_v == 2 * b * zero_opt.shard_numel  # K·Ψ/N on this rank
+print0(f"ZeroRedundancyOptimizer: {zero_opt.shard_numel:,} of {psi:,} parameters stepped here")
 
 # %% [markdown]
 # ## 3. Stage 2: shard the gradients too

@@ -20,6 +20,7 @@ from minidp.parallel.tp_strategy import Hybrid, TensorParallel
 from minidp.parallel.vocab_parallel import VocabParallelEmbedding, vocab_parallel_cross_entropy
 from minidp.parallel.zero import ZeRO
 from minidp.parallel.zero_hybrid import ZeROHybrid
+from minidp.parallel.zero_optimizer import ZeroRedundancyOptimizer
 
 STRATEGIES: dict[str, type[Strategy]] = {
     DataParallel.name: DataParallel,
@@ -48,5 +49,6 @@ __all__ = [
     "VocabParallelEmbedding",
     "ZeRO",
     "ZeROHybrid",
+    "ZeroRedundancyOptimizer",
     "vocab_parallel_cross_entropy",
 ]
