@@ -161,7 +161,7 @@ BAD = [
     (dict(prune=float("nan")), "--prune must be in [0, 1)"),
     (dict(prune=0.5, prune_start=30, prune_end=20), "bad pruning schedule"),
     (dict(prune=0.5, prune_every=0), "--prune-every must be >= 1"),
-    (dict(prune=0.5, steps=100), "--prune-end 200 is past the last step"),
+    (dict(prune=0.5, steps=100, prune_end=100), "--prune-end 100 is past the last step"),
     (dict(prune_every=5), "--prune-every shape the schedule of --prune SPARSITY"),
     (dict(prune=0.5, strategy="ps"), "--prune is a flag of --strategy dp"),
 ]
