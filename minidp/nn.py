@@ -11,6 +11,14 @@ Conventions:
   named `blocks.0.`, `blocks.1.`, ...). So a module that assigns a child before a Parameter
   still lists the Parameter first; a Parameter inside a list, or a module inside a dict, is
   not found. The order depends only on the code: the same on every rank, every run.
+- A shared Parameter (a tied weight: `model.fc4.weight = model.fc2.weight`) is one Parameter
+  under several names. `named_parameters()` and `parameters()` yield it once, under the name
+  it is first met by, as PyTorch's do (remove_duplicate=True): so an optimizer steps it once,
+  `num_parameters()` counts it once, and DDP gives it one bucket slot. Its gradient is the
+  sum over its uses, as for any tensor used twice. `state_dict()` lists it under every name,
+  as PyTorch's does, and `load_state_dict()` wants every name.
+- A Parameter with `requires_grad = False` is frozen: still a parameter (listed, counted,
+  saved), but backward gives it no gradient, so optimizers (which skip a None .grad) leave it.
 """
 
 import math
@@ -43,7 +51,8 @@ __all__ = [
 
 
 class Parameter(Tensor):
-    """A Tensor that is trained: requires a gradient, and is found by `Module.parameters()`."""
+    """A Tensor that is trained: requires a gradient, and is found by `Module.parameters()`.
+    Set `requires_grad = False` to freeze it (see the module docstring)."""
 
     def __init__(self, data, dtype=None):
         super().__init__(data, requires_grad=True, dtype=dtype)
@@ -69,19 +78,33 @@ class Module:
                     if isinstance(item, Module):
                         yield f"{name}.{i}", item
 
-    def named_parameters(self, prefix: str = "") -> Iterator[tuple[str, Parameter]]:
+    def named_parameters(
+        self, prefix: str = "", remove_duplicate: bool = True
+    ) -> Iterator[tuple[str, Parameter]]:
         """(dotted name, parameter): this module's own, in assignment order, then each
-        child's, depth first (the order DDP's buckets and optimizers see)."""
+        child's, depth first (the order DDP's buckets and optimizers see). A parameter met
+        again under another name (a tied weight) is left out, unless remove_duplicate=False."""
+        seen: set[int] = set()
+        for name, p in self._every_named_parameter(prefix):
+            if remove_duplicate and id(p) in seen:
+                continue
+            seen.add(id(p))
+            yield name, p
+
+    def _every_named_parameter(self, prefix: str) -> Iterator[tuple[str, Parameter]]:
+        """Every (name, parameter), a shared one under each of its names."""
         for name, value in vars(self).items():
             if isinstance(value, Parameter):
                 yield prefix + name, value
         for name, child in self.children():
-            yield from child.named_parameters(f"{prefix}{name}.")
+            yield from child._every_named_parameter(f"{prefix}{name}.")
 
     def parameters(self) -> list[Parameter]:
+        """Each parameter once (see named_parameters), frozen ones included."""
         return [p for _, p in self.named_parameters()]
 
     def num_parameters(self) -> int:
+        """How many numbers the parameters hold (a shared one counted once, frozen ones too)."""
         return sum(p.size for p in self.parameters())
 
     def train(self, mode: bool = True) -> "Module":
@@ -99,12 +122,17 @@ class Module:
 
     def state_dict(self) -> dict[str, np.ndarray]:
         """Host NumPy copies of the parameters, whatever the backend (so torch_ref.py and
-        a NumPy model load it alike)."""
-        return {name: np.array(to_numpy(p.data)) for name, p in self.named_parameters()}
+        a NumPy model load it alike). A shared parameter appears under each of its names."""
+        named = self.named_parameters(remove_duplicate=False)
+        return {name: np.array(to_numpy(p.data)) for name, p in named}
 
     def load_state_dict(self, state: dict[str, np.ndarray]) -> None:
-        """Copy values into the existing arrays (in place: views into them stay valid)."""
-        params = dict(self.named_parameters())
+        """Copy values into the existing arrays (in place: views into them stay valid).
+
+        Every name `state_dict()` gives must be there, a shared parameter's each of them; they
+        are copied in the order state_dict lists them, so the last of its names gives the value
+        it keeps (as in PyTorch's load_state_dict)."""
+        params = dict(self.named_parameters(remove_duplicate=False))
         missing, unexpected = params.keys() - state.keys(), state.keys() - params.keys()
         if missing or unexpected:
             raise KeyError(

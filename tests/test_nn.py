@@ -9,8 +9,19 @@ import numpy as np
 import pytest
 from gradcheck import check_gradients
 
-from minidp import Tensor, cross_entropy, no_grad
-from minidp.nn import GPT, MLP, Dropout, Embedding, GPTConfig, LayerNorm, Linear, Module, linear
+from minidp import Tensor, cross_entropy, no_grad, optim
+from minidp.nn import (
+    GPT,
+    MLP,
+    Dropout,
+    Embedding,
+    GPTConfig,
+    LayerNorm,
+    Linear,
+    Module,
+    Parameter,
+    linear,
+)
 
 try:
     import torch
@@ -163,6 +174,74 @@ def test_zero_grad_clears_every_gradient():
     assert all(p.grad is not None for p in model.parameters())
     model.zero_grad()
     assert all(p.grad is None for p in model.parameters())
+
+
+class Tied(Module):
+    """x -> fc1 -> relu -> fc2, with fc2 using fc1's weight (tied, as GPT-2 ties its token
+    embedding and its head); `tied=False` gives fc2 a copy of it instead."""
+
+    def __init__(self, tied: bool = True):
+        rng = np.random.default_rng(0)
+        self.fc1 = Linear(4, 4, rng=rng, dtype=np.float64)
+        self.fc2 = Linear(4, 4, rng=rng, dtype=np.float64)
+        self.fc2.weight = self.fc1.weight if tied else Parameter(self.fc1.weight.data.copy())
+
+    def forward(self, x):
+        return self.fc2(self.fc1(Tensor(x), relu=True))
+
+
+def test_a_shared_parameter_is_listed_counted_and_stepped_once():
+    model, untied = Tied(), Tied(tied=False)
+    assert [n for n, _ in model.named_parameters()] == ["fc1.weight", "fc1.bias", "fc2.bias"]
+    assert len(model.parameters()) == 3 and model.num_parameters() == 16 + 4 + 4
+    everything = [n for n, _ in model.named_parameters(remove_duplicate=False)]
+    assert everything == ["fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"]
+
+    # its gradient sums its two uses, and an optimizer steps it once: as the untied model's
+    # two gradients, added, stepped once (what torch does with a tied weight)
+    x, y = np.random.default_rng(1).standard_normal((5, 4)), np.arange(5) % 4
+    for make in (
+        lambda ps: optim.AdamW(ps, lr=0.1, weight_decay=0.1),
+        lambda ps: optim.SGD(ps, lr=0.1, momentum=0.9, weight_decay=0.1),
+    ):
+        model, untied = Tied(), Tied(tied=False)
+        cross_entropy(model(x), y).backward()
+        cross_entropy(untied(x), y).backward()
+        both = untied.fc1.weight.grad + untied.fc2.weight.grad
+        np.testing.assert_allclose(model.fc1.weight.grad, both, **TIGHT)
+        shared = Parameter(untied.fc1.weight.data.copy())
+        shared.grad = model.fc1.weight.grad  # the reference: one parameter, one step
+        for opt in (make(model.parameters()), make([shared])):
+            opt.step()
+        np.testing.assert_array_equal(model.fc1.weight.data, shared.data)
+        assert model.fc2.weight is model.fc1.weight
+
+
+def test_a_shared_parameter_is_saved_under_each_name_as_torch_does():
+    model = Tied()
+    state = model.state_dict()
+    assert list(state) == ["fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"]
+    other = Tied()
+    other.load_state_dict({k: v + 1 for k, v in state.items()})
+    np.testing.assert_array_equal(other.fc2.weight.data, state["fc1.weight"] + 1)
+    assert other.fc2.weight is other.fc1.weight  # still one parameter
+    del state["fc2.weight"]
+    with pytest.raises(KeyError, match=r"missing \['fc2.weight'\]"):
+        other.load_state_dict(state)
+
+
+def test_a_frozen_parameter_gets_no_gradient_and_no_optimizer_moves_it():
+    layer = Linear(4, 3, rng=np.random.default_rng(0), dtype=np.float64)
+    layer.bias.requires_grad = False
+    before = layer.bias.data.copy()
+    assert layer.parameters() == [layer.weight, layer.bias] and layer.num_parameters() == 15
+    opts = [optim.AdamW(layer.parameters(), weight_decay=0.1), optim.SGD(layer.parameters(), 0.1)]
+    for opt in opts:
+        cross_entropy(layer(Tensor(np.ones((2, 4)))), np.array([0, 1])).backward()
+        assert layer.weight.grad is not None and layer.bias.grad is None
+        opt.step()
+        opt.zero_grad()
+    np.testing.assert_array_equal(layer.bias.data, before)
 
 
 # ---- layers, by finite differences -------------------------------------------------------------

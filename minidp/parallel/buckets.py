@@ -25,7 +25,7 @@ class Bucket:
 
     `pending` counts the gradients still to come in this backward (data_parallel.py counts
     it down from the grad-ready hooks), `weighed` marks the slots already weighed into the
-    bucket (`weigh`); `index` is the bucket's place in launch order."""
+    bucket (`weigh`), both until `rearm`; `index` is the bucket's place in launch order."""
 
     def __init__(self, index: int, params: list, dtype, zeros=None):
         self.index = index
@@ -66,11 +66,6 @@ class Bucket:
         to be scaled or copied. A .grad made elsewhere (after an optimizer's set-to-None
         zero_grad, or assigned by hand) is multiplied into its slot on the way; no .grad at
         all is zeros. The bits are those of copying first and scaling after: one rounding."""
-        if self.weighed[i]:
-            raise RuntimeError(
-                "DDP: a second backward reached a gradient before finish_gradient_sync; "
-                "accumulate micro-batches inside ddp.no_sync()"
-            )
         p, view = self.params[i], self.views[i]
         grad = p.grad  # one read (it multiplies in any rows a deferred weight kept)
         factor = self.data.dtype.type(scale) if isinstance(self.data, np.ndarray) else scale
@@ -89,11 +84,11 @@ class Bucket:
 
     def collect(self, scale: float = 1.0) -> None:
         """Before the reduction: weigh every slot not weighed yet (all of them when DDP hooks
-        no gradient), then count from none again for the next backward."""
+        no gradient). Every slot stays marked weighed until `rearm`, after the reduction: a
+        gradient that arrives in between is a second backward (DDP refuses it)."""
         for i, done in enumerate(self.weighed):
             if not done:
                 self.weigh(i, scale)
-        self.rearm()
 
     def rearm(self) -> None:
         """A new backward: every gradient still to come, none weighed."""

@@ -34,6 +34,22 @@ completes them), each once every bucket before it has gone, as PyTorch's reducer
 all ranks run the same collectives in the same order, even when a parameter gets no gradient
 on some rank (its bucket then goes at `finish_gradient_sync`, carrying zeros for it).
 
+Which parameters, as PyTorch's DDP treats them:
+- *shared* (a tied weight, `fc4.weight = fc2.weight`): `model.parameters()` lists it once,
+  so it has one bucket slot and one grad-ready hook; backward sums its uses before the hook.
+- *frozen* (`p.requires_grad = False` before wrapping): broadcast from rank 0 with the rest
+  at construction, then left alone: no bucket slot, no .grad, no reduction.
+- *unused* in a step (no backward since the last sync reached it) on some ranks: its slot is
+  still reduced, those ranks adding zeros, so the sum is right and every rank ends with it as
+  .grad. Unused on *every* rank: .grad ends None on every rank, so optimizers skip it (no
+  weight decay, no moments), as PyTorch with find_unused_parameters=True leaves it. To know
+  which, the ranks sum one flag per parameter, 1 where a backward reached it (PyTorch
+  allreduces its local_used_map so). When the buckets go in one shared-memory call (no
+  overlap, the default hook: the main job's case) the flags go in that same call, as one
+  more array; otherwise in one small allreduce of their own, on `group`, after the
+  buckets. They are not put inside a bucket: a communication hook may change any value it
+  is given (compression), and a longer bucket would cut its chunks elsewhere (other bits).
+
 Averaging, with uneven batches. A rank's loss is the mean over its n_r examples. The global
 batch mean is sum_r (n_r / B) * mean_r, so before the allreduce(sum) each rank scales its
 bucket by n_r / B (`set_batch_share`); with equal slices that is 1 / world, plain averaging.
@@ -68,7 +84,11 @@ class ModelMismatch(RuntimeError):
 
 
 def describe_model(model: Module) -> list[str]:
-    return [f"{name} {tuple(p.shape)} {p.dtype}" for name, p in model.named_parameters()]
+    """One line per parameter: name, shape, dtype, and whether it is frozen."""
+    return [
+        f"{name} {tuple(p.shape)} {p.dtype}" + ("" if p.requires_grad else " frozen")
+        for name, p in model.named_parameters()
+    ]
 
 
 def check_same_model(model: Module, group: comm.Group) -> None:
@@ -125,7 +145,8 @@ class DistributedDataParallel:
 
     `overlap`: "auto" (on when every rank has a spare core, see `overlap_helps`), True or
     False; `ddp.overlap` says what was chosen and `ddp.overlap_reason` why. Use it as a
-    context manager, or call `close()`, to stop its communication thread."""
+    context manager, or call `close()`, to stop its communication thread. Freeze parameters
+    (requires_grad = False) before wrapping: DDP reads which are trainable once, here."""
 
     def __init__(
         self,
@@ -147,6 +168,10 @@ class DistributedDataParallel:
             raise ValueError(
                 f"unknown allreduce algo {algo!r}; choose from auto, {', '.join(comm.ALLREDUCE)}"
             )
+        # the trainable ones, in the order backward produces their gradients
+        params = [p for p in model.parameters() if p.requires_grad][::-1]
+        if not params:
+            raise ValueError("DistributedDataParallel: model has no parameter that requires grad")
         if overlap == "auto":
             self.overlap, self.overlap_reason = overlap_helps(self.group.size)
         else:
@@ -162,13 +187,18 @@ class DistributedDataParallel:
         # with overlap it waits by napping, not spinning: the compute thread keeps the core
         self.comm_group.patient = self.overlap
 
-        params = model.parameters()[::-1]  # the order backward produces their gradients
+        self._names = {id(p): name for name, p in model.named_parameters()}  # for errors
         cap = max(1, int(bucket_cap_mb * 2**20))
         self.arena = self._shared_arena(params)
-        self.buckets = assign_buckets(
-            params, cap, None if self.arena is None else _carve(self.arena)
-        )
-        self._slot_of = {id(p): (b, i) for b in self.buckets for i, p in enumerate(b.params)}
+        carve = None if self.arena is None else _carve(self.arena)
+        self.buckets = assign_buckets(params, cap, carve)
+        # _reached[k]: 1 once a backward (no_sync's too) has reached params[k] since the last
+        # sync; after the buckets in the arena when there is one (summed in the same call)
+        n = len(params)
+        self._reached = np.zeros(n) if carve is None else carve(n, self.arena.dtype)
+        self._params = params
+        slots = [(b, i) for b in self.buckets for i in range(len(b.params))]  # params' order
+        self._slot_of = {id(p): (b, i, k) for k, (p, (b, i)) in enumerate(zip(params, slots))}
         # A grad-ready hook on every parameter: it weighs each gradient into its bucket the
         # moment it is final (hot in cache), and with overlap launches complete buckets.
         hook = _weak_hook(self._grad_ready)
@@ -198,7 +228,7 @@ class DistributedDataParallel:
             return None
         if self.algo == "auto" and not comm.on_one_machine(self.comm_group):
             return None  # the same answer on every rank
-        count = sum(p.size for p in params)
+        count = sum(p.size for p in params) + len(params)  # the buckets, the reached flags
         return comm.shared_zeros(
             count, params[0].dtype, self.comm_group, if_room=self.algo == "auto"
         )
@@ -248,11 +278,13 @@ class DistributedDataParallel:
         for bucket in self.buckets:
             for p in bucket.params:
                 p.grad = None
+        self._reached[:] = 0  # what earlier backward passes reached is gone with it
         self._rearm()
 
     def _rearm(self) -> None:
         """Count every bucket's gradients from zero again, for the next backward. (A backward
-        that leaves some parameter unused never completes its bucket's count.)"""
+        that leaves some parameter unused never completes its bucket's count.) What has been
+        reached is counted on, until a sync or zero_grad."""
         for bucket in self.buckets:
             bucket.rearm()
         self._next = 0  # the next bucket to launch
@@ -265,7 +297,8 @@ class DistributedDataParallel:
         own (a deferred weight: its rows), and the block's end moves it into its bucket slot
         (Tensor.keep_grad_in), where later micro-batches add up in place: one pass, where
         pointing every .grad at a zeroed slot first would cost two (zero, then add). A
-        parameter no micro-batch reached gets its slot, zeroed, as its .grad."""
+        parameter no micro-batch reached gets its slot, zeroed, as its .grad (until the sync:
+        None there if no rank's backward reached it either)."""
         previous, self.sync_enabled = self.sync_enabled, False
         try:
             with defer_weight_grads():  # more backward passes come before .grad is read
@@ -279,9 +312,16 @@ class DistributedDataParallel:
 
     # ---- communication --------------------------------------------------------------------
     def _grad_ready(self, p) -> None:
+        bucket, i, k = self._slot_of[id(p)]
+        self._reached[k] = 1
         if not self.sync_enabled:  # under no_sync: gradients keep adding up, unweighed
             return
-        bucket, i = self._slot_of[id(p)]
+        if bucket.weighed[i]:  # weighed (maybe reduced already): this gradient comes too late
+            raise RuntimeError(
+                f"DistributedDataParallel: a second backward reached {self._names[id(p)]} "
+                "before finish_gradient_sync(); call it after each backward, or accumulate "
+                "micro-batches inside ddp.no_sync()"
+            )
         bucket.pending -= 1
         bucket.weigh(i, self.share)  # n_r / B, now, while the gradient is in cache
         # In index order, as PyTorch's reducer does: a complete bucket waits for those
@@ -304,20 +344,34 @@ class DistributedDataParallel:
 
         A gradient is weighed by n_r / B into its bucket the moment backward finishes it
         (its grad-ready hook), so change no .grad between a synchronized backward and this
-        call (add a regularizer before backward, or under no_sync)."""
+        call (add a regularizer before backward, or under no_sync). Then a parameter no
+        rank's backward reached since the last sync gets .grad None (the module docstring)."""
         if not self.sync_enabled:
             return
         start = time.perf_counter()
+        summed = False  # the reached flags, with the buckets?
         if self._thread is None:  # no overlap: every bucket goes now, in one call
             for bucket in self.buckets:
                 bucket.collect(self.share)  # the slots no hook has weighed yet
-            self.reducer.many(self.buckets)
+            with_flags = [self._reached] if self.arena is not None else []
+            summed = self.reducer.many(self.buckets, also=with_flags) and bool(with_flags)
         else:  # the buckets the hooks have not launched yet, then wait for all
             while self._next < len(self.buckets):
                 self._launch(self.buckets[self._next])
             self._thread.wait()
+        self._drop_unreached(summed)
         self.exposed_seconds += time.perf_counter() - start
         self._rearm()
+
+    def _drop_unreached(self, summed: bool) -> None:
+        """.grad = None for each parameter that no rank's backward reached since the last
+        sync: the reached flags summed over the group (with the buckets when `summed`, else
+        here, in one allreduce on `group`) are 0 there."""
+        if not summed and self.group.size > 1:
+            comm.allreduce(self._reached, group=self.group, out=self._reached)
+        for k in np.flatnonzero(self._reached == 0):
+            self._params[k].grad = None
+        self._reached[:] = 0
 
     def close(self) -> None:
         """Stop the communication thread, free its communicator, unhook the model.
@@ -328,6 +382,7 @@ class DistributedDataParallel:
         if not stuck and self.arena is not None:  # the gradients move out; the memory goes
             for bucket in self.buckets:  # back to the pool, for the next DDP (no MPI call)
                 bucket.detach()
+            self._reached = self._reached.copy()
             comm.release_shared(self.arena, self.comm_group)
             self.arena = None
         if not stuck and not self.comm_group.broken:
