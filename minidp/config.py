@@ -311,13 +311,26 @@ class TrainConfig:
         },
     )
 
+    def default_of(self, name: str):
+        """Flag `name`'s default here: a step-counted one's is its fraction of --steps."""
+        meta = TrainConfig.__dataclass_fields__[name].metadata
+        if "of_steps" not in meta:
+            return _DEFAULTS[name]
+        numerator, denominator, least = meta["of_steps"]
+        return max(least, self.steps * numerator // denominator)
+
+    def is_set(self, name: str) -> bool:
+        """Whether flag `name` was given a value other than its default (resolved or not)."""
+        value = getattr(self, name)
+        return value is not None and value != self.default_of(name)
+
     def resolved(self) -> "TrainConfig":
         """This config with each step-counted flag left unset filled in from --steps."""
-        unset = {}
-        for f in fields(self):
-            if "of_steps" in f.metadata and getattr(self, f.name) is None:
-                numerator, denominator, least = f.metadata["of_steps"]
-                unset[f.name] = max(least, self.steps * numerator // denominator)
+        unset = {
+            f.name: self.default_of(f.name)
+            for f in fields(self)
+            if "of_steps" in f.metadata and getattr(self, f.name) is None
+        }
         return replace(self, **unset) if unset else self
 
     def applies(self, name: str) -> bool:
@@ -335,7 +348,7 @@ class TrainConfig:
         for f in fields(self):
             feature = f.metadata.get("with")  # the flag that turns this one's feature on
             if self.applies(f.name) and (
-                feature is None or getattr(self, feature) != _DEFAULTS[feature]
+                feature is None or self.is_set(feature)
             ):
                 shown.append(f"{f.name}={getattr(self, f.name)}")
         return "config: " + " ".join(shown)
@@ -367,7 +380,7 @@ class TrainConfig:
                     f"--{name.replace('_', '-')} must be positive and finite, got {value}"
                 )
         for f in fields(self):
-            if not self.applies(f.name) and getattr(self, f.name) != f.default:
+            if not self.applies(f.name) and self.is_set(f.name):
                 whose = ("--model", f.metadata.get("models"), self.model)
                 if self.strategy not in f.metadata.get("strategies", (self.strategy,)):
                     whose = ("--strategy", f.metadata["strategies"], self.strategy)
@@ -480,7 +493,7 @@ class TrainConfig:
                 f"--strategy {', '.join(TORCH_STRATEGIES)}): use --backend numpy"
             )
         given = ("prune", "compress")  # the DP hooks that do not stage through the host yet
-        extras = [f for f in given if f in _DEFAULTS and getattr(self, f) != _DEFAULTS[f]]
+        extras = [f for f in given if self.is_set(f)]
         if extras:
             raise BadConfig(
                 f"--{extras[0]} does not run on --backend torch yet: use --backend numpy"
@@ -492,7 +505,7 @@ class TrainConfig:
         if not 0.0 <= self.prune < 1.0:
             raise BadConfig(f"--prune must be in [0, 1), got {self.prune}")
         if not self.prune:
-            given = [n for n in schedule if getattr(self, n) != _DEFAULTS[n]]
+            given = [n for n in schedule if self.is_set(n)]
             if given:
                 flags = ", ".join("--" + n.replace("_", "-") for n in given)
                 raise BadConfig(f"{flags} shape the schedule of --prune SPARSITY: give --prune")

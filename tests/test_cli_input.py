@@ -98,6 +98,9 @@ def test_step_counted_defaults_follow_steps():
     given = TrainConfig(steps=60, warmup=7).resolved()
     assert given.warmup == 7  # a value given is kept
     TrainConfig(steps=60, prune=0.8).validate()  # no error from a default never set
+    for config in (TrainConfig(), TrainConfig(strategy="ps", model="mlp"), short):
+        config.resolved().validate()  # a filled-in default still reads as unset
+    assert TrainConfig(steps=60, prune_end=40).is_set("prune_end") is False  # its default
 
 
 @pytest.mark.timeout(120)
