@@ -65,11 +65,9 @@ def allreduce_hook(algo: str = "auto"):
     def allreduce_bucket(bucket: Bucket, group: comm.Group) -> None:
         comm.allreduce(bucket.data, op="sum", algo=algo, group=group, out=bucket.data)
 
-    def allreduce_buckets(buckets: list[Bucket], group: comm.Group, also=()) -> None:
-        """Several buckets at once, the same bits (comm.allreduce_coalesced), and the plain
-        arrays `also` summed in the same call."""
-        arrays = [*(b.data for b in buckets), *also]
-        comm.allreduce_coalesced(arrays, op="sum", algo=algo, group=group)
+    def allreduce_buckets(buckets: list[Bucket], group: comm.Group) -> None:
+        """Several buckets at once, the same bits (comm.allreduce_coalesced)."""
+        comm.allreduce_coalesced([b.data for b in buckets], op="sum", algo=algo, group=group)
 
     allreduce_bucket.algo = algo
     allreduce_bucket.coalesced = allreduce_buckets  # Reducer.many uses it when present
@@ -100,25 +98,19 @@ class Reducer:
             self.stage.to_device(bucket.data, device.data, f"bucket {device.index}")
         self._record(f"bucket {bucket.index}", start, size)
 
-    def many(self, buckets: list[Bucket], also=()) -> bool:
+    def many(self, buckets: list[Bucket]) -> None:
         """Reduce several buckets (DDP's weighed ones, share 1) that go at the same time:
         in one call when the hook can take them together (`hook.coalesced`, the default
-        allreduce's), else one by one. The arrays `also` (DDP's reached flags) are summed
-        in that one call when there is one: returns whether they were."""
+        allreduce's), else one by one."""
         coalesced = getattr(self.hook, "coalesced", None)
-        if (
-            coalesced is None
-            or len(buckets) + len(also) < 2
-            or not isinstance(buckets[0].data, np.ndarray)
-        ):
+        if coalesced is None or len(buckets) < 2 or not isinstance(buckets[0].data, np.ndarray):
             for bucket in buckets:
                 self(bucket, 1.0)
-            return False
+            return
         start = time.perf_counter()
-        coalesced(buckets, self.group, also)
+        coalesced(buckets, self.group)
         what = f"buckets {buckets[0].index}-{buckets[-1].index}"
         self._record(what, start, sum(b.data.nbytes for b in buckets))
-        return True
 
     def _record(self, what: str, start: float, size: int) -> None:
         """Count the time since start, and put it on the timeline's communication track."""

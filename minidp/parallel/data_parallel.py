@@ -43,12 +43,12 @@ Which parameters, as PyTorch's DDP treats them:
   still reduced, those ranks adding zeros, so the sum is right and every rank ends with it as
   .grad. Unused on *every* rank: .grad ends None on every rank, so optimizers skip it (no
   weight decay, no moments), as PyTorch with find_unused_parameters=True leaves it. To know
-  which, the ranks sum one flag per parameter, 1 where a backward reached it (PyTorch
-  allreduces its local_used_map so). When the buckets go in one shared-memory call (no
-  overlap, the default hook: the main job's case) the flags go in that same call, as one
-  more array; otherwise in one small allreduce of their own, on `group`, after the
-  buckets. They are not put inside a bucket: a communication hook may change any value it
-  is given (compression), and a longer bucket would cut its chunks elsewhere (other bits).
+  which, finish_gradient_sync runs one small collective after the buckets: a max-allreduce,
+  on `group`, of one int32 flag per parameter, 1 where a backward reached it (PyTorch
+  allreduces its local_used_map so). Not inside the buckets: a communication hook may
+  change any value it is given (compression), a longer bucket would cut its chunks
+  elsewhere (other bits), and `comm_group` carries the gradients only (its byte counts
+  are what compression is measured by).
 
 Averaging, with uneven batches. A rank's loss is the mean over its n_r examples. The global
 batch mean is sum_r (n_r / B) * mean_r, so before the allreduce(sum) each rank scales its
@@ -190,13 +190,12 @@ class DistributedDataParallel:
         self._names = {id(p): name for name, p in model.named_parameters()}  # for errors
         cap = max(1, int(bucket_cap_mb * 2**20))
         self.arena = self._shared_arena(params)
-        carve = None if self.arena is None else _carve(self.arena)
-        self.buckets = assign_buckets(params, cap, carve)
-        # _reached[k]: 1 once a backward (no_sync's too) has reached params[k] since the last
-        # sync; after the buckets in the arena when there is one (summed in the same call)
-        n = len(params)
-        self._reached = np.zeros(n) if carve is None else carve(n, self.arena.dtype)
+        self.buckets = assign_buckets(
+            params, cap, None if self.arena is None else _carve(self.arena)
+        )
         self._params = params
+        # _reached[k]: 1 once a backward (no_sync's too) has reached params[k] since the sync
+        self._reached = np.zeros(len(params), dtype=np.int32)
         slots = [(b, i) for b in self.buckets for i in range(len(b.params))]  # params' order
         self._slot_of = {id(p): (b, i, k) for k, (p, (b, i)) in enumerate(zip(params, slots))}
         # A grad-ready hook on every parameter: it weighs each gradient into its bucket the
@@ -228,7 +227,7 @@ class DistributedDataParallel:
             return None
         if self.algo == "auto" and not comm.on_one_machine(self.comm_group):
             return None  # the same answer on every rank
-        count = sum(p.size for p in params) + len(params)  # the buckets, the reached flags
+        count = sum(p.size for p in params)
         return comm.shared_zeros(
             count, params[0].dtype, self.comm_group, if_room=self.algo == "auto"
         )
@@ -349,26 +348,23 @@ class DistributedDataParallel:
         if not self.sync_enabled:
             return
         start = time.perf_counter()
-        summed = False  # the reached flags, with the buckets?
         if self._thread is None:  # no overlap: every bucket goes now, in one call
             for bucket in self.buckets:
                 bucket.collect(self.share)  # the slots no hook has weighed yet
-            with_flags = [self._reached] if self.arena is not None else []
-            summed = self.reducer.many(self.buckets, also=with_flags) and bool(with_flags)
+            self.reducer.many(self.buckets)
         else:  # the buckets the hooks have not launched yet, then wait for all
             while self._next < len(self.buckets):
                 self._launch(self.buckets[self._next])
             self._thread.wait()
-        self._drop_unreached(summed)
+        self._drop_unreached()
         self.exposed_seconds += time.perf_counter() - start
         self._rearm()
 
-    def _drop_unreached(self, summed: bool) -> None:
+    def _drop_unreached(self) -> None:
         """.grad = None for each parameter that no rank's backward reached since the last
-        sync: the reached flags summed over the group (with the buckets when `summed`, else
-        here, in one allreduce on `group`) are 0 there."""
-        if not summed and self.group.size > 1:
-            comm.allreduce(self._reached, group=self.group, out=self._reached)
+        sync: one max-allreduce of the reached flags, on `group`."""
+        if self.group.size > 1:
+            comm.allreduce(self._reached, op="max", group=self.group, out=self._reached)
         for k in np.flatnonzero(self._reached == 0):
             self._params[k].grad = None
         self._reached[:] = 0
@@ -382,7 +378,6 @@ class DistributedDataParallel:
         if not stuck and self.arena is not None:  # the gradients move out; the memory goes
             for bucket in self.buckets:  # back to the pool, for the next DDP (no MPI call)
                 bucket.detach()
-            self._reached = self._reached.copy()
             comm.release_shared(self.arena, self.comm_group)
             self.arena = None
         if not stuck and not self.comm_group.broken:
