@@ -35,7 +35,8 @@ One step, over the data-parallel `group` (the whole world, or a mesh's DP axis):
 
 Communication per rank per step (ring algorithms, n elements): DP allreduces 2(N-1)/N·Ψ;
 stages 1 and 2 reduce-scatter and allgather (N-1)/N·Ψ each, the same bytes; stage 3 adds the
-allgather of backward, 3(N-1)/N·Ψ = 1.5x.
+allgather of backward, 3(N-1)/N·Ψ = 1.5x. Stages 2 and 3 are assembled by zero_sharded.py,
+which FullyShardedDataParallel (fsdp.py, the same stages as a piece) builds on too.
 
 --grad-accum K: at stages 1 and 2 the first K - 1 backwards sum their gradients locally
 (DDP's buckets at stage 1, the parameters' own .grad at stage 2), the last reduce-scatters
@@ -63,11 +64,9 @@ from minidp.parallel.strategy import (
     global_loss,
     replica_spread,
 )
-from minidp.parallel.zero3 import GatheredUnits, units_of
-from minidp.parallel.zero_flat import ShardLayout, flat_parameters, pieces
-from minidp.parallel.zero_grads import ShardedGradients
-
-ALGOS = ("auto", "ring", "naive", "mpi")  # --allreduce values both collectives accept
+from minidp.parallel.zero3 import units_of
+from minidp.parallel.zero_flat import ShardLayout, allgather_flat, flat_parameters, pieces
+from minidp.parallel.zero_sharded import ALGOS, ShardedModel
 
 
 def model_state_bytes(stage: int, psi: int, n: int, itemsize: int = 4, k: int = 8) -> dict:
@@ -122,53 +121,41 @@ class ZeRO(Strategy):
             for p in model.parameters():  # every rank starts from rank 0's weights
                 comm.broadcast(p.data, root=0, group=group)
         names = {id(p): name for name, p in model.named_parameters()}
-        dtype = model.parameters()[0].dtype
         if stage < 3:  # the flat vector is cut as DDP's buckets: reverse parameter order
             cap = max(1, int(config.bucket_mb * 2**20))
             segments = bucket_groups(model.parameters()[::-1], cap)
         else:  # one segment per layer, in forward order
             self.units = units_of(model)
-            segments = [child.parameters() for _, child in self.units]
-        self.layout = layout = ShardLayout(segments, names, group.size, group.rank)
+            segments = [params for _, _, params in self.units]
         overlap = OVERLAP[config.overlap]
         if overlap == "auto":
             overlap = overlap_helps(group.size)[0]
         self.overlap = overlap and stage < 3  # stage 3 gathers inside backward: inline
         self.ddp = self.grads = self.gathered = None
         if stage == 1:
-            self.flat = flat_parameters(layout, dtype)
+            self.layout = layout = ShardLayout(segments, names, group.size, group.rank)
+            self.flat = flat_parameters(layout, model.parameters()[0].dtype)
             self.ddp = DistributedDataParallel(
                 model, group, config.bucket_mb, overlap=self.overlap, timeline=self.timeline
             )
             self.ddp.register_comm_hook(self._reduce_scatter_bucket)
             self.comm_group = self.ddp.comm_group
-            grad_chunks = [b.data[lo:hi] for b, (lo, hi) in zip(self.ddp.buckets, layout.chunks)]
-        else:
-            self.comm_group = group.dup()
-            self.comm_group.patient = self.overlap
-            self.grad_shard = np.zeros(layout.shard_numel, dtype)
-            grad_chunks = [layout.my_chunk(self.grad_shard, s) for s in range(len(segments))]
-            order = list(range(len(segments)))  # buckets: index order; layers: last first
-            if stage == 2:
-                self.flat = flat_parameters(layout, dtype)
-            else:
-                self.param_shard = layout.shard_of(layout.flatten(model.state_dict()))
-                modules = [child for _, child in self.units]
-                self.gathered = GatheredUnits(
-                    modules, layout, self.param_shard, self.comm_group, self.algo
-                )
-                order = order[::-1]
-            release = self.gathered.release if self.gathered else None
-            self.grads = ShardedGradients(
-                *(layout, order, self.grad_shard, self.comm_group, self.algo, self.overlap),
-                timeline=self.timeline,
-                launched=release,
-                reduce_each=stage == 3,
-            )
-        if stage < 3:
             param_chunks = [self.flat[lo:hi] for lo, hi in layout.ranges()]
-        else:
-            param_chunks = [layout.my_chunk(self.param_shard, s) for s in range(len(segments))]
+            grad_chunks = [b.data[lo:hi] for b, (lo, hi) in zip(self.ddp.buckets, layout.chunks)]
+        else:  # stages 2 and 3: zero_sharded.py
+            order = list(range(len(segments)))  # buckets: index order; layers: last first
+            self.shards = ShardedModel(
+                *(segments, names, group, self.algo),
+                launch_order=order if stage == 2 else order[::-1],
+                modules=[child for _, child, _ in self.units] if stage == 3 else None,
+                outer=stage == 3 and self.units[0][1] is model,
+                overlap=self.overlap,
+                timeline=self.timeline,
+            )
+            self.layout, self.comm_group = self.shards.layout, self.shards.comm_group
+            self.grads, self.gathered = self.shards.grads, self.shards.gathered
+            self.flat, self.grad_shard = self.shards.flat, self.shards.grad_shard
+            param_chunks, grad_chunks = self.shards.param_chunks, self.shards.grad_chunks
         self.pieces = pieces(param_chunks, grad_chunks)
         self.optimizer = (make_optimizer or self._optimizer)(self.pieces)
         self.data_shard = (group.rank, group.size)
@@ -227,10 +214,8 @@ class ZeRO(Strategy):
 
     def _gather_flat(self) -> None:
         """Stages 1 and 2: every segment's updated chunks to every rank, into the model."""
-        layout, start = self.layout, time.perf_counter()
-        for s, (lo, hi) in enumerate(layout.chunks):
-            segment = self.flat[layout.offsets[s] : layout.offsets[s + 1]]
-            comm.allgather(segment[lo:hi], algo=self.algo, group=self.comm_group, out=segment)
+        start = time.perf_counter()
+        allgather_flat(self.flat, self.layout, self.comm_group, self.algo)
         self.gather_seconds += time.perf_counter() - start
 
     # ---- what the loop reports -------------------------------------------------------------
@@ -264,10 +249,7 @@ class ZeRO(Strategy):
         return (self.ddp or self.grads).exposed_seconds + gathers
 
     def memory_bytes(self) -> dict[str, int]:
-        if self.stage < 3:
-            parameters = self.flat.nbytes
-        else:
-            parameters = self.param_shard.nbytes
+        parameters = self.flat.nbytes if self.stage == 1 else self.shards.parameter_bytes
         held = [b.data for b in self.ddp.buckets] if self.ddp else [self.grad_shard]
         # and any whole gradient still on a parameter (none, after a step, at stages 2, 3)
         gradients = nbytes([*held, *(p.grad for p in self.model.parameters())])
@@ -326,8 +308,4 @@ class ZeRO(Strategy):
         if self.ddp is not None:
             self.ddp.close()
             return
-        stuck = self.grads.close()
-        if self.gathered is not None:
-            self.gathered.unwrap()
-        if not stuck and not self.comm_group.broken:  # as DDP.close: never under a thread
-            self.comm_group.free()
+        self.shards.close()

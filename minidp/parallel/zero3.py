@@ -24,6 +24,11 @@ u's ops come after every op of u + 1, since u + 1 consumes u's output), so unit 
 with slot[u % 2] when u gathers into it. Held at any time: 2 slots of the largest unit.
 (PyTorch FSDP gets the same effect by resizing a gathered tensor's storage to zero.)
 
+Parameters outside the children, or shared by two of them (a tied weight), form a unit of
+the model itself (units_of), first in forward order: its gather wraps the model's forward,
+so it is held through the whole forward (and, gathered again by the output's pre_backward,
+through the whole backward), in a third slot of its own; it is reduce-scattered last.
+
 `gathered_peak` is measured: the largest number of bytes held at once, during any step, by
 the distinct live arrays a gather wrote into (followed by weak references), not the formula.
 """
@@ -37,17 +42,28 @@ from minidp import comm
 from minidp.autograd import op
 from minidp.nn import Module
 from minidp.parallel.strategy import stand_in
-from minidp.parallel.zero_flat import ShardLayout
+from minidp.parallel.zero_flat import ShardLayout, gather_whole
 
 
-def units_of(model: Module) -> list[tuple[str, Module]]:
-    """The model's direct children that own parameters, in forward (assignment) order: the
-    layers stage 3 gathers one at a time. Every parameter must belong to one."""
-    units = [(name, child) for name, child in model.children() if child.parameters()]
-    inside = {id(p) for _, child in units for p in child.parameters()}
-    stray = [name for name, p in model.named_parameters() if id(p) not in inside]
-    if stray:
-        raise ValueError(f"ZeRO-3 gathers whole child modules; parameters {stray} are in none")
+def units_of(model: Module) -> list[tuple[str, Module, list]]:
+    """The layers gathered one at a time, in forward order: (name, module, its trainable
+    parameters). Each direct child of the model that owns trainable parameters is a unit,
+    with those no other child holds. What is left (the model's own parameters, and those
+    two children share: a tied weight) is a unit of the model itself, put first: it is
+    gathered for the whole forward, as PyTorch FSDP's root unit. Frozen parameters
+    (requires_grad False) are in no unit: they stay whole on every rank."""
+    children = list(model.children())
+    holders: dict[int, set[str]] = {}
+    for name, child in children:
+        for p in child.parameters():
+            holders.setdefault(id(p), set()).add(name)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    rest = [p for p in trainable if len(holders.get(id(p), ())) != 1]
+    units = [("", model, rest)] if rest else []
+    for name, child in children:
+        own = [p for p in child.parameters() if p.requires_grad and holders[id(p)] == {name}]
+        if own:
+            units.append((name, child, own))
     return units
 
 
@@ -55,15 +71,26 @@ class GatheredUnits:
     """Gather-before-use for every unit of `layout` (whose segments are the units' params).
 
     `shard`: this rank's parameter chunks (layout.shard_numel elements); the unit modules'
-    forwards are wrapped until `close()` or `materialize()`."""
+    forwards are wrapped until `unwrap()` or `materialize()`. `outer`: modules[0] is the
+    model around the others (units_of's unit of the model itself); it is gathered for the
+    whole forward, so into a slot of its own, and the others take turns in two."""
 
     def __init__(
-        self, modules: list[Module], layout: ShardLayout, shard, group: comm.Group, algo: str
+        self,
+        modules: list[Module],
+        layout: ShardLayout,
+        shard,
+        group: comm.Group,
+        algo: str,
+        outer: bool = False,
     ):
         self.modules, self.layout, self.shard = modules, layout, shard
         self.group, self.algo = group, algo
-        largest = max(layout.lengths)
+        largest = max(layout.lengths[outer:], default=0)
         self.slots = [np.empty(largest, shard.dtype) for _ in range(2)]
+        if outer:
+            self.slots.append(np.empty(layout.lengths[0], shard.dtype))
+        self.slot_of = [2] * outer + [u % 2 for u in range(len(modules) - outer)]
         self.gathers = 0  # allgathers run, forward and backward
         self.seconds = 0.0  # time in them, in total
         self._live: dict[int, int] = {}  # id(buffer) -> bytes, for buffers still alive
@@ -76,7 +103,7 @@ class GatheredUnits:
     # ---- gather and release ------------------------------------------------------------
     def gather(self, u: int) -> None:
         """All of unit u's weights into its slot; the unit's parameters point into it."""
-        buffer = self.slots[u % 2][: self.layout.lengths[u]]
+        buffer = self.slots[self.slot_of[u]][: self.layout.lengths[u]]
         mine = self.layout.my_chunk(self.shard, u)
         start = time.perf_counter()
         comm.allgather(mine, algo=self.algo, group=self.group, out=buffer)
@@ -126,9 +153,7 @@ class GatheredUnits:
         """Collective: every unit gathered into arrays of its own, the forwards unwrapped:
         the model is whole on every rank (for validation and sampling after training)."""
         self.unwrap()
-        for u in range(len(self.modules)):
-            whole = np.empty(self.layout.lengths[u], self.shard.dtype)
-            mine = self.layout.my_chunk(self.shard, u)
-            comm.allgather(mine, algo=self.algo, group=self.group, out=whole)
-            for p, view in zip(self.layout.segments[u], self.layout.segment_views(whole, u)):
-                p.data = view
+        chunks = [self.layout.my_chunk(self.shard, u) for u in range(len(self.modules))]
+        whole = gather_whole(self.layout, chunks, self.group, self.algo)
+        for p in (p for segment in self.layout.segments for p in segment):
+            p.data = whole[id(p)]

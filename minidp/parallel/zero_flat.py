@@ -24,6 +24,7 @@ SGD are elementwise, so stepping the pieces is stepping those elements of the wh
 
 import numpy as np
 
+from minidp import comm
 from minidp.autograd import Tensor
 from minidp.chunks import chunk_bounds
 
@@ -81,6 +82,38 @@ def flat_parameters(layout: ShardLayout, dtype) -> np.ndarray:
             view[...] = p.data
             p.data = view
     return flat
+
+
+def allgather_flat(flat: np.ndarray, layout: ShardLayout, group: comm.Group, algo: str) -> None:
+    """Collective: every segment's chunks to every rank, in place in the whole flat vector
+    (stages 1 and 2: each rank has updated its chunks, the rest of `flat` is stale)."""
+    for s, (lo, hi) in enumerate(layout.chunks):
+        segment = flat[layout.offsets[s] : layout.offsets[s + 1]]
+        comm.allgather(segment[lo:hi], algo=algo, group=group, out=segment)
+
+
+def gather_whole(layout: ShardLayout, chunks: list[np.ndarray], group: comm.Group, algo: str):
+    """Collective: each segment whole, in a new array of its own, from every rank's chunk of
+    it (`chunks[s]`, this rank's): {id(parameter): its value, a view of that array}."""
+    whole = {}
+    for s, mine in enumerate(chunks):
+        segment = np.empty(layout.lengths[s], mine.dtype)
+        comm.allgather(mine, algo=algo, group=group, out=segment)
+        for p, view in zip(layout.segments[s], layout.segment_views(segment, s)):
+            whole[id(p)] = view
+    return whole
+
+
+def slices_in(params: list, lo: int, hi: int) -> list[tuple[int, int, int]]:
+    """(i, start, stop): the elements [start, stop) of params[i] (flattened) that fall in
+    [lo, hi) of the params laid end to end (a chunk of a segment); none for an empty chunk."""
+    out, offset = [], 0
+    for i, p in enumerate(params):
+        start, stop = max(lo, offset), min(hi, offset + p.size)
+        if start < stop:
+            out.append((i, start - offset, stop - offset))
+        offset += p.size
+    return out
 
 
 def pieces(param_chunks: list[np.ndarray], grad_chunks: list[np.ndarray]) -> list[Tensor]:

@@ -80,6 +80,12 @@ class ShardedGradients:
         self.reducer = Reducer(reduce_scatter_hook(algo), group, timeline)
         self._thread = CommThread(self.reducer) if overlap else None
         self._segment_of = {id(p): s for s, seg in enumerate(layout.segments) for p in seg}
+        params = [p for seg in layout.segments for p in seg]  # flat order
+        self._index_of = {id(p): k for k, p in enumerate(params)}
+        self._name_of = dict(zip(self._index_of, layout.order))
+        # reached[k]: 1 once some backward gave params[k] a gradient (read when its segment
+        # was launched); kept across steps until the user of this class resets it
+        self.reached = np.zeros(len(params))
         self._unhook = [
             p.register_grad_ready_hook(self._grad_ready) for seg in layout.segments for p in seg
         ]
@@ -91,6 +97,7 @@ class ShardedGradients:
     def rearm(self) -> None:
         """Count every segment's gradients from zero again, for the next backward."""
         self.pending = [len(seg) for seg in self.layout.segments]
+        self._ready: set[int] = set()  # parameters whose gradient this backward finished
         self._next = 0  # position in launch_order of the next segment to go
 
     @contextlib.contextmanager
@@ -117,6 +124,12 @@ class ShardedGradients:
     def _grad_ready(self, p) -> None:
         if not self.sync_enabled:
             return
+        if id(p) in self._ready:  # its segment may have gone: this gradient would be lost
+            raise RuntimeError(
+                f"a second backward reached {self._name_of[id(p)]} before its gradients were "
+                "reduce-scattered (finish_gradient_sync); accumulate inside no_sync()"
+            )
+        self._ready.add(id(p))
         self.pending[self._segment_of[id(p)]] -= 1
         while self._next < len(self.order) and self.pending[self.order[self._next]] == 0:
             self._launch(self.order[self._next])
@@ -127,6 +140,8 @@ class ShardedGradients:
             [np.zeros(p.size, p.dtype) if p.grad is None else p.grad.ravel() for p in params]
         )
         for p in params:
+            if p.grad is not None:
+                self.reached[self._index_of[id(p)]] = 1
             p.grad = None  # the full gradient is in the staging vector only, until reduced
         staged = Staged(s, staging, self.layout.my_chunk(self.shard, s), self.adding)
         self._next += 1

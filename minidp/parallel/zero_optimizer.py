@@ -45,7 +45,13 @@ import numpy as np
 
 from minidp import comm, optim
 from minidp.autograd import Tensor
-from minidp.parallel.zero_flat import ShardLayout, flat_parameters, pieces
+from minidp.parallel.zero_flat import (
+    ShardLayout,
+    allgather_flat,
+    flat_parameters,
+    pieces,
+    slices_in,
+)
 
 
 class ZeroRedundancyOptimizer:
@@ -77,7 +83,9 @@ class ZeroRedundancyOptimizer:
         self.flat = flat_parameters(self.layout, dtype)  # every p.data now a view of it
         self._views = [p.data for p in self.params]
         self.chunk = self.layout.ranges()[0]  # [lo, hi) of flat: mine
-        self._slices = slices_in(self.params, *self.chunk)
+        # a rank whose chunk is empty (Ψ < N) gets one empty slice, so that its optimizer
+        # still exists (and holds lr)
+        self._slices = slices_in(self.params, *self.chunk) or [(0, 0, 0)]
         data = [self.params[i].data.reshape(-1)[lo:hi] for i, lo, hi in self._slices]  # views
         self.pieces = pieces(data, [None] * len(data))
         self.optimizer = optimizer_class(self.pieces, **defaults)
@@ -115,8 +123,7 @@ class ZeroRedundancyOptimizer:
         self.optimizer.step()
         for piece in self.pieces:
             piece.grad = None  # hold no view of the user's gradients between steps
-        lo, hi = self.chunk
-        comm.allgather(self.flat[lo:hi], group=self.group, out=self.flat)
+        allgather_flat(self.flat, self.layout, self.group, "auto")
 
     # ---- resuming -------------------------------------------------------------------------
     def state_dict(self) -> dict:
@@ -170,16 +177,3 @@ def check_same_params(params: list[Tensor], group: comm.Group) -> None:
     if not (every == every[0]).all():
         counts = ", ".join(f"rank {r}: {n} tensors, {e} elements" for r, (n, e) in enumerate(every))
         raise ValueError(f"params differ across the ranks of group ({counts})")
-
-
-def slices_in(params: list[Tensor], lo: int, hi: int) -> list[tuple[int, int, int]]:
-    """(i, start, stop): the elements [start, stop) of params[i] (flattened) that fall in
-    [lo, hi) of the flat vector; a rank whose chunk is empty (Ψ < N) gets one empty slice,
-    so that its optimizer still exists (and holds lr)."""
-    out, offset = [], 0
-    for i, p in enumerate(params):
-        start, stop = max(lo, offset), min(hi, offset + p.size)
-        if start < stop:
-            out.append((i, start - offset, stop - offset))
-        offset += p.size
-    return out or [(0, 0, 0)]
