@@ -122,10 +122,9 @@ def test_alone_equals_the_unsharded_optimizer_on_one_process():
 @pytest.mark.parallel(nprocs=[2, 3])
 @pytest.mark.timeout(120)
 def test_after_ddp_equals_ddp_with_the_unsharded_optimizer():
-    """loss.backward(); ddp.finish_gradient_sync(); zero.step(). DDP hands every parameter
-    in its buckets a gradient (zeros for the unused and the frozen one), so the reference is
-    DDP with the plain optimizer over the trainable parameters: the frozen bias, though it
-    has a .grad, never moves."""
+    """loss.backward(); ddp.finish_gradient_sync(); zero.step(). DDP leaves the frozen bias
+    alone (no .grad) and the parameter no rank reached with .grad None, so the reference is
+    DDP with the plain optimizer over the trainable parameters: neither moves."""
     group = comm.world()
     for name, (cls, defaults) in OPTIMIZERS.items():
         model, ref = Net(), Net()
@@ -146,7 +145,7 @@ def test_after_ddp_equals_ddp_with_the_unsharded_optimizer():
                     opt.lr = lr_at(step, defaults)
                     opt.step()
                 check(model, ref, start, group, f"{name} N={group.size} DDP step {step}")
-                assert model.mlp.layers[1].bias.grad is not None  # DDP's zeros, not stepped
+                assert model.mlp.layers[1].bias.grad is None and model.unused.grad is None
 
 
 # ---- serial ------------------------------------------------------------------------------
