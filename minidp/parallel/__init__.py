@@ -6,6 +6,7 @@ follows the protocol in strategy.py. A new scheme is a module here and one line 
 
 from minidp.parallel.data_parallel import DistributedDataParallel, ModelMismatch
 from minidp.parallel.dp_strategy import DataParallel
+from minidp.parallel.fsdp import FullyShardedDataParallel
 from minidp.parallel.mesh import Mesh
 from minidp.parallel.param_server import ParameterServer
 from minidp.parallel.strategy import StepResult, Strategy
@@ -35,6 +36,7 @@ __all__ = [
     "ColumnParallelLinear",
     "DataParallel",
     "DistributedDataParallel",
+    "FullyShardedDataParallel",
     "Hybrid",
     "Mesh",
     "ModelMismatch",
