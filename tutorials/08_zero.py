@@ -29,7 +29,11 @@ import numpy as np
 from minidp import Tensor, comm, cross_entropy, data, nn, optim
 from minidp.chunks import chunk_range
 from minidp.log import print0
-from minidp.parallel import DistributedDataParallel, ZeroRedundancyOptimizer
+from minidp.parallel import (
+    DistributedDataParallel,
+    FullyShardedDataParallel,
+    ZeroRedundancyOptimizer,
+)
 from minidp.parallel.zero import model_state_bytes
 from minidp.parallel.zero3 import GatheredUnits
 from minidp.parallel.zero_flat import ShardLayout, pieces
@@ -219,6 +223,27 @@ print0(
     f" layer) of the {b * psi:,} the whole model takes; {gathered.gathers} allgathers a step"
 )
 gathered.unwrap()
+
+# %% [markdown]
+# Stages 3 and 2 as one piece around your own model, as PyTorch's FSDP. With
+# `sharding="full"` (FULL_SHARD: stage 3) it does what we just did by hand: each layer
+# gathered around its forward and its backward, its gradients reduce-scattered when ready;
+# `sharding="grad_op"` (SHARD_GRAD_OP: stage 2) keeps the parameters whole and allgathers
+# the updated chunks in the next forward. Its `parameters()` are this rank's shards, for any
+# optimizer; `full_state_dict()` gathers the whole model by name.
+
+# %%
+for sharding in ("full", "grad_op"):
+    model, _ = new_model()
+    with FullyShardedDataParallel(model, group, sharding, algo="ring") as fsdp:
+        opt = adamw(fsdp.parameters())
+        cross_entropy(fsdp(x), y).backward()
+        fsdp.finish_gradient_sync()  # each shard's .grad: the global batch's mean
+        opt.step()
+        state = fsdp.full_state_dict()
+    got = np.concatenate([state[name].ravel() for name, _ in model.named_parameters()])
+    np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-15)  # DP's step, to rounding
+    print0(f"FSDP {sharding}: this rank steps {fsdp.shard_numel:,} of the {psi:,} parameters")
 
 # %% [markdown]
 # ## 5. The picture: what one rank holds at each stage
