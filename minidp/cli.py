@@ -42,9 +42,9 @@ def train_parser() -> argparse.ArgumentParser:
             continue
         shown = default
         if "of_steps" in meta:  # unset: a fraction of --steps (config.py)
-            numerator, denominator, _ = meta["of_steps"]
+            numerator, denominator, least = meta["of_steps"]
             shown = f"{numerator} x " if numerator > 1 else ""
-            shown += f"steps / {denominator}"
+            shown += f"steps / {denominator}" + (f", at least {least}" if least else "")
         parser.add_argument(
             flag,
             dest=name,

@@ -18,7 +18,7 @@ import os
 import tempfile
 from dataclasses import dataclass, field, fields, replace
 
-from minidp.memory import available_memory_bytes, estimated_bytes
+from minidp.memory import estimated_bytes, physical_memory_bytes
 from minidp.names import ALGORITHMS, AUTO
 from minidp.optim import OPTIMIZERS
 
@@ -325,7 +325,9 @@ class TrainConfig:
         return value is not None and value != self.default_of(name)
 
     def resolved(self) -> "TrainConfig":
-        """This config with each step-counted flag left unset filled in from --steps."""
+        """This config with each step-counted flag left unset filled in from --steps. Resolve
+        last: `replace(config.resolved(), steps=N)` keeps the numbers filled in for the old
+        --steps (replace the unresolved config, then resolve)."""
         unset = {
             f.name: self.default_of(f.name)
             for f in fields(self)
@@ -347,9 +349,7 @@ class TrainConfig:
         shown = []
         for f in fields(self):
             feature = f.metadata.get("with")  # the flag that turns this one's feature on
-            if self.applies(f.name) and (
-                feature is None or self.is_set(feature)
-            ):
+            if self.applies(f.name) and (feature is None or self.is_set(feature)):
                 shown.append(f"{f.name}={getattr(self, f.name)}")
         return "config: " + " ".join(shown)
 
@@ -402,8 +402,9 @@ class TrainConfig:
             raise BadConfig(f"--dropout must be in [0, 1), got {self.dropout}")
         if not 0.0 <= self.min_lr_ratio <= 1.0:
             raise BadConfig(f"--min-lr-ratio must be in [0, 1], got {self.min_lr_ratio}")
+        resolved = self.resolved()
         for name in ("threads", "warmup", "sample_tokens", "grad_clip", "weight_decay"):
-            value = getattr(self.resolved(), name)
+            value = getattr(resolved, name)
             if not (0 <= value < math.inf):
                 raise BadConfig(f"--{name.replace('_', '-')} must be >= 0 and finite, got {value}")
         if self.servers < 1:
@@ -447,10 +448,13 @@ class TrainConfig:
             _check_can_write("--log-dir", existing)
 
     def _validate_memory(self) -> None:
-        """Refuse a model and batch whose estimated size is past this machine's memory, before
-        any rank allocates it (the ranks of one machine share it: the global batch counts)."""
+        """Refuse a GPT block longer than the text, and a model and batch whose estimated size
+        is past this machine's memory, before any rank allocates it (the ranks of one machine
+        share it: the global batch counts)."""
+        if self.model == "gpt":
+            check_block_size(self.block_size)
         need = estimated_bytes(self)
-        have = available_memory_bytes()
+        have = physical_memory_bytes()
         if have is not None and need > have:
             sizes = (
                 f"--block-size {self.block_size}, --n-embd {self.n_embd}, --n-layer {self.n_layer}"
@@ -459,7 +463,7 @@ class TrainConfig:
             )
             raise BadConfig(
                 f"--batch-size {self.batch_size} with {sizes} needs about {need / 2**30:,.1f} "
-                f"GiB, more than the {have / 2**30:,.1f} GiB available here: make them smaller"
+                f"GiB, more than the {have / 2**30:,.1f} GiB of this machine: make them smaller"
             )
 
     def _validate_velocity(self) -> None:
@@ -530,6 +534,19 @@ class TrainConfig:
                 f"--prune-end {r.prune_end} is past the last step (--steps {r.steps} "
                 f"runs steps 0 to {r.steps - 1}): lower --prune-end"
             )
+
+
+def check_block_size(block_size: int) -> None:
+    """BadConfig unless a GPT window of block_size + 1 tokens fits in both splits of the text."""
+    from minidp.data import char_corpus  # cached: built once per process
+
+    train_tokens, val_tokens, _ = char_corpus()
+    shortest = min(len(train_tokens), len(val_tokens))
+    if block_size >= shortest:
+        raise BadConfig(
+            f"--block-size {block_size} is longer than the text: the validation split has "
+            f"{len(val_tokens):,} characters, so at most {shortest - 1:,}"
+        )
 
 
 def staleness_bound(consistency: str) -> float:

@@ -80,15 +80,10 @@ def estimated_bytes(config) -> int:
     return 4 * params * itemsize + activations
 
 
-def available_memory_bytes() -> int | None:
-    """MemAvailable from /proc/meminfo (Linux), else the physical memory; None if unknown."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
+def physical_memory_bytes() -> int | None:
+    """This machine's memory (None if unknown): the same number on every rank of a machine,
+    so a check against it passes or fails on all of them alike (what is free right now would
+    differ from rank to rank)."""
     try:
         return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError, AttributeError):

@@ -14,7 +14,7 @@ import numpy as np
 
 from minidp import backend, data, nn
 from minidp.autograd import Tensor, no_grad
-from minidp.config import BadConfig, TrainConfig
+from minidp.config import TrainConfig, check_block_size
 from minidp.info import cores_per_rank
 
 
@@ -27,13 +27,7 @@ class Task:
         backend.use(config.backend, config.device, threads)  # the model is built on the host
         if config.model == "gpt":
             self.train_tokens, self.val_tokens, self.tokenizer = data.char_corpus()
-            shortest = min(len(self.train_tokens), len(self.val_tokens))
-            if config.block_size >= shortest:  # a window needs block_size + 1 tokens
-                raise BadConfig(
-                    f"--block-size {config.block_size} is longer than the text: the "
-                    f"validation split has {len(self.val_tokens):,} characters, so at most "
-                    f"{shortest - 1:,}"
-                )
+            check_block_size(config.block_size)  # before the model's T x T mask exists
             self.gpt_config = nn.GPTConfig(
                 vocab_size=self.tokenizer.vocab_size,
                 block_size=config.block_size,

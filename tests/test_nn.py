@@ -27,7 +27,7 @@ try:
     import torch
     import torch.nn.functional as F
     from torch import nn as tnn
-except ImportError:
+except Exception:
     torch = None
 
 

@@ -15,7 +15,7 @@ from minidp import Tensor, optim
 
 try:
     import torch
-except ImportError:
+except Exception:
     torch = None
 
 

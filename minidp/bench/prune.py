@@ -43,13 +43,8 @@ SPARSITIES = (0.0, 0.5, 0.8, 0.9, 0.95)
 
 
 def contender_config(base: TrainConfig, width: int, sparsity: float) -> TrainConfig:
-    """The run for one (width, sparsity): the schedule scaled to the number of steps."""
-    steps = base.steps
-    start, end = steps // 6, (2 * steps) // 3
-    schedule = dict(prune_start=start, prune_end=end, prune_every=max(1, steps // 30))
-    return replace(
-        base, n_embd=width, prune=sparsity, **(schedule if sparsity else {}), sample_tokens=0
-    )
+    """The run for one (width, sparsity): the schedule's defaults scale with --steps."""
+    return replace(base, n_embd=width, prune=sparsity, sample_tokens=0)
 
 
 def weight_counts(config: TrainConfig) -> tuple[int, int]:

@@ -87,6 +87,8 @@ def timeout_from_env(checks: bool) -> float | None:
         seconds = float(value)
     except ValueError:
         seconds = math.nan
+    if seconds == 0:  # "0.0" as "0"
+        return None
     if not 0 < seconds < math.inf:
         raise ValueError(
             f"MINIDP_TIMEOUT={raw!r}: give the seconds a collective may wait (a number > 0), "

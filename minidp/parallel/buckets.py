@@ -58,14 +58,16 @@ class Bucket:
                 p.grad = new
         self.data, self.views = data, views
 
-    def weigh(self, i: int, scale: float) -> None:
+    def weigh(self, i: int, scale: float) -> bool:
         """Slot i = scale * parameter i's gradient, in one pass; once per backward.
 
         DDP weighs each gradient by n_r / B (its share of the global mean) the moment backward
         has finished it, while it is still in cache, so the bucket is never read again just
         to be scaled or copied. A .grad made elsewhere (after an optimizer's set-to-None
         zero_grad, or assigned by hand) is multiplied into its slot on the way; no .grad at
-        all is zeros. The bits are those of copying first and scaling after: one rounding."""
+        all is zeros. The bits are those of copying first and scaling after: one rounding.
+        Returns whether the parameter came with a gradient of its own (not None, not its
+        slot): one assigned by hand counts as reached, as one from backward does."""
         p, view = self.params[i], self.views[i]
         grad = p.grad  # one read (it multiplies in any rows a deferred weight kept)
         factor = self.data.dtype.type(scale) if isinstance(self.data, np.ndarray) else scale
@@ -81,14 +83,19 @@ class Bucket:
             view *= factor
         p.grad = view
         self.weighed[i] = True
+        return grad is not None and grad is not view
 
-    def collect(self, scale: float = 1.0) -> None:
+    def collect(self, scale: float = 1.0) -> list:
         """Before the reduction: weigh every slot not weighed yet (all of them when DDP hooks
-        no gradient). Every slot stays marked weighed until `rearm`, after the reduction: a
-        gradient that arrives in between is a second backward (DDP refuses it)."""
-        for i, done in enumerate(self.weighed):
-            if not done:
-                self.weigh(i, scale)
+        no gradient), and return the parameters among them that came with a gradient of
+        their own (assigned by hand). Every slot stays marked weighed until `rearm`, after
+        the reduction: a gradient that arrives in between is a second backward (DDP refuses
+        it)."""
+        return [
+            self.params[i]
+            for i, done in enumerate(self.weighed)
+            if not done and self.weigh(i, scale)
+        ]
 
     def rearm(self) -> None:
         """A new backward: every gradient still to come, none weighed."""

@@ -57,5 +57,6 @@ def update_step(strategy, local: np.ndarray, lr: float) -> StepResult:
     with span("gradient sync wait"):
         ddp.finish_gradient_sync()  # every bucket through the hook: Σ_w (n_w/B)·C(p_w)
     for p in params:
-        p.data -= p.grad
+        if p.grad is not None:  # None: no rank's backward reached it (DDP's rule)
+            p.data -= p.grad
     return StepResult(step_loss, local_loss)

@@ -86,5 +86,6 @@ def velocity_step(strategy, local: np.ndarray, lr: float) -> StepResult:
     with strategy.timeline.span("gradient sync wait"):
         ddp.finish_gradient_sync()  # each bucket through MomentumCorrection
     for p in params:  # plain SGD on Σ_w C(v_w): the momentum is already in it
-        p.data -= p.grad.dtype.type(lr) * p.grad
+        if p.grad is not None:  # None: no rank's backward reached it (DDP's rule)
+            p.data -= p.grad.dtype.type(lr) * p.grad
     return StepResult(step_loss, local_loss)

@@ -168,15 +168,15 @@ class DistributedDataParallel:
             raise ValueError(
                 f"unknown allreduce algo {algo!r}; choose from auto, {', '.join(comm.ALLREDUCE)}"
             )
-        # the trainable ones, in the order backward produces their gradients
-        params = [p for p in model.parameters() if p.requires_grad][::-1]
-        if not params:
-            raise ValueError("DistributedDataParallel: model has no parameter that requires grad")
         if overlap == "auto":
             self.overlap, self.overlap_reason = overlap_helps(self.group.size)
         else:
             self.overlap, self.overlap_reason = overlap, "forced"
-        check_same_model(model, self.group)
+        check_same_model(model, self.group)  # frozen ones too: what follows is alike everywhere
+        # the trainable ones, in the order backward produces their gradients
+        params = [p for p in model.parameters() if p.requires_grad][::-1]
+        if not params:
+            raise ValueError("DistributedDataParallel: model has no parameter that requires grad")
         self.stage = HostStage(timeline)  # torch tensors go through host buffers (host_stage.py)
         for i, p in enumerate(model.parameters()):  # every rank starts from rank 0's weights
             self.stage.in_place(
@@ -334,9 +334,15 @@ class DistributedDataParallel:
             self._launch(self.buckets[self._next])
 
     def _launch(self, bucket: Bucket) -> None:
-        bucket.collect(self.share)  # the slots no hook has weighed yet (unused parameters)
+        self._collect(bucket)
         self._next += 1
         self._thread.submit(bucket, 1.0)
+
+    def _collect(self, bucket: Bucket) -> None:
+        """Weigh the slots no hook has weighed (unused parameters, or a .grad set by hand:
+        that one counts as reached)."""
+        for p in bucket.collect(self.share):
+            self._reached[self._slot_of[id(p)][2]] = 1
 
     def finish_gradient_sync(self) -> None:
         """After backward: launch any bucket not yet launched, wait for all of them.
@@ -350,7 +356,7 @@ class DistributedDataParallel:
         start = time.perf_counter()
         if self._thread is None:  # no overlap: every bucket goes now, in one call
             for bucket in self.buckets:
-                bucket.collect(self.share)  # the slots no hook has weighed yet
+                self._collect(bucket)
             self.reducer.many(self.buckets)
         else:  # the buckets the hooks have not launched yet, then wait for all
             while self._next < len(self.buckets):

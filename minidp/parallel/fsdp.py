@@ -42,8 +42,9 @@ What is sent when (ring algorithms: a rank sends (N-1)/N of each vector it moves
                 forward    the first forward after a sync allgathers every unit's updated
                            chunks into the whole parameters (PyTorch: its pre-forward hook)
                            2(N-1)/N·Ψ·b a step: DP's bytes
-    both        finish_gradient_sync(): one allreduce of a flag per trainable parameter
-                (8 bytes each), which no rank's backward reached
+    both        finish_gradient_sync(): one max-allreduce, on `group` (the comm group
+                carries gradients and parameters only), of an int32 flag per trainable
+                parameter: which no rank's backward reached
 
 Which parameters, as DDP (data_parallel.py) treats them:
 - *frozen* (requires_grad False before wrapping): broadcast from rank 0 with the rest at
@@ -102,15 +103,15 @@ class FullyShardedDataParallel:
             raise TypeError(f"model must be a minidp.nn.Module, got {type(model).__name__}")
         if algo not in ALGOS:
             raise ValueError(f"algo must be one of {', '.join(ALGOS)}, got {algo!r}")
+        self.model, self.sharding, self.algo = model, sharding, algo
+        self.group = group = group or comm.world()
+        check_same_model(model, group)  # frozen ones too: what follows is alike everywhere
         units = units_of(model)
         if not units:
             raise ValueError("model has no parameter that requires grad: nothing to shard")
         dtypes = sorted({str(p.dtype) for _, _, params in units for p in params})
         if len(dtypes) > 1:
             raise TypeError(f"model's trainable parameters must share one dtype, got {dtypes}")
-        self.model, self.sharding, self.algo = model, sharding, algo
-        self.group = group = group or comm.world()
-        check_same_model(model, group)
         for p in model.parameters():  # every rank starts from rank 0's weights, frozen too
             comm.broadcast(p.data, root=0, group=group)
         self.units = [name or "(the model's own)" for name, _, _ in units]
@@ -190,7 +191,7 @@ class FullyShardedDataParallel:
         grads = self.shards.grads
         grads.finish()
         if self.group.size > 1:  # reached anywhere?
-            comm.allreduce(grads.reached, op="max", group=self.comm_group, out=grads.reached)
+            comm.allreduce(grads.reached, op="max", group=self.group, out=grads.reached)
         for piece, grad, k in zip(self._pieces, self._grads, self._param_index):
             piece.grad = grad if grads.reached[k] else None
         grads.reached[:] = 0
@@ -212,5 +213,6 @@ class FullyShardedDataParallel:
 
     def close(self) -> None:
         """Unhook and unwrap the model, free the communicator. Under "full" the model keeps
-        its stand-ins: take full_state_dict() first to keep the trained weights."""
+        its stand-ins, and under "grad_op" whole parameters stale but for this rank's chunk
+        after a step: take full_state_dict() first to keep the trained weights."""
         self.shards.close()

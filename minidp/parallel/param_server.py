@@ -293,7 +293,8 @@ class ParameterServer(Strategy):
 def check_config(config, world_size: int, num_examples: int) -> None:
     """BadConfig (one line) for what this world cannot run: on every rank alike, servers
     included, which read no data and so never see the loop's check of the batch. (Data
-    parallelism's flags set under --strategy ps are refused by TrainConfig.validate.)"""
+    parallelism's flags set under --strategy ps are refused by TrainConfig.validate, which
+    the command line runs; a script that calls train() without it has them ignored.)"""
     P, S = world_size, config.servers
     if S >= P:
         raise BadConfig(f"--servers {S} leaves no worker in a world of {P} ranks: at most {P - 1}")

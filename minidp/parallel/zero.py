@@ -123,7 +123,8 @@ class ZeRO(Strategy):
         names = {id(p): name for name, p in model.named_parameters()}
         if stage < 3:  # the flat vector is cut as DDP's buckets: reverse parameter order
             cap = max(1, int(config.bucket_mb * 2**20))
-            segments = bucket_groups(model.parameters()[::-1], cap)
+            trainable = [p for p in model.parameters() if p.requires_grad]  # as DDP takes them
+            segments = bucket_groups(trainable[::-1], cap)
         else:  # one segment per layer, in forward order
             self.units = units_of(model)
             segments = [params for _, _, params in self.units]

@@ -85,7 +85,7 @@ class ShardedGradients:
         self._name_of = dict(zip(self._index_of, layout.order))
         # reached[k]: 1 once some backward gave params[k] a gradient (read when its segment
         # was launched); kept across steps until the user of this class resets it
-        self.reached = np.zeros(len(params))
+        self.reached = np.zeros(len(params), dtype=np.int32)
         self._unhook = [
             p.register_grad_ready_hook(self._grad_ready) for seg in layout.segments for p in seg
         ]
