@@ -155,6 +155,24 @@ def test_a_second_backward_before_the_sync_is_refused_with_overlap_on_and_off():
 
 @pytest.mark.parallel(nprocs=[2])
 @pytest.mark.timeout(60)
+def test_gradients_set_by_hand_are_averaged_not_dropped():
+    """No backward at all: .grad assigned by hand (rank r: r + 1 everywhere) is reached, so
+    the sync leaves every trainable parameter the mean, 1.5, never None."""
+    group = comm.world()
+    model = TiedFrozenUnused(seed=0)
+    with DistributedDataParallel(model, group, bucket_cap_mb=1e-4, overlap=False) as ddp:
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        for p in trainable:
+            p.grad = np.full(p.shape, group.rank + 1.0)
+        ddp.finish_gradient_sync()
+        for name, p in model.named_parameters():
+            if p.requires_grad:
+                assert p.grad is not None, name
+                np.testing.assert_array_equal(p.grad, 1.5, err_msg=name)
+
+
+@pytest.mark.parallel(nprocs=[2])
+@pytest.mark.timeout(60)
 def test_a_rank_that_froze_another_parameter_holds_another_model():
     group = comm.world()
     model = TiedFrozenUnused(seed=0)
