@@ -90,6 +90,19 @@ def magnitude_masks(
     return [f.reshape(w.shape) for f, w in zip(flat, weights)]
 
 
+def zero_masked(params: list[Parameter], masks: list[np.ndarray], optimizer=None) -> None:
+    """Zero each masked weight, and its entries in every optimizer state array of its shape
+    (AdamW's m and v, SGD's velocity): the module docstring says why both."""
+    states = {}
+    if optimizer is not None:
+        states = {id(p): s for p, s in zip(optimizer.params, optimizer.state)}
+    for p, mask in zip(params, masks):
+        p.data[~mask] = 0
+        for value in states.get(id(p), {}).values():
+            if value.shape == p.shape:
+                value[~mask] = 0
+
+
 class MagnitudePruner:
     """Masks for a model's prunable weights, updated on the cubic schedule.
 
@@ -140,14 +153,7 @@ class MagnitudePruner:
 
     def apply(self) -> None:
         """Zero every masked weight and its entries in the optimizer's state (m, v, ...)."""
-        states = {}
-        if self.optimizer is not None:
-            states = {id(p): s for p, s in zip(self.optimizer.params, self.optimizer.state)}
-        for p, mask in zip(self.params, self.masks):
-            p.data[~mask] = 0
-            for value in states.get(id(p), {}).values():
-                if value.shape == p.shape:
-                    value[~mask] = 0
+        zero_masked(self.params, self.masks, self.optimizer)
 
     def mask_grads(self) -> None:
         """Zero the gradients of masked weights (one process; DP's hook does it itself)."""

@@ -1,7 +1,8 @@
 """Pruning under data parallelism (minidp/parallel/prune_comm.py), in one launch: a pruned DP
 run is a pruned single-process run (float64, 1e-10), every rank holds the same masks and
 bitwise identical parameters after every step, the bytes sent fall as the ring's arithmetic
-says, and until the first weight is pruned the run is bitwise the unpruned one.
+says, and until the first weight is pruned the run is bitwise the unpruned one. Then the
+same hook on a user's own DDP, over masks the torch-named functions left (prune_functions.py).
 """
 
 import zlib
@@ -10,10 +11,14 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from minidp import comm, optim
+from minidp import comm, nn, optim
+from minidp import prune_functions as prune
+from minidp.autograd import Tensor
 from minidp.config import TrainConfig
 from minidp.data import DistributedSampler
-from minidp.parallel import DataParallel
+from minidp.parallel import DataParallel, DistributedDataParallel
+from minidp.parallel.prune_comm import masked_allreduce_hook
+from minidp.parallel.strategy import bytes_sent
 from minidp.prune import MagnitudePruner, cubic_sparsity
 from minidp.tasks import Task
 
@@ -97,3 +102,66 @@ def test_pruned_data_parallel_is_pruned_single_process_training():
         assert plain.pruning is None and plain.ddp.reducer.hook.algo == "ring"
         plain_losses = [plain.step(sampler.local_indices(s), LR).loss for s in range(3)]
     assert plain_losses[:2] == losses[:2] and plain_losses[2] != losses[2]
+
+
+def user_mlp_training(group=None, steps=6):
+    """A user's MLP, pruned with the functions (60% over all weights, then half of the last
+    layer's rest at step 3), trained with AdamW: in one process (group None) on the whole
+    batch, or under DDP with the masked hook, each rank on its slice. Returns the losses,
+    the parameters, the masks, and per step the bytes this rank sent."""
+    rng = np.random.default_rng(5)
+    model = nn.MLP([6, 24, 24, 3], rng=rng, dtype=np.float64)
+    x, y = rng.standard_normal((8, 6)), rng.integers(0, 3, 8)
+    prune.global_unstructured([(layer, "weight") for layer in model.layers], 0.6)
+    ddp = hook = None
+    if group is not None:  # prune first, then wrap (as with frozen parameters)
+        ddp = DistributedDataParallel(model, group, bucket_cap_mb=0.004, algo="ring", overlap=True)
+        hook = masked_allreduce_hook(ddp)
+        rows = np.array_split(np.arange(len(x)), group.size)[group.rank]
+        x, y = x[rows], y[rows]
+    opt = optim.AdamW(model.parameters(), lr=0.02, weight_decay=0.1)
+    losses, sent = [], []
+    for step in range(steps):
+        if step == 3:
+            prune.l1_unstructured(model.layers[-1], "weight", 0.5, optimizer=opt)
+        before = 0 if ddp is None else bytes_sent(ddp.comm_group)
+        opt.zero_grad()
+        loss = nn.cross_entropy(model(Tensor(x)), y)
+        loss.backward()
+        if ddp is not None:
+            ddp.finish_gradient_sync()
+            sent.append(bytes_sent(ddp.comm_group) - before)
+            assert hook.step_bytes == sent[-1]
+            loss = comm.allreduce(np.array([loss.item() / group.size]), group=group)
+        opt.step()
+        losses.append(float(np.asarray(loss.data if ddp is None else loss).ravel()[0]))
+        for layer in model.layers:
+            assert (layer.weight.data[~layer.weight_mask] == 0).all(), f"step {step}"
+    if ddp is not None:
+        ddp.close()
+    masks = [layer.weight_mask.copy() for layer in model.layers]
+    return losses, [p.data.copy() for p in model.parameters()], masks, sent
+
+
+@pytest.mark.parallel(nprocs=[2])
+@pytest.mark.timeout(120)
+def test_a_users_pruned_mlp_under_ddp_with_the_masked_hook_is_one_process():
+    group = comm.world()
+    losses, params, masks, sent = user_mlp_training(group)
+    assert same_on_every_rank(params, group) and same_on_every_rank(masks, group)
+    want_losses, want_params, want_masks, _ = user_mlp_training(None)
+    np.testing.assert_allclose(losses, want_losses, rtol=1e-10)
+    for p, q in zip(params, want_params, strict=True):
+        np.testing.assert_allclose(p, q, rtol=1e-10, atol=1e-10 * np.abs(q).max())
+    for a, b in zip(masks, want_masks):
+        np.testing.assert_array_equal(a, b)
+
+    # the dense allreduce of the same buckets, for comparison: the masked hook sends less,
+    # and less again once the last layer is pruned further (step 3)
+    model = nn.MLP([6, 24, 24, 3], rng=np.random.default_rng(5), dtype=np.float64)
+    with DistributedDataParallel(model, group, bucket_cap_mb=0.004, algo="ring") as dense:
+        nn.cross_entropy(model(Tensor(np.ones((4, 6)))), np.zeros(4, int)).backward()
+        dense.finish_gradient_sync()
+        dense_bytes = bytes_sent(dense.comm_group)
+    assert len(dense.buckets) > 1
+    assert sent[0] == sent[2] < 0.6 * dense_bytes and sent[3] < sent[2]

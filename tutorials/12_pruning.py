@@ -17,7 +17,8 @@
 # trains on. Under data parallelism a zero that stays zero needs no gradient, so each step
 # sends only the gradients of the weights still alive. This tutorial builds it up: the mask,
 # why AdamW needs more than a zeroed gradient, the cubic schedule, the DP hook that packs
-# the kept gradients, and last, pruning a model against simply training a smaller one.
+# the kept gradients, the same on your own model with torch.nn.utils.prune's functions,
+# and last, pruning a model against simply training a smaller one.
 
 # %%
 import contextlib
@@ -30,10 +31,12 @@ from dataclasses import replace
 import numpy as np
 
 from minidp import Tensor, comm, nn, optim
+from minidp import prune_functions as prune
 from minidp.config import TrainConfig
 from minidp.data import DistributedSampler
 from minidp.log import print0
-from minidp.parallel import DataParallel
+from minidp.parallel import DataParallel, DistributedDataParallel
+from minidp.parallel.prune_comm import masked_allreduce_hook
 from minidp.plots import pyplot, save
 from minidp.prune import MagnitudePruner, cubic_sparsity, magnitude_masks
 from minidp.tasks import Task
@@ -128,7 +131,37 @@ assert strategy.max_param_diff() == 0.0
 strategy.close()
 
 # %% [markdown]
-# ## 5. Pruning against shrinking
+# ## 5. Your own model: torch.nn.utils.prune's functions
+# The pieces above, as functions on a model you built, under PyTorch's names:
+# `l1_unstructured(module, "weight", amount)` for one matrix, `global_unstructured(pairs,
+# amount)` for one threshold over many, `remove` to make it permanent, `is_pruned`. Each
+# zeroes the weight, keeps `module.weight_mask`, and hooks the weight so its masked
+# gradient is zeroed as backward finishes it (torch multiplies by the mask in forward
+# instead). Prune before wrapping in DDP; `masked_allreduce_hook(ddp)` then sends only
+# the kept gradients.
+
+# %%
+model = nn.MLP([8, 32, 4], rng=np.random.default_rng(1), dtype=np.float64)
+prune.global_unstructured([(layer, "weight") for layer in model.layers], amount=0.75)
+with DistributedDataParallel(model, group, algo="ring", overlap=False) as ddp:
+    hook = masked_allreduce_hook(ddp)
+    opt = optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.1)
+    mine = np.array_split(np.arange(len(y)), group.size)[group.rank]  # this rank's slice
+    for _ in range(4):
+        opt.zero_grad()
+        nn.cross_entropy(ddp(Tensor(x.data[mine])), y[mine]).backward()
+        ddp.finish_gradient_sync()
+        opt.step()
+print0(f"sent {hook.step_elements} of {hook.dense_elements} gradient values per step")
+n_weights = sum(layer.weight.size for layer in model.layers)  # the biases are all sent
+assert hook.step_elements == hook.dense_elements - round(0.75 * n_weights)
+for layer in model.layers:
+    assert (layer.weight.data[~layer.weight_mask] == 0).all()  # still exactly zero
+    prune.remove(layer, "weight")  # permanent: the zeros stay, the mask goes
+assert not prune.is_pruned(model)
+
+# %% [markdown]
+# ## 6. Pruning against shrinking
 # The other way to a lighter model: train a smaller one. Width 32 pruned to 75% keeps about
 # as many weight-matrix values as a dense model of width 16 (a quarter of them). The same
 # data, steps and seed; `python -m minidp bench prune` runs the whole table.

@@ -20,7 +20,9 @@ replicas ever to differ, the packed vectors would no longer line up; this is why
 is refused together with --compress (a lossy reduction need not keep replicas identical).
 
 The hook goes in through `DistributedDataParallel.register_comm_hook`, as every gradient
-transform does; `attach_pruner` builds the pruner from the config and plugs it in.
+transform does. It reads its masks from a MagnitudePruner (`attach_pruner` builds one from
+the config and plugs it in: `--prune`), or from the masks the torch-named functions of
+minidp/prune_functions.py left on a user's model (`masked_allreduce_hook(ddp)`).
 """
 
 import numpy as np
@@ -30,14 +32,19 @@ from minidp.parallel.buckets import Bucket
 from minidp.parallel.data_parallel import DistributedDataParallel
 from minidp.parallel.strategy import bytes_sent
 from minidp.prune import MagnitudePruner
+from minidp.prune_functions import ModelMasks
 
 
 class MaskedAllreduce:
     """The communication hook: allreduce(sum) only the unmasked entries of each bucket.
 
-    `step_elements` and `step_bytes` are what the last step sent (bucket 0 starts a step)."""
+    `pruner` holds the masks: a MagnitudePruner, or a ModelMasks (anything with `params`,
+    `masks` and a `version` that changes with them). `step_elements` and `step_bytes` are
+    what the last step sent (bucket 0 starts a step)."""
 
-    def __init__(self, pruner: MagnitudePruner, buckets: list[Bucket], algo: str = "auto"):
+    def __init__(
+        self, pruner: MagnitudePruner | ModelMasks, buckets: list[Bucket], algo: str = "auto"
+    ):
         self.pruner, self.algo = pruner, algo
         self.dense_elements = sum(b.data.size for b in buckets)
         self._kept: dict[int, tuple[int, np.ndarray]] = {}  # bucket -> (version, indices)
@@ -46,14 +53,15 @@ class MaskedAllreduce:
     def kept(self, bucket: Bucket) -> np.ndarray:
         """Indices into bucket.data of the entries sent: recomputed when the masks change."""
         version, kept = self._kept.get(bucket.index, (-1, None))
-        if version != self.pruner.version:
+        now = self.pruner.version
+        if version != now:
             masks = {id(p): m for p, m in zip(self.pruner.params, self.pruner.masks)}
             keep = np.concatenate(
                 [masks[id(p)].ravel() if id(p) in masks else np.ones(p.size, bool)
                  for p in bucket.params]
             )  # fmt: skip
             kept = np.flatnonzero(keep)
-            self._kept[bucket.index] = (self.pruner.version, kept)
+            self._kept[bucket.index] = (now, kept)
         return kept
 
     def __call__(self, bucket: Bucket, group: comm.Group) -> None:
@@ -68,7 +76,7 @@ class MaskedAllreduce:
         self.step_elements += kept.size
         self.step_bytes += bytes_sent(group) - before
 
-    # ---- what the DP strategy asks of pruning (dp_strategy.py) ----------------------------
+    # ---- what the DP strategy asks of its MagnitudePruner (dp_strategy.py) ---------------
     def begin_step(self) -> None:
         self.pruner.begin_step()
 
@@ -100,5 +108,14 @@ def attach_pruner(ddp: DistributedDataParallel, optimizer, config) -> MaskedAllr
         scope=config.prune_scope,
     )
     hook = MaskedAllreduce(pruner, ddp.buckets, config.allreduce)
+    ddp.register_comm_hook(hook)
+    return hook
+
+
+def masked_allreduce_hook(ddp: DistributedDataParallel, algo: str | None = None) -> MaskedAllreduce:
+    """Register on `ddp` the hook that sends only the gradients the masks keep, reading the
+    masks that prune_functions.py's l1_unstructured / global_unstructured left on ddp.model
+    (now and after any later pruning); `algo` defaults to ddp's. Returns the hook."""
+    hook = MaskedAllreduce(ModelMasks(ddp.model), ddp.buckets, algo or ddp.algo)
     ddp.register_comm_hook(hook)
     return hook
