@@ -21,7 +21,8 @@
 #     Δ = g + e;   send C(Δ);   e = Δ - C(Δ)
 #
 # so everything a rank computes reaches the sum sooner or later. Here: one compressor by
-# hand, then every compressor on a real gradient (bytes and error), then training with them,
+# hand, then every compressor on a real gradient (bytes and error), one registered as the
+# communication hook of a DDP around the tutorial's model, then training with them,
 # loss and bytes side by side; last, why error feedback fights Adam, and Deep Gradient
 # Compression's momentum correction under momentum SGD, by hand and in training. The
 # compressors are minidp/parallel/compress*.py (DGC's: compress_velocity.py).
@@ -37,7 +38,7 @@ from minidp import comm, data, optim
 from minidp.bench.compress import MOMENTUM_LR
 from minidp.config import TrainConfig
 from minidp.log import print0
-from minidp.parallel import DataParallel
+from minidp.parallel import DataParallel, DistributedDataParallel, PowerSGD
 from minidp.parallel.compress import make_compressor
 from minidp.parallel.compress_sparse import top_k_indices
 from minidp.plots import pyplot, save
@@ -105,7 +106,34 @@ assert full / results["topk:0.01"][0] > 40 and full / results["sign"][0] > 25
 assert results["powersgd:2"][1] < 1  # the low-rank part of the gradient, not all of it
 
 # %% [markdown]
-# ## 3. Why error feedback: a quadratic where sign alone stalls
+# ## 3. A compressor is a DDP communication hook: register one on your own model
+#
+# Each compressor is a class built by name with keyword arguments (`FP16()`, `TopK(density=
+# 0.01)`, `PowerSGD(rank=2)`, ...) and registered on the DDP around your own model, as
+# PyTorch's `ddp.register_comm_hook(PowerSGDState(...), powerSGD_hook)`. The hook holds its
+# own state: the residuals e_w (and PowerSGD's warm-start Q) are in its `state_dict()`.
+# `--compress powersgd:2` builds this same object. Two steps of the tutorial's model:
+
+# %%
+own = Task(config, np.float32)  # a fresh model, the same on every rank (the seed)
+model = own.model
+opt = optim.SGD(model.parameters(), lr=0.1)
+hook = PowerSGD(rank=2)
+with DistributedDataParallel(model, group) as ddp:
+    ddp.register_comm_hook(hook)
+    for step in range(2):
+        loss = own.loss(*own.batch(sampler.local_indices(step)))
+        opt.zero_grad()
+        loss.backward()
+        ddp.finish_gradient_sync()
+        opt.step()
+every = comm.allgather(np.concatenate([p.data.ravel() for p in model.parameters()]), group=group)
+assert (every == every[0]).all(), "every rank must hold the same parameters"
+assert hook.residual_norm() > 0, "what PowerSGD left out waits in the hook's residuals"
+print0(f"PowerSGD(rank=2) as a hook: residual norm {hook.residual_norm():.3f} after 2 steps")
+
+# %% [markdown]
+# ## 4. Why error feedback: a quadratic where sign alone stalls
 #
 # f(x) = ½ Σ a_i x_i² with curvatures a_i spread over two and a half decades. Scaled sign
 # gives every coordinate the same step size, the mean |Δ|: too big for the flat directions
@@ -129,7 +157,7 @@ print0(
 assert finals["sign"] < finals["sign-noef"] / 10, "error feedback fixes sign here"
 
 # %% [markdown]
-# ## 4. Training with compression
+# ## 5. Training with compression
 #
 # The same model trained four times from the same seed on the same batches: uncompressed,
 # top-k at 1%, sign with error feedback and sign without it, with AdamW. Loss and bytes
@@ -185,7 +213,7 @@ assert max(tail["sign"], tail["sign-noef"]) < curves["none"][0] - 0.3  # both le
 plot(curves, bytes_per_step, f"compression on {world} ranks", "minidp_11_compression.png")
 
 # %% [markdown]
-# ## 5. Why the papers use momentum SGD, and DGC's momentum correction
+# ## 6. Why the papers use momentum SGD, and DGC's momentum correction
 #
 # Error feedback promises that every coordinate's gradient reaches the sum, late but in
 # full: a coordinate top-k sends once every T steps arrives as one burst of about T·g. Under
@@ -234,7 +262,7 @@ for round_ in range(4):
 # The -2, sent every round, moves by g alone: masking leaves momentum only to the waiting
 # coordinates.
 #
-# Now the same model as in section 4, under `--optimizer momentum` (momentum 0.9) at the lr
+# Now the same model as in section 5, under `--optimizer momentum` (momentum 0.9) at the lr
 # `bench compress` uses, the best of the sweep in docs/compression.md: uncompressed, top-k of the
 # gradient (error feedback before the momentum), and top-k of the velocity
 # (`compress_on="velocity"`). The same k values go on the wire in both top-k runs.

@@ -50,7 +50,7 @@ from minidp.config import BadConfig, TrainConfig
 from minidp.log import die, print0
 from minidp.optim import MOMENTUM, OPTIMIZERS
 from minidp.parallel import DataParallel
-from minidp.parallel.compress import parse_compress
+from minidp.parallel.compress import make_compressor
 from minidp.parser import Parser
 from minidp.plots import pyplot, save
 from minidp.tasks import Task
@@ -103,7 +103,7 @@ def parse_args(argv: list[str]):
         raise die("bench compress: the first of --compressors must be none (the baseline)")
     for spec in args.compressors:
         try:
-            parse_compress(spec)
+            make_compressor(spec)  # the class checks its value
         except ValueError as error:
             raise die(f"bench compress: {error}") from None
     if args.lr is None:

@@ -1,9 +1,24 @@
 """Parallel training strategies, each wrapping a model and talking only through minidp.comm.
 
+The pieces a user wraps around their own model are exported here too: DDP, FSDP, ZeRO's
+optimizer, the tensor-parallel layers, and the gradient compressors (compress_base.py), each
+a DDP communication hook: `ddp.register_comm_hook(PowerSGD(rank=2))`.
+
 `STRATEGIES` maps each `--strategy` name to the class the training loop drives; every class
 follows the protocol in strategy.py. A new scheme is a module here and one line in the table.
 """
 
+from minidp.parallel.compress import (
+    BF16,
+    FP16,
+    QSGD,
+    Compressor,
+    PowerSGD,
+    RandomK,
+    Sign,
+    SignNoEF,
+    TopK,
+)
 from minidp.parallel.data_parallel import DistributedDataParallel, ModelMismatch
 from minidp.parallel.dp_strategy import DataParallel
 from minidp.parallel.fsdp import FullyShardedDataParallel
@@ -32,8 +47,12 @@ STRATEGIES: dict[str, type[Strategy]] = {
 }
 
 __all__ = [
+    "BF16",
+    "FP16",
+    "QSGD",
     "STRATEGIES",
     "ColumnParallelLinear",
+    "Compressor",
     "DataParallel",
     "DistributedDataParallel",
     "FullyShardedDataParallel",
@@ -43,11 +62,16 @@ __all__ = [
     "ParallelAttention",
     "ParallelMLP",
     "ParameterServer",
+    "PowerSGD",
+    "RandomK",
     "RowParallelLinear",
+    "Sign",
+    "SignNoEF",
     "StepResult",
     "Strategy",
     "TensorParallel",
     "TensorParallelGPT",
+    "TopK",
     "VocabParallelEmbedding",
     "ZeRO",
     "ZeROHybrid",

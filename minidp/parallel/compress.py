@@ -1,13 +1,15 @@
 """Gradient compression: DDP communication hooks that send fewer bytes than the allreduce.
 
-    ddp = DistributedDataParallel(model)
-    compressor = make_compressor("topk:0.001", algo="auto", seed=0)   # None for "none"
-    ddp.register_comm_hook(compressor)     # each bucket: Σ_w C(g_w + e_w), e_w kept
+    ddp = DistributedDataParallel(model, group)
+    ddp.register_comm_hook(TopK(density=0.001))   # each bucket: Σ_w C(g_w + e_w), e_w kept
 
-`--compress NAME[:PARAM]` with `--strategy dp`. Bytes per rank per step for a bucket of n
+The classes are the library (compress_base.py says how to use one); this module is the
+command line's one translation from `--compress NAME[:PARAM]` (with `--strategy dp`):
+`make_compressor("topk:0.001", algo, seed, warmup)` is `TopK(density=0.001, algo=algo,
+seed=seed, warmup=warmup)`, None for "none". Bytes per rank per step for a bucket of n
 float32 values on p ranks, against the allreduce's 2(p-1)/p·4n (ratios at p = 2 and 4):
 
-    name         PARAM          what goes on the wire                    EF   ratio p=2 / 4
+    name         PARAM: keyword what goes on the wire                    EF   ratio p=2 / 4
     none         -              the allreduce itself                     -    1 / 1
     fp16, bf16   -              16-bit values, alltoall + allgather      no   2 / 2
     topk         density (0.01) k = density·n (index, value) pairs,      yes  1/(2d) / 1/(4d)
@@ -30,7 +32,7 @@ bottleneck; on ranks that share a machine's memory and cores, as here, it rarely
 step faster (Agarwal et al., MLSys 2022, found the same on real clusters).
 """
 
-import math
+import inspect
 
 from minidp.parallel.compress_base import Compressor, uncompressed_bytes
 from minidp.parallel.compress_cast import BF16, FP16
@@ -41,47 +43,54 @@ from minidp.parallel.compress_sparse import RandomK, TopK
 COMPRESSORS: dict[str, type[Compressor]] = {
     c.name: c for c in (FP16, BF16, TopK, RandomK, Sign, SignNoEF, QSGD, PowerSGD)
 }
-DEFAULT_PARAM = {"topk": 0.01, "randomk": 0.01, "qsgd": 4, "powersgd": 2}
-"""The PARAM a bare name means; the other compressors take none."""
+"""The --compress names; each class's `param` names the keyword PARAM sets, and a bare name
+means that keyword's default (topk, randomk: density 0.01; qsgd: levels 4; powersgd: rank 2)."""
+
+
+def default_param(name: str) -> float | None:
+    """The value a bare --compress NAME gives its class's parameter: the keyword's default."""
+    cls = COMPRESSORS[name]
+    return None if cls.param is None else inspect.signature(cls).parameters[cls.param].default
 
 
 def parse_compress(spec: str) -> tuple[str, float | None]:
-    """(name, param) of a --compress value; ValueError, one line, for one that cannot work."""
+    """(name, param) of a --compress value: the name checked, the number read (an integral
+    one as an int); the class checks the value (make_compressor). ValueError, one line."""
     name, _, text = spec.partition(":")
     if name != "none" and name not in COMPRESSORS:
         raise ValueError(
             f"--compress {spec!r}: unknown compressor {name!r}; choose from none, "
             + ", ".join(COMPRESSORS)
         )
-    if name not in DEFAULT_PARAM:
+    if name == "none" or COMPRESSORS[name].param is None:
         if text:
             raise ValueError(f"--compress {spec!r}: {name} takes no parameter")
         return name, None
+    if not text:
+        return name, default_param(name)
     try:
-        param = float(text) if text else float(DEFAULT_PARAM[name])
+        param = float(text)
     except ValueError:
         raise ValueError(f"--compress {spec!r}: {text!r} is not a number") from None
-    if name in ("topk", "randomk") and not 0 < param <= 1:
-        raise ValueError(f"--compress {spec!r}: the density must be in (0, 1], got {param:g}")
-    if name in ("powersgd", "qsgd"):
-        what = "the rank" if name == "powersgd" else "the number of levels S"
-        top = 127 if name == "qsgd" else math.inf  # qsgd's codes 0..2S fit a byte
-        if param != int(param) or not 1 <= param <= top:
-            bound = "an integer >= 1" if top == math.inf else f"an integer in [1, {top}]"
-            raise ValueError(f"--compress {spec!r}: {what} must be {bound}, got {param:g}")
-        param = int(param)
-    return name, param
+    return name, int(param) if param.is_integer() else param
 
 
 def make_compressor(
     spec: str, algo: str = "auto", seed: int = 0, warmup: int = 0
 ) -> Compressor | None:
-    """The compressor a --compress value names (None for "none": the plain allreduce);
-    `warmup`: rounds of each bucket allreduced uncompressed first (--compress-warmup)."""
+    """The compressor a --compress value names (None for "none": the plain allreduce), built
+    with its class's keywords: "powersgd:2" is PowerSGD(rank=2, algo=..., seed=..., ...).
+    `warmup`: rounds of each bucket allreduced uncompressed first (--compress-warmup). A bad
+    value is the class's ValueError, with the flag's value in front."""
     name, param = parse_compress(spec)
     if name == "none":
         return None
-    return COMPRESSORS[name](param, algo=algo, seed=seed, warmup=warmup)
+    cls = COMPRESSORS[name]
+    keywords = {} if cls.param is None else {cls.param: param}
+    try:
+        return cls(**keywords, algo=algo, seed=seed, warmup=warmup)
+    except ValueError as error:
+        raise ValueError(f"--compress {spec!r}: {error}") from None
 
 
 def compression_record(spec: str, compressor, buckets, sent: int, steps: int, p: int) -> dict:
@@ -119,8 +128,16 @@ def compression_line(record: dict) -> str:
 
 
 __all__ = [
+    "BF16",
     "COMPRESSORS",
+    "FP16",
+    "QSGD",
     "Compressor",
+    "PowerSGD",
+    "RandomK",
+    "Sign",
+    "SignNoEF",
+    "TopK",
     "compression_line",
     "compression_record",
     "make_compressor",

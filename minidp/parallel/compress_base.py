@@ -1,8 +1,22 @@
 """What every gradient compressor shares: error feedback, the exchange's contract, the counts.
 
-A compressor is a DDP communication hook (data_parallel.py): `compressor(bucket, group)`
-leaves in `bucket.data` the sum over the group of every rank's *compressed* bucket, instead
-of the exact sum an allreduce gives. One round, on rank w, for the bucket's flat gradient g:
+A compressor is a DDP communication hook that holds its own state, as PyTorch's
+`powerSGD_hook` with its `PowerSGDState`. A user builds one by name, with plain keyword
+arguments, and registers it on the DDP that wraps their own model:
+
+    ddp = DistributedDataParallel(model, group)
+    ddp.register_comm_hook(PowerSGD(rank=2))      # or TopK(density=0.01), FP16(), ...
+    ... loss.backward(); ddp.finish_gradient_sync(); opt.step()
+
+Every compressor takes `algo` (the allreduce algorithm for what is still allreduced), `seed`
+(the seed every rank shares) and `warmup` (see below); its `state_dict()` holds its
+residuals, round counters and any warm start. The compressors: FP16, BF16 (compress_cast.py),
+TopK, RandomK (compress_sparse.py), Sign, SignNoEF, QSGD (compress_quant.py), PowerSGD
+(compress_lowrank.py); compress.py's `make_compressor` builds one from `--compress NAME:PARAM`.
+
+`compressor(bucket, group)` leaves in `bucket.data` the sum over the group of every rank's
+*compressed* bucket, instead of the exact sum an allreduce gives. One round, on rank w,
+for the bucket's flat gradient g:
 
     Δ_w     = g_w + e_w               e_w: the residual, what earlier rounds did not send
     C(Δ_w)  = what rank w sends       (top-k of Δ_w, its sign, a low-rank approximation...)
@@ -14,13 +28,15 @@ turns a biased compressor into one whose errors are sent later instead of lost: 
 rounds, everything a rank ever computed reaches the sum. Without it (`error_feedback =
 False`: the casts, QSGD, sign-noef) e_w stays zero and only C(Δ_w)'s own bias remains.
 
-`--compress-warmup STEPS` sends each bucket's first STEPS rounds uncompressed, with the
-allreduce, as PyTorch's PowerSGD hook does (`start_powerSGD_iter`): the first steps, when
-the gradient changes fastest and the residual would hold the most, cost full bytes.
+`warmup=STEPS` (`--compress-warmup`) sends each bucket's first STEPS rounds uncompressed,
+with the allreduce, as PyTorch's PowerSGD hook does (`start_powerSGD_iter`): the first
+steps, when the gradient changes fastest and the residual would hold the most, cost full
+bytes.
 
 The residuals are training state: they belong to the compressor, one per bucket and rank,
 and `state_dict()` carries them (with the round counters and any warm start) so that a
-resumed run continues bit for bit.
+resumed run continues bit for bit. They are keyed by the bucket's index: one compressor per
+DDP, as one PowerSGDState per hook in PyTorch.
 
 A subclass implements one method, `exchange(delta, out, key, group, shapes)`: write
 Σ_w C(Δ_w) into `out` on every rank and return C(Δ_w), this rank's own contribution as the
@@ -41,18 +57,26 @@ from minidp.parallel.buckets import Bucket
 class Compressor:
     """A communication hook that sends less than the allreduce; see the module docstring.
 
-    `param` is the number after the colon of `--compress NAME:PARAM` (None without one);
-    `algo` the allreduce algorithm for the parts that are still allreduced; `seed` the
-    seed every rank shares."""
+    `algo`: the allreduce algorithm for the parts that are still allreduced; `seed`: the
+    seed every rank shares; `warmup`: rounds of each bucket allreduced uncompressed first.
+    A subclass with a parameter names it in `param` (the keyword that `--compress NAME:PARAM`
+    sets, e.g. "density"), checks it and keeps it as the attribute of that name before
+    calling this `__init__` (which reads it for `spec`)."""
 
     name = ""  # the --compress name
+    param: str | None = None  # the keyword argument `--compress NAME:PARAM` sets
     error_feedback = False
 
-    def __init__(
-        self, param: float | None = None, algo: str = "auto", seed: int = 0, warmup: int = 0
-    ):
-        self.param, self.allreduce_algo, self.seed = param, algo, seed
-        self.warmup = warmup  # rounds of each bucket sent uncompressed first
+    def __init__(self, *, algo: str = "auto", seed: int = 0, warmup: int = 0):
+        if algo != "auto" and algo not in comm.ALGORITHMS["allreduce"]:
+            choices = ", ".join(("auto", *comm.ALGORITHMS["allreduce"]))
+            raise invalid(self, "algo", algo, f"the allreduce algorithm must be one of {choices}")
+        if not is_integer(seed):
+            raise invalid(self, "seed", seed, "the seed must be an integer")
+        if not is_integer(warmup) or warmup < 0:
+            raise invalid(self, "warmup", warmup, "the warmup must be an integer >= 0")
+        self.allreduce_algo, self.seed = algo, int(seed)
+        self.warmup = int(warmup)  # rounds of each bucket sent uncompressed first
         self.algo = self.spec  # what the timeline labels each bucket with
         self.residuals: dict[int, np.ndarray] = {}  # e_w, by bucket index
         self.rounds: dict[int, int] = {}  # how many times each bucket has been reduced
@@ -63,7 +87,7 @@ class Compressor:
     @property
     def spec(self) -> str:
         """The --compress value that builds this compressor again."""
-        return self.name if self.param is None else f"{self.name}:{self.param:g}"
+        return self.name if self.param is None else f"{self.name}:{getattr(self, self.param):g}"
 
     def __call__(self, bucket: Bucket, group: comm.Group) -> None:
         """DDP's hook: reduce the bucket in place (its views give the parameters' shapes)."""
@@ -126,6 +150,16 @@ class Compressor:
         self.residuals = {k: e.copy() for k, e in state["residuals"].items()}
         self.rounds = dict(state["rounds"])
         self.error_sq, self.input_sq = state["error_sq"], state["input_sq"]
+
+
+def is_integer(value) -> bool:
+    """An int (NumPy's too), not a bool."""
+    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+
+
+def invalid(compressor: Compressor, argument: str, value, must: str) -> ValueError:
+    """The error for a bad argument, naming it: "PowerSGD(rank=0): the rank must be ..."."""
+    return ValueError(f"{type(compressor).__name__}({argument}={value!r}): {must}")
 
 
 def gather_sum(payloads: list[np.ndarray], decode, out: np.ndarray, group: comm.Group) -> None:

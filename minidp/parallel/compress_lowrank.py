@@ -28,7 +28,7 @@ r = 1, 17x at r = 2, 9.9x at r = 4, with the same allreduce algorithm on both si
 import numpy as np
 
 from minidp import comm
-from minidp.parallel.compress_base import Compressor
+from minidp.parallel.compress_base import Compressor, invalid, is_integer
 
 
 def orthogonalize(P: np.ndarray) -> np.ndarray:
@@ -62,11 +62,14 @@ class PowerSGD(Compressor):
     """Rank-r PowerSGD with warm start and error feedback (see the module docstring)."""
 
     name = "powersgd"
+    param = "rank"
     error_feedback = True
 
-    def __init__(self, param=None, algo="auto", seed=0, warmup=0):
-        super().__init__(param, algo, seed, warmup)
-        self.rank = int(param)
+    def __init__(self, *, rank: int = 2, algo="auto", seed=0, warmup=0):
+        if not is_integer(rank) or rank < 1:
+            raise invalid(self, "rank", rank, "the rank must be an integer >= 1")
+        self.rank = int(rank)  # r, PyTorch's matrix_approximation_rank
+        super().__init__(algo=algo, seed=seed, warmup=warmup)
         self.warm: dict[int, list[np.ndarray]] = {}  # Q per compressed matrix, by bucket
 
     def exchange(self, delta, out, key, group, shapes) -> np.ndarray:

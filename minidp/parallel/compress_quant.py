@@ -22,7 +22,7 @@ is not a sign or a level, so no allreduce can add them on the way.
 
 import numpy as np
 
-from minidp.parallel.compress_base import Compressor, gather_sum
+from minidp.parallel.compress_base import Compressor, gather_sum, invalid, is_integer
 
 
 def pack_codes(codes: np.ndarray, bits: int) -> np.ndarray:
@@ -70,11 +70,16 @@ class QSGD(Compressor):
     """Stochastic quantization to S levels per sign, unbiased (see the docstring)."""
 
     name = "qsgd"
+    param = "levels"
 
-    def __init__(self, param=None, algo="auto", seed=0, warmup=0):
-        super().__init__(param, algo, seed, warmup)
-        self.levels = int(param)
+    def __init__(self, *, levels: int = 4, algo="auto", seed=0, warmup=0):
+        if not is_integer(levels) or not 1 <= levels <= 127:  # codes 0..2S fit a byte
+            raise invalid(
+                self, "levels", levels, "the number of levels S must be an integer in [1, 127]"
+            )
+        self.levels = int(levels)
         self.bits = (2 * self.levels).bit_length()  # codes 0 .. 2S: level + S
+        super().__init__(algo=algo, seed=seed, warmup=warmup)
 
     def quantize(self, delta: np.ndarray, rng: np.random.Generator) -> tuple:
         """(codes in 0..2S, ||Δ||₂): code - S is sign(Δ_i)·(the level drawn for Δ_i)."""

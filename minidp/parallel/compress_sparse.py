@@ -25,7 +25,7 @@ import math
 import numpy as np
 
 from minidp import comm
-from minidp.parallel.compress_base import Compressor, gather_sum
+from minidp.parallel.compress_base import Compressor, gather_sum, invalid
 
 
 def kept(n: int, density: float) -> int:
@@ -53,30 +53,41 @@ def sparse(indices: np.ndarray, values: np.ndarray, n: int) -> np.ndarray:
     return dense
 
 
-class TopK(Compressor):
+class Sparsifier(Compressor):
+    """What top-k and random-k share: `density`, the fraction of each bucket sent."""
+
+    param = "density"
+    error_feedback = True
+
+    def __init__(self, *, density: float = 0.01, algo="auto", seed=0, warmup=0):
+        if not isinstance(density, (int, float, np.floating)) or not 0 < density <= 1:
+            raise invalid(self, "density", density, "the density must be in (0, 1]")
+        self.density = float(density)
+        super().__init__(algo=algo, seed=seed, warmup=warmup)
+
+
+class TopK(Sparsifier):
     """Top-k by magnitude with error feedback; indices and values allgathered."""
 
     name = "topk"
-    error_feedback = True
 
     def exchange(self, delta, out, key, group, shapes) -> np.ndarray:
         n = delta.size
-        indices = top_k_indices(delta, kept(n, self.param)).astype(np.int32)
+        indices = top_k_indices(delta, kept(n, self.density)).astype(np.int32)
         values, self.sent[key] = delta[indices], indices
         gather_sum([indices, values], lambda i, v: sparse(i, v, n), out, group)
         return sparse(indices, values, n)
 
 
-class RandomK(Compressor):
+class RandomK(Sparsifier):
     """k indices drawn from a seed shared by every rank; their values allreduced."""
 
     name = "randomk"
-    error_feedback = True
 
     def exchange(self, delta, out, key, group, shapes) -> np.ndarray:
         n = delta.size
         rng = np.random.default_rng([self.seed, key, self.round(key)])  # alike everywhere
-        indices = self.sent[key] = np.sort(rng.choice(n, kept(n, self.param), replace=False))
+        indices = self.sent[key] = np.sort(rng.choice(n, kept(n, self.density), replace=False))
         values = comm.allreduce(delta[indices], algo=self.allreduce_algo, group=group)
         out[...] = sparse(indices, values, n)
         return sparse(indices, delta[indices], n)
