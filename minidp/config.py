@@ -552,16 +552,14 @@ def check_block_size(block_size: int) -> None:
 def staleness_bound(consistency: str) -> float:
     """--consistency as the bound K on how far a worker may run ahead of the slowest:
     bsp -> 0 (and updates wait for the whole clock), ssp:K -> K, asp -> infinity."""
-    if consistency == "bsp":
-        return 0
-    if consistency == "asp":
-        return math.inf
-    name, _, k = consistency.partition(":")
-    if name == "ssp" and k.isdigit():
-        return int(k)
-    raise BadConfig(
-        f"--consistency {consistency!r}: choose bsp, asp or ssp:K with an integer K >= 0"
-    )
+    from minidp.parallel.ps_server import consistency_bound  # the piece's rule
+
+    try:
+        return consistency_bound(consistency)
+    except ValueError:
+        raise BadConfig(
+            f"--consistency {consistency!r}: choose bsp, asp or ssp:K with an integer K >= 0"
+        ) from None
 
 
 def _check_can_write(flag: str, directory: str) -> None:

@@ -11,11 +11,12 @@ import numpy as np
 import pytest
 
 from minidp import comm, optim
-from minidp.config import TrainConfig, staleness_bound
+from minidp.config import TrainConfig
 from minidp.data import DistributedSampler
 from minidp.parallel import ParameterServer, ps_comm
+from minidp.parallel.param_server import ps_optimizer
 from minidp.parallel.ps_comm import PULL, PUSH, Header
-from minidp.parallel.ps_server import OPTIMIZERS, ShardServer
+from minidp.parallel.ps_server import ShardServer
 from minidp.tasks import Task
 
 TINY = dict(
@@ -33,7 +34,8 @@ def reference(config):
     """One process, the global batch, the servers' optimizer, clipping by the global norm."""
     task = Task(config, np.float64)
     params = task.model.parameters()
-    opt = OPTIMIZERS[config.ps_optimizer](params, config)
+    optimizer_class, defaults = ps_optimizer(config)
+    opt = optimizer_class(params, **defaults)
     sampler = DistributedSampler(task.num_examples, config.batch_size, seed=config.seed)
     losses = []
     for step in range(config.steps):
@@ -175,10 +177,7 @@ def scripted_server(monkeypatch, consistency: str, script) -> tuple[ShardServer,
     """A ShardServer of 2 workers fed `script`, [(tag, worker, clock)...], with no MPI:
     each push carries the version of the worker's last reply, as a worker's does. Returns
     the server and, after each message, the pulls still waiting [(worker, clock)...]."""
-    config = TrainConfig(strategy="ps", consistency=consistency, steps=8, grad_clip=0.0)
-    histogram = np.zeros(config.steps + 1, dtype=np.int64)
-    bound = staleness_bound(consistency)
-    server = ShardServer(None, 0, 4, np.zeros(4), config, 2, bound, None, histogram)
+    server = ShardServer(None, 0, 4, np.zeros(4), 2, optim.SGD, {"lr": 0.1}, 8, consistency)
     versions, inbox, waiting = [0, 0], [], []
 
     def reply(ps, worker, header, shard):

@@ -18,7 +18,8 @@
 # *servers* own the parameters and the optimizer; *workers* compute gradients, **push** them
 # to the servers and **pull** fresh parameters back. Here ranks 0-2 work and rank 3 serves.
 # First one step by hand, then sharding over two servers, then the three consistency
-# models side by side: BSP, ASP and SSP (Ho et al., NeurIPS 2013).
+# models side by side: BSP, ASP and SSP (Ho et al., NeurIPS 2013), and last the worker and
+# server as pieces around a model of your own.
 
 # %%
 import os
@@ -32,7 +33,7 @@ from minidp.chunks import chunk_range
 from minidp.comm import p2p
 from minidp.config import TrainConfig
 from minidp.log import print0
-from minidp.parallel import ParameterServer, ps_comm
+from minidp.parallel import ParameterServer, ParameterServerWorker, ps_comm, serve
 from minidp.plots import pyplot, save
 from minidp.tasks import Task
 
@@ -171,3 +172,39 @@ if plt is not None and rank == 0:
     out = os.environ.get("MINIDP_OUT", tempfile.gettempdir())
     save(fig, os.path.join(out, "06_parameter_server.png"))
 print0("BSP has no stale update; SSP:2 none older than 2 clocks; all three train")
+
+# %% [markdown]
+# ## 4. The pieces, in a script of your own
+# Section 1's messages, packaged: `ParameterServerWorker(model, ps, servers)` wraps a
+# worker's model (ps-lite's KVWorker); after the user's backward, `push_pull(lr, loss,
+# share)` pushes the gradient and pulls the new θ into the model. `serve(model, ps,
+# workers, optimizer_class, steps, **defaults)` is a server's whole loop (ps-lite's KVServer
+# with its handle). `--strategy ps` is these two driven by the training loop.
+
+# %%
+STEPS = 3
+ps = group.dup()
+ps.patient = True
+model = nn.MLP([32, 16, 10], rng=np.random.default_rng(0), dtype=np.float64)
+if rank == SERVER:
+    serve(model, ps, WORKERS, optim.SGD, STEPS, consistency="bsp", lr=lr)
+else:
+    worker = ParameterServerWorker(model, ps, [SERVER], consistency="bsp")
+    lo, hi = chunk_range(B, len(WORKERS), rank)
+    for _ in range(STEPS):  # the same batch each step, as section 1
+        for p in model.parameters():
+            p.grad = None
+        loss = cross_entropy(model(Tensor(x_all[lo:hi])), y_all[lo:hi])
+        loss.backward()
+        worker.push_pull(lr, loss, share=(hi - lo) / B)
+single = nn.MLP([32, 16, 10], rng=np.random.default_rng(0), dtype=np.float64)
+opt = optim.SGD(single.parameters(), lr=lr)
+for _ in range(STEPS):  # one process, the whole batch
+    opt.zero_grad()
+    cross_entropy(single(Tensor(x_all[:B])), y_all[:B]).backward()
+    opt.step()
+got = np.concatenate([p.data.ravel() for p in model.parameters()])
+want = np.concatenate([p.data.ravel() for p in single.parameters()])
+assert np.allclose(got, want, rtol=1e-10, atol=1e-12), "the pieces are one process's SGD"
+print0(f"pieces: {STEPS} BSP steps of 3 workers and a server equal one process's SGD")
+ps.free()

@@ -24,6 +24,7 @@ from minidp.parallel.dp_strategy import DataParallel
 from minidp.parallel.fsdp import FullyShardedDataParallel
 from minidp.parallel.mesh import Mesh
 from minidp.parallel.param_server import ParameterServer
+from minidp.parallel.ps_pieces import ParameterServerWorker, serve
 from minidp.parallel.strategy import StepResult, Strategy
 from minidp.parallel.tensor_parallel import (
     ColumnParallelLinear,
@@ -62,6 +63,7 @@ __all__ = [
     "ParallelAttention",
     "ParallelMLP",
     "ParameterServer",
+    "ParameterServerWorker",
     "PowerSGD",
     "RandomK",
     "RowParallelLinear",
@@ -76,5 +78,6 @@ __all__ = [
     "ZeRO",
     "ZeROHybrid",
     "ZeroRedundancyOptimizer",
+    "serve",
     "vocab_parallel_cross_entropy",
 ]

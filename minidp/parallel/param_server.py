@@ -16,9 +16,11 @@ a tensor may span two servers.
 One step on a worker, at its clock c:  forward and backward on its slice of the global
 batch (n_w of B examples) -> push its mean gradient g_w to every server (non-blocking, all
 at once) -> pull every shard for clock c + 1, which the servers answer as --consistency
-allows (ps_server.py) -> copy the shards into the model. The optimizer (SGD, momentum or
-AdamW: --ps-optimizer) lives only on the servers, each over its own shard, with the lr of
-the loop's schedule that the worker sends in its push header.
+allows (ps_server.py) -> copy the shards into the model. The push and pull are
+ps_pieces.ParameterServerWorker's, a server is a ps_server.ShardServer (serve() drives one
+for a script): this recipe builds them from the flags and drives them step by step. The
+optimizer (SGD, momentum or AdamW: --ps-optimizer) lives only on the servers, each over its
+own shard, with the lr of the loop's schedule that the worker sends in its push header.
 
 What step() returns. Workers: the global loss of the newest clock that every worker has
 pushed, which the servers sum (Σ n_w/B · loss_w, in worker order) and send with each reply.
@@ -46,15 +48,13 @@ import time
 
 import numpy as np
 
-from minidp import comm, data
+from minidp import comm, data, optim
 from minidp.chunks import chunk_range
-from minidp.comm import p2p
 from minidp.config import BadConfig, staleness_bound
 from minidp.log import print0
 from minidp.memory import activation_bytes, nbytes, optimizer_bytes
-from minidp.parallel import ps_comm
-from minidp.parallel.ps_comm import Header
-from minidp.parallel.ps_server import ShardServer, WorkerLost, lost_message
+from minidp.parallel.ps_pieces import ParameterServerWorker, flatten, load_flat
+from minidp.parallel.ps_server import ShardServer
 from minidp.parallel.strategy import (
     StepResult,
     Strategy,
@@ -79,7 +79,7 @@ class ParameterServer(Strategy):
         self.servers = list(range(W, P))
         self.is_server = group.rank >= W
         self.params = task.model.parameters()
-        flat = np.concatenate([p.data.ravel() for p in self.params])
+        flat = flatten(self.params)
         self.shards = [chunk_range(flat.size, S, s) for s in range(S)]
         self.ps = group.dup()  # the PS messages, counted apart; patient: ranks > cores
         self.ps.patient, self.ps.timeout = True, config.ps_timeout
@@ -92,15 +92,20 @@ class ParameterServer(Strategy):
         self.activations_peak, self._measure = 0, True
         if self.is_server:
             lo, hi = self.shards[group.rank - W]
+            optimizer_class, defaults = ps_optimizer(config)
             self.server = ShardServer(
-                self.ps, lo, hi, flat, config, W, self.bound, self.server_group, self.histogram
-            )
+                self.ps, lo, hi, flat, W, optimizer_class, defaults, config.steps,
+                config.consistency, config.grad_clip, config.ps_timeout, self.server_group,
+                self.histogram,
+            )  # fmt: skip
             for p in self.params:  # the shard is a copy: free the whole model's arrays
                 p.data = stand_in(p)  # (read-only stand-ins until gather_model)
         else:
             self.data_shard = (group.rank, W)
-            self.flat, self.grad = flat, np.zeros_like(flat)
-            self.versions = [0] * S  # the clock of the parameters each server last sent
+            self.worker = ParameterServerWorker(
+                task.model, self.ps, self.servers, config.consistency, config.ps_timeout
+            )
+            self.flat, self.grad = self.worker.flat, self.worker.grad  # pulled, pushed
             self.slow = config.ps_slow_worker_ms / 1e3 if group.rank == W - 1 else 0.0
 
     # ---- one step -----------------------------------------------------------------------
@@ -124,40 +129,14 @@ class ParameterServer(Strategy):
             loss.backward()
         if config.grad_clip and config.consistency != "bsp":  # the servers clip under BSP
             clip_global_norm(self.params, config.grad_clip)  # this worker's own gradient
-        offset = 0
-        for p in self.params:  # unused parameters get a zero gradient
-            n = p.data.size
-            self.grad[offset : offset + n] = 0 if p.grad is None else p.grad.ravel()
-            offset += n
         local_loss, share = loss.item(), len(local) / config.batch_size
         start = time.perf_counter()
         with span("push and pull"):
-            header = Header(self.ps.rank, self.clock, 0, 0, 0, local_loss, share, lr)
-            sent = ps_comm.push(
-                self.ps, self.servers, self.shards, self.grad, header, self.versions
-            )
-            replies = ps_comm.pull(
-                self.ps, self.servers, self.shards, self.flat, self.ps.rank, self.clock + 1,
-                2 * config.ps_timeout,
-            )  # fmt: skip
-            for server, r in zip(self.servers, replies):
-                if r.version < 0:  # a server's word that a worker went silent (BSP)
-                    message = lost_message(-1 - r.version, server, config.ps_timeout)
-                    raise WorkerLost(message, reported_elsewhere=True)  # the server says it
-            p2p.waitall(self.ps, sent[0], [None] * len(sent[0]))
+            step_loss = self.worker.push_pull(lr, local_loss, share)
         self.comm_seconds += time.perf_counter() - start
         self.exposed_seconds = self.comm_seconds
-        self.versions = [r.version for r in replies]
-        self._load(self.flat)
         self.clock += 1
-        step_loss = replies[0].loss if replies[0].version > 0 else local_loss
         return StepResult(step_loss, local_loss)
-
-    def _load(self, flat: np.ndarray) -> None:
-        offset = 0
-        for p in self.params:
-            p.data[...] = flat[offset : offset + p.data.size].reshape(p.data.shape)
-            offset += p.data.size
 
     # ---- after training -------------------------------------------------------------------
     def gather_model(self) -> None:
@@ -172,7 +151,7 @@ class ParameterServer(Strategy):
                 p.data = np.empty(p.shape, p.dtype)
         else:
             self.mismatch = float(np.max(np.abs(self.flat - full), initial=0.0))
-        self._load(full)
+        load_flat(self.params, full)
         self.staleness = comm.allreduce(self.histogram, group=self.group)  # every server's
         counters = self.ps.counters.get("p2p", {"bytes_sent": 0, "bytes_recv": 0})
         mine = np.array([counters["bytes_sent"], counters["bytes_recv"]], dtype=np.int64)
@@ -266,7 +245,8 @@ class ParameterServer(Strategy):
             state |= {"shard": s.param.data.copy(), "optimizer": s.optimizer.state_dict()}
             state |= {"done": list(s.done), "complete": s.complete, "losses": list(s.losses)}
         else:
-            state |= {"model": self.task.model.state_dict(), "versions": list(self.versions)}
+            versions = list(self.worker.versions)
+            state |= {"model": self.task.model.state_dict(), "versions": versions}
         return state
 
     def load_state_dict(self, state: dict) -> None:
@@ -280,8 +260,8 @@ class ParameterServer(Strategy):
             s.answered = [self.clock] * len(s.done)
         else:
             self.task.model.load_state_dict(state["model"])
-            self.versions = list(state["versions"])
-            self.flat[...] = np.concatenate([p.data.ravel() for p in self.params])
+            self.worker.versions, self.worker.clock = list(state["versions"]), self.clock
+            self.flat[...] = flatten(self.params)
 
     def close(self) -> None:
         if self.server_group is not None and self.server_group.broken != "freed":
@@ -307,3 +287,12 @@ def check_config(config, world_size: int, num_examples: int) -> None:
 def staleness_line(histogram: np.ndarray) -> str:
     """'0: 120 | 1: 30 | 3: 2': the staleness values that occurred and their counts."""
     return " | ".join(f"{s}: {int(n)}" for s, n in enumerate(histogram) if n) or "none"
+
+
+def ps_optimizer(config) -> tuple[type, dict]:
+    """--ps-optimizer as (optimizer_class, defaults): the servers' (and a reference run's)."""
+    return {
+        "sgd": (optim.SGD, {"lr": config.lr}),
+        "momentum": (optim.SGD, {"lr": config.lr, "momentum": 0.9}),
+        "adamw": (optim.AdamW, {"lr": config.lr, "weight_decay": config.weight_decay}),
+    }[config.ps_optimizer]

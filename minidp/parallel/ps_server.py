@@ -27,7 +27,7 @@ takes lr scaled by its worker's share of the batch); SGD's momentum and Adam's m
 advance once per push, so they see W times as many steps.
 
 A push whose (worker, clock) is already in is a resend: received and dropped (ps-lite's
-dedup). A live worker that is silent for `ps_timeout` seconds while the server waits for it
+dedup). A live worker that is silent for `timeout` seconds while the server waits for it
 is an error under BSP (the server tells every waiting worker, so each rank raises naming
 it) and is dropped with a warning under ASP / SSP, training going on without it.
 """
@@ -38,7 +38,6 @@ import time
 
 import numpy as np
 
-from minidp import optim
 from minidp.autograd import Tensor
 from minidp.comm import p2p
 from minidp.log import JobError
@@ -46,12 +45,20 @@ from minidp.parallel import ps_comm
 from minidp.parallel.ps_comm import PULL, PUSH, Header
 from minidp.parallel.strategy import clip_global_norm
 
-OPTIMIZERS = {
-    "sgd": lambda params, c: optim.SGD(params, lr=c.lr),
-    "momentum": lambda params, c: optim.SGD(params, lr=c.lr, momentum=0.9),
-    "adamw": lambda params, c: optim.AdamW(params, lr=c.lr, weight_decay=c.weight_decay),
-}
-"""--ps-optimizer -> the optimizer over a list of parameters (the same for a reference run)."""
+
+def consistency_bound(consistency: str) -> float:
+    """The bound K on how far a worker may run ahead of the slowest: "bsp" -> 0 (and
+    updates wait for the whole clock), "ssp:K" -> K, "asp" -> infinity."""
+    if consistency == "bsp":
+        return 0
+    if consistency == "asp":
+        return math.inf
+    name, _, k = str(consistency).partition(":")
+    if name == "ssp" and k.isdigit():
+        return int(k)
+    raise ValueError(
+        f"consistency {consistency!r}: choose 'bsp', 'asp' or 'ssp:K' with an integer K >= 0"
+    )
 
 
 class WorkerLost(JobError):
@@ -60,14 +67,24 @@ class WorkerLost(JobError):
 
 
 class ShardServer:
-    """Keys [lo, hi) of the flat parameter vector, served to `workers` (their PS-group ranks)."""
+    """Keys [lo, hi) of the flat parameter vector, served to workers 0..n_workers-1 (their
+    ranks in the PS group `ps`) for `steps` clocks, with optimizer_class(**defaults) over the
+    shard. server_group: the servers' group, for clipping by the global norm (None: one
+    server); histogram: the staleness counts to add to (length steps + 1)."""
 
-    def __init__(self, ps, lo, hi, flat, config, n_workers, bound, server_group, histogram):
-        self.ps, self.lo, self.hi, self.config = ps, lo, hi, config
-        self.bound, self.bsp = bound, config.consistency == "bsp"
-        self.server_group, self.histogram = server_group, histogram
+    def __init__(
+        self, ps, lo: int, hi: int, flat: np.ndarray, n_workers: int, optimizer_class,
+        optimizer_defaults: dict, steps: int, consistency: str = "bsp", grad_clip: float = 0.0,
+        timeout: float = 60.0, server_group=None, histogram: np.ndarray | None = None,
+    ):  # fmt: skip
+        self.ps, self.lo, self.hi, self.steps = ps, lo, hi, steps
+        self.bound, self.bsp = consistency_bound(consistency), consistency == "bsp"
+        self.grad_clip, self.timeout, self.server_group = grad_clip, timeout, server_group
+        if histogram is None:
+            histogram = np.zeros(steps + 1, dtype=np.int64)
+        self.histogram = histogram
         self.param = Tensor(flat[lo:hi].copy())
-        self.optimizer = OPTIMIZERS[config.ps_optimizer]([self.param], config)
+        self.optimizer = optimizer_class([self.param], **optimizer_defaults)
         self.live = list(range(n_workers))
         self.done = [0] * n_workers  # pushes received from each worker: its clock
         self.heard = [time.monotonic()] * n_workers
@@ -88,7 +105,7 @@ class ShardServer:
         while self.complete <= clock:
             self.serve_one()
         if last:  # every worker, a dropped one too, gets the final shard
-            self.serve_pulls(self.config.steps)
+            self.serve_pulls(self.steps)
             for requests, _ in self.outbox:
                 p2p.waitall(self.ps, requests, [None] * len(requests))
             self.outbox = []
@@ -100,7 +117,7 @@ class ShardServer:
             self.serve_one()
 
     def serve_one(self) -> None:
-        wait = min(1.0, self.config.ps_timeout)  # wake now and then to look for silence
+        wait = min(1.0, self.timeout)  # wake now and then to look for silence
         got = ps_comm.next_header(self.ps, self.header, wait)
         if got is None:
             self.look_for_silence()
@@ -153,9 +170,9 @@ class ShardServer:
         # every server computes the same loss, so all skip together (no reduction hangs)
         if not math.isfinite(loss):
             return
-        if self.config.grad_clip:  # the norm over every server's shard: one allreduce
+        if self.grad_clip:  # the norm over every server's shard: one allreduce
             self.param.grad = g
-            clip_global_norm([self.param], self.config.grad_clip, self.server_group)
+            clip_global_norm([self.param], self.grad_clip, self.server_group)
         self.apply(g, reports[0][3])
 
     def apply(self, g: np.ndarray, lr: float) -> None:
@@ -169,7 +186,7 @@ class ShardServer:
 
     # ---- pulls ------------------------------------------------------------------------------
     def answer_pulls(self) -> None:
-        last_clock = self.config.steps
+        last_clock = self.steps
         waiting = []
         for h in self.pending:
             if h.clock >= last_clock:  # the last pull: once every push is in
@@ -192,10 +209,10 @@ class ShardServer:
     # ---- silence ----------------------------------------------------------------------------
     def look_for_silence(self) -> None:
         """A live worker we wait for (no pull pending, not finished) silent past the timeout."""
-        now, timeout = time.monotonic(), self.config.ps_timeout
+        now, timeout = time.monotonic(), self.timeout
         asking = {h.worker for h in self.pending}
         for w in list(self.live):
-            finished = self.answered[w] >= self.config.steps
+            finished = self.answered[w] >= self.steps
             if w in asking or finished or now - self.heard[w] <= timeout:
                 continue
             if self.bsp:
@@ -219,7 +236,7 @@ class ShardServer:
 def lost_message(worker: int, server_rank: int, timeout: float) -> str:
     return (
         f"worker {worker} (rank {worker}) sent nothing to server rank {server_rank} for "
-        f"{timeout:g} s: under --consistency bsp no clock can complete without it"
+        f"{timeout:g} s: under consistency bsp no clock can complete without it"
     )
 
 
