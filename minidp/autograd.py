@@ -195,12 +195,18 @@ class Tensor:
         self._grad = home
 
     # ---- the engine ---------------------------------------------------------------------
-    def register_grad_ready_hook(self, hook: Callable[["Tensor"], None]) -> Callable[[], None]:
-        """Call `hook(self)` each time backward has finished this leaf's gradient; returns a
-        function that removes the hook."""
+    def register_grad_ready_hook(
+        self, hook: Callable[["Tensor"], None], prepend: bool = False
+    ) -> Callable[[], None]:
+        """Call `hook(self)` each time backward has finished this leaf's gradient, after the
+        hooks registered before it (`prepend=True`: before them, as PyTorch's `prepend`);
+        returns a function that removes the hook."""
         if not isinstance(self._hooks, list):
             self._hooks = []
-        self._hooks.append(hook)
+        if prepend:
+            self._hooks.insert(0, hook)
+        else:
+            self._hooks.append(hook)
         return lambda: self._hooks.remove(hook)
 
     def _topological_order(self) -> list["Tensor"]:

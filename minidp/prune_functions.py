@@ -26,10 +26,11 @@ weights' past gradients in its moments (AdamW's m, v), which would move them off
 weight_orig drifts too, but the mask hides it): pass it as `optimizer=` and those entries
 are zeroed with the weight.
 
-With data parallelism: prune before wrapping the model in DistributedDataParallel (as you
-freeze parameters before wrapping), so the mask hook runs before DDP's own grad-ready hook
-weighs the gradient into its bucket; `parallel.prune_comm.masked_allreduce_hook(ddp)` then
-sends only the kept gradients. Every rank computes the same masks from its identical replica.
+With data parallelism: the mask hook goes ahead of any hook already on the weight
+(`prepend=True`), so it zeroes the masked entries before DDP's own grad-ready hook weighs the
+gradient into its bucket, whether the weight was pruned before or after wrapping;
+`parallel.prune_comm.masked_allreduce_hook(ddp)` then sends only the kept gradients. Every
+rank computes the same masks from its identical replica.
 """
 
 import itertools
@@ -127,9 +128,14 @@ def _prune(pairs, amount, optimizer) -> list[Module]:
     for (module, name), p, mask in zip(pairs, params, masks):
         setattr(module, f"{name}_mask", mask)
         hooks = module.__dict__.setdefault("_pruned", {})
-        if name not in hooks:  # the first pruning of this weight hooks it, once
-            hooks[name] = (p.register_grad_ready_hook(_mask_grad(module, name)), stamp)
-        hooks[name] = (hooks[name][0], stamp)
+        # the first pruning of this weight hooks it, once, ahead of any hook already there
+        # (DDP's, which weighs the gradient into its bucket: masked first, then sent)
+        unhook = (
+            hooks[name][0]
+            if name in hooks
+            else p.register_grad_ready_hook(_mask_grad(module, name), prepend=True)
+        )
+        hooks[name] = (unhook, stamp)
     return [module for module, _ in pairs]
 
 

@@ -737,6 +737,17 @@ def test_hooks_fire_once_per_backward_and_the_handle_removes_them():
     assert len(calls) == 2
 
 
+def test_a_prepended_hook_runs_before_those_registered_earlier():
+    model, loss_fn = mlp_and_loss()
+    p = model.parameters()[0]
+    order = []
+    p.register_grad_ready_hook(lambda p: order.append("first registered"))
+    remove = p.register_grad_ready_hook(lambda p: order.append("prepended"), prepend=True)
+    loss_fn().backward()
+    assert order == ["prepended", "first registered"]
+    remove()
+
+
 # ---- errors name both shapes ------------------------------------------------------------------
 def test_matmul_shape_error_names_both_shapes():
     with pytest.raises(ValueError, match=r"matmul.*\(2, 3\).*\(4, 5\)"):

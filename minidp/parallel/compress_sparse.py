@@ -60,7 +60,8 @@ class Sparsifier(Compressor):
     error_feedback = True
 
     def __init__(self, *, density: float = 0.01, algo="auto", seed=0, warmup=0):
-        if not isinstance(density, (int, float, np.floating)) or not 0 < density <= 1:
+        number = isinstance(density, (int, float, np.floating, np.integer))
+        if not number or isinstance(density, (bool, np.bool_)) or not 0 < density <= 1:
             raise invalid(self, "density", density, "the density must be in (0, 1]")
         self.density = float(density)
         super().__init__(algo=algo, seed=seed, warmup=warmup)

@@ -74,7 +74,7 @@ class ParameterServer(Strategy):
         super().__init__(task, config, group, timeline)
         check_config(config, group.size, task.num_examples)  # every rank, before any message
         P, S = group.size, config.servers
-        self.bound = staleness_bound(config.consistency)
+        staleness_bound(config.consistency)  # a bad --consistency: one line, before any message
         self.n_workers = W = P - S
         self.servers = list(range(W, P))
         self.is_server = group.rank >= W
