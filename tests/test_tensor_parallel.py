@@ -15,7 +15,7 @@ import pytest
 
 from minidp import comm
 from minidp.cli import main
-from minidp.config import BadConfig, TrainConfig
+from minidp.config import TrainConfig
 from minidp.data import DistributedSampler
 from minidp.memory import nbytes
 from minidp.parallel import STRATEGIES, DataParallel, Mesh
@@ -82,8 +82,10 @@ def check_the_mesh(world):
     assert mesh.pp_group.world_ranks == (world.rank % 2, world.rank % 2 + 2)
     assert (mesh.pp_prev, mesh.pp_next) == ((None, 1) if p == 0 else (0, None))
     mesh.close()
-    with pytest.raises(BadConfig, match=r"dp x tp x pp = 3 x 1 x 1 = 3, but the world has 4"):
+    with pytest.raises(ValueError, match=r"dp x tp x pp = 3 x 1 x 1 = 3, but group has 4 ranks"):
         Mesh(dp=3, group=world)
+    with pytest.raises(ValueError, match=r"^dp must be a positive integer, got 0$"):
+        Mesh(dp=0, tp=4, group=world)
 
 
 @pytest.mark.parallel(nprocs=[4])

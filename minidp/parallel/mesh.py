@@ -25,7 +25,6 @@ three). There is no module-level mesh: a strategy builds one and hands it to wha
 import numpy as np
 
 from minidp import comm
-from minidp.config import BadConfig
 
 AXES = ("dp", "pp", "tp")  # the grid's axes, slowest to fastest
 
@@ -36,6 +35,9 @@ class Mesh:
     Attributes: `dp, pp, tp` (sizes), `coords` {"dp": d, "pp": p, "tp": t} of this rank,
     `dp_group, pp_group, tp_group` (this rank's group on each axis), `grid` (world-group
     ranks), `pp_prev, pp_next` (group ranks of the previous and next stage, None at the ends).
+
+    A size that is not a positive integer, or sizes whose product is not `group.size`, is a
+    ValueError naming the arguments (the command line turns it into its flags' words).
     """
 
     def __init__(self, dp: int = 1, tp: int = 1, pp: int = 1, group: comm.Group | None = None):
@@ -43,11 +45,11 @@ class Mesh:
         sizes = {"dp": dp, "pp": pp, "tp": tp}
         for axis, n in sizes.items():
             if not (isinstance(n, int | np.integer) and n >= 1):
-                raise BadConfig(f"mesh: --{axis} must be a positive integer, got {n!r}")
+                raise ValueError(f"{axis} must be a positive integer, got {n!r}")
         if dp * tp * pp != self.group.size:
-            raise BadConfig(
-                f"mesh: dp x tp x pp = {dp} x {tp} x {pp} = {dp * tp * pp}, but the world "
-                f"has {self.group.size} ranks; choose sizes whose product is {self.group.size}"
+            raise ValueError(
+                f"dp x tp x pp = {dp} x {tp} x {pp} = {dp * tp * pp}, but group has "
+                f"{self.group.size} ranks; choose sizes whose product is {self.group.size}"
             )
         self.dp, self.pp, self.tp = dp, pp, tp
         self.grid = np.arange(self.group.size).reshape(dp, pp, tp)
