@@ -18,7 +18,8 @@
 # group, so each rank stores and multiplies 1/p of it. This tutorial builds the pieces by
 # hand, then with minidp.parallel's layers, each checked against the unsplit layer:
 # column- and row-parallel linears, Megatron's f and g, the parallel MLP, attention split by
-# heads, the vocabulary, sequence parallelism, and finally a whole GPT that trains like one
+# heads, the vocabulary, sequence parallelism, then `TensorParallelGPT` around a GPT you
+# build (its head tied to its embedding), and finally `--strategy tp` training like one
 # process.
 
 # %%
@@ -31,6 +32,7 @@ from minidp import Tensor, comm, nn
 from minidp.config import TrainConfig
 from minidp.data import DistributedSampler
 from minidp.log import print0
+from minidp.optim import AdamW
 from minidp.parallel import (
     ColumnParallelLinear,
     DataParallel,
@@ -39,6 +41,7 @@ from minidp.parallel import (
     ParallelMLP,
     RowParallelLinear,
     TensorParallel,
+    TensorParallelGPT,
     VocabParallelEmbedding,
     vocab_parallel_cross_entropy,
 )
@@ -173,7 +176,48 @@ print0(f"sequence-parallel MLP forward sent {sent} bytes; g's allreduce: {ring:.
 assert sum(sent.values()) == ring
 
 # %% [markdown]
-# ## 8. The whole GPT trains like one process
+# ## 8. TensorParallelGPT around a GPT you built, head tied to the embedding
+# `TensorParallelGPT(gpt, group)` slices a whole nn.GPT: every layer above, in its place.
+# GPT-2 ties its head to its token embedding E (V x C): logits = X E^T, one weight used
+# twice. The embedding's rows v_i..v_{i+1} are the head's columns v_i..v_{i+1}, so the
+# tied head multiplies by the embedding's own shard E_i, and autograd adds the two uses'
+# gradients. A few AdamW steps, each rank on its shards, against the one process:
+
+
+# %%
+class TiedHead(nn.Module):
+    """logits = x E^T, E the token embedding's own Parameter (not a copy)."""
+
+    def __init__(self, wte: nn.Embedding):
+        self.weight = wte.weight
+
+    def forward(self, x):
+        return x @ self.weight.T
+
+
+def tied_gpt() -> nn.GPT:
+    gpt = nn.GPT(cfg, seed=5, dtype=np.float64)  # the same seed on every rank
+    gpt.head = TiedHead(gpt.wte)
+    return gpt
+
+
+gpt, tp_gpt = tied_gpt(), TensorParallelGPT(tied_gpt(), group)
+opt, tp_opt = AdamW(gpt.parameters(), lr=1e-2), AdamW(tp_gpt.parameters(), lr=1e-2)
+targets = np.roll(tokens, -1, axis=1)  # any targets will do
+for step in range(3):
+    one, split = nn.cross_entropy(gpt(tokens), targets), tp_gpt.loss(tokens, targets)
+    for loss, optimizer in ((one, opt), (split, tp_opt)):
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    print0(f"step {step}: one process {one.item():.9f}, tensor parallel {split.item():.9f}")
+    assert np.isclose(split.item(), one.item(), rtol=1e-10)
+whole = tp_gpt.gather_whole("data")  # collective: the shards put back together
+assert all(np.allclose(whole[name], q.data, rtol=1e-10) for name, q in gpt.named_parameters())
+print0(f"tied: {tp_gpt.tied}; wte.weight on rank {r}: {tp_gpt.wte.weight.shape} of {(11, C)}")
+
+# %% [markdown]
+# ## 9. The whole GPT trains like one process
 # `--strategy tp` slices the same nn.GPT every rank builds from the seed; in float64 the
 # losses match single-process training to ~1e-12.
 

@@ -14,12 +14,21 @@ What each rank holds (p = TP group size), and where the group talks:
     mlp.fc         column-parallel, 4C/p hidden features           f      (bwd)
     mlp.fc_proj    row-parallel, the same hidden features          g      (fwd)
     head           column-parallel over the vocabulary             f      (bwd)
+                   (tied to wte: wte's own shard, logits_i = f(X) E_i^T)
     loss           vocab_parallel_cross_entropy: N-element allreduces, never the logits
 
 With sequence parallelism every f / g above becomes an allgather / reduce-scatter along T,
 and the residual stream, LayerNorms and dropouts hold T/p positions per rank. Then each
 replicated parameter sees only this rank's positions, so its gradient is a partial sum:
 `replicated_grads_partial` says so, and the strategy allreduces those over the group.
+
+A head tied to the token embedding (GPT-2's weight tying, Press & Wolf 2017): the user's
+head holds `wte.weight` itself (`head.weight is wte.weight`) and computes logits = X E^T
+(E: V x C; nn.Linear holds (in, out), so a tied head is a module of the user's, not an
+nn.Linear). The embedding's rows v_i..v_{i+1} are the head's columns v_i..v_{i+1}, so one
+shard serves both: the head computes f(X) E_i^T with the embedding's own Parameter, and
+autograd adds the gradients of its two uses, as one process does. The shard is listed once
+(as "wte.weight"), and an optimizer steps it once.
 """
 
 import copy
@@ -35,7 +44,7 @@ from minidp.parallel.tensor_parallel import (
     dropout_of_rank,
     replica,
 )
-from minidp.parallel.tp_comm import sequence_range
+from minidp.parallel.tp_comm import copy_to_tensor_parallel, gather_sequence, sequence_range
 from minidp.parallel.vocab_parallel import (
     VocabParallelEmbedding,
     vocab_parallel_cross_entropy,
@@ -49,6 +58,25 @@ def _replicated_layer_norm(full: nn.LayerNorm, name: str) -> nn.LayerNorm:
         replica(full.bias, name + "bias"),
     )
     return layer
+
+
+def tied_to_embedding(full: nn.GPT) -> bool:
+    """Whether `full.head` is tied to `full.wte` (GPT-2's way, logits X E^T); ValueError for
+    a head TensorParallelGPT cannot split: neither an nn.Linear nor tied to wte."""
+    weight = getattr(full.head, "weight", None)
+    if weight is full.wte.weight:
+        if isinstance(full.head, nn.Linear):  # X E, with E as an (in, out) matrix: V == C
+            raise ValueError(
+                "full.head is an nn.Linear whose weight is full.wte.weight (logits X E, not "
+                "X E^T): a tied head computes X E^T (see tp_gpt.py's docstring)"
+            )
+        return True
+    if not isinstance(full.head, nn.Linear):
+        raise ValueError(
+            f"full.head must be an nn.Linear or tied to full.wte (its weight the embedding's "
+            f"own), got a {type(full.head).__name__}"
+        )
+    return False
 
 
 class ParallelBlock(nn.Module):
@@ -67,9 +95,30 @@ class ParallelBlock(nn.Module):
         return x + self.drop(self.mlp(self.ln2(x)))
 
 
+class TiedParallelHead(nn.Module):
+    """logits_i = f(X) E_i^T: the head tied to a VocabParallelEmbedding, on its own shard
+    E_i (rows v_i..v_{i+1} of E, the head's columns v_i..v_{i+1}); f becomes the allgather
+    along T under sequence parallelism."""
+
+    def __init__(self, wte: VocabParallelEmbedding, group: comm.Group, sequence_parallel: bool):
+        self.weight = wte.weight  # the same Parameter: its gradient sums both uses
+        self.group, self.sequence_parallel = group, sequence_parallel
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = (
+            gather_sequence(x, self.group)
+            if self.sequence_parallel
+            else copy_to_tensor_parallel(x, self.group)
+        )
+        return x @ self.weight.T
+
+
 class TensorParallelGPT(nn.Module):
     """nn.GPT split over `group`; see the module docstring. forward(idx) gives this rank's
-    columns of the logits (B, T, V_i); loss(idx, targets) the whole batch's mean loss."""
+    columns of the logits (B, T, V_i); loss(idx, targets) the whole batch's mean loss.
+
+    `full.head` is an nn.Linear (C -> V), or a head tied to `full.wte` (its `weight` is
+    `full.wte.weight`, its logits X E^T); anything else is a ValueError."""
 
     def __init__(self, full: nn.GPT, group: comm.Group, *, sequence_parallel: bool = False):
         cfg = full.config
@@ -88,8 +137,16 @@ class TensorParallelGPT(nn.Module):
             for i, b in enumerate(full.blocks)
         ]
         self.ln_f = _replicated_layer_norm(full.ln_f, "ln_f.")
-        self.head = ColumnParallelLinear(full.head, group, name="head.", sequence_parallel=sp)
+        if tied_to_embedding(full):
+            self.head = TiedParallelHead(self.wte, group, sp)
+        else:
+            self.head = ColumnParallelLinear(full.head, group, name="head.", sequence_parallel=sp)
         self.replicated_grads_partial = sp
+
+    @property
+    def tied(self) -> bool:
+        """Whether the head reads the token embedding's shard (see the module docstring)."""
+        return isinstance(self.head, TiedParallelHead)
 
     def forward(self, idx: np.ndarray) -> Tensor:
         idx = np.asarray(idx)
