@@ -23,6 +23,14 @@ itself. Messages: ps_comm.py.
 Contract: every rank of ps_group passes the same servers, consistency and timeout; each
 worker's model has the same parameter shapes and dtype as the servers'; ps_group is a group
 of its own (group.dup()), patient when ranks outnumber cores.
+
+Errors are one-sided. A bad argument (to ParameterServerWorker, push_pull or serve) is a
+ValueError or TypeError on the rank that was given it, raised before that rank sends
+anything; no other rank is told. The others wait for it: the servers for its pushes until
+`timeout`, then (BSP) raise WorkerLost naming it or (ASP / SSP) drop it; a worker for a
+server that never serves, until `timeout`, then ServerLost. So give every rank the same
+arguments, and let an error end the whole job (`mpiexec ... python -m mpi4py script.py`
+aborts every rank on an uncaught exception) rather than catch it on one rank and go on.
 """
 
 import math

@@ -29,7 +29,9 @@ advance once per push, so they see W times as many steps.
 A push whose (worker, clock) is already in is a resend: received and dropped (ps-lite's
 dedup). A live worker that is silent for `timeout` seconds while the server waits for it
 is an error under BSP (the server tells every waiting worker, so each rank raises naming
-it) and is dropped with a warning under ASP / SSP, training going on without it.
+it) and is dropped with a warning under ASP / SSP, training going on without it. Every
+server sees the silence; the first (rank n_workers) says it, once, and the others keep
+quiet (their WorkerLost is `reported_elsewhere`), so `S` servers print one line, not S.
 """
 
 import math
@@ -210,6 +212,7 @@ class ShardServer:
     def look_for_silence(self) -> None:
         """A live worker we wait for (no pull pending, not finished) silent past the timeout."""
         now, timeout = time.monotonic(), self.timeout
+        speaks = self.ps.rank == len(self.done)  # the first server (rank n_workers) says it
         asking = {h.worker for h in self.pending}
         for w in list(self.live):
             finished = self.answered[w] >= self.steps
@@ -220,15 +223,17 @@ class ShardServer:
                     self.send_reply(h, -1 - w)
                 for requests, _ in self.outbox:
                     p2p.waitall(self.ps, requests, [None] * len(requests))
-                raise WorkerLost(lost_message(w, self.ps.rank, timeout))
+                message = lost_message(w, self.ps.rank, timeout)
+                raise WorkerLost(message, reported_elsewhere=not speaks)
             self.live.remove(w)
             self.dropped.append(w)
-            print(
-                f"minidp: warning: server rank {self.ps.rank}: worker {w} sent nothing for "
-                f"{timeout:g} s; dropped, training goes on with {len(self.live)} workers",
-                file=sys.stderr,
-                flush=True,
-            )
+            if speaks:
+                print(
+                    f"minidp: warning: server rank {self.ps.rank}: worker {w} sent nothing for "
+                    f"{timeout:g} s; dropped, training goes on with {len(self.live)} workers",
+                    file=sys.stderr,
+                    flush=True,
+                )
             self.advance()
             self.answer_pulls()
 
@@ -236,7 +241,7 @@ class ShardServer:
 def lost_message(worker: int, server_rank: int, timeout: float) -> str:
     return (
         f"worker {worker} (rank {worker}) sent nothing to server rank {server_rank} for "
-        f"{timeout:g} s: under consistency bsp no clock can complete without it"
+        f'{timeout:g} s: under consistency="bsp" no clock can complete without it'
     )
 
 
