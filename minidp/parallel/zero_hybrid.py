@@ -44,21 +44,18 @@ from minidp import comm, optim
 from minidp.autograd import Tensor
 from minidp.config import BadConfig
 from minidp.nn import Module
-from minidp.parallel.zero import ZeROAxis
-from minidp.parallel.zero_flat import ShardLayout
+from minidp.parallel.zero_axis import ZeROAxis
+from minidp.parallel.zero_flat import ShardLayout, chunk_slices
 
 
 def split_chunks(layout: ShardLayout, is_sharded) -> list[tuple[list[slice], list[slice]]]:
     """Per segment: (slices of this rank's chunk in TP-sharded parameters, slices in
-    replicated ones). A chunk edge falls anywhere, so a slice may cover part of a tensor."""
+    replicated ones), from zero_flat.chunk_slices."""
     out = []
-    for (lo, hi), params in zip(layout.chunks, layout.segments):
-        kinds, offset = ([], []), 0
-        for p in params:
-            a, b = max(lo, offset), min(hi, offset + p.size)
-            if a < b:
-                kinds[0 if is_sharded(p) else 1].append(slice(a - lo, b - lo))
-            offset += p.size
+    for mine in chunk_slices(layout):
+        kinds = ([], [])
+        for p, s in mine:
+            kinds[0 if is_sharded(p) else 1].append(s)
         out.append(kinds)
     return out
 
