@@ -12,12 +12,14 @@ import pytest
 from test_compress_parallel import TINY_GPT, params
 from test_strategy import run as steps  # one step per index, lr 1e-2: the global losses
 
-from minidp import comm
+from minidp import comm, optim
 from minidp.config import BadConfig, TrainConfig
-from minidp.parallel import DataParallel
+from minidp.data import DistributedSampler
+from minidp.parallel import DataParallel, DistributedDataParallel
 from minidp.parallel.buckets import Bucket
 from minidp.parallel.compress import make_compressor
-from minidp.parallel.compress_velocity import MomentumCorrection
+from minidp.parallel.compress_update import LocalGradients
+from minidp.parallel.compress_velocity import MomentumCorrectedSGD, MomentumCorrection
 from minidp.tasks import Task
 
 VELOCITY = dict(optimizer="momentum", compress_on="velocity", weight_decay=0.1)
@@ -111,3 +113,36 @@ def test_bad_combinations_are_one_line():
             strategy="hybrid", compress="topk", optimizer="momentum", compress_on="velocity"
         ).validate()
     TrainConfig(compress="randomk:0.1", optimizer="momentum", compress_on="velocity").validate()
+
+
+@pytest.mark.parallel(nprocs=[2])
+@pytest.mark.timeout(120)
+def test_velocity_pieces_on_a_users_ddp_are_the_strategy_bit_for_bit():
+    """MomentumCorrection and MomentumCorrectedSGD around a DDP built by hand, with
+    compress_update.LocalGradients (compress_velocity.py's docstring loop), take the same
+    steps as --compress-on velocity, bit for bit."""
+    group = comm.world()
+    config = replace(TrainConfig(**TINY_GPT, **VELOCITY), compress="topk:0.3")
+    with DataParallel(Task(config, np.float64), config, group) as strategy:
+        steps(strategy, range(3))
+        want = params(strategy)
+    task = Task(config, np.float64)
+    model = task.model
+    ddp = DistributedDataParallel(model, group, bucket_cap_mb=config.bucket_mb, overlap=True)
+    compressor = make_compressor(config.compress, seed=config.seed)
+    ddp.register_comm_hook(MomentumCorrection(compressor, optim.MOMENTUM))
+    sync, opt = LocalGradients(ddp), MomentumCorrectedSGD(ddp, 1e-2, config.weight_decay)
+    sampler = DistributedSampler(
+        task.num_examples, config.batch_size, group.rank, group.size, seed=config.seed
+    )
+    with ddp:
+        for step in range(3):
+            local = sampler.local_indices(step)
+            sync.zero_grad()
+            sync.set_batch_share(len(local), config.batch_size)
+            with sync.no_sync():
+                task.loss(*task.batch(local)).backward()
+            optim.clip_grad_norm(model.parameters(), config.grad_clip)
+            opt.step()
+    got = np.concatenate([p.data.ravel() for p in model.parameters()])
+    np.testing.assert_array_equal(got, want)

@@ -9,7 +9,7 @@ Every rank builds the whole nn.GPT from the seed (the task's model) and keeps it
 it (tp_gpt.py). Ranks of one TP group read the same examples: the data shard is the DP
 coordinate, (d, dp). The recipe: a Mesh, the TP GPT on its TP group (tp_gpt.py), and a
 data-parallel axis over its DP group, DDP (dp_strategy.DDPAxis) or, for `--strategy hybrid
---zero-stage S`, ZeRO (zero.ZeROAxis, zero_hybrid.py): pieces composed, handed to the one
+--zero-stage S`, ZeRO (zero_axis.ZeROAxis, zero_hybrid.py): pieces composed, handed to the one
 step skeleton (step.py). With DDP, one step on the TP model:
 
     forward / backward        f, g (or the sequence pairs) over the TP group, inside the model

@@ -32,7 +32,7 @@ Stage 3 gathers whole child modules (zero3.py); TensorParallelGPT's position tab
 parameter, so it is put in a child module of its own first (`Positions`). f and g run inside
 a gathered layer, over the TP group, as they do without ZeRO.
 
-`ZeROOverTP` is zero.ZeROAxis with these additions; the hybrid recipe (tp_strategy.py)
+`ZeROOverTP` is zero_axis.ZeROAxis with these additions; the hybrid recipe (tp_strategy.py)
 builds it over the mesh's DP axis.
 """
 
