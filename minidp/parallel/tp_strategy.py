@@ -70,6 +70,19 @@ def mesh_sizes(config, world_size: int) -> tuple[int, int]:
     return dp, tp
 
 
+def check_mesh(config, world_size: int, gpt) -> tuple[int, int, bool]:
+    """(dp, tp, drifts): the mesh the tp or hybrid flags ask for, and whether ZeRO must
+    broadcast TP rank 0's replicated parameters after each step (zero_hybrid.py), for the
+    task's `gpt`; BadConfig (one line) when the flags cannot work."""
+    dp, tp = mesh_sizes(config, world_size)
+    if not config.zero_stage:
+        check_micro_batches(config, dp)
+        return dp, tp, False
+    drifts = check_drift(config, dp, tp, gpt.config.vocab_size)
+    check_zero(config, dp, "hybrid")
+    return dp, tp, drifts
+
+
 class OnTheMesh(Recipe):
     """What the tp and hybrid recipes share: the mesh, the TP GPT on its TP group, and the
     reports (the mesh in the header and the record, bytes per mesh axis, the whole model
@@ -211,8 +224,8 @@ class TensorParallel(OnTheMesh):
 
     def __init__(self, task, config, group: comm.Group, timeline=None, optimizer=None):
         super().__init__(task, config, group, timeline)
-        dp, tp = mesh_sizes(config, group.size)  # alike on every rank, before any message
-        check_micro_batches(config, dp)
+        # alike on every rank, before any message (no --zero-stage for tp: no drift)
+        dp, tp, _ = check_mesh(config, group.size, task.model)
         with self.on_mesh(dp, tp):
             self.use_ddp(optimizer)
 
@@ -225,13 +238,8 @@ class Hybrid(OnTheMesh):
 
     def __init__(self, task, config, group: comm.Group, timeline=None, optimizer=None):
         super().__init__(task, config, group, timeline)
-        dp, tp = mesh_sizes(config, group.size)  # alike on every rank, before any message
-        self.drifts = False  # ZeRO: TP rank 0's replicated parameters broadcast after a step
-        if config.zero_stage:
-            self.drifts = check_drift(config, dp, tp, task.model.config.vocab_size)
-            check_zero(config, dp, self.name)
-        else:
-            check_micro_batches(config, dp)
+        # alike on every rank, before any message; drifts: see broadcast_drift
+        dp, tp, self.drifts = check_mesh(config, group.size, task.model)
         with self.on_mesh(dp, tp):
             if config.zero_stage:
                 self.use_zero(optimizer)  # (a function of the pieces, as ZeRO takes it)
