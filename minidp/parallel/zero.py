@@ -25,8 +25,9 @@ One step, over the data-parallel `group` (the whole world, or a mesh's DP axis):
 
     stage 1   forward; backward into DDP's whole-gradient buckets, each bucket reduce-
               scattered (overlapped as DDP's allreduces are); clip by the global norm
-              (each rank's squared norm of its chunks, summed); AdamW on my chunks only;
-              allgather every bucket's parameters
+              (each rank's squared norm of its chunks, summed); AdamW on my chunks only,
+              but the part of a parameter no rank's backward reached (DDP's .grad None)
+              put back after it, as DDP's optimizer skips it; allgather every bucket
     stage 2   the same, but a bucket's gradients go to a staging vector when ready and are
               dropped after its reduce-scatter: only my gradient chunks stay (zero_grads.py)
     stage 3   parameters sharded too: each layer is allgathered before its forward and
