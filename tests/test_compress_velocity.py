@@ -10,15 +10,14 @@ from dataclasses import replace
 import numpy as np
 import pytest
 from test_compress_parallel import TINY_GPT, params
+from test_compress_update import by_hand
 from test_strategy import run as steps  # one step per index, lr 1e-2: the global losses
 
 from minidp import comm, optim
 from minidp.config import BadConfig, TrainConfig
-from minidp.data import DistributedSampler
-from minidp.parallel import DataParallel, DistributedDataParallel
+from minidp.parallel import DataParallel
 from minidp.parallel.buckets import Bucket
 from minidp.parallel.compress import make_compressor
-from minidp.parallel.compress_update import LocalGradients
 from minidp.parallel.compress_velocity import MomentumCorrectedSGD, MomentumCorrection
 from minidp.tasks import Task
 
@@ -126,23 +125,9 @@ def test_velocity_pieces_on_a_users_ddp_are_the_strategy_bit_for_bit():
     with DataParallel(Task(config, np.float64), config, group) as strategy:
         steps(strategy, range(3))
         want = params(strategy)
-    task = Task(config, np.float64)
-    model = task.model
-    ddp = DistributedDataParallel(model, group, bucket_cap_mb=config.bucket_mb, overlap=True)
-    compressor = make_compressor(config.compress, seed=config.seed)
-    ddp.register_comm_hook(MomentumCorrection(compressor, optim.MOMENTUM))
-    sync, opt = LocalGradients(ddp), MomentumCorrectedSGD(ddp, 1e-2, config.weight_decay)
-    sampler = DistributedSampler(
-        task.num_examples, config.batch_size, group.rank, group.size, seed=config.seed
-    )
-    with ddp:
-        for step in range(3):
-            local = sampler.local_indices(step)
-            sync.zero_grad()
-            sync.set_batch_share(len(local), config.batch_size)
-            with sync.no_sync():
-                task.loss(*task.batch(local)).backward()
-            optim.clip_grad_norm(model.parameters(), config.grad_clip)
-            opt.step()
-    got = np.concatenate([p.data.ravel() for p in model.parameters()])
-    np.testing.assert_array_equal(got, want)
+    hook = MomentumCorrection(make_compressor(config.compress, seed=config.seed), optim.MOMENTUM)
+
+    def sgd(ddp):
+        return MomentumCorrectedSGD(ddp, 1e-2, config.weight_decay)
+
+    np.testing.assert_array_equal(by_hand(config, group, hook, sgd), want)
