@@ -11,9 +11,12 @@ import pytest
 from test_compress_parallel import TINY_GPT, params
 from test_strategy import run as steps  # one step per index: the global losses
 
-from minidp import comm
+from minidp import comm, optim
 from minidp.config import BadConfig, TrainConfig
-from minidp.parallel import DataParallel
+from minidp.data import DistributedSampler
+from minidp.parallel import DataParallel, DistributedDataParallel
+from minidp.parallel.compress import make_compressor
+from minidp.parallel.compress_update import CompressedUpdate, LocalGradients
 from minidp.tasks import Task
 
 
@@ -76,3 +79,45 @@ def test_update_compression_across_ranks():
         assert not strategy.compressor.residuals  # nothing compressed yet
         steps(strategy, range(2, 3))
         assert strategy.compressor.residual_norm() > 0 and strategy.max_param_diff() == 0.0
+
+
+def by_hand(config, group, hook, make_optimizer) -> np.ndarray:
+    """Three steps of the placements' docstring loop on a DDP built by hand, with `hook`
+    and the optimizer `make_optimizer(ddp)` (lr 1e-2, as steps()); the parameters, flat."""
+    task = Task(config, np.float64)
+    model = task.model
+    ddp = DistributedDataParallel(model, group, bucket_cap_mb=config.bucket_mb, overlap=True)
+    ddp.register_comm_hook(hook)
+    sync, opt = LocalGradients(ddp), make_optimizer(ddp)
+    sampler = DistributedSampler(
+        task.num_examples, config.batch_size, group.rank, group.size, seed=config.seed
+    )
+    with ddp:
+        for step in range(3):
+            local = sampler.local_indices(step)
+            sync.zero_grad()
+            sync.set_batch_share(len(local), config.batch_size)
+            with sync.no_sync():  # this rank's own gradient, unreduced
+                task.loss(*task.batch(local)).backward()
+            optim.clip_grad_norm(model.parameters(), config.grad_clip)  # local clipping
+            opt.step()
+    return np.concatenate([p.data.ravel() for p in model.parameters()])
+
+
+@pytest.mark.parallel(nprocs=[2])
+@pytest.mark.timeout(120)
+def test_update_pieces_on_a_users_ddp_are_the_strategy_bit_for_bit():
+    """LocalGradients and CompressedUpdate around a DDP built by hand (compress_update.py's
+    docstring loop) take the same steps as --compress-on update, bit for bit."""
+    group = comm.world()
+    config = replace(TrainConfig(**TINY_GPT), compress="topk:0.3", compress_on="update")
+    with DataParallel(Task(config, np.float64), config, group) as strategy:
+        steps(strategy, range(3))
+        want = params(strategy)
+
+    def adamw(ddp):
+        inner = optim.make_optimizer(config.optimizer, ddp.parameters(), 1e-2, config.weight_decay)
+        return CompressedUpdate(inner, ddp)
+
+    hook = make_compressor(config.compress, seed=config.seed)
+    np.testing.assert_array_equal(by_hand(config, group, hook, adamw), want)

@@ -10,14 +10,15 @@ from dataclasses import replace
 import numpy as np
 import pytest
 from test_compress_parallel import TINY_GPT, params
+from test_compress_update import by_hand
 from test_strategy import run as steps  # one step per index, lr 1e-2: the global losses
 
-from minidp import comm
+from minidp import comm, optim
 from minidp.config import BadConfig, TrainConfig
 from minidp.parallel import DataParallel
 from minidp.parallel.buckets import Bucket
 from minidp.parallel.compress import make_compressor
-from minidp.parallel.compress_velocity import MomentumCorrection
+from minidp.parallel.compress_velocity import MomentumCorrectedSGD, MomentumCorrection
 from minidp.tasks import Task
 
 VELOCITY = dict(optimizer="momentum", compress_on="velocity", weight_decay=0.1)
@@ -111,3 +112,22 @@ def test_bad_combinations_are_one_line():
             strategy="hybrid", compress="topk", optimizer="momentum", compress_on="velocity"
         ).validate()
     TrainConfig(compress="randomk:0.1", optimizer="momentum", compress_on="velocity").validate()
+
+
+@pytest.mark.parallel(nprocs=[2])
+@pytest.mark.timeout(120)
+def test_velocity_pieces_on_a_users_ddp_are_the_strategy_bit_for_bit():
+    """MomentumCorrection and MomentumCorrectedSGD around a DDP built by hand, with
+    compress_update.LocalGradients (compress_velocity.py's docstring loop), take the same
+    steps as --compress-on velocity, bit for bit."""
+    group = comm.world()
+    config = replace(TrainConfig(**TINY_GPT, **VELOCITY), compress="topk:0.3")
+    with DataParallel(Task(config, np.float64), config, group) as strategy:
+        steps(strategy, range(3))
+        want = params(strategy)
+    hook = MomentumCorrection(make_compressor(config.compress, seed=config.seed), optim.MOMENTUM)
+
+    def sgd(ddp):
+        return MomentumCorrectedSGD(ddp, 1e-2, config.weight_decay)
+
+    np.testing.assert_array_equal(by_hand(config, group, hook, sgd), want)

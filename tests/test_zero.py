@@ -14,7 +14,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from minidp import comm, optim
+from minidp import comm, nn, optim
 from minidp.chunks import chunk_bounds
 from minidp.cli import parse_train_args
 from minidp.config import BadConfig, TrainConfig
@@ -175,6 +175,41 @@ def test_zero_stages_match_one_process_and_count_memory_and_bytes():
                 check_memory_and_traffic(group)
             group.free()
         world.comm.Barrier()
+
+
+class WithUnused(nn.Module):
+    """The task's MLP beside a layer that its forward never calls."""
+
+    def __init__(self, mlp, dtype):
+        self.mlp = mlp
+        self.unused = nn.Linear(4, 4, rng=np.random.default_rng(0), dtype=dtype)
+
+    def forward(self, x):
+        return self.mlp(x)
+
+
+@pytest.mark.parallel(nprocs=[2])
+@pytest.mark.timeout(300)
+def test_stage_1_leaves_a_parameter_no_backward_reached_as_dp_does():
+    """DDP gives it .grad None and the optimizer skips it; stage 1 steps whole chunks (zeros
+    there) but puts that part back: not moved, not decayed, and the rest as DP."""
+    group, runs = comm.world(), []
+    config = TrainConfig(**TINY, model="mlp", strategy="zero", zero_stage=1)
+    for Scheme in (DataParallel, ZeRO):
+        task = Task(config, np.float64)
+        task.model = model = WithUnused(task.model, np.float64)
+        before = [p.data.copy() for p in model.unused.parameters()]
+        sampler = DistributedSampler(
+            task.num_examples, config.batch_size, group.rank, group.size, seed=config.seed
+        )
+        with Scheme(task, config, group) as strategy:
+            for step in range(STEPS):
+                strategy.step(sampler.local_indices(step), config.lr)
+        runs.append([p.data.copy() for p in model.parameters()])
+        for p, was in zip(model.unused.parameters(), before, strict=True):
+            assert np.array_equal(p.data, was), Scheme.name
+    for dp, zero in zip(*runs, strict=True):
+        np.testing.assert_allclose(zero, dp, rtol=1e-10, atol=1e-12)
 
 
 # ---- serial ------------------------------------------------------------------------------

@@ -5,7 +5,8 @@ optimizer, the tensor-parallel layers, and the gradient compressors (compress_ba
 a DDP communication hook: `ddp.register_comm_hook(PowerSGD(rank=2))`.
 
 `STRATEGIES` maps each `--strategy` name to the class the training loop drives; every class
-follows the protocol in strategy.py. A new scheme is a module here and one line in the table.
+follows the protocol in strategy.py, most as a short recipe handed to the one step skeleton
+(step.py). A new scheme is a module here and one line in the table.
 """
 
 from minidp.parallel.compress import (
@@ -36,7 +37,6 @@ from minidp.parallel.tp_gpt import TensorParallelGPT
 from minidp.parallel.tp_strategy import Hybrid, TensorParallel
 from minidp.parallel.vocab_parallel import VocabParallelEmbedding, vocab_parallel_cross_entropy
 from minidp.parallel.zero import ZeRO
-from minidp.parallel.zero_hybrid import ZeROHybrid
 from minidp.parallel.zero_optimizer import ZeroRedundancyOptimizer
 
 STRATEGIES: dict[str, type[Strategy]] = {
@@ -76,7 +76,6 @@ __all__ = [
     "TopK",
     "VocabParallelEmbedding",
     "ZeRO",
-    "ZeROHybrid",
     "ZeroRedundancyOptimizer",
     "serve",
     "vocab_parallel_cross_entropy",

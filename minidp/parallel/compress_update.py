@@ -17,46 +17,83 @@ Here every rank runs its own optimizer on its own gradient (clipped locally, as 
 Gradient Compression clips), and the compressor (the same DDP hook) reduces the steps. The
 parameters stay bitwise identical on every rank (the same θ, the same summed bits); the
 optimizers' moments do not (each saw its own gradients): they are per-rank state.
+
+Two pieces, usable on a user's own DDP (the training loop's step skeleton, step.py, runs the
+same): `LocalGradients(ddp)`, a synchronizer whose backwards never reduce, and
+`CompressedUpdate(optimizer, ddp)`, an optimizer whose `step()` reduces the update:
+
+    ddp = DistributedDataParallel(model, group)
+    ddp.register_comm_hook(TopK(0.1))               # C, with error feedback
+    sync, opt = LocalGradients(ddp), CompressedUpdate(AdamW(model.parameters(), lr), ddp)
+    sync.zero_grad()
+    with sync.no_sync():                            # this rank's own gradient, unreduced
+        loss_fn(model(x), y).backward()
+    clip_grad_norm(model.parameters(), 1.0)         # local clipping, before its step
+    opt.step()                                      # u_w, Σ_w (n_w/B)·C(p_w), θ -= Σ
 """
 
-import numpy as np
-
-from minidp import optim
-from minidp.parallel.strategy import StepResult, global_loss
+from minidp.parallel.data_parallel import DistributedDataParallel
+from minidp.trace import Timeline
 
 
-def local_backward(strategy, local: np.ndarray) -> tuple[float, float]:
-    """This rank's own mean gradient in the buckets, not reduced yet, and (global loss, local
-    loss): the first half of a step whose optimizer runs before the compressed reduction
-    (here) or around it (compress_velocity.py). The global loss is one scalar allreduce."""
-    ddp = strategy.ddp
-    ddp.zero_grad()
-    ddp.set_batch_share(len(local), strategy.config.batch_size)
-    local_loss = strategy.backward(local, sync=False)
-    strategy.steps_done += 1
-    return global_loss(local_loss, ddp.share, strategy.dp_group), local_loss
+class LocalGradients:
+    """The synchronizer of a step whose reduction happens inside the optimizer: every
+    backward accumulates this rank's own gradient in `ddp`'s buckets (under `ddp.no_sync()`),
+    and `finish_gradient_sync()` leaves it there (CompressedUpdate's step reduces)."""
+
+    reduces_in_backward = False  # the step skeleton runs even the last backward in no_sync
+
+    def __init__(self, ddp: DistributedDataParallel):
+        self.ddp = ddp
+
+    def zero_grad(self) -> None:
+        self.ddp.zero_grad()
+
+    def set_batch_share(self, local_examples: int, global_examples: int) -> None:
+        self.ddp.set_batch_share(local_examples, global_examples)
+
+    def no_sync(self):
+        return self.ddp.no_sync()
+
+    def finish_gradient_sync(self) -> None:
+        """Nothing yet: the gradients stay local until the optimizer has stepped on them."""
 
 
-def update_step(strategy, local: np.ndarray, lr: float) -> StepResult:
-    """One step of DataParallel with the optimizer before the (compressed) reduction."""
-    ddp, config = strategy.ddp, strategy.config
-    span = strategy.timeline.span
-    strategy.optimizer.lr = lr
-    step_loss, local_loss = local_backward(strategy, local)
-    if not np.isfinite(step_loss):  # alike on every rank: no step, no message
-        return StepResult(step_loss, local_loss)
-    params = ddp.parameters()
-    with span("optimizer"):
-        if config.grad_clip:  # local clipping: this rank's gradient, before its step
-            optim.clip_grad_norm(params, config.grad_clip)
+class CompressedUpdate:
+    """An optimizer whose step is `optimizer`'s on this rank's own gradients, then the
+    reduction of the step u_w = θ - θ' through `ddp`'s comm hook (the module docstring).
+    `lr` is the inner optimizer's; its state is the state of this one."""
+
+    def __init__(self, optimizer, ddp: DistributedDataParallel, timeline: Timeline | None = None):
+        self.optimizer, self.ddp = optimizer, ddp
+        self.timeline = timeline or Timeline(enabled=False)
+
+    @property
+    def lr(self) -> float:
+        return self.optimizer.lr
+
+    @lr.setter
+    def lr(self, lr: float) -> None:
+        self.optimizer.lr = lr
+
+    def step(self) -> None:
+        params = self.ddp.parameters()
         before = [p.data.copy() for p in params]
-        strategy.optimizer.step()
+        self.optimizer.step()
         for p, theta in zip(params, before):  # .grad := u_w (weighed into the buckets); θ back
             p.grad[...] = theta - p.data
             p.data[...] = theta
-    with span("gradient sync wait"):
-        ddp.finish_gradient_sync()  # every bucket through the hook: Σ_w (n_w/B)·C(p_w)
-    for p in params:
-        if p.grad is not None:  # None: no rank's backward reached it (DDP's rule)
-            p.data -= p.grad
-    return StepResult(step_loss, local_loss)
+        with self.timeline.span("gradient sync wait"):
+            self.ddp.finish_gradient_sync()  # every bucket through the hook: Σ_w (n_w/B)·C(p_w)
+        for p in params:
+            if p.grad is not None:  # None: no rank's backward reached it (DDP's rule)
+                p.data -= p.grad
+
+    def zero_grad(self) -> None:
+        self.ddp.zero_grad()
+
+    def state_dict(self) -> dict:
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.optimizer.load_state_dict(state)

@@ -25,16 +25,27 @@ Only the sparsifiers (config.VELOCITY_COMPRESSORS: topk, randomk) clear what the
 so only they run here; DGC also clips each rank's gradient locally (here with the whole
 --grad-clip threshold; DGC scales it by N^-1/2 for N ranks) and ramps the density up in
 its first epochs (here: --compress-warmup, uncompressed steps first).
+
+On a user's own DDP, with compress_update.LocalGradients as the synchronizer:
+
+    ddp = DistributedDataParallel(model, group)
+    ddp.register_comm_hook(MomentumCorrection(TopK(0.01), momentum=0.9))
+    sync, opt = LocalGradients(ddp), MomentumCorrectedSGD(ddp, lr, weight_decay=1e-4)
+    sync.zero_grad()
+    with sync.no_sync():                   # g_w, this rank's own
+        loss_fn(model(x), y).backward()
+    clip_grad_norm(model.parameters(), 1.0)  # local, as DGC clips
+    opt.step()                             # + wd·θ, u_w and C in the hook, θ -= lr·Σ
 """
 
 import numpy as np
 
-from minidp import comm, optim
+from minidp import comm
 from minidp.parallel.buckets import Bucket
-from minidp.parallel.compress_update import local_backward
-from minidp.parallel.strategy import StepResult
+from minidp.parallel.data_parallel import DistributedDataParallel
+from minidp.trace import Timeline
 
-__all__ = ["MomentumCorrection", "velocity_step"]
+__all__ = ["MomentumCorrection", "MomentumCorrectedSGD"]
 
 
 class MomentumCorrection:
@@ -70,22 +81,31 @@ class MomentumCorrection:
         self.velocity = {k: u.copy() for k, u in state["velocity"].items()}
 
 
-def velocity_step(strategy, local: np.ndarray, lr: float) -> StepResult:
-    """One step of DataParallel with DGC's momentum correction (the module docstring)."""
-    ddp, config = strategy.ddp, strategy.config
-    step_loss, local_loss = local_backward(strategy, local)  # this rank's own gradient
-    if not np.isfinite(step_loss):  # alike on every rank: no step, no message
-        return StepResult(step_loss, local_loss)
-    params = ddp.parameters()
-    with strategy.timeline.span("optimizer"):
-        if config.grad_clip:  # local clipping, as DGC clips: this rank's gradient
-            optim.clip_grad_norm(params, config.grad_clip)
-        if config.weight_decay:  # torch's SGD: g + wd·θ, before the momentum
+class MomentumCorrectedSGD:
+    """The optimizer of --compress-on velocity: weight decay added to this rank's own
+    gradient, the sync (MomentumCorrection, DDP's hook, builds u_w and sends C(v_w)), then
+    plain SGD on the sum: the momentum is already in it."""
+
+    def __init__(
+        self,
+        ddp: DistributedDataParallel,
+        lr: float,
+        weight_decay: float = 0.0,
+        timeline: Timeline | None = None,
+    ):
+        self.ddp, self.lr, self.weight_decay = ddp, lr, weight_decay
+        self.timeline = timeline or Timeline(enabled=False)
+
+    def step(self) -> None:
+        params = self.ddp.parameters()
+        if self.weight_decay:  # torch's SGD: g + wd·θ, before the momentum
             for p in params:
-                p.grad += p.grad.dtype.type(config.weight_decay) * p.data
-    with strategy.timeline.span("gradient sync wait"):
-        ddp.finish_gradient_sync()  # each bucket through MomentumCorrection
-    for p in params:  # plain SGD on Σ_w C(v_w): the momentum is already in it
-        if p.grad is not None:  # None: no rank's backward reached it (DDP's rule)
-            p.data -= p.grad.dtype.type(lr) * p.grad
-    return StepResult(step_loss, local_loss)
+                p.grad += p.grad.dtype.type(self.weight_decay) * p.data
+        with self.timeline.span("gradient sync wait"):
+            self.ddp.finish_gradient_sync()  # each bucket through MomentumCorrection
+        for p in params:  # plain SGD on Σ_w C(v_w)
+            if p.grad is not None:  # None: no rank's backward reached it (DDP's rule)
+                p.data -= p.grad.dtype.type(self.lr) * p.grad
+
+    def zero_grad(self) -> None:
+        self.ddp.zero_grad()

@@ -1,220 +1,121 @@
 """`--strategy dp`: data parallelism as the training loop drives it (strategy.py).
 
+    mpiexec -n 4 python -m minidp --strategy dp
+
 Every rank holds the whole model and an optimizer of its own (--optimizer: AdamW by
 default), and reads its slice of the global batch (its data-parallel coordinate is its
-rank). One step, on this rank's examples:
-
-    zero the gradients; weight = n_r / B
-    for each of the K micro-batches:           # all but the last under no_sync()
-        loss_k = mean loss of micro-batch k * (m_k / n_r)     # the K sum to the local mean
-        backward                                # buckets reduced as they fill (overlap)
-    finish the gradient sync                    # every rank now holds the mean gradient
-    global loss = allreduce(n_r / B * local loss)
-    clip by the global norm; optimizer step     # skipped when the loss is not finite
+rank). The recipe: DistributedDataParallel over the group, the optimizer, and the one step
+skeleton (step.py): micro-batches under no_sync, buckets reduced as they fill, the global
+loss, clip, step.
 
 Replicas stay identical bit for bit, so the norm of the gradient and of the parameters are
 the same on every rank: each computes them alone, with nothing to gather.
 
-What plugs in: `--compress` and `--prune` replace the bucket allreduce through DDP's
-communication hook (compress.py, prune_comm.py); `--compress-on update` runs the optimizer
-before the reduction instead (compress_update.py), `--compress-on velocity` momentum SGD's
-velocity, DGC's momentum correction (compress_velocity.py). TensorParallel and Hybrid
-(tp_strategy.py) derive from this class, with their own `model`, `dp_group`, `loss`,
-`after_sync` and `clip_gradients`; ZeRO shares `forward_backward`.
+What plugs in (`DDPAxis`, the data-parallel axis as DDP: the hybrid uses it too):
+`--compress` and `--prune` replace the bucket allreduce through DDP's communication hook
+(compress.py, prune_comm.py); `--compress-on update` runs the optimizer before the reduction
+(compress_update.py: a synchronizer that leaves gradients local and an optimizer wrapper that
+reduces the step), `--compress-on velocity` momentum SGD's velocity, DGC's momentum
+correction (compress_velocity.py); both clip each rank's own gradient, locally.
 """
-
-import contextlib
 
 import numpy as np
 
 from minidp import comm, optim
-from minidp.chunks import chunk_range
 from minidp.config import BadConfig
-from minidp.memory import activation_bytes, nbytes, optimizer_bytes
+from minidp.memory import nbytes, optimizer_bytes
 from minidp.parallel.compress import compression_line, compression_record, make_compressor
-from minidp.parallel.compress_update import update_step
-from minidp.parallel.compress_velocity import MomentumCorrection, velocity_step
+from minidp.parallel.compress_update import CompressedUpdate, LocalGradients
+from minidp.parallel.compress_velocity import MomentumCorrectedSGD, MomentumCorrection
 from minidp.parallel.data_parallel import DistributedDataParallel
 from minidp.parallel.prune_comm import attach_pruner
-from minidp.parallel.strategy import (
-    StepResult,
-    Strategy,
-    bytes_sent,
-    clip_global_norm,
-    global_l2,
-    global_loss,
-    replica_spread,
-)
+from minidp.parallel.step import Step, check_micro_batches
+from minidp.parallel.strategy import Clock, Recipe, bytes_sent, global_l2, replica_spread
 
 OVERLAP = {"auto": "auto", "on": True, "off": False}  # --overlap -> DDP's overlap=
 
 
-def check_micro_batches(config, dp_size: int) -> None:
-    """BadConfig unless every rank's slice has at least --grad-accum examples (found alike on
-    every rank, before any message)."""
-    B, K = config.batch_size, config.grad_accum
-    if B // dp_size < K:
-        raise BadConfig(
-            f"--batch-size {B} over {dp_size} ranks leaves {B // dp_size} "
-            f"examples per rank, fewer than --grad-accum {K} micro-batches"
-        )
+class DDPAxis:
+    """The data-parallel axis as DDP: `model` wrapped in DistributedDataParallel over
+    `dp_group`, its comm hook (--compress, --prune), the optimizer (the config's unless
+    `optimizer` is given) and the --compress-on placement. `step(...)` builds the skeleton
+    over them; the rest is what a recipe reports, saves and closes."""
 
-
-def micro_batches(local: np.ndarray, K: int, reducer, sync: bool = True):
-    """(indices, weight m_k / n_r, context) for each of the K micro-batches of this rank's
-    slice: all but the last under `reducer.no_sync()`, so the last backward reduces them all
-    (the last too when not `sync`: nothing is reduced)."""
-    for k in range(K):
-        lo, hi = chunk_range(len(local), K, k)
-        last = k == K - 1 and sync
-        sync_k = contextlib.nullcontext() if last else reducer.no_sync()
-        yield local[lo:hi], (hi - lo) / len(local), sync_k
-
-
-def forward_backward(strategy, local: np.ndarray, reducer, sync: bool = True) -> float:
-    """Forward and backward of each micro-batch of `local` (micro_batches), the reduction
-    left to `reducer`'s hooks; returns this rank's mean loss. The first call measures the
-    graph's activations into `strategy.activations_peak` (every step is alike)."""
-    span, local_loss, K = strategy.timeline.span, 0.0, strategy.config.grad_accum
-    for indices, weight, sync_k in micro_batches(local, K, reducer, sync):
-        with sync_k:
-            with span("forward"):  # weight (m_k / n_r): the K losses sum to the local mean
-                loss = strategy.loss(indices) * weight
-            if strategy._measure:
-                strategy.activations_peak = max(strategy.activations_peak, activation_bytes(loss))
-            with span("backward"):
-                loss.backward()
-        local_loss += loss.item()
-    strategy._measure = False
-    return local_loss
-
-
-class DataParallel(Strategy):
-    """DistributedDataParallel and an optimizer over `group`, with gradient accumulation.
-
-    The optimizer is the config's (--optimizer, AdamW by default, with its lr and weight
-    decay) unless `optimizer` is given.
-    A scheme that data-parallelizes something else passes `model` (default: task.model) and
-    `dp_group` (default: group), and overrides `loss`, `after_sync` and `clip_gradients`."""
-
-    name = "dp"
-
-    def __init__(
-        self,
-        task,
-        config,
-        group: comm.Group,
-        timeline=None,
-        optimizer=None,
-        *,
-        model=None,
-        dp_group: comm.Group | None = None,
-    ):
-        super().__init__(task, config, group, timeline)
-        self.model = task.model if model is None else model
-        self.dp_group = dp_group = dp_group or group
-        check_micro_batches(config, dp_group.size)
+    def __init__(self, model, dp_group: comm.Group, config, timeline, optimizer=None):
+        self.config, self.dp_group = config, dp_group
         try:  # --compress: a bad value is found alike on every rank, before any message
             self.compressor = make_compressor(
                 config.compress, config.allreduce, config.seed, config.compress_warmup
             )
         except ValueError as error:
             raise BadConfig(str(error)) from None
-        self.ddp = DistributedDataParallel(
-            self.model,
+        self.ddp = ddp = DistributedDataParallel(
+            model,
             dp_group,
             bucket_cap_mb=config.bucket_mb,
             algo=config.allreduce,
             overlap=OVERLAP[config.overlap],
-            timeline=self.timeline,
+            timeline=timeline,
         )
-        self.steps_done = 0
         self.optimizer_from_config = optimizer is None  # else the caller's, named by no flag
         self.optimizer = optimizer or optim.make_optimizer(
-            config.optimizer, self.model.parameters(), config.lr, config.weight_decay
+            config.optimizer, model.parameters(), config.lr, config.weight_decay
         )
         self.momentum_correction = None  # --compress-on velocity: DGC's u_w, then C
         if config.compress_on == "velocity":
             momentum = self.optimizer.hyper["momentum"]
             self.momentum_correction = MomentumCorrection(self.compressor, momentum)
-            self.ddp.register_comm_hook(self.momentum_correction)
+            ddp.register_comm_hook(self.momentum_correction)
         elif self.compressor is not None:
-            self.ddp.register_comm_hook(self.compressor)
-        self.pruning = attach_pruner(self.ddp, self.optimizer, config)  # None: no --prune
-        self.data_shard = (dp_group.rank, dp_group.size)
-        self.activations_peak = 0  # measured on the first step (every step is alike)
-        self._measure = True
+            ddp.register_comm_hook(self.compressor)
+        self.pruning = attach_pruner(ddp, self.optimizer, config)  # None: no --prune
+        # what the skeleton drives: the reduction in backward, or inside the optimizer
+        self.sync, self.stepper = ddp, self.optimizer
+        if config.compress_on == "update":
+            self.sync, self.stepper = (
+                LocalGradients(ddp),
+                CompressedUpdate(self.optimizer, ddp, timeline),
+            )
+        elif config.compress_on == "velocity":
+            wd = config.weight_decay
+            self.sync = LocalGradients(ddp)
+            self.stepper = MomentumCorrectedSGD(ddp, config.lr, wd, timeline)
+        self.clock = Clock(lambda: ddp.comm_seconds, lambda: ddp.exposed_seconds)
 
-    def step(self, local: np.ndarray, lr: float) -> StepResult:
-        if self.config.compress_on == "update":  # the optimizer before the reduction
-            return update_step(self, local, lr)
-        if self.config.compress_on == "velocity":  # momentum on each rank, before C
-            return velocity_step(self, local, lr)
-        ddp, span = self.ddp, self.timeline.span
-        self.optimizer.lr = lr
-        if self.pruning is not None:  # on the schedule's steps: new masks, before forward
-            self.pruning.begin_step()
-        ddp.zero_grad()
-        ddp.set_batch_share(len(local), self.config.batch_size)
-        local_loss = self.backward(local)
-        self.steps_done += 1
-        with span("gradient sync wait"):
-            ddp.finish_gradient_sync()
-            self.after_sync()
-        step_loss = global_loss(local_loss, ddp.share, self.dp_group)
-        if np.isfinite(step_loss):
-            with span("optimizer"):
-                if self.config.grad_clip:
-                    self.clip_gradients()
-                self.optimizer.step()
-        return StepResult(step_loss, local_loss)
+    def step(self, loss, clip, timeline, after_sync=()) -> Step:
+        """The skeleton over these pieces; `clip` is the recipe's global-norm clip, replaced
+        by a local one where the optimizer runs before the reduction."""
+        config = self.config
+        if config.compress_on != "gradient":  # this rank's own gradient, before its step
+            clip = self.clip_locally
+        return Step(
+            *(loss, self.sync, self.stepper),
+            batch_size=config.batch_size,
+            grad_accum=config.grad_accum,
+            dp_group=self.dp_group,
+            timeline=timeline,
+            clip=clip if config.grad_clip else None,
+            before=[self.pruning.begin_step] if self.pruning else [],
+            after_sync=after_sync,
+        )
 
-    def backward(self, local: np.ndarray, sync: bool = True) -> float:
-        """Forward and backward over the K micro-batches of this rank's examples: all but
-        the last under no_sync(), the last too unless `sync`. Returns the local mean loss."""
-        return forward_backward(self, local, self.ddp, sync)
+    def clip_locally(self) -> None:
+        optim.clip_grad_norm(self.ddp.parameters(), self.config.grad_clip)
 
-    def loss(self, indices: np.ndarray):
-        """The mean loss over these examples (a Tensor, to backpropagate)."""
-        return self.task.loss(*self.task.batch(indices))
-
-    def after_sync(self) -> None:
-        """After the data-parallel gradient sync, before clipping (nothing to do here)."""
-
-    def clip_gradients(self) -> None:
-        """Replicas: the local gradient norm is the global one."""
-        clip_global_norm(self.ddp.parameters(), self.config.grad_clip)
-
-    # ---- what the loop reports -------------------------------------------------------------
-    def param_l2(self) -> float:
-        return global_l2([p.data for p in self.ddp.parameters()])
-
-    def max_param_diff(self) -> float:
-        return replica_spread([p.data for p in self.ddp.parameters()], self.group)
-
-    def bytes_sent_by_axis(self) -> dict[str, int]:
-        return {"dp": bytes_sent(self.ddp.comm_group, self.group)}
-
-    @property
-    def comm_seconds(self) -> float:
-        return self.ddp.comm_seconds
-
-    @property
-    def exposed_seconds(self) -> float:
-        return self.ddp.exposed_seconds
-
-    def memory_bytes(self) -> dict[str, int]:
+    def held(self) -> dict[str, list]:
+        """This axis's arrays by memory category (the recipe adds its groups' scratch)."""
+        ddp = self.ddp
         return {
-            "parameters": nbytes(p.data for p in self.ddp.parameters()),
-            "gradients": nbytes(b.data for b in self.ddp.buckets),
-            "optimizer": optimizer_bytes(self.optimizer),
-            "activations_peak": self.activations_peak,
-            "buffers": self.group.scratch.nbytes
-            + self.ddp.comm_group.scratch.nbytes
-            + (self.compressor.nbytes() if self.compressor else 0)  # residuals, warm start
-            + (self.momentum_correction.nbytes() if self.momentum_correction else 0)  # u_w
-            + (nbytes(self.pruning.pruner.masks) if self.pruning else 0)  # 1 byte per weight
-            + self.ddp.stage.nbytes(),  # host copies of torch buckets (host_stage.py)
+            "parameters": [p.data for p in ddp.parameters()],
+            "gradients": [b.data for b in ddp.buckets],
+            "optimizer": [optimizer_bytes(self.optimizer)],
+            "buffers": [
+                ddp.comm_group.scratch.nbytes,
+                self.compressor.nbytes() if self.compressor else 0,  # residuals, warm start
+                self.momentum_correction.nbytes() if self.momentum_correction else 0,  # u_w
+                nbytes(self.pruning.pruner.masks) if self.pruning else 0,  # 1 byte per weight
+                ddp.stage.nbytes(),  # host copies of torch buckets (host_stage.py)
+            ],
         }
 
     def describe(self) -> str:
@@ -228,35 +129,36 @@ class DataParallel(Strategy):
             + (f" after {config.compress_warmup} steps" if config.compress_warmup else "")
         ) + (f" | {self.pruning.pruner.describe()}" if self.pruning else "")
 
-    def record(self) -> dict:
+    def record(self, steps_done: int) -> dict:
         return {
             "allreduce": self.config.allreduce,
             "optimizer": self.config.optimizer if self.optimizer_from_config else None,
             "overlap": self.ddp.overlap,
             "buckets": len(self.ddp.buckets),
             "compress_on": self.config.compress_on,
-            **self._compression(),
+            **self.compression(steps_done),
             **(self.pruning.record() if self.pruning else {}),
             **self.ddp.stage.record(),  # --backend torch: the host staging copies
         }
 
-    def summary(self) -> str:
-        return compression_line(self._compression()) if self.compressor is not None else ""
+    def summary(self, steps_done: int) -> str:
+        if self.compressor is None:
+            return ""
+        return compression_line(self.compression(steps_done))
 
-    def _compression(self) -> dict:
+    def compression(self, steps_done: int) -> dict:
         sent = bytes_sent(self.ddp.comm_group)  # the comm group carries the buckets only
         return compression_record(
             self.config.compress,
             self.compressor,
             self.ddp.buckets,
             sent,
-            self.steps_done,
+            steps_done,
             self.dp_group.size,
         )
 
-    # ---- resuming -----------------------------------------------------------------------
-    def state_dict(self) -> dict:
-        state = {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()}
+    def state_dict(self, model) -> dict:
+        state = {"model": model.state_dict(), "optimizer": self.optimizer.state_dict()}
         if self.compressor is not None:  # error-feedback residuals are training state
             state["compressor"] = self.compressor.state_dict()
         if self.momentum_correction is not None:  # DGC's u_w
@@ -265,8 +167,8 @@ class DataParallel(Strategy):
             state["prune"] = self.pruning.pruner.state_dict()
         return state
 
-    def load_state_dict(self, state: dict) -> None:
-        self.model.load_state_dict(state["model"])
+    def load_state_dict(self, model, state: dict) -> None:
+        model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         if self.compressor is not None:
             self.compressor.load_state_dict(state["compressor"])
@@ -277,3 +179,56 @@ class DataParallel(Strategy):
 
     def close(self) -> None:
         self.ddp.close()
+
+
+class DataParallel(Recipe):
+    """DistributedDataParallel and an optimizer over `group` (the optimizer is the config's
+    unless `optimizer` is given), with gradient accumulation."""
+
+    name = "dp"
+
+    def __init__(self, task, config, group: comm.Group, timeline=None, optimizer=None):
+        super().__init__(task, config, group, timeline)
+        check_micro_batches(config, group.size)  # alike on every rank, before any message
+        self.model, self.dp_group = task.model, group
+        self.dp = dp = DDPAxis(task.model, group, config, self.timeline, optimizer)
+        self.ddp, self.optimizer = dp.ddp, dp.optimizer
+        self.compressor, self.pruning = dp.compressor, dp.pruning
+        self.axes, self.clocks = {"dp": [dp.ddp.comm_group, group]}, [dp.clock]
+        self.clip_params = dp.ddp.parameters()
+        self.run = dp.step(self.loss, self.clip, self.timeline)
+        self.data_shard = (group.rank, group.size)
+
+    def loss(self, indices: np.ndarray):
+        """The mean loss over these examples (a Tensor, to backpropagate)."""
+        return self.task.loss(*self.task.batch(indices))
+
+    def norm(self, kind: str) -> float:
+        """Replicas: the local norm is the global one."""
+        return global_l2([getattr(p, kind) for p in self.ddp.parameters()])
+
+    def max_param_diff(self) -> float:
+        return replica_spread([p.data for p in self.ddp.parameters()], self.group)
+
+    def held(self) -> dict[str, list]:
+        held = self.dp.held()
+        held["buffers"].insert(0, self.group.scratch.nbytes)
+        return held
+
+    def describe(self) -> str:
+        return self.dp.describe()
+
+    def record(self) -> dict:
+        return self.dp.record(self.run.steps_done)
+
+    def summary(self) -> str:
+        return self.dp.summary(self.run.steps_done)
+
+    def state_dict(self) -> dict:
+        return self.dp.state_dict(self.model)
+
+    def load_state_dict(self, state: dict) -> None:
+        self.dp.load_state_dict(self.model, state)
+
+    def close(self) -> None:
+        self.dp.close()

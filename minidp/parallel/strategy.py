@@ -22,8 +22,8 @@ What a strategy must say, and why the loop cannot work it out itself:
   be checked against one process.
 - `step(local, lr)`: one optimizer step on this rank's examples: forward, backward, the
   communication the scheme needs, clipping with the global norm (each parameter shard
-  counted once, `clip_global_norm`), the optimizer. It returns the *global* batch's loss,
-  the same on every rank, and skips the update when that loss is not finite.
+  counted once), the optimizer. It returns the *global* batch's loss, the same on every
+  rank, and skips the update when that loss is not finite.
 - `param_l2()`: the L2 norm of all the model's parameters, gathered over shards;
   `max_param_diff()`: the largest spread among ranks that hold the same parameters (0 when
   replicas agree bit for bit).
@@ -39,15 +39,25 @@ What a strategy must say, and why the loop cannot work it out itself:
   parallelism trains `task.model` itself and has nothing to do.
 - `describe()`, `record()` and `summary()`: the scheme's own fields for the header, the
   final record and a closing line.
+
+Most strategies are recipes (`Recipe`, below): a short __init__ that checks its flags, builds
+a Mesh, wraps the task's model in pieces (DDP, ZeRO's sharding, the TP GPT) and hands them
+to the one step skeleton (step.py). It *declares* its groups per mesh axis, where its
+communication time is read (`Clock`s) and what arrays it holds per memory category; the
+reports above are computed from those declarations here, once. A hybrid composes the same
+pieces (tp_strategy.py): no scheme's class derives from another's. The parameter server
+(param_server.py), whose step is a push and a pull, implements the protocol directly.
 """
 
 import math
+from collections.abc import Callable
 from typing import NamedTuple
 
 import numpy as np
 
 from minidp import comm, optim
 from minidp.backend import to_numpy
+from minidp.memory import nbytes
 from minidp.trace import Timeline
 
 
@@ -116,6 +126,78 @@ class Strategy:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+class Clock(NamedTuple):
+    """Where a recipe reads communication time (running totals): all of it, and the part
+    nothing hid behind computation."""
+
+    comm: Callable[[], float]
+    exposed: Callable[[], float]
+
+
+def exposed_clock(group: comm.Group) -> Clock:
+    """A group whose collectives sit on the critical path (TP's f and g): all exposed."""
+    return Clock(lambda: group.seconds, lambda: group.seconds)
+
+
+MEMORY = ("parameters", "gradients", "optimizer", "activations_peak", "buffers", "gathered_peak")
+
+
+def count_bytes(parts) -> int:
+    """Bytes of `parts`: byte counts as they are, arrays counted once each (memory.nbytes)."""
+    counts = [p for p in parts if isinstance(p, int | np.integer)]
+    return nbytes(p for p in parts if not isinstance(p, int | np.integer)) + int(sum(counts))
+
+
+class Recipe(Strategy):
+    """A strategy assembled from pieces. Its __init__ builds them and sets:
+
+    - `run`: the step skeleton over them (step.Step); `step` calls it;
+    - `axes`: {"dp": [groups], "tp": [...], "pp": [...]}: the groups whose data bytes this
+      rank sent count on each axis (an axis it does not name, it does not report);
+    - `clocks`: [Clock], summed into comm_seconds and exposed_seconds;
+
+    and implements `held()`, {category: [arrays and byte counts]} for memory_bytes (every
+    category of MEMORY but activations_peak, which the skeleton measures), and `norm(kind)`,
+    the L2 norm of the whole model's "grad" or "data", each shard counted once (collective):
+    clipping and param_l2 read it."""
+
+    axes: dict[str, list[comm.Group]]
+    clocks: list[Clock]
+    clip_params: list  # what clip() scales
+
+    def step(self, local: np.ndarray, lr: float) -> StepResult:
+        return self.run(local, lr)
+
+    def norm(self, kind: str) -> float:
+        raise NotImplementedError
+
+    def held(self) -> dict[str, list]:
+        raise NotImplementedError
+
+    def clip(self) -> None:
+        """Scale the gradients by --grad-clip / the global norm (the skeleton's `clip`)."""
+        norm = self.norm("grad")
+        optim.clip_grad_norm(self.clip_params, self.config.grad_clip, total_norm=norm)
+
+    def param_l2(self) -> float:
+        return self.norm("data")
+
+    def bytes_sent_by_axis(self) -> dict[str, int]:
+        return {axis: bytes_sent(*groups) for axis, groups in self.axes.items()}
+
+    @property
+    def comm_seconds(self) -> float:
+        return sum(clock.comm() for clock in self.clocks)
+
+    @property
+    def exposed_seconds(self) -> float:
+        return sum(clock.exposed() for clock in self.clocks)
+
+    def memory_bytes(self) -> dict[str, int]:
+        held = {**self.held(), "activations_peak": [self.run.activations_peak]}
+        return {category: count_bytes(held[category]) for category in MEMORY if category in held}
 
 
 # ---- pieces every strategy needs ----------------------------------------------------------

@@ -7,7 +7,10 @@ mesh, data parallelism across its DP axis.
 
 Every rank builds the whole nn.GPT from the seed (the task's model) and keeps its TP slice of
 it (tp_gpt.py). Ranks of one TP group read the same examples: the data shard is the DP
-coordinate, (d, dp). One step is data parallelism's step (dp_strategy.py) on the TP model:
+coordinate, (d, dp). The recipe: a Mesh, the TP GPT on its TP group (tp_gpt.py), and a
+data-parallel axis over its DP group, DDP (dp_strategy.DDPAxis) or, for `--strategy hybrid
+--zero-stage S`, ZeRO (zero_axis.ZeROAxis, zero_hybrid.py): pieces composed, handed to the one
+step skeleton (step.py). With DDP, one step on the TP model:
 
     forward / backward        f, g (or the sequence pairs) over the TP group, inside the model
     DDP buckets               allreduce over the DP group: each rank reduces its own shard's
@@ -27,16 +30,20 @@ shards differ in size (an uneven vocabulary). With 2 DP ranks a sum of two is th
 either way; from 3 on, TP rank 0's replicated gradients are broadcast over the group.
 """
 
+import contextlib
 import math
 
 import numpy as np
 
 from minidp import comm, optim
 from minidp.config import BadConfig
-from minidp.parallel.dp_strategy import DataParallel
+from minidp.parallel.dp_strategy import DDPAxis
 from minidp.parallel.mesh import Mesh
-from minidp.parallel.strategy import bytes_sent, replica_spread, stand_in
+from minidp.parallel.step import check_micro_batches
+from minidp.parallel.strategy import Recipe, exposed_clock, replica_spread, stand_in
 from minidp.parallel.tp_gpt import TensorParallelGPT
+from minidp.parallel.zero import check_zero
+from minidp.parallel.zero_hybrid import ZeROOverTP, check_drift
 
 
 def mesh_sizes(config, world_size: int) -> tuple[int, int]:
@@ -63,79 +70,70 @@ def mesh_sizes(config, world_size: int) -> tuple[int, int]:
     return dp, tp
 
 
-class OnTheMesh:
-    """What a strategy with a TP GPT on a mesh reports (TensorParallel, and ZeROHybrid in
-    zero_hybrid.py): the mesh in the header and the record, bytes per axis, the whole model
-    gathered back. It needs `mesh`, `model` (a TensorParallelGPT) and `dp_comm_group` (where
-    the DP axis's gradient collectives run); put it before the strategy it extends."""
-
-    def bytes_sent_by_axis(self) -> dict[str, int]:
-        mesh = self.mesh
-        return {
-            "dp": bytes_sent(self.dp_comm_group, mesh.dp_group),
-            "tp": bytes_sent(mesh.tp_group),
-            "pp": bytes_sent(mesh.pp_group),
-        }
-
-    @property
-    def comm_seconds(self) -> float:
-        """The DP axis's gradient collectives plus the TP collectives in forward and backward."""
-        return super().comm_seconds + self.mesh.tp_group.seconds
-
-    @property
-    def exposed_seconds(self) -> float:
-        """The TP collectives sit on the critical path of forward and backward: all exposed."""
-        return super().exposed_seconds + self.mesh.tp_group.seconds
-
-    def release_whole_model(self) -> None:
-        """The TP model holds copies of its slices: free the whole model's arrays (stand-ins
-        until gather_model builds fresh ones), so memory_bytes is what this rank holds."""
-        for p in self.task.model.parameters():
-            p.data = stand_in(p)
-
-    def gather_model(self) -> None:
-        self.model.gather_into(self.task.model)
-
-    def describe(self) -> str:
-        sp = "on" if self.model.sequence_parallel else "off"
-        return f"{self.mesh.describe()} | sequence parallel {sp} | {super().describe()}"
-
-    def record(self) -> dict:
-        mesh = self.mesh
-        return {
-            **super().record(),
-            "mesh": {"dp": mesh.dp, "tp": mesh.tp, "pp": mesh.pp},
-            "sequence_parallel": self.model.sequence_parallel,
-        }
+def check_mesh(config, world_size: int, gpt) -> tuple[int, int, bool]:
+    """(dp, tp, drifts): the mesh the tp or hybrid flags ask for, and whether ZeRO must
+    broadcast TP rank 0's replicated parameters after each step (zero_hybrid.py), for the
+    task's `gpt`; BadConfig (one line) when the flags cannot work."""
+    dp, tp = mesh_sizes(config, world_size)
+    if not config.zero_stage:
+        check_micro_batches(config, dp)
+        return dp, tp, False
+    drifts = check_drift(config, dp, tp, gpt.config.vocab_size)
+    check_zero(config, dp, "hybrid")
+    return dp, tp, drifts
 
 
-class TensorParallel(OnTheMesh, DataParallel):
-    """The TP GPT on the mesh's TP group, DistributedDataParallel over its DP group."""
+class OnTheMesh(Recipe):
+    """What the tp and hybrid recipes share: the mesh, the TP GPT on its TP group, and the
+    reports (the mesh in the header and the record, bytes per mesh axis, the whole model
+    gathered back). A recipe's __init__ checks its flags, then builds its data-parallel axis
+    inside `with self.on_mesh(dp, tp):` with `use_ddp` or `use_zero`."""
 
-    name = "tp"
-
-    def __init__(self, task, config, group: comm.Group, timeline=None, optimizer=None):
-        dp, tp = mesh_sizes(config, group.size)  # alike on every rank, before any message
-        self.mesh = Mesh(dp=dp, tp=tp, group=group)
+    @contextlib.contextmanager
+    def on_mesh(self, dp: int, tp: int):
+        """The mesh and the TP model; the mesh closed again if what follows fails."""
+        self.mesh = mesh = Mesh(dp=dp, tp=tp, group=self.group)
+        self.dp_group, self.dp, self.zero = mesh.dp_group, None, None
         try:
-            model = TensorParallelGPT(
-                task.model, self.mesh.tp_group, sequence_parallel=config.sequence_parallel
+            self.model = TensorParallelGPT(
+                self.task.model, mesh.tp_group, sequence_parallel=self.config.sequence_parallel
             )
-            super().__init__(
-                task, config, group, timeline, optimizer, model=model, dp_group=self.mesh.dp_group
-            )
+            self.sharded, self.replicated = self.model.sharded_and_replicated()
+            yield
         except BaseException:
-            self.mesh.close()
+            mesh.close()
             raise
-        self.sharded, self.replicated = model.sharded_and_replicated()
-        self.release_whole_model()
-        self.dp_comm_group = self.ddp.comm_group
+        self.clocks.append(exposed_clock(mesh.tp_group))  # f and g: on the critical path
+        self.axes = {
+            "dp": [self.comm_group, mesh.dp_group],
+            "tp": [mesh.tp_group],
+            "pp": [mesh.pp_group],
+        }
+        for p in self.task.model.parameters():  # the TP model holds copies of its slices:
+            p.data = stand_in(p)  # free the whole model's (gather_model builds fresh ones)
+        self.data_shard = (mesh.dp_group.rank, mesh.dp_group.size)
 
-    # ---- the step's hooks (dp_strategy.py) ---------------------------------------------
+    def use_ddp(self, optimizer=None) -> None:
+        """DistributedDataParallel over the DP axis; the replicated gradients made alike."""
+        self.dp = dp = DDPAxis(self.model, self.dp_group, self.config, self.timeline, optimizer)
+        self.ddp, self.optimizer, self.comm_group = dp.ddp, dp.optimizer, dp.ddp.comm_group
+        self.compressor, self.pruning = dp.compressor, dp.pruning
+        self.clocks, self.clip_params = [dp.clock], self.model.parameters()
+        self.run = dp.step(self.loss, self.clip, self.timeline, [self.sync_replicated])
+
+    def use_zero(self, make_optimizer=None) -> None:
+        """ZeRO over the DP axis (zero_hybrid.py): rank (d, t) keeps chunk d of TP shard t."""
+        self.zero = z = ZeROOverTP(self, make_optimizer)
+        self.optimizer, self.comm_group, self.gathered = z.optimizer, z.comm_group, z.gathered
+        self.layout, self.pieces, self.shard = z.layout, z.pieces, z.shard
+        self.clocks, self.clip_params = [z.clock], z.pieces
+        self.run = z.step(self.loss, self.clip, [self.broadcast_drift])
+
     def loss(self, indices: np.ndarray):
         return self.model.loss(*self.task.batch(indices))
 
-    def after_sync(self) -> None:
+    def sync_replicated(self) -> None:
+        """After DDP's sync: the replicated parameters' gradients alike on every TP rank."""
         tp_group = self.mesh.tp_group
         if tp_group.size == 1 or not self.replicated:
             return
@@ -154,45 +152,96 @@ class TensorParallel(OnTheMesh, DataParallel):
             g[...] = flat[offset : offset + g.size].reshape(g.shape)
             offset += g.size
 
-    def _l2(self, sharded, replicated) -> float:
-        """sqrt(sum over the TP group of the shards' squares + the replicated once)."""
-        total = np.array([optim.sum_of_squares(sharded)])
-        if self.mesh.tp > 1:
+    def broadcast_drift(self) -> None:
+        """After ZeRO's step: TP rank 0's replicated parameters, where they may drift."""
+        if self.drifts:
+            self.zero.broadcast_replicated()
+
+    def norm(self, kind: str) -> float:
+        if self.zero is not None:
+            return self.zero.norm(kind)
+        sharded = [getattr(p, kind) for p in self.sharded]
+        total = np.array([optim.sum_of_squares(sharded)])  # the shards summed over TP, the
+        if self.mesh.tp > 1:  # replicated once: sqrt(Σ_TP shards² + replicated²)
             comm.allreduce(total, out=total, group=self.mesh.tp_group)
-        return math.sqrt(float(total[0]) + optim.sum_of_squares(replicated))
-
-    def clip_gradients(self) -> None:
-        norm = self._l2([p.grad for p in self.sharded], [p.grad for p in self.replicated])
-        optim.clip_grad_norm(self.model.parameters(), self.config.grad_clip, total_norm=norm)
-
-    # ---- what the loop reports -----------------------------------------------------------
-    def param_l2(self) -> float:
-        return self._l2([p.data for p in self.sharded], [p.data for p in self.replicated])
+        replicated = optim.sum_of_squares(getattr(p, kind) for p in self.replicated)
+        return math.sqrt(float(total[0]) + replicated)
 
     def max_param_diff(self) -> float:
-        """Shards against their DP replicas; replicated parameters against every rank."""
+        if self.zero is not None:  # as ZeRO: the whole model after gather_model
+            return replica_spread([p.data for p in self.task.model.parameters()], self.group)
         shards = replica_spread([p.data for p in self.sharded], self.mesh.dp_group)
         return max(shards, replica_spread([p.data for p in self.replicated], self.group))
 
-    def memory_bytes(self) -> dict[str, int]:
-        memory = super().memory_bytes()
-        memory["buffers"] += sum(g.scratch.nbytes for g in self.mesh.groups().values())
-        return memory
+    def gather_model(self) -> None:
+        """Collective: the TP model whole on each TP rank (ZeRO stage 3 gathers it over DP
+        first), then the whole model in task.model from the TP shards."""
+        if self.zero is not None and self.zero.gathered is not None:
+            self.zero.gathered.materialize()
+        self.model.gather_into(self.task.model)
+
+    def held(self) -> dict[str, list]:
+        held = (self.dp or self.zero).held()
+        mesh = self.mesh
+        held["buffers"] += [g.scratch.nbytes for g in (self.group, *mesh.groups().values())]
+        return held
+
+    def describe(self) -> str:
+        sp = "on" if self.model.sequence_parallel else "off"
+        axis = (self.dp or self.zero).describe()
+        return f"{self.mesh.describe()} | sequence parallel {sp} | {axis}"
+
+    def record(self) -> dict:
+        mesh = self.mesh
+        own = self.dp.record(self.run.steps_done) if self.dp else self.zero.record()
+        return {
+            **own,
+            "mesh": {"dp": mesh.dp, "tp": mesh.tp, "pp": mesh.pp},
+            "sequence_parallel": self.model.sequence_parallel,
+        }
+
+    def summary(self) -> str:
+        return self.dp.summary(self.run.steps_done) if self.dp else ""
+
+    def state_dict(self) -> dict:
+        return self.dp.state_dict(self.model) if self.dp else self.zero.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        if self.dp:
+            self.dp.load_state_dict(self.model, state)
+        else:
+            self.zero.load_state_dict(state)
 
     def close(self) -> None:
-        super().close()
+        (self.dp or self.zero).close()
         self.mesh.close()
 
 
-class Hybrid(TensorParallel):
-    """`--strategy hybrid --dp D --tp T`: the same scheme on a D x T mesh; with
-    `--zero-stage S`, ZeRO over the DP axis instead of DDP (zero_hybrid.ZeROHybrid)."""
+class TensorParallel(OnTheMesh):
+    """`--strategy tp`: the TP GPT on the whole group, DDP over a DP axis of one."""
+
+    name = "tp"
+
+    def __init__(self, task, config, group: comm.Group, timeline=None, optimizer=None):
+        super().__init__(task, config, group, timeline)
+        # alike on every rank, before any message (no --zero-stage for tp: no drift)
+        dp, tp, _ = check_mesh(config, group.size, task.model)
+        with self.on_mesh(dp, tp):
+            self.use_ddp(optimizer)
+
+
+class Hybrid(OnTheMesh):
+    """`--strategy hybrid --dp D --tp T`: the TP GPT on a D x T mesh with DDP over its DP
+    axis; with `--zero-stage S`, ZeRO over the DP axis instead."""
 
     name = "hybrid"
 
-    def __new__(cls, task, config, *args, **kwargs):
-        if config.zero_stage:  # not a Hybrid: Python runs no Hybrid.__init__ on it
-            from minidp.parallel.zero_hybrid import ZeROHybrid  # (it imports this module)
-
-            return ZeROHybrid(task, config, *args, **kwargs)
-        return super().__new__(cls)
+    def __init__(self, task, config, group: comm.Group, timeline=None, optimizer=None):
+        super().__init__(task, config, group, timeline)
+        # alike on every rank, before any message; drifts: see broadcast_drift
+        dp, tp, self.drifts = check_mesh(config, group.size, task.model)
+        with self.on_mesh(dp, tp):
+            if config.zero_stage:
+                self.use_zero(optimizer)  # (a function of the pieces, as ZeRO takes it)
+            else:
+                self.use_ddp(optimizer)

@@ -25,8 +25,9 @@ One step, over the data-parallel `group` (the whole world, or a mesh's DP axis):
 
     stage 1   forward; backward into DDP's whole-gradient buckets, each bucket reduce-
               scattered (overlapped as DDP's allreduces are); clip by the global norm
-              (each rank's squared norm of its chunks, summed); AdamW on my chunks only;
-              allgather every bucket's parameters
+              (each rank's squared norm of its chunks, summed); AdamW on my chunks only,
+              but the part of a parameter no rank's backward reached (DDP's .grad None)
+              put back after it, as DDP's optimizer skips it; allgather every bucket
     stage 2   the same, but a bucket's gradients go to a staging vector when ready and are
               dropped after its reduce-scatter: only my gradient chunks stay (zero_grads.py)
     stage 3   parameters sharded too: each layer is allgathered before its forward and
@@ -42,31 +43,20 @@ which FullyShardedDataParallel (fsdp.py, the same stages as a piece) builds on t
 (DDP's buckets at stage 1, the parameters' own .grad at stage 2), the last reduce-scatters
 the sums once, as DDP does; stage 3 reduce-scatters every micro-batch and adds the chunks
 (zero_grads.py: holding every layer's whole gradient is what it exists to avoid).
-Over a mesh's DP axis, with a TP model inside: zero_hybrid.py.
+The recipe here hands the step skeleton (step.py) `ZeROAxis` (zero_axis.py: the data-
+parallel axis as ZeRO, stages 1-3 assembled) over the whole group; over a mesh's DP axis,
+with a TP model inside, the hybrid recipe (tp_strategy.py) builds the same axis
+(zero_hybrid.py).
 """
-
-import time
 
 import numpy as np
 
-from minidp import comm, optim
+from minidp import comm
 from minidp.config import BadConfig
-from minidp.memory import nbytes, optimizer_bytes
-from minidp.parallel.buckets import bucket_groups
-from minidp.parallel.data_parallel import DistributedDataParallel, check_same_model, overlap_helps
-from minidp.parallel.dp_strategy import OVERLAP, check_micro_batches, forward_backward
-from minidp.parallel.strategy import (
-    StepResult,
-    Strategy,
-    bytes_sent,
-    clip_global_norm,
-    global_l2,
-    global_loss,
-    replica_spread,
-)
-from minidp.parallel.zero3 import units_of
-from minidp.parallel.zero_flat import ShardLayout, allgather_flat, flat_parameters, pieces
-from minidp.parallel.zero_sharded import ALGOS, ShardedModel
+from minidp.parallel.step import check_micro_batches
+from minidp.parallel.strategy import Recipe, global_l2, replica_spread
+from minidp.parallel.zero_axis import ZeROAxis
+from minidp.parallel.zero_sharded import ALGOS
 
 
 def model_state_bytes(stage: int, psi: int, n: int, itemsize: int = 4, k: int = 8) -> dict:
@@ -80,152 +70,46 @@ def model_state_bytes(stage: int, psi: int, n: int, itemsize: int = 4, k: int = 
     }
 
 
-class ZeRO(Strategy):
-    """ZeRO stage 1, 2 or 3 over `group` (config.zero_stage says which).
+def check_zero(config, dp_size: int, name: str = "zero") -> None:
+    """BadConfig (one line, alike on every rank) unless --zero-stage and --allreduce work."""
+    if config.zero_stage not in (1, 2, 3):
+        raise BadConfig(f"--strategy {name} needs --zero-stage 1, 2 or 3, got {config.zero_stage}")
+    check_micro_batches(config, dp_size)
+    if config.allreduce not in ALGOS:
+        raise BadConfig(
+            f"--strategy zero reduce-scatters and allgathers: --allreduce "
+            f"{config.allreduce} is not one of theirs; choose from {', '.join(ALGOS)}"
+        )
 
-    `make_optimizer(params)`: the optimizer over this rank's pieces (default: --optimizer,
-    AdamW unless set, with the config's lr and weight decay); any elementwise optimizer of
-    minidp.optim works (SGD, Adam).
-    As DataParallel, a scheme that shards something else passes `model` (default:
-    task.model) and `dp_group` (default: group), and overrides `loss`, `clip_gradients` and
-    `param_l2` (zero_hybrid.py does, for a TP model)."""
+
+class ZeRO(Recipe):
+    """ZeRO stage 1, 2 or 3 (config.zero_stage) over the whole `group` (ZeROAxis)."""
 
     name = "zero"
 
-    def __init__(
-        self,
-        task,
-        config,
-        group: comm.Group,
-        timeline=None,
-        make_optimizer=None,
-        *,
-        model=None,
-        dp_group: comm.Group | None = None,
-    ):
+    def __init__(self, task, config, group: comm.Group, timeline=None, make_optimizer=None):
         super().__init__(task, config, group, timeline)
-        self.stage = stage = config.zero_stage
-        if stage not in (1, 2, 3):
-            raise BadConfig(f"--strategy {self.name} needs --zero-stage 1, 2 or 3, got {stage}")
-        self.model = model = task.model if model is None else model
-        self.dp_group = group = dp_group or group  # below, `group` is the data-parallel one
-        check_micro_batches(config, group.size)
-        if config.allreduce not in ALGOS:
-            raise BadConfig(
-                f"--strategy zero reduce-scatters and allgathers: --allreduce "
-                f"{config.allreduce} is not one of theirs; choose from {', '.join(ALGOS)}"
-            )
-        self.algo = config.allreduce
-        if stage > 1:  # (at stage 1 DDP does both)
-            check_same_model(model, group)
-            for p in model.parameters():  # every rank starts from rank 0's weights
-                comm.broadcast(p.data, root=0, group=group)
-        names = {id(p): name for name, p in model.named_parameters()}
-        if stage < 3:  # the flat vector is cut as DDP's buckets: reverse parameter order
-            cap = max(1, int(config.bucket_mb * 2**20))
-            trainable = [p for p in model.parameters() if p.requires_grad]  # as DDP takes them
-            segments = bucket_groups(trainable[::-1], cap)
-        else:  # one segment per layer, in forward order
-            self.units = units_of(model)
-            segments = [params for _, _, params in self.units]
-        overlap = OVERLAP[config.overlap]
-        if overlap == "auto":
-            overlap = overlap_helps(group.size)[0]
-        self.overlap = overlap and stage < 3  # stage 3 gathers inside backward: inline
-        self.ddp = self.grads = self.gathered = None
-        if stage == 1:
-            self.layout = layout = ShardLayout(segments, names, group.size, group.rank)
-            self.flat = flat_parameters(layout, model.parameters()[0].dtype)
-            self.ddp = DistributedDataParallel(
-                model, group, config.bucket_mb, overlap=self.overlap, timeline=self.timeline
-            )
-            self.ddp.register_comm_hook(self._reduce_scatter_bucket)
-            self.comm_group = self.ddp.comm_group
-            param_chunks = [self.flat[lo:hi] for lo, hi in layout.ranges()]
-            grad_chunks = [b.data[lo:hi] for b, (lo, hi) in zip(self.ddp.buckets, layout.chunks)]
-        else:  # stages 2 and 3: zero_sharded.py
-            order = list(range(len(segments)))  # buckets: index order; layers: last first
-            self.shards = ShardedModel(
-                *(segments, names, group, self.algo),
-                launch_order=order if stage == 2 else order[::-1],
-                modules=[child for _, child, _ in self.units] if stage == 3 else None,
-                outer=stage == 3 and self.units[0][1] is model,
-                overlap=self.overlap,
-                timeline=self.timeline,
-            )
-            self.layout, self.comm_group = self.shards.layout, self.shards.comm_group
-            self.grads, self.gathered = self.shards.grads, self.shards.gathered
-            self.flat, self.grad_shard = self.shards.flat, self.shards.grad_shard
-            param_chunks, grad_chunks = self.shards.param_chunks, self.shards.grad_chunks
-        self.pieces = pieces(param_chunks, grad_chunks)
-        self.optimizer = (make_optimizer or self._optimizer)(self.pieces)
+        check_zero(config, group.size)  # alike on every rank, before any message
+        self.model, self.dp_group = task.model, group
+        self.zero = z = ZeROAxis(task.model, group, config, self.timeline, make_optimizer)
+        self.stage, self.layout, self.pieces, self.shard = z.stage, z.layout, z.pieces, z.shard
+        self.optimizer, self.comm_group, self.gathered = z.optimizer, z.comm_group, z.gathered
+        self.units = getattr(z, "units", None)
+        self.axes, self.clocks, self.clip_params = (
+            {"dp": [z.comm_group, group]},
+            [z.clock],
+            z.pieces,
+        )
+        self.run = z.step(self.loss, self.clip)
         self.data_shard = (group.rank, group.size)
-        self.activations_peak = 0  # measured on the first step (every step is alike)
-        self._measure = True
-        self.gather_seconds = 0.0  # stages 1, 2: the parameter allgathers, in total
-
-    def _optimizer(self, params):
-        """--optimizer over this rank's pieces (AdamW by default): each piece's state only."""
-        c = self.config
-        return optim.make_optimizer(c.optimizer, params, c.lr, c.weight_decay)
-
-    def _reduce_scatter_bucket(self, bucket, group: comm.Group) -> None:
-        """Stage 1's DDP hook: only this rank's chunk of the bucket is summed (and only it
-        is read by the optimizer); it passes through a scratch chunk, as out= may not
-        overlap the input."""
-        lo, hi = self.layout.chunks[bucket.index]
-        mine = group.scratch.get("zero.chunk", hi - lo, bucket.data.dtype)
-        comm.reduce_scatter(bucket.data, algo=self.algo, group=group, out=mine)
-        bucket.data[lo:hi] = mine
-
-    # ---- one step --------------------------------------------------------------------
-    def step(self, local: np.ndarray, lr: float) -> StepResult:
-        span = self.timeline.span
-        self.optimizer.lr = lr
-        share = len(local) / self.config.batch_size  # n_r / B
-        if self.ddp is not None:
-            self.ddp.zero_grad()
-            self.ddp.set_batch_share(len(local), self.config.batch_size)
-        else:
-            self.grads.share = share
-        local_loss = forward_backward(self, local, self.ddp or self.grads)
-        with span("gradient sync wait"):
-            if self.ddp is not None:
-                self.ddp.finish_gradient_sync()
-            else:
-                self.grads.finish()
-        step_loss = global_loss(local_loss, share, self.dp_group)
-        if np.isfinite(step_loss):
-            with span("optimizer"):
-                if self.config.grad_clip:
-                    self.clip_gradients()
-                self.optimizer.step()
-            if self.stage < 3:
-                with span("parameter allgather"):
-                    self._gather_flat()
-        return StepResult(step_loss, local_loss)
 
     def loss(self, indices: np.ndarray):
         """The mean loss over these examples (a Tensor, to backpropagate)."""
         return self.task.loss(*self.task.batch(indices))
 
-    def clip_gradients(self) -> None:
+    def norm(self, kind: str) -> float:
         """Each rank's chunks, their squares summed over the data-parallel group."""
-        clip_global_norm(self.pieces, self.config.grad_clip, shard_group=self.dp_group)
-
-    def _gather_flat(self) -> None:
-        """Stages 1 and 2: every segment's updated chunks to every rank, into the model."""
-        start = time.perf_counter()
-        allgather_flat(self.flat, self.layout, self.comm_group, self.algo)
-        self.gather_seconds += time.perf_counter() - start
-
-    # ---- what the loop reports -------------------------------------------------------------
-    def shard(self) -> np.ndarray:
-        """This rank's parameter chunks, concatenated (layout.ranges() says where from)."""
-        return np.concatenate([p.data for p in self.pieces])
-
-    def param_l2(self) -> float:
-        return global_l2([p.data for p in self.pieces], shard_group=self.dp_group)
+        return global_l2([getattr(p, kind) for p in self.pieces], shard_group=self.dp_group)
 
     def max_param_diff(self) -> float:
         """Spread among the ranks of the whole model (after gather_model, at stage 3)."""
@@ -235,78 +119,22 @@ class ZeRO(Strategy):
         if self.gathered is not None:
             self.gathered.materialize()
 
-    def bytes_sent_by_axis(self) -> dict[str, int]:
-        return {"dp": bytes_sent(self.comm_group, self.dp_group)}
-
-    @property
-    def comm_seconds(self) -> float:
-        """Reductions (on a thread or not) and parameter allgathers (never hidden)."""
-        gathers = self.gathered.seconds if self.gathered else self.gather_seconds
-        return (self.ddp or self.grads).reducer.seconds + gathers
-
-    @property
-    def exposed_seconds(self) -> float:
-        gathers = self.gathered.seconds if self.gathered else self.gather_seconds
-        return (self.ddp or self.grads).exposed_seconds + gathers
-
-    def memory_bytes(self) -> dict[str, int]:
-        parameters = self.flat.nbytes if self.stage == 1 else self.shards.parameter_bytes
-        held = [b.data for b in self.ddp.buckets] if self.ddp else [self.grad_shard]
-        # and any whole gradient still on a parameter (none, after a step, at stages 2, 3)
-        gradients = nbytes([*held, *(p.grad for p in self.model.parameters())])
-        buffers = self.dp_group.scratch.nbytes + self.comm_group.scratch.nbytes
-        memory = {
-            "parameters": parameters,
-            "gradients": gradients,
-            "optimizer": optimizer_bytes(self.optimizer),
-            "activations_peak": self.activations_peak,
-            "buffers": buffers,
-        }
-        if self.gathered is not None:
-            memory["buffers"] += nbytes(self.gathered.slots)
-            memory["gathered_peak"] = self.gathered.gathered_peak
-        return memory
+    def held(self) -> dict[str, list]:
+        held = self.zero.held()
+        held["buffers"].insert(0, self.dp_group.scratch.nbytes)
+        return held
 
     def describe(self) -> str:
-        layout = self.layout
-        return (
-            f"ZeRO stage {self.stage} over {self.dp_group.size} ranks | shard "
-            f"{layout.shard_numel:,} of {layout.numel:,} parameters in {len(layout.segments)} "
-            f"segments | reduce_scatter/allgather {self.algo} | overlap "
-            f"{'on' if self.overlap else 'off'} | grad accumulation {self.config.grad_accum}"
-        )
+        return self.zero.describe()
 
     def record(self) -> dict:
-        return {
-            "zero_stage": self.stage,
-            "shard_elements": self.layout.shard_numel,
-            "segments": len(self.layout.segments),
-            "overlap": self.overlap,
-        }
+        return self.zero.record()
 
-    # ---- resuming -----------------------------------------------------------------------
     def state_dict(self) -> dict:
-        return {"stage": self.stage, "shard": self.shard(), **self.optimizer.state_dict()}
+        return self.zero.state_dict()
 
     def load_state_dict(self, state: dict) -> None:
-        """Collective: this rank's chunks back, and (stages 1, 2) the whole model rebuilt."""
-        if state["stage"] != self.stage:
-            raise ValueError(f"a ZeRO stage {state['stage']} state for stage {self.stage}")
-        shard = state["shard"]
-        offsets = [0, *np.cumsum([p.size for p in self.pieces])]
-        if shard.size != offsets[-1]:  # saved over another N_d or other segments
-            raise ValueError(
-                f"a ZeRO shard of {shard.size} elements for a rank that holds {offsets[-1]}: "
-                "was it saved with another number of ranks or --bucket-mb?"
-            )
-        for p, lo, hi in zip(self.pieces, offsets[:-1], offsets[1:]):
-            p.data[...] = shard[lo:hi]
-        self.optimizer.load_state_dict(state)
-        if self.stage < 3:
-            self._gather_flat()
+        self.zero.load_state_dict(state)
 
     def close(self) -> None:
-        if self.ddp is not None:
-            self.ddp.close()
-            return
-        self.shards.close()
+        self.zero.close()

@@ -116,6 +116,22 @@ def slices_in(params: list, lo: int, hi: int) -> list[tuple[int, int, int]]:
     return out
 
 
+def chunk_slices(layout: ShardLayout) -> list[list[tuple]]:
+    """Per segment: (parameter, the slice of this rank's chunk that holds part of it), for
+    each parameter with elements in the chunk. A chunk edge falls anywhere, so a slice may
+    cover part of a tensor."""
+    out = []
+    for (lo, hi), params in zip(layout.chunks, layout.segments):
+        mine, offset = [], 0
+        for p in params:
+            a, b = max(lo, offset), min(hi, offset + p.size)
+            if a < b:
+                mine.append((p, slice(a - lo, b - lo)))
+            offset += p.size
+        out.append(mine)
+    return out
+
+
 def pieces(param_chunks: list[np.ndarray], grad_chunks: list[np.ndarray]) -> list[Tensor]:
     """One Tensor per segment over this rank's chunks (data and grad are views, not copies):
     what the sharded optimizer steps."""

@@ -154,6 +154,17 @@ class ShardedGradients:
         if self.launched is not None:
             self.launched(s)
 
+    # ---- the synchronizer the step skeleton drives (step.py), as DDP's --------------------
+    def zero_grad(self) -> None:
+        """Nothing to zero: each launch leaves its parameters' .grad None."""
+
+    def set_batch_share(self, local_examples: int, global_examples: int) -> None:
+        """This rank averages over local_examples of global_examples: weight n_r / B."""
+        self.share = local_examples / global_examples
+
+    def finish_gradient_sync(self) -> None:
+        self.finish()
+
     def finish(self) -> None:
         """After backward: launch what is left (a parameter with no gradient), wait for all."""
         while self._next < len(self.order):

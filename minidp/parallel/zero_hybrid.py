@@ -31,6 +31,9 @@ the last micro-batch) before its segment is reduced over DP.
 Stage 3 gathers whole child modules (zero3.py); TensorParallelGPT's position table is a bare
 parameter, so it is put in a child module of its own first (`Positions`). f and g run inside
 a gathered layer, over the TP group, as they do without ZeRO.
+
+`ZeROOverTP` is zero_axis.ZeROAxis with these additions; the hybrid recipe (tp_strategy.py)
+builds it over the mesh's DP axis.
 """
 
 import math
@@ -41,24 +44,18 @@ from minidp import comm, optim
 from minidp.autograd import Tensor
 from minidp.config import BadConfig
 from minidp.nn import Module
-from minidp.parallel.mesh import Mesh
-from minidp.parallel.tp_gpt import TensorParallelGPT
-from minidp.parallel.tp_strategy import OnTheMesh, mesh_sizes
-from minidp.parallel.zero import ZeRO
-from minidp.parallel.zero_flat import ShardLayout
+from minidp.parallel.zero_axis import ZeROAxis
+from minidp.parallel.zero_flat import ShardLayout, chunk_slices
 
 
 def split_chunks(layout: ShardLayout, is_sharded) -> list[tuple[list[slice], list[slice]]]:
     """Per segment: (slices of this rank's chunk in TP-sharded parameters, slices in
-    replicated ones). A chunk edge falls anywhere, so a slice may cover part of a tensor."""
+    replicated ones), from zero_flat.chunk_slices."""
     out = []
-    for (lo, hi), params in zip(layout.chunks, layout.segments):
-        kinds, offset = ([], []), 0
-        for p in params:
-            a, b = max(lo, offset), min(hi, offset + p.size)
-            if a < b:
-                kinds[0 if is_sharded(p) else 1].append(slice(a - lo, b - lo))
-            offset += p.size
+    for mine in chunk_slices(layout):
+        kinds = ([], [])
+        for p, s in mine:
+            kinds[0 if is_sharded(p) else 1].append(s)
         out.append(kinds)
     return out
 
@@ -77,69 +74,59 @@ class Positions(Module):
         return self(index)
 
 
-class ZeROHybrid(OnTheMesh, ZeRO):
-    """ZeRO stage 1, 2 or 3 over `mesh.dp_group` on the TP GPT of `mesh.tp_group`; the header,
-    record, bytes per axis and gather_model are TensorParallel's (OnTheMesh)."""
+def check_drift(config, dp: int, tp: int, vocab: int) -> bool:
+    """Whether TP rank 0's replicated parameters must be broadcast after each step (TP ranks
+    cut unequal shards only where tp_gpt.py splits the vocabulary unevenly: mesh_sizes has T
+    divide n_head and 4C; see the docstring); BadConfig where stage 3 cannot do it."""
+    drifts = dp > 2 and vocab % tp != 0
+    if drifts and config.zero_stage == 3:
+        raise BadConfig(
+            f"--zero-stage 3 over --dp {dp} > 2 with TP shards of unequal sizes (a "
+            f"vocabulary of {vocab} over --tp {tp}) is not yet supported: use "
+            "--zero-stage 1 or 2"
+        )
+    return drifts
 
-    name = "hybrid"
 
-    def __init__(self, task, config, group: comm.Group, timeline=None, make_optimizer=None):
-        dp, tp = mesh_sizes(config, group.size)  # alike on every rank, before any message
-        # TP ranks cut unequal shards only where tp_gpt.py splits the vocabulary unevenly
-        # (mesh_sizes has T divide n_head and 4C); see the docstring
-        vocab = task.model.config.vocab_size
-        self.drifts = dp > 2 and vocab % tp != 0
-        if self.drifts and config.zero_stage == 3:
-            raise BadConfig(
-                f"--zero-stage 3 over --dp {dp} > 2 with TP shards of unequal sizes (a "
-                f"vocabulary of {vocab} over --tp {tp}) is not yet supported: use "
-                "--zero-stage 1 or 2"
-            )
-        self.mesh = mesh = Mesh(dp=dp, tp=tp, group=group)
+class ZeROOverTP(ZeROAxis):
+    """ZeRO stage 1, 2 or 3 over `recipe.mesh.dp_group` on the TP GPT `recipe.model` (its
+    `sharded` and `replicated` parameters): the sequence-parallel sums hooked ahead of
+    ZeRO's, the norm that counts each element once, and the drift broadcast."""
+
+    def __init__(self, recipe, make_optimizer=None):
+        model, config, self.mesh = recipe.model, recipe.config, recipe.mesh
+        self.replicated = recipe.replicated
+        if config.zero_stage == 3:  # every parameter in a child module, for zero3.py
+            model.wpe = Positions(model.wpe)
         self._unhook = []
+        if model.replicated_grads_partial:  # before ZeRO's hooks: they read the sums
+            self._unhook = [p.register_grad_ready_hook(self._sum_over_tp) for p in self.replicated]
         try:
-            model = TensorParallelGPT(
-                task.model, mesh.tp_group, sequence_parallel=config.sequence_parallel
-            )
-            self.sharded, self.replicated = model.sharded_and_replicated()
-            if config.zero_stage == 3:  # every parameter in a child module, for zero3.py
-                model.wpe = Positions(model.wpe)
-            if model.replicated_grads_partial:  # before ZeRO's hooks: they read the sums
-                hook = self._sum_over_tp
-                self._unhook = [p.register_grad_ready_hook(hook) for p in self.replicated]
-            super().__init__(
-                task, config, group, timeline, make_optimizer, model=model, dp_group=mesh.dp_group
-            )
+            super().__init__(model, self.mesh.dp_group, config, recipe.timeline, make_optimizer)
         except BaseException:
             self._remove_hooks()
-            mesh.close()
             raise
-        self.dp_comm_group = self.comm_group
-        self.release_whole_model()
-        sharded = {id(p) for p in self.sharded}
+        sharded = {id(p) for p in recipe.sharded}
         self.kinds = split_chunks(self.layout, lambda p: id(p) in sharded)
 
     def _sum_over_tp(self, p) -> None:
-        if (self.ddp or self.grads).sync_enabled:  # accumulating: the last backward sums
+        if self.sync.sync_enabled:  # accumulating: the last backward sums
             p.grad[...] = comm.allreduce(p.grad, group=self.mesh.tp_group)
 
-    def step(self, local: np.ndarray, lr: float):
-        result = super().step(local, lr)
-        if self.drifts:  # see the docstring
-            flat = np.concatenate([p.data.ravel() for p in self.replicated])
-            comm.broadcast(flat, root=0, group=self.mesh.tp_group)
-            offset = 0
-            for p in self.replicated:  # in place: p.data is a view of ZeRO's flat vector
-                p.data[...] = flat[offset : offset + p.size].reshape(p.shape)
-                offset += p.size
-        return result
+    def broadcast_replicated(self) -> None:
+        """TP rank 0's replicated parameters to the TP group (see the docstring)."""
+        flat = np.concatenate([p.data.ravel() for p in self.replicated])
+        comm.broadcast(flat, root=0, group=self.mesh.tp_group)
+        offset = 0
+        for p in self.replicated:  # in place: p.data is a view of ZeRO's flat vector
+            p.data[...] = flat[offset : offset + p.size].reshape(p.shape)
+            offset += p.size
 
-    def loss(self, indices: np.ndarray):
-        return self.model.loss(*self.task.batch(indices))
-
-    def _l2(self, arrays: list[np.ndarray]) -> float:
-        """The norm of the whole model from this rank's chunks (`arrays`, one per segment):
-        TP-sharded elements summed over every rank, replicated ones over TP rank 0's DP group."""
+    def norm(self, kind: str) -> float:
+        """The norm of the whole model from this rank's chunks (their `kind`, "grad" or
+        "data"): TP-sharded elements summed over every rank, replicated ones over TP rank
+        0's DP group."""
+        arrays = [getattr(p, kind) for p in self.pieces]
         parts = [[a[s] for a, kinds in zip(arrays, self.kinds) for s in kinds[k]] for k in (0, 1)]
         total = np.array([optim.sum_of_squares(parts[0]), optim.sum_of_squares(parts[1])])
         comm.allreduce(total, out=total, group=self.dp_group)
@@ -149,26 +136,6 @@ class ZeROHybrid(OnTheMesh, ZeRO):
             comm.allreduce(total, out=total, group=self.mesh.tp_group)
         return math.sqrt(float(total.sum()))
 
-    def gather_model(self) -> None:
-        """Collective: the TP model whole on each TP rank (stage 3 gathers it over DP first),
-        then the whole model in task.model from the TP shards."""
-        if self.gathered is not None:
-            self.gathered.materialize()
-        self.model.gather_into(self.task.model)
-
-    def clip_gradients(self) -> None:
-        norm = self._l2([p.grad for p in self.pieces])
-        optim.clip_grad_norm(self.pieces, self.config.grad_clip, total_norm=norm)
-
-    def param_l2(self) -> float:
-        return self._l2([p.data for p in self.pieces])
-
-    def memory_bytes(self) -> dict[str, int]:
-        memory = super().memory_bytes()  # counts the DP group's scratch already
-        others = (self.group, self.mesh.tp_group, self.mesh.pp_group)
-        memory["buffers"] += sum(g.scratch.nbytes for g in others)
-        return memory
-
     def _remove_hooks(self) -> None:
         for unhook in self._unhook:
             unhook()
@@ -177,4 +144,3 @@ class ZeROHybrid(OnTheMesh, ZeRO):
     def close(self) -> None:
         super().close()
         self._remove_hooks()
-        self.mesh.close()
