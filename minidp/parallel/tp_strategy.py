@@ -75,11 +75,18 @@ def check_mesh(config, world_size: int, gpt) -> tuple[int, int, bool]:
     broadcast TP rank 0's replicated parameters after each step (zero_hybrid.py), for the
     task's `gpt`; BadConfig (one line) when the flags cannot work."""
     dp, tp = mesh_sizes(config, world_size)
-    if not config.zero_stage:
+    drifts = False
+    if config.zero_stage:
+        drifts = check_drift(config, dp, tp, gpt.config.vocab_size)
+    if dp * tp != world_size:  # Mesh would refuse it naming its arguments: say it in flags
+        raise BadConfig(
+            f"mesh: dp x tp x pp = {dp} x {tp} x 1 = {dp * tp}, but the world has {world_size} "
+            f"ranks; choose --dp and --tp whose product is {world_size}"
+        )
+    if config.zero_stage:
+        check_zero(config, dp, "hybrid")
+    else:
         check_micro_batches(config, dp)
-        return dp, tp, False
-    drifts = check_drift(config, dp, tp, gpt.config.vocab_size)
-    check_zero(config, dp, "hybrid")
     return dp, tp, drifts
 
 
