@@ -112,8 +112,8 @@ from minidp.tensor_ops import TensorOps  # noqa: E402
 
 
 class LazyGradient:
-    """A gradient a backward returns uncomputed: nn.linear returns its weight's x^T g as the
-    two factors (weight_grads.Product). `shape` is the gradient's; `value()` computes it.
+    """A gradient a backward returns uncomputed (weight_grads.py: nn.linear's x^T g for its
+    weight, kept as the two factors). `shape` is the gradient's; `value()` computes it.
 
     The engine calls value() for a tensor that is not a leaf, and where two gradients of one
     tensor meet. A leaf asks `into_leaf(leaf)` instead: the array to add (value(), unless a
