@@ -5,9 +5,11 @@
     (x * x).sum().backward()          # x.grad == 2 x
 
 Modules, bottom up: chunks (how a vector is cut into one piece per rank), autograd (Tensor,
-backward, op), ops (nonlinearities, losses), nn (layers up to GPT), optim, data, log (print0:
-printing from rank 0), config; then, on MPI: comm (hand-written collectives), trace (the
-Timeline of what each rank did), parallel (the training strategies), train. Everything below
+backward, op), tensor_ops (Tensor's arithmetic, reductions, shapes), ops (matmul,
+nonlinearities, losses), weight_grads (deferred weight gradients, a speed trick), nn (layers),
+gpt (the GPT, re-exported by nn), optim, data, log (print0: printing from rank 0), config;
+then, on MPI: comm (hand-written collectives), trace (the Timeline of what each rank did),
+parallel (the training strategies), train. Everything below
 comm imports without MPI. Public: what these modules document, except names that start
 with "_" (minidp.comm's docstring says which of its modules are public).
 
@@ -16,7 +18,7 @@ public `minidp.autograd.op`; autograd.py's docstring states its contract.
 """
 
 from minidp import autograd, nn, ops, optim
-from minidp.autograd import Product, Tensor, defer_weight_grads, is_grad_enabled, no_grad, op
+from minidp.autograd import Tensor, is_grad_enabled, no_grad, op
 from minidp.ops import (
     concatenate,
     cross_entropy,
@@ -26,6 +28,7 @@ from minidp.ops import (
     stack,
     where,
 )
+from minidp.weight_grads import Product, defer_weight_grads
 
 __version__ = "0.1.0"
 

@@ -1,9 +1,7 @@
-"""Grad mode, per thread: whether ops record a graph, and whether backward defers weight
-gradients (autograd.py re-exports these).
+"""Grad mode, per thread: whether ops record a graph (autograd.py re-exports these).
 
 `no_grad()` stops recording in the thread that enters it only, and every new thread starts
-with grad enabled (DDP's communication thread never sees another's). `defer_weight_grads()`
-is per thread the same way.
+with grad enabled (DDP's communication thread never sees another's).
 """
 
 import contextlib
@@ -15,7 +13,6 @@ class _GradMode(threading.local):
     """Whether ops record a graph, one flag per thread."""
 
     enabled = True  # a class attribute: what every thread sees until it sets its own
-    defer = False  # inside defer_weight_grads()
 
 
 _grad_mode = _GradMode()
@@ -36,17 +33,3 @@ def no_grad() -> Iterator[None]:
 def is_grad_enabled() -> bool:
     """Whether ops in this thread record a graph (False inside `no_grad()`)."""
     return _grad_mode.enabled
-
-
-@contextlib.contextmanager
-def defer_weight_grads() -> Iterator[None]:
-    """Backward passes in this block leave weight gradients unmultiplied: more will follow.
-
-    A leaf then keeps copies of its Products' rows, while they take no more memory than its
-    gradient, and takes one product over all of them in the next backward outside the block
-    or at the first read of .grad (weight_grads.py says why). DDP's no_sync() enters it."""
-    previous, _grad_mode.defer = _grad_mode.defer, True
-    try:
-        yield
-    finally:
-        _grad_mode.defer = previous

@@ -15,7 +15,7 @@ that a run too large for the machine is refused before it allocates. One caveat,
 `activation_bytes` counts the output array of every op in the graph; arrays that an op's
 backward closure keeps besides its output (a dropout mask, a softmax) are not seen, so it is
 a lower bound on what backward holds. Nor are the rows a weight keeps during gradient
-accumulation (autograd.defer_weight_grads): at most its gradient's size per weight, from the
+accumulation (weight_grads.defer_weight_grads): at most its gradient's size per weight, from the
 first micro-batch to the last.
 """
 

@@ -1,4 +1,5 @@
-"""Layers, from Linear up to a tiny character-level GPT (after nanoGPT), on minidp Tensors.
+"""Layers on minidp Tensors: Module and Parameter, Linear, MLP, LayerNorm, Embedding, Dropout;
+the tiny character-level GPT built from them is in gpt.py (re-exported here).
 
 Conventions:
 - A Linear computes y = x W + b with W of shape (in, out), the orientation of the Megatron
@@ -21,16 +22,15 @@ Conventions:
   saved), but backward gives it no gradient, so optimizers (which skip a None .grad) leave it.
 """
 
-import math
 from collections.abc import Iterator
-from dataclasses import dataclass
 
 import numpy as np
 
 from minidp import ops
-from minidp.autograd import Product, Tensor, no_grad, op
+from minidp.autograd import Tensor, op
 from minidp.backend import is_torch, namespace, to_numpy
 from minidp.ops import cross_entropy, mse
+from minidp.weight_grads import weight_gradient
 
 __all__ = [
     "Parameter",
@@ -187,7 +187,7 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, relu: bool = F
         if relu:  # through the ReLU first: y > 0 exactly where x W + b > 0
             g = g * (y > 0)
         dx = (g @ W.T).reshape(x.shape) if x.requires_grad else None
-        dw = Product(X, g) if weight.requires_grad else None  # X^T g, multiplied by the engine
+        dw = weight_gradient(X, g) if weight.requires_grad else None  # X^T g (weight_grads.py)
         if bias is None:
             return dx, dw
         return dx, dw, (g.sum(axis=0) if bias.requires_grad else None)
@@ -274,98 +274,5 @@ class Dropout(Module):
         return ops.dropout(x, self.p, self.rng, self.training)
 
 
-@dataclass
-class GPTConfig:
-    vocab_size: int = 96
-    block_size: int = 64  # context length T
-    n_layer: int = 2
-    n_head: int = 4
-    n_embd: int = 64  # C; head size = C / n_head
-    dropout: float = 0.0
-
-
-class CausalSelfAttention(Module):
-    """Multi-head attention where position t attends to positions <= t only."""
-
-    def __init__(self, cfg: GPTConfig, *, rng, dtype=np.float32):
-        C, std = cfg.n_embd, 0.02
-        self.n_head = cfg.n_head
-        self.qkv = Linear(C, 3 * C, rng=rng, dtype=dtype, std=std)
-        # residual projections scaled by 1/sqrt(2 n_layer) (GPT-2)
-        self.proj = Linear(C, C, rng=rng, dtype=dtype, std=std / np.sqrt(2 * cfg.n_layer))
-        self.attn_drop = Dropout(cfg.dropout, rng=rng)
-        self.resid_drop = Dropout(cfg.dropout, rng=rng)
-        self.future = np.triu(np.ones((cfg.block_size, cfg.block_size), dtype=bool), k=1)
-
-    def forward(self, x: Tensor) -> Tensor:
-        B, T, C = x.shape
-        H = self.n_head
-        q, k, v = ops.split(self.qkv(x), 3, axis=2)  # each (B, T, C)
-        q, k, v = (t.reshape(B, T, H, C // H).transpose(0, 2, 1, 3) for t in (q, k, v))
-        att = (q @ k.transpose(0, 1, 3, 2)) * (1.0 / math.sqrt(C // H))  # (B, H, T, T)
-        att = att.masked_fill(self.future[:T, :T], -np.inf).softmax(axis=-1)
-        y = self.attn_drop(att) @ v  # (B, H, T, hs)
-        y = y.transpose(0, 2, 1, 3).reshape(B, T, C)
-        return self.resid_drop(self.proj(y))
-
-
-class Block(Module):
-    """Pre-norm transformer block: x + attn(ln(x)), then x + mlp(ln(x))."""
-
-    def __init__(self, cfg: GPTConfig, *, rng, dtype=np.float32):
-        C, std = cfg.n_embd, 0.02
-        self.ln1 = LayerNorm(C, dtype=dtype)
-        self.attn = CausalSelfAttention(cfg, rng=rng, dtype=dtype)
-        self.ln2 = LayerNorm(C, dtype=dtype)
-        self.fc = Linear(C, 4 * C, rng=rng, dtype=dtype, std=std)
-        self.fc_proj = Linear(4 * C, C, rng=rng, dtype=dtype, std=std / np.sqrt(2 * cfg.n_layer))
-        self.drop = Dropout(cfg.dropout, rng=rng)
-
-    def forward(self, x: Tensor) -> Tensor:
-        x = x + self.attn(self.ln1(x))
-        return x + self.drop(self.fc_proj(self.fc(self.ln2(x)).gelu()))
-
-
-class GPT(Module):
-    """Token + position embeddings, n_layer blocks, a final LayerNorm and an output head."""
-
-    def __init__(self, cfg: GPTConfig, *, seed: int = 0, dtype=np.float32):
-        rng = np.random.default_rng(seed)
-        self.config = cfg
-        self.wte = Embedding(cfg.vocab_size, cfg.n_embd, rng=rng, dtype=dtype)
-        self.wpe = Embedding(cfg.block_size, cfg.n_embd, rng=rng, dtype=dtype)
-        self.drop = Dropout(cfg.dropout, rng=rng)
-        self.blocks = [Block(cfg, rng=rng, dtype=dtype) for _ in range(cfg.n_layer)]
-        self.ln_f = LayerNorm(cfg.n_embd, dtype=dtype)
-        self.head = Linear(cfg.n_embd, cfg.vocab_size, bias=False, rng=rng, dtype=dtype, std=0.02)
-
-    def forward(self, idx: np.ndarray) -> Tensor:
-        """idx: (B, T) token ids -> logits (B, T, vocab_size)."""
-        idx = np.asarray(idx)
-        T = idx.shape[-1]
-        if T > self.config.block_size:
-            raise ValueError(
-                f"sequence of {T} tokens is longer than block_size {self.config.block_size}"
-            )
-        x = self.drop(self.wte(idx) + self.wpe(np.arange(T)))
-        for block in self.blocks:
-            x = block(x)
-        return self.head(self.ln_f(x))
-
-    def generate(
-        self, idx: np.ndarray, new_tokens: int, rng: np.random.Generator, temperature: float = 1.0
-    ) -> np.ndarray:
-        """Sample `new_tokens` more tokens after each row of idx (B, T)."""
-        was_training = self.training
-        self.eval()
-        idx = np.array(idx)
-        with no_grad():
-            for _ in range(new_tokens):
-                logits = to_numpy(self(idx[:, -self.config.block_size :]).data[:, -1, :])
-                logits = logits.astype(np.float64) / temperature  # float64: p sums to 1
-                p = np.exp(logits - logits.max(axis=1, keepdims=True))
-                p /= p.sum(axis=1, keepdims=True)
-                nxt = [rng.choice(len(row), p=row) for row in p]
-                idx = np.concatenate([idx, np.array(nxt)[:, None]], axis=1)
-        self.train(was_training)
-        return idx
+# The GPT is built from the layers above: gpt.py imports them, so it comes last.
+from minidp.gpt import GPT, Block, CausalSelfAttention, GPTConfig  # noqa: E402

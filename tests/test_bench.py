@@ -107,6 +107,17 @@ def test_bench_autograd_runs(tmp_path):
     assert finite_positive(row["minidp_ms"], row["numpy_ms"], row["minidp/numpy"])
 
 
+@pytest.mark.timeout(60)
+def test_bench_deferral_runs(tmp_path):
+    out = tmp_path / "deferral.json"
+    args = ("--cases", "mlp-small", "--micro-batches", "4", *ONE_ROUND)
+    result = minidp(1, "bench", "deferral", *args, "--json", str(out))
+    assert result.returncode == 0, result.stderr
+    (row,) = records(out)
+    assert row["case"] == "mlp-small" and row["micro_batches"] == 4 and row["rows"] == 16
+    assert finite_positive(row["deferred_ms"], row["plain_ms"], row["deferred/plain"])
+
+
 BROKEN_RING = """
 import sys
 from minidp.comm import collectives

@@ -1,4 +1,4 @@
-"""Deferred weight gradients (autograd.defer_weight_grads, autograd.Product): gradient
+"""Deferred weight gradients (weight_grads.defer_weight_grads, weight_grads.Product): gradient
 accumulation that multiplies each weight's rows once, on the first read of .grad.
 
 Every test compares against the same backward passes without deferral, or against the
@@ -9,9 +9,10 @@ import contextlib
 import numpy as np
 import pytest
 
-from minidp import nn, optim
-from minidp.autograd import Product, Tensor, defer_weight_grads
+from minidp import nn, optim, weight_grads
+from minidp.autograd import Tensor
 from minidp.nn import MLP, cross_entropy, linear
+from minidp.weight_grads import Product, defer_weight_grads
 
 SIZES = [12, 16, 16, 3]  # 12*16 / 28: a stash of up to 6 rows for the first weight
 
@@ -61,9 +62,9 @@ def test_backward_passes_inside_the_block_keep_rows_not_products():
     with defer_weight_grads():
         cross_entropy(model(Tensor(x[:2])), y[:2]).backward()
     first = model.layers[0].weight
-    assert first._rows is not None and first._rows.rows == 2  # kept, not multiplied
+    assert first._pending is not None and first._pending.rows == 2  # kept, not multiplied
     assert first._grad is None
-    assert first.grad is not None and first._rows is None  # the read multiplies them in
+    assert first.grad is not None and first._pending is None  # the read multiplies them in
 
 
 def test_rows_are_copied_so_changing_the_input_afterwards_changes_nothing():
@@ -122,9 +123,9 @@ def test_the_stash_never_outgrows_the_gradient_and_the_sum_stays_right():
     with defer_weight_grads():
         for lo in cuts[:-1]:
             (cross_entropy(model(Tensor(x[lo : lo + 2])), y[lo : lo + 2]) * (2 / 14)).backward()
-            if first._rows is not None:
-                most = max(most, first._rows.rows)
-                assert first._rows.x.nbytes + first._rows.g.nbytes <= first.data.nbytes
+            if first._pending is not None:
+                most = max(most, first._pending.rows)
+                assert first._pending.x.nbytes + first._pending.g.nbytes <= first.data.nbytes
     assert most == 6
     for p, w in zip(model.parameters(), want):
         np.testing.assert_allclose(p.grad, w, rtol=1e-12, atol=1e-15)
@@ -135,8 +136,8 @@ def test_too_many_rows_for_the_gradient_are_multiplied_at_once():
     model = mlp()
     with defer_weight_grads():  # 8 rows > 6: keeping them would cost more than the gradient
         cross_entropy(model(Tensor(x)), y).backward()
-    assert model.layers[0].weight._rows is None
-    assert model.layers[1].weight._rows is not None  # 16 * 16 // 32 = 8 rows: they fit
+    assert model.layers[0].weight._pending is None
+    assert model.layers[1].weight._pending is not None  # 16 * 16 // 32 = 8 rows: they fit
     model.layers[1].weight.grad  # noqa: B018
     for p, w in zip(model.parameters(), whole_batch(mlp(), x, y)):
         np.testing.assert_allclose(p.grad, w, rtol=1e-12, atol=1e-15)
@@ -199,10 +200,10 @@ def test_ddp_no_sync_defers_and_the_synchronized_backward_multiplies_once():
         ddp.zero_grad()
         with ddp.no_sync():
             (cross_entropy(ddp(Tensor(x[:2])), y[:2]) * 0.5).backward()
-        assert model.layers[0].weight._rows is not None  # no_sync defers
+        assert model.layers[0].weight._pending is not None  # no_sync defers
         (cross_entropy(ddp(Tensor(x[2:])), y[2:]) * 0.5).backward()
         ddp.finish_gradient_sync()
-        assert all(p._rows is None for p in model.parameters())
+        assert all(p._pending is None for p in model.parameters())
         for p, w in zip(model.parameters(), want):
             np.testing.assert_allclose(p.grad, w, rtol=1e-12, atol=1e-15)
 
@@ -241,7 +242,7 @@ def accumulates_in_the_buckets(model, x, y, want, zero_grad):
             (cross_entropy(ddp(Tensor(x[:2])), y[:2]) * 0.5).backward()
         views = {id(v) for b in ddp.buckets for v in b.views}
         for p in model.parameters():  # in the buckets, or rows kept and no array at all
-            assert id(p._grad) in views or (p._grad is None and p._rows is not None)
+            assert id(p._grad) in views or (p._grad is None and p._pending is not None)
         assert all(id(p._grad) in views for p in model.parameters() if p.ndim == 1)
         assert not spare.grad.any()
         spare.grad[...] = 0.0  # writable: a slot, not None
@@ -265,8 +266,8 @@ def test_rows_of_another_dtype_than_the_weight_take_no_more_bytes_than_its_gradi
         for lo in (0, 2, 4):
             part = slice(lo, lo + 2)
             (cross_entropy(model(Tensor(x[part])), y[part]) * 0.25).backward()
-            if first._rows is not None:
-                assert first._rows.x.nbytes + first._rows.g.nbytes <= first.data.nbytes
+            if first._pending is not None:
+                assert first._pending.x.nbytes + first._pending.g.nbytes <= first.data.nbytes
     (cross_entropy(model(Tensor(x[6:])), y[6:]) * 0.25).backward()
     for p, w in zip(model.parameters(), want):
         np.testing.assert_allclose(p.grad, w, rtol=1e-5, atol=1e-6)
@@ -334,7 +335,76 @@ def test_closing_ddp_with_rows_kept_keeps_the_gradient():
     ddp.zero_grad()
     with ddp.no_sync():
         cross_entropy(ddp(Tensor(x)), y).backward()
-    assert model.layers[0].weight._rows is not None
+    assert model.layers[0].weight._pending is not None
     ddp.close()
     for p, w in zip(model.parameters(), want):
         np.testing.assert_allclose(p.grad, w, rtol=1e-12, atol=1e-15)
+
+
+# ---- the trick against the plain path (weight_grads.deferral(False)) ----------------------
+# Measured (OpenBLAS, 2026-12-03): one micro-batch gives the plain path's bits, inside
+# defer_weight_grads() or not. With K > 1 a deferred weight's gradient is one product over the
+# stacked rows, a reassociated sum: not bit-equal, within 1e-15 of the largest entry in
+# float64 (5e-7 in float32); biases, and weights whose rows did not fit, stay bit-equal.
+
+PLAIN_CASES = [([12, 16, 16, 3], 8), ([64, 256, 64, 10], 32)]
+
+
+def micro_batches(sizes, dtype, n, K, trick, defer_the_last=False):
+    """Gradients of K micro-batches of n examples (each loss weighed by its share), all but
+    the last inside defer_weight_grads() (the last too with `defer_the_last`), with the
+    trick on or off."""
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((n, sizes[0])).astype(dtype)
+    y = rng.integers(0, sizes[-1], n)
+    model = MLP(sizes, rng=np.random.default_rng(0), dtype=dtype)
+    cuts = np.linspace(0, n, K + 1).astype(int)
+    with weight_grads.deferral(trick):
+        for k, (lo, hi) in enumerate(zip(cuts, cuts[1:])):
+            inside = k < K - 1 or defer_the_last
+            with defer_weight_grads() if inside else contextlib.nullcontext():
+                (cross_entropy(model(Tensor(x[lo:hi])), y[lo:hi]) * ((hi - lo) / n)).backward()
+            if trick and inside and k == 0:
+                assert any(p._pending is not None for p in model.parameters())  # it deferred
+            if not trick:
+                assert all(p._pending is None for p in model.parameters())  # no Product
+    return model, [p.grad for p in model.parameters()]
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("sizes, n", PLAIN_CASES)
+@pytest.mark.parametrize("defer_the_last", [False, True])
+def test_one_micro_batch_gives_the_plain_paths_bits(sizes, n, dtype, defer_the_last):
+    _, plain = micro_batches(sizes, dtype, n, 1, trick=False)
+    _, deferred = micro_batches(sizes, dtype, n, 1, trick=True, defer_the_last=defer_the_last)
+    for d, p in zip(deferred, plain):
+        np.testing.assert_array_equal(d, p)
+
+
+@pytest.mark.parametrize("dtype, tol", [(np.float32, 2e-6), (np.float64, 1e-14)])
+@pytest.mark.parametrize("sizes, n", PLAIN_CASES)
+@pytest.mark.parametrize("K", [2, 4])
+def test_micro_batches_equal_the_plain_path_to_rounding_and_biases_bit_for_bit(
+    sizes, n, K, dtype, tol
+):
+    """K > 1: a deferred weight's stacked product reassociates the sum over the rows, so it
+    is equal to the plain path's within tol of its largest entry, not bit for bit; every
+    gradient that was not deferred (biases, weights whose rows did not fit) is bit-equal."""
+    model, deferred = micro_batches(sizes, dtype, n, K, trick=True)
+    _, plain = micro_batches(sizes, dtype, n, K, trick=False)
+    for param, d, p in zip(model.parameters(), deferred, plain):
+        if param.ndim == 2 and n // K <= param.size // sum(param.shape):  # its rows were kept
+            assert np.max(np.abs(d - p)) <= tol * np.max(np.abs(p))
+        else:
+            np.testing.assert_array_equal(d, p)
+
+
+def test_with_the_trick_off_linear_returns_an_array():
+    x, W = Tensor(np.ones((2, 8))), Tensor(np.ones((8, 8)), requires_grad=True)  # 4 rows fit
+    with weight_grads.deferral(False), defer_weight_grads():
+        linear(x, W).sum().backward()
+        assert W._pending is None and W._grad is not None
+    with weight_grads.deferral(True), defer_weight_grads():
+        W.grad = None
+        linear(x, W).sum().backward()
+        assert W._pending is not None and W._grad is None

@@ -1,6 +1,7 @@
 """Layering that reads bottom up: what imports without MPI, and who may import whom.
 
-    chunks  autograd  grad_mode  weight_grads  ops  nn  optim  data  log  config   no MPI
+    chunks  autograd  tensor_ops  grad_mode  ops  weight_grads  nn  gpt
+    optim  data  log  config                                        no MPI
     parser  plots  backend  prune    (torch_ref, backend_torch: torch, not MPI)
     comm  trace  parallel  train  cli  bench                        on MPI (mpi4py)
 
@@ -24,6 +25,8 @@ NO_MPI_MODULES = (
     "minidp.chunks",
     "minidp.data",
     "minidp.nn",
+    "minidp.gpt",
+    "minidp.tensor_ops",
     "minidp.optim",
     "minidp.config",
     "minidp.log",

@@ -1,0 +1,115 @@
+"""A tiny character-level GPT (after nanoGPT), built from minidp.nn's layers.
+
+`minidp.nn` re-exports every name here (`nn.GPT`, `nn.GPTConfig`, `nn.Block`,
+`nn.CausalSelfAttention`). Shapes: B batch, T positions (<= block_size), C = n_embd channels,
+H = n_head heads of C / H each.
+"""
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from minidp import ops
+from minidp.autograd import Tensor, no_grad
+from minidp.backend import to_numpy
+from minidp.nn import Dropout, Embedding, LayerNorm, Linear, Module
+
+__all__ = ["GPTConfig", "CausalSelfAttention", "Block", "GPT"]
+
+
+@dataclass
+class GPTConfig:
+    vocab_size: int = 96
+    block_size: int = 64  # context length T
+    n_layer: int = 2
+    n_head: int = 4
+    n_embd: int = 64  # C; head size = C / n_head
+    dropout: float = 0.0
+
+
+class CausalSelfAttention(Module):
+    """Multi-head attention where position t attends to positions <= t only."""
+
+    def __init__(self, cfg: GPTConfig, *, rng, dtype=np.float32):
+        C, std = cfg.n_embd, 0.02
+        self.n_head = cfg.n_head
+        self.qkv = Linear(C, 3 * C, rng=rng, dtype=dtype, std=std)
+        # residual projections scaled by 1/sqrt(2 n_layer) (GPT-2)
+        self.proj = Linear(C, C, rng=rng, dtype=dtype, std=std / np.sqrt(2 * cfg.n_layer))
+        self.attn_drop = Dropout(cfg.dropout, rng=rng)
+        self.resid_drop = Dropout(cfg.dropout, rng=rng)
+        self.future = np.triu(np.ones((cfg.block_size, cfg.block_size), dtype=bool), k=1)
+
+    def forward(self, x: Tensor) -> Tensor:
+        B, T, C = x.shape
+        H = self.n_head
+        q, k, v = ops.split(self.qkv(x), 3, axis=2)  # each (B, T, C)
+        q, k, v = (t.reshape(B, T, H, C // H).transpose(0, 2, 1, 3) for t in (q, k, v))
+        att = (q @ k.transpose(0, 1, 3, 2)) * (1.0 / math.sqrt(C // H))  # (B, H, T, T)
+        att = att.masked_fill(self.future[:T, :T], -np.inf).softmax(axis=-1)
+        y = self.attn_drop(att) @ v  # (B, H, T, hs)
+        y = y.transpose(0, 2, 1, 3).reshape(B, T, C)
+        return self.resid_drop(self.proj(y))
+
+
+class Block(Module):
+    """Pre-norm transformer block: x + attn(ln(x)), then x + mlp(ln(x))."""
+
+    def __init__(self, cfg: GPTConfig, *, rng, dtype=np.float32):
+        C, std = cfg.n_embd, 0.02
+        self.ln1 = LayerNorm(C, dtype=dtype)
+        self.attn = CausalSelfAttention(cfg, rng=rng, dtype=dtype)
+        self.ln2 = LayerNorm(C, dtype=dtype)
+        self.fc = Linear(C, 4 * C, rng=rng, dtype=dtype, std=std)
+        self.fc_proj = Linear(4 * C, C, rng=rng, dtype=dtype, std=std / np.sqrt(2 * cfg.n_layer))
+        self.drop = Dropout(cfg.dropout, rng=rng)
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.drop(self.fc_proj(self.fc(self.ln2(x)).gelu()))
+
+
+class GPT(Module):
+    """Token + position embeddings, n_layer blocks, a final LayerNorm and an output head."""
+
+    def __init__(self, cfg: GPTConfig, *, seed: int = 0, dtype=np.float32):
+        rng = np.random.default_rng(seed)
+        self.config = cfg
+        self.wte = Embedding(cfg.vocab_size, cfg.n_embd, rng=rng, dtype=dtype)
+        self.wpe = Embedding(cfg.block_size, cfg.n_embd, rng=rng, dtype=dtype)
+        self.drop = Dropout(cfg.dropout, rng=rng)
+        self.blocks = [Block(cfg, rng=rng, dtype=dtype) for _ in range(cfg.n_layer)]
+        self.ln_f = LayerNorm(cfg.n_embd, dtype=dtype)
+        self.head = Linear(cfg.n_embd, cfg.vocab_size, bias=False, rng=rng, dtype=dtype, std=0.02)
+
+    def forward(self, idx: np.ndarray) -> Tensor:
+        """idx: (B, T) token ids -> logits (B, T, vocab_size)."""
+        idx = np.asarray(idx)
+        T = idx.shape[-1]
+        if T > self.config.block_size:
+            raise ValueError(
+                f"sequence of {T} tokens is longer than block_size {self.config.block_size}"
+            )
+        x = self.drop(self.wte(idx) + self.wpe(np.arange(T)))
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x))
+
+    def generate(
+        self, idx: np.ndarray, new_tokens: int, rng: np.random.Generator, temperature: float = 1.0
+    ) -> np.ndarray:
+        """Sample `new_tokens` more tokens after each row of idx (B, T)."""
+        was_training = self.training
+        self.eval()
+        idx = np.array(idx)
+        with no_grad():
+            for _ in range(new_tokens):
+                logits = to_numpy(self(idx[:, -self.config.block_size :]).data[:, -1, :])
+                logits = logits.astype(np.float64) / temperature  # float64: p sums to 1
+                p = np.exp(logits - logits.max(axis=1, keepdims=True))
+                p /= p.sum(axis=1, keepdims=True)
+                nxt = [rng.choice(len(row), p=row) for row in p]
+                idx = np.concatenate([idx, np.array(nxt)[:, None]], axis=1)
+        self.train(was_training)
+        return idx
