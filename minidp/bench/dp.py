@@ -3,6 +3,7 @@ comes to a hand-written data-parallel loop.
 
     mpiexec -n 2 python -m minidp bench dp [--iters 15] [--algos ring,mpi] [--checks off]
     mpiexec -n 4 python -m minidp bench dp --case shallowspeed [--json FILE]
+    mpiexec -n 2 python -m minidp bench dp --case tricks [--iters 30]
 
 --case weak (the default): weak scaling. The step: forward, backward, gradient allreduce,
 SGD, for an MLP 784-1024-1024-10 (--sizes) with a batch of 256 (--batch) *per rank*,
@@ -16,6 +17,9 @@ Weak-scaling efficiency = solo time / DP time (1.0: the second rank costs nothin
 
 --case shallowspeed: the setup of ShallowSpeed (siboehm/ShallowSpeed), minidp's DDP against
 a hand-written NumPy data-parallel loop of the same shape (see _dp_shallowspeed.py).
+
+--case tricks: the weak case's step with each of DDP's speed tricks on and off, side by
+side (see _dp_tricks.py): what each one buys.
 
 Every time is the slowest rank's (barrier, time, allreduce-max); the contenders' order is
 rotated by one every round (A B C, B C A, ...); reported are medians of per-round ratios,
@@ -35,7 +39,7 @@ from mpi4py import MPI
 
 from minidp import comm, nn, optim
 from minidp.autograd import Tensor
-from minidp.bench import _dp_shallowspeed
+from minidp.bench import _dp_shallowspeed, _dp_tricks
 from minidp.bench._common import (
     environment,
     median,
@@ -64,7 +68,7 @@ from minidp.parallel.data_parallel import overlap_helps
 from minidp.parser import Parser
 
 ALGOS = comm.ALGORITHMS["allreduce"]  # every hand-written allreduce, and "mpi"
-CASES = ("weak", "shallowspeed")
+CASES = ("weak", "shallowspeed", "tricks")
 
 
 def dp_step(ddp: DistributedDataParallel, x, y):
@@ -248,7 +252,9 @@ def main(argv: list[str]) -> int:
         return 2
     group = comm.Group(world.Dup(), checks=args.checks == "on")
     checks = "on" if group.checks else "off"  # what the groups do, DDP's dup() included
-    measure = _dp_shallowspeed.measure if args.case == "shallowspeed" else weak_scaling
+    measure = {"shallowspeed": _dp_shallowspeed.measure, "tricks": _dp_tricks.measure}.get(
+        args.case, weak_scaling
+    )
     with threadpool_limits(limits=1, user_api="blas"):
         env = environment()  # inside: it reports the BLAS threads the steps run with
         print0(header(args, world, env, checks))
