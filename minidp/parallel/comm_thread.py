@@ -101,6 +101,13 @@ class Reducer:
         )
 
 
+def reduce_each(reducer: Reducer, buckets: list[Bucket]) -> None:
+    """Reduce DDP's weighed buckets (share 1) one by one: the plain way for buckets that go
+    together (ddp_coalesce.reduce_together is the trick)."""
+    for bucket in buckets:
+        reducer(bucket, 1.0)
+
+
 class CommThread:
     """A thread that runs `reducer(bucket, share)` for each submitted bucket, in order,
     inside `around()` (default: ddp_gil.quick_gil_handover; contextlib.nullcontext: none)."""

@@ -17,20 +17,17 @@ bucket, so a bucket is reduced in place, one message per bucket:
     buckets  [b2 W2 b1] [W1 b0] [W0]      (reverse order, each up to bucket_cap_mb)
 
 Hooks. Each parameter's grad-ready hook (autograd.py) weighs its gradient by n_r / B into
-its bucket slot the moment it is final, and counts the bucket down. Each bucket is reduced
-by the communication hook `hook(bucket, group)`, by default an allreduce(sum) with `algo`
-(comm_thread.allreduce_hook); `register_comm_hook` swaps in another (compression).
+its bucket slot the moment it is final, and counts the bucket down. A bucket is reduced by
+the communication hook `hook(bucket, group)`, by default an allreduce(sum) with `algo`;
+`register_comm_hook` swaps in another (compression).
 
-Overlap. Without it every bucket is reduced in `finish_gradient_sync`: all communication is
+Overlap. Without it every bucket is reduced in `finish_gradient_sync`, all communication
 exposed. With it, the hook that completes a bucket hands it to a communication thread
-(comm_thread.py), which reduces it on its own duplicated group while backward goes on.
-Communication is CPU work too: on a machine with no spare core the thread takes the core
-from backward, and overlap costs more than it hides (measured: 0.72 weak-scaling efficiency
-with it, 0.90 without, 2 ranks on 2 cores). So `overlap="auto"`, the default, turns it on
-only when every rank has a core to spare (`overlap_helps`). Buckets are launched in index
-order, each once every bucket before it has gone, as PyTorch's reducer does: all ranks run
-the same collectives in the same order, even when a parameter gets no gradient on some rank
-(its bucket then goes at `finish_gradient_sync`, carrying zeros for it).
+(comm_thread.py) that reduces it on its own duplicated group while backward goes on. The
+thread needs a spare core, else it takes backward's (measured: 0.72 weak-scaling efficiency
+with it, 0.90 without, 2 ranks on 2 cores), so `overlap="auto"` turns it on only where
+every rank has one (`overlap_helps`). Buckets go in index order, each once those before it
+have gone (PyTorch's reducer): every rank runs the same collectives in the same order.
 
 Speed tricks, each a module of its own, on or off in `TRICKS` (or the `tricks` argument);
 each gives the plain path's bits (test_ddp_tricks.py), `bench dp --case tricks` measures it:
@@ -57,9 +54,10 @@ import weakref
 from minidp import comm
 from minidp.autograd import defer_weight_grads
 from minidp.nn import Module
+from minidp.parallel import comm_thread as thread
 from minidp.parallel import ddp_shm
 from minidp.parallel.buckets import Bucket, assign_buckets
-from minidp.parallel.comm_thread import CommThread, Reducer, allreduce_hook, overlap_helps
+from minidp.parallel.comm_thread import overlap_helps
 from minidp.parallel.ddp_coalesce import reduce_together
 from minidp.parallel.ddp_gil import quick_gil_handover
 from minidp.parallel.host_stage import HostStage, PlainStage
@@ -151,20 +149,19 @@ class DistributedDataParallel:
         self._reached = ReachedFlags(params)  # for .grad None where no rank reached one
         slots = [(b, i) for b in self.buckets for i in range(len(b.params))]  # params' order
         self._slot_of = {id(p): (b, i, k) for k, (p, (b, i)) in enumerate(zip(params, slots))}
-        # A grad-ready hook on every parameter: it weighs each gradient into its bucket the
-        # moment it is final (hot in cache), and with overlap launches complete buckets.
+        # a grad-ready hook on every parameter: weigh, count down, launch (with overlap)
         hook = _weak_hook(self._grad_ready)
         self._unhook = [p.register_grad_ready_hook(hook) for p in params]
 
         self.share = 1.0 / self.group.size  # n_r / B: this rank's weight in the global mean
         self.sync_enabled = True
-        self.reducer = Reducer(
-            allreduce_hook(algo), self.comm_group, timeline or Timeline(False), self.stage
+        self.reducer = thread.Reducer(
+            thread.allreduce_hook(algo), self.comm_group, timeline or Timeline(False), self.stage
         )
         self.exposed_seconds = 0.0  # time the main thread waited for communication, in total
         self._next = 0  # index of the next bucket to launch
         around = quick_gil_handover if self.tricks["quick_gil"] else contextlib.nullcontext
-        self._thread = CommThread(self.reducer, around) if self.overlap else None
+        self._thread = thread.CommThread(self.reducer, around) if self.overlap else None
         # a DDP dropped without close() must not leave its thread (and GIL setting) behind
         self._stop_thread = weakref.finalize(self, _stop, self._thread)
         for bucket in self.buckets:  # every .grad starts as its (zero) slot in a bucket
@@ -255,9 +252,8 @@ class DistributedDataParallel:
             )
         bucket.pending -= 1
         bucket.weigh(i, self.share)  # n_r / B, now, while the gradient is in cache
-        # In index order, as PyTorch's reducer does: a complete bucket waits for those
-        # before it, so every rank runs the same reductions in the same order, even when
-        # some parameter gets no gradient on some rank (its bucket goes at the finish).
+        # in index order: a complete bucket waits for those before it (a parameter with no
+        # gradient on some rank leaves its bucket to the finish, carrying zeros for it)
         while (
             self.overlap
             and self._next < len(self.buckets)
@@ -277,23 +273,17 @@ class DistributedDataParallel:
             self._reached.mark(self._slot_of[id(p)][2])
 
     def finish_gradient_sync(self) -> None:
-        """After backward: launch any bucket not yet launched, wait for all of them.
-
-        A gradient is weighed by n_r / B into its bucket the moment backward finishes it
-        (its grad-ready hook), so change no .grad between a synchronized backward and this
-        call (add a regularizer before backward, or under no_sync). Then a parameter no
-        rank's backward reached since the last sync gets .grad None (the module docstring)."""
+        """After backward: launch any bucket not yet launched, wait for all of them; then a
+        parameter no rank's backward reached gets .grad None. Each gradient was weighed into
+        its bucket as backward finished it: change no .grad between backward and this call."""
         if not self.sync_enabled:
             return
         start = time.perf_counter()
-        if self._thread is None:  # no overlap: every bucket goes now, in one call
+        if self._thread is None:  # no overlap: every bucket goes now
             for bucket in self.buckets:
                 self._collect(bucket)
-            if self.tricks["coalesce"]:
-                reduce_together(self.reducer, self.buckets)
-            else:
-                for bucket in self.buckets:
-                    self.reducer(bucket, 1.0)
+            reduce_all = reduce_together if self.tricks["coalesce"] else thread.reduce_each
+            reduce_all(self.reducer, self.buckets)
         else:  # the buckets the hooks have not launched yet, then wait for all
             while self._next < len(self.buckets):
                 self._launch(self.buckets[self._next])
@@ -320,6 +310,6 @@ class DistributedDataParallel:
         self._unhook = []
 
 
-def _stop(thread: CommThread | None) -> bool:
+def _stop(comm_thread) -> bool:
     """Stop the communication thread, if any; True if it is still stuck."""
-    return thread is not None and thread.stop()
+    return comm_thread is not None and comm_thread.stop()

@@ -14,20 +14,20 @@ import time
 import numpy as np
 
 from minidp import comm
+from minidp.parallel.comm_thread import reduce_each
 
 
 def reduce_together(reducer, buckets: list) -> None:
     """Reduce DDP's weighed buckets (share 1) with `reducer` (comm_thread.Reducer): in one
     allreduce_coalesced when its hook is the plain allreduce and they are NumPy arrays,
-    else one by one, as the plain path does."""
+    else one by one (comm_thread.reduce_each, the plain way)."""
     hook = reducer.hook
     if (
         not getattr(hook, "sums_in_place", False)
         or len(buckets) < 2
         or not isinstance(buckets[0].data, np.ndarray)
     ):
-        for bucket in buckets:
-            reducer(bucket, 1.0)
+        reduce_each(reducer, buckets)
         return
     start = time.perf_counter()
     comm.allreduce_coalesced(
