@@ -21,10 +21,8 @@ per-round ratios of the pair (< 1: the trick pays). host_stage runs when torch i
 (not with --no-torch).
 """
 
-from minidp import nn, optim
-from minidp.autograd import Tensor
 from minidp.bench._common import median, median_ratio, rotated_rounds
-from minidp.bench._mlp import LR, make_data, make_model
+from minidp.bench._mlp import ddp_sgd_step, make_data, make_model
 from minidp.parallel import DistributedDataParallel
 from minidp.parallel.data_parallel import TRICKS
 
@@ -34,18 +32,6 @@ SETTINGS = {  # trick: (overlap, backend) where it acts
     "quick_gil": (True, "numpy"),
     "host_stage": (False, "torch"),
 }
-
-
-def ddp_step(ddp: DistributedDataParallel, x, y):
-    opt = optim.SGD(ddp.parameters(), lr=LR)
-
-    def step():
-        ddp.zero_grad()
-        nn.cross_entropy(ddp(Tensor(x)), y).backward()
-        ddp.finish_gradient_sync()
-        opt.step()
-
-    return step
 
 
 def _torch_ready(args) -> bool:
@@ -79,7 +65,7 @@ def measure(args, group, world) -> tuple[list[dict], list, str]:
                 model, group, bucket_cap_mb=args.bucket_mb, overlap=overlap, tricks={trick: on}
             )
             ddps[(trick, on)] = ddp
-            steps[(trick, on)] = ddp_step(ddp, xs, y)
+            steps[(trick, on)] = ddp_sgd_step(ddp, xs, y)
             backend.use("numpy")
     times = rotated_rounds(steps, args.warmup, args.iters, world)
     rows = []

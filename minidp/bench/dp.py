@@ -37,8 +37,7 @@ import socket
 import numpy as np
 from mpi4py import MPI
 
-from minidp import comm, nn, optim
-from minidp.autograd import Tensor
+from minidp import comm
 from minidp.bench import _dp_shallowspeed, _dp_tricks
 from minidp.bench._common import (
     environment,
@@ -56,6 +55,7 @@ from minidp.bench._mlp import (
     LR,
     SIZES,
     ddp_per_algo,
+    ddp_sgd_step,
     make_data,
     make_model,
     minidp_sgd_step,
@@ -63,24 +63,11 @@ from minidp.bench._mlp import (
     torch_mlp_step,
 )
 from minidp.log import die, print0
-from minidp.parallel import DistributedDataParallel
 from minidp.parallel.data_parallel import overlap_helps
 from minidp.parser import Parser
 
 ALGOS = comm.ALGORITHMS["allreduce"]  # every hand-written allreduce, and "mpi"
 CASES = ("weak", "shallowspeed", "tricks")
-
-
-def dp_step(ddp: DistributedDataParallel, x, y):
-    opt = optim.SGD(ddp.parameters(), lr=LR)
-
-    def step():
-        ddp.zero_grad()
-        nn.cross_entropy(ddp(Tensor(x)), y).backward()
-        ddp.finish_gradient_sync()
-        opt.step()
-
-    return step
 
 
 def torch_ddp_step(world, sizes, x, y):
@@ -117,7 +104,7 @@ def weak_scaling(args, group: comm.Group, world) -> tuple[list[dict], list, str]
     steps["solo"] = lambda: solo() if world.rank == 0 else None
     ddps = ddp_per_algo(sizes, group, args.algos, args.bucket_mb)
     for name, ddp in ddps.items():
-        steps[name] = dp_step(ddp, x, y)
+        steps[name] = ddp_sgd_step(ddp, x, y)
     torch_step = None if args.no_torch else torch_ddp_step(world, sizes, x, y)
     if torch_step:
         steps["torch"] = torch_step
