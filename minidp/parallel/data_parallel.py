@@ -36,15 +36,10 @@ each gives the plain path's bits (test_ddp_tricks.py), `bench dp --case tricks` 
     quick_gil       ddp_gil.py       a short GIL switch interval while the thread runs
     host_stage      host_stage.py    torch tensors through reused (pinned) host buffers
 
-Which parameters, as PyTorch's DDP treats them: *shared* (a tied weight) has one slot and
-one hook; *frozen* (requires_grad False before wrapping) is broadcast from rank 0, then left
-alone; *unused* in a step on some ranks: those ranks add zeros; on *every* rank: .grad ends
-None (unused_params.py).
-
-Averaging, with uneven batches: the global mean is sum_r (n_r / B) * mean_r, so each rank
-weighs its gradients by n_r / B (`set_batch_share`) before the allreduce(sum). `no_sync()`
-skips communication (gradient accumulation); under it backward defers weight gradients
-(autograd.defer_weight_grads: one product per weight for all micro-batches).
+As PyTorch's DDP: a shared (tied) parameter has one slot, a frozen one none; one unused on
+some ranks gets their zeros, on every rank .grad None (unused_params.py). Uneven batches:
+the global mean is sum_r (n_r / B) * mean_r, so each rank weighs by n_r / B
+(`set_batch_share`). `no_sync()` skips communication (gradient accumulation).
 """
 
 import contextlib
@@ -267,8 +262,7 @@ class DistributedDataParallel:
         self._thread.submit(bucket, 1.0)
 
     def _collect(self, bucket: Bucket) -> None:
-        """Weigh the slots no hook has weighed (unused parameters, or a .grad set by hand:
-        that one counts as reached)."""
+        """Weigh the slots no hook has weighed (a .grad set by hand counts as reached)."""
         for p in bucket.collect(self.share):
             self._reached.mark(self._slot_of[id(p)][2])
 
