@@ -96,6 +96,22 @@ def test_bench_dp_shallowspeed_checks_minidp_against_the_hand_written_loop(tmp_p
         assert finite_positive(r["minidp_ms"], r["hand_ms"], r["minidp/hand"])
 
 
+@pytest.mark.timeout(120)
+def test_bench_dp_tricks_has_one_on_off_row_per_trick(tmp_path):
+    from minidp.parallel.data_parallel import TRICKS
+
+    out = tmp_path / "tricks.json"
+    args = ("--case", "tricks", "--no-torch", *ONE_ROUND, *TINY_MLP, "--bucket-mb", "0.01")
+    result = minidp(2, "bench", "dp", *args, "--json", str(out))
+    assert result.returncode == 0, result.stderr
+    rows = records(out)
+    assert [r["trick"] for r in rows] == [t for t in TRICKS if t != "host_stage"]  # no torch
+    for r in rows:
+        assert r["case"] == "tricks" and r["nprocs"] == 2 and r["buckets"] > 1
+        assert finite_positive(r["on_ms"], r["off_ms"], r["on/off"])
+        assert r["default"] == TRICKS[r["trick"]]
+
+
 @pytest.mark.timeout(60)
 def test_bench_autograd_runs(tmp_path):
     out = tmp_path / "autograd.json"

@@ -9,7 +9,7 @@ import pytest
 
 from minidp import comm, nn
 from minidp.autograd import Tensor
-from minidp.comm import shm
+from minidp.comm import shm, shm_memory
 from minidp.comm.shm import SharedMemory
 from minidp.parallel import DistributedDataParallel
 
@@ -152,7 +152,7 @@ def test_a_group_spread_over_machines_refuses_shm_and_ddp_keeps_plain_buckets(mo
 @pytest.mark.timeout(60)
 @pytest.mark.parallel(nprocs=2)
 def test_ddp_keeps_plain_buckets_when_dev_shm_has_no_room(monkeypatch):
-    monkeypatch.setattr(shm, "_room", lambda: 0)  # a small /dev/shm (Docker's is 64 MiB)
+    monkeypatch.setattr(shm_memory, "_room", lambda: 0)  # a small /dev/shm (Docker's is 64 MiB)
     auto = DistributedDataParallel(_mlp(), comm.world(), algo="auto")
     assert auto.arena is None
     forced = DistributedDataParallel(_mlp(), comm.world(), algo="shm")  # asked for: tried

@@ -26,7 +26,7 @@ import numpy as np
 
 from minidp import Tensor, comm, cross_entropy, data, nn
 from minidp.log import print0
-from minidp.parallel import DistributedDataParallel
+from minidp.parallel import DistributedDataParallel, SimpleDistributedDataParallel
 from minidp.trace import Timeline
 
 group = comm.world()
@@ -65,14 +65,18 @@ def has_reference_gradients(net) -> bool:
 # ## 2. Average the gradients after backward
 # Each rank's loss is the mean over its own examples, so the global mean gradient is the
 # average of the ranks' gradients (the batch divides evenly here). One allreduce per
-# parameter, after backward has finished.
+# parameter, after backward has finished: that is all of `SimpleDistributedDataParallel`
+# (minidp/parallel/ddp_plain.py), whose finish_gradient_sync is
+#
+#     for p in model.parameters():
+#         comm.allreduce(p.grad, op="avg", group=group, out=p.grad)
 
 # %%
 model = new_model()
-cross_entropy(model(Tensor(x_all[local])), y_all[local]).backward()
+plain = SimpleDistributedDataParallel(model, group)  # every rank starts from rank 0's weights
+cross_entropy(plain(Tensor(x_all[local])), y_all[local]).backward()
 group.reset_counters()
-for p in model.parameters():
-    comm.allreduce(p.grad, op="avg", group=group, out=p.grad)
+plain.finish_gradient_sync()
 assert has_reference_gradients(model)
 calls = group.counters["allreduce"]["calls"]
 print0(f"per-parameter averaging matches one process: {calls} allreduce calls")
@@ -82,9 +86,11 @@ print0(f"per-parameter averaging matches one process: {calls} allreduce calls")
 # Each allreduce pays a latency α however small it is. DDP packs gradients into a few flat
 # buckets, in reverse parameter order (the order backward produces them), and makes each
 # `p.grad` a *view* into its bucket: no packing copy, one message per bucket. Without
-# overlap every bucket goes after backward, and buckets in shared memory (algo "auto" on
-# one machine) then go in one coalesced call, `comm.allreduce_coalesced`: one set of
-# synchronizations for all, each bucket summed as by itself (the same bits).
+# overlap every bucket goes after backward. Two of DDP's speed tricks show here, each a
+# module of its own (`ddp.tricks` lists them all; each gives the plain path's bits): the
+# buckets lie in shared memory (ddp_shm.py, algo "auto" on one machine), and then go in
+# one coalesced call (ddp_coalesce.py, `comm.allreduce_coalesced`): one set of
+# synchronizations for all, each bucket summed as by itself.
 
 # %%
 model = new_model()
@@ -92,6 +98,7 @@ ddp = DistributedDataParallel(model, group, bucket_cap_mb=0.3, overlap=False)
 for b in ddp.buckets:
     names = [n for n, p in model.named_parameters() if any(p is q for q in b.params)]
     print0(f"bucket {b.index}: {b.data.nbytes / 2**20:.2f} MiB  {names}")
+print0(f"speed tricks: {ddp.tricks}")
 assert all(np.shares_memory(p.grad, b.data) for b in ddp.buckets for p in b.params)
 ddp.comm_group.reset_counters()
 ddp.zero_grad()

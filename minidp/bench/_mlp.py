@@ -51,6 +51,19 @@ def ddp_per_algo(sizes, group, algos, bucket_mb: float) -> dict:
     }
 
 
+def ddp_sgd_step(ddp, x, y, lr: float = LR):
+    """One step of DDP around the MLP: zero_grad, forward, backward, the sync, SGD."""
+    opt = optim.SGD(ddp.parameters(), lr=lr)
+
+    def step():
+        ddp.zero_grad()
+        nn.cross_entropy(ddp(Tensor(x)), y).backward()
+        ddp.finish_gradient_sync()
+        opt.step()
+
+    return step
+
+
 def minidp_step(model, opt, x, y):
     """One step through the engine: forward, cross-entropy, loss.backward(), opt.step()."""
 

@@ -3,6 +3,7 @@ comes to a hand-written data-parallel loop.
 
     mpiexec -n 2 python -m minidp bench dp [--iters 15] [--algos ring,mpi] [--checks off]
     mpiexec -n 4 python -m minidp bench dp --case shallowspeed [--json FILE]
+    mpiexec -n 2 python -m minidp bench dp --case tricks [--iters 30]
 
 --case weak (the default): weak scaling. The step: forward, backward, gradient allreduce,
 SGD, for an MLP 784-1024-1024-10 (--sizes) with a batch of 256 (--batch) *per rank*,
@@ -16,6 +17,9 @@ Weak-scaling efficiency = solo time / DP time (1.0: the second rank costs nothin
 
 --case shallowspeed: the setup of ShallowSpeed (siboehm/ShallowSpeed), minidp's DDP against
 a hand-written NumPy data-parallel loop of the same shape (see _dp_shallowspeed.py).
+
+--case tricks: the weak case's step with each of DDP's speed tricks on and off, side by
+side (see _dp_tricks.py): what each one buys.
 
 Every time is the slowest rank's (barrier, time, allreduce-max); the contenders' order is
 rotated by one every round (A B C, B C A, ...); reported are medians of per-round ratios,
@@ -33,9 +37,8 @@ import socket
 import numpy as np
 from mpi4py import MPI
 
-from minidp import comm, nn, optim
-from minidp.autograd import Tensor
-from minidp.bench import _dp_shallowspeed
+from minidp import comm
+from minidp.bench import _dp_shallowspeed, _dp_tricks
 from minidp.bench._common import (
     environment,
     median,
@@ -52,6 +55,7 @@ from minidp.bench._mlp import (
     LR,
     SIZES,
     ddp_per_algo,
+    ddp_sgd_step,
     make_data,
     make_model,
     minidp_sgd_step,
@@ -59,24 +63,11 @@ from minidp.bench._mlp import (
     torch_mlp_step,
 )
 from minidp.log import die, print0
-from minidp.parallel import DistributedDataParallel
 from minidp.parallel.data_parallel import overlap_helps
 from minidp.parser import Parser
 
 ALGOS = comm.ALGORITHMS["allreduce"]  # every hand-written allreduce, and "mpi"
-CASES = ("weak", "shallowspeed")
-
-
-def dp_step(ddp: DistributedDataParallel, x, y):
-    opt = optim.SGD(ddp.parameters(), lr=LR)
-
-    def step():
-        ddp.zero_grad()
-        nn.cross_entropy(ddp(Tensor(x)), y).backward()
-        ddp.finish_gradient_sync()
-        opt.step()
-
-    return step
+CASES = ("weak", "shallowspeed", "tricks")
 
 
 def torch_ddp_step(world, sizes, x, y):
@@ -113,7 +104,7 @@ def weak_scaling(args, group: comm.Group, world) -> tuple[list[dict], list, str]
     steps["solo"] = lambda: solo() if world.rank == 0 else None
     ddps = ddp_per_algo(sizes, group, args.algos, args.bucket_mb)
     for name, ddp in ddps.items():
-        steps[name] = dp_step(ddp, x, y)
+        steps[name] = ddp_sgd_step(ddp, x, y)
     torch_step = None if args.no_torch else torch_ddp_step(world, sizes, x, y)
     if torch_step:
         steps["torch"] = torch_step
@@ -248,7 +239,9 @@ def main(argv: list[str]) -> int:
         return 2
     group = comm.Group(world.Dup(), checks=args.checks == "on")
     checks = "on" if group.checks else "off"  # what the groups do, DDP's dup() included
-    measure = _dp_shallowspeed.measure if args.case == "shallowspeed" else weak_scaling
+    measure = {"shallowspeed": _dp_shallowspeed.measure, "tricks": _dp_tricks.measure}.get(
+        args.case, weak_scaling
+    )
     with threadpool_limits(limits=1, user_api="blas"):
         env = environment()  # inside: it reports the BLAS threads the steps run with
         print0(header(args, world, env, checks))

@@ -14,7 +14,8 @@ this order, every module of it:
                     halving, Rabenseifner), tree.py (binomial trees), naive.py (one rank
                     talks to all: the baseline), alltoall.py, barrier.py (dissemination),
                     builtin.py (MPI's own collectives, algo="mpi", for comparison),
-                    shm.py (algo="shm": ranks on one machine read each other's memory)
+                    shm.py (algo="shm": ranks on one machine read each other's memory),
+                    shm_memory.py (the shared windows it reads: made, pooled, found)
   around them       group.py (Group: the communicator, counters, deadline), buffers.py
                     (scratch a Group reuses), checks.py (cross-rank fingerprints)
   the public calls  auto.py (algo="auto" by size), args.py (local argument checks),
@@ -61,13 +62,8 @@ from minidp.comm.rooted import (
     reduce,
     scatter,
 )
-from minidp.comm.shm import (
-    in_shared_memory,
-    on_one_machine,
-    peer_arrays,
-    release_shared,
-    shared_zeros,
-)
+from minidp.comm.shm import on_one_machine, shared_zeros
+from minidp.comm.shm_memory import in_shared_memory, peer_arrays, release_shared
 from minidp.comm.text import broadcast_text, gather_text
 
 ALGORITHMS = {

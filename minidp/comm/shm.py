@@ -20,10 +20,9 @@ again (barriers; a fourth for a plain array, once it is copied in). Intra-node c
 in MPICH, NCCL and DeepSpeed's CPU allreduce use shared memory the same way.
 
 Zero copies need the array itself in shared memory: `shared_zeros(n, dtype, group)` makes
-one (collective; DDP's buckets are made this way when they are reduced with "shm" or
-"auto"), `in_shared_memory(x, group)` tells whether x lies in one, and
-`peer_arrays(x, group)` gives every rank's array at x's place (tutorial 04 does the
-allreduce by hand with it). algo="auto" picks "shm" exactly for arrays in shared memory.
+one (collective; DDP's arena, parallel/ddp_shm.py), in a segment of shm_memory.py, which
+also tells where an array lies and gives every rank's array at its place.
+algo="auto" picks "shm" exactly for arrays in shared memory.
 Any other array can be reduced with algo="shm" too: it is copied into a shared scratch
 segment and back, which costs more than a ring (two extra copies).
 
@@ -42,17 +41,9 @@ of shm is each rank's own (its array is in shared memory or not): ranks that mix
 run different algorithms, which the default checks catch (the fingerprint names the
 algorithm) and which, with MINIDP_CHECKS=0, hangs like any mismatched call. A group spread
 over machines cannot use shm: ValueError on every rank.
-
-Segments are never freed: MPI_Win_free waits for every rank, and a DDP closes on error paths
-too, where the other ranks may never come. Instead `release_shared` hands an array back to
-the pool of its ranks (every group over the same ranks, dup()s included, shares one), and
-the next `shared_zeros` of the same size reuses it, so a process that builds many DDPs
-holds only as many segments as it uses at once.
 """
 
-import os
 import zlib
-from dataclasses import dataclass
 
 import numpy as np
 from mpi4py import MPI
@@ -61,45 +52,19 @@ from minidp.chunks import chunk_bounds
 from minidp.comm.builtin import mpi_allgather, mpi_barrier
 from minidp.comm.errors import CollectiveMismatch
 from minidp.comm.ops import combine
+from minidp.comm.shm_memory import (  # noqa: F401 (shm.pool: the tests count segments)
+    Segment,
+    find,
+    in_shared_memory,
+    new_window,
+    peer_arrays,
+    peers,
+    pool,
+    release_shared,
+    take_segment,
+)
 
 _SCRATCH = -1  # the segment number that means: a plain array, copied into the scratch
-
-
-@dataclass
-class Segment:
-    """One window: this rank's address and size, and every rank's bytes (uint8), by rank."""
-
-    address: int
-    nbytes: int
-    win: MPI.Win
-    per_rank: list
-    in_use: bool = True
-
-
-_POOLS: dict[tuple[int, ...], list[Segment]] = {}  # world ranks -> the segments among them
-
-
-def _window(group, nbytes: int) -> Segment:
-    """A window of nbytes on every rank of group (collective), locked for its whole life."""
-    info = MPI.Info.Create()
-    info.Set("alloc_shared_noncontig", "true")  # each rank's segment page-aligned
-    win = MPI.Win.Allocate_shared(max(nbytes, 1), 1, info, comm=group.comm)
-    info.Free()
-    win.Lock_all(MPI.MODE_NOCHECK)  # passive target for the whole life: Sync() orders
-    per_rank = []
-    for q in range(group.size):
-        buf, _ = win.Shared_query(q)
-        per_rank.append(np.frombuffer(buf, dtype=np.uint8, count=nbytes))
-    return Segment(per_rank[group.rank].__array_interface__["data"][0], nbytes, win, per_rank)
-
-
-def _room() -> int:
-    """Bytes free in /dev/shm, where MPI maps shared windows (0 if it cannot tell)."""
-    try:
-        st = os.statvfs("/dev/shm")
-    except OSError:
-        return 0
-    return st.f_bavail * st.f_frsize
 
 
 class SharedMemory:
@@ -123,34 +88,14 @@ class SharedMemory:
             )
 
     def zeros(self, count: int, dtype, check_room: bool = False) -> np.ndarray | None:
-        """A released segment of the same size, or a new one; None if check_room and
-        /dev/shm lacks room on some rank. Every rank agrees first (one allgather)."""
+        """Zeros in a segment of the pool (shm_memory.take_segment; collective), or None
+        if check_room and /dev/shm lacks room on some rank."""
         self._require_local("shared_zeros")
-        g, dtype = self.group, np.dtype(dtype)
-        nbytes = count * dtype.itemsize
-        free = [i for i, s in enumerate(self.segments) if not s.in_use and s.nbytes == nbytes]
-        reuse = free[0] if free else -1
-        room = reuse >= 0 or not check_room or _room() >= 2 * g.size * nbytes
-        agreed = g.comm.allgather((nbytes, reuse, room))
-        if len({a[0] for a in agreed}) != 1:
-            sizes = [a[0] for a in agreed]
-            raise CollectiveMismatch(
-                f"shared memory: the ranks asked for different sizes {sizes} (bytes, by rank)"
-            )
-        if len({a[1] for a in agreed}) != 1:
-            raise CollectiveMismatch(
-                "shared memory: the ranks' pools differ (segment to reuse, by rank: "
-                f"{[a[1] for a in agreed]}): some rank released an array the others did not"
-            )
-        if reuse >= 0:
-            segment = self.segments[reuse]
-            segment.in_use = True
-        elif not all(a[2] for a in agreed):
+        dtype = np.dtype(dtype)
+        segment = take_segment(self.group, count * dtype.itemsize, check_room)
+        if segment is None:
             return None
-        else:
-            segment = _window(g, nbytes)
-            self.segments.append(segment)
-        mine = segment.per_rank[g.rank].view(dtype)
+        mine = segment.per_rank[self.group.rank].view(dtype)
         mine[...] = 0
         return mine
 
@@ -161,7 +106,7 @@ class SharedMemory:
             if self.scratch is not None:  # every rank is in this call: safe to free here
                 self.scratch.win.Unlock_all()
                 self.scratch.win.Free()
-            self.scratch = _window(self.group, nbytes)
+            self.scratch = new_window(self.group, nbytes)
         return self.scratch
 
     def _sync(self, wins: list[MPI.Win], step=None) -> None:
@@ -273,27 +218,6 @@ class SharedMemory:
                 self._through_scratch(arrays[i], arrays[i], op)
 
 
-def pool(group) -> list[Segment]:
-    """The segments among the group's ranks (local: no message)."""
-    return _POOLS.setdefault(group.world_ranks, [])
-
-
-def find(segments: list[Segment], x) -> tuple[int, int] | None:
-    """(segment number, byte offset) of ndarray x inside one of this rank's segments in use."""
-    if not isinstance(x, np.ndarray):
-        return None
-    start = x.__array_interface__["data"][0]
-    for i, s in enumerate(segments):
-        if s.in_use and s.address <= start and start + x.nbytes <= s.address + s.nbytes:
-            return i, start - s.address
-    return None
-
-
-def peers(segment: Segment, offset: int, x: np.ndarray) -> list[np.ndarray]:
-    """Every rank's array at x's place (byte offset in the segment), shaped like x."""
-    return [b[offset : offset + x.nbytes].view(x.dtype).reshape(x.shape) for b in segment.per_rank]
-
-
 def of(group) -> SharedMemory:
     """The group's SharedMemory, made on first use (collective: every rank calls it)."""
     if group.shared is None:
@@ -309,35 +233,9 @@ def shared_zeros(count: int, dtype, group, if_room: bool = False) -> np.ndarray 
     return of(group).zeros(count, dtype, check_room=if_room)
 
 
-def release_shared(x: np.ndarray, group) -> None:
-    """Hand a shared_zeros array back to its ranks' pool; the next shared_zeros of its size
-    reuses the memory (no MPI call: every rank must release the same arrays). x must not
-    be used after."""
-    where = find(pool(group), x)
-    if where is None or where[1] != 0:
-        raise ValueError("release_shared: x is not an array shared_zeros made for these ranks")
-    pool(group)[where[0]].in_use = False
-
-
 def on_one_machine(group) -> bool:
     """Whether every rank of the group shares this machine's memory (collective on first use)."""
     return of(group).local
-
-
-def in_shared_memory(x, group) -> bool:
-    """Whether x lies in an array made by shared_zeros for these ranks (local: no message)."""
-    return find(pool(group), x) is not None
-
-
-def peer_arrays(x: np.ndarray, group) -> list[np.ndarray]:
-    """Every rank's array at x's place in shared memory, element q rank q's (x: made by
-    shared_zeros, or a contiguous slice of one). Reading another rank's element is a load
-    from its memory: order it with a barrier after the writes (shm.py also calls
-    MPI_Win_sync around its barriers, as the MPI standard asks)."""
-    where = find(pool(group), x)
-    if where is None or not x.flags.c_contiguous:
-        raise ValueError("peer_arrays: x is not in this group's shared memory (shared_zeros)")
-    return peers(pool(group)[where[0]], where[1], x)
 
 
 def shm_allreduce(group, src: np.ndarray, out: np.ndarray, op: str) -> None:

@@ -21,6 +21,7 @@ from minidp.parallel.compress import (
     TopK,
 )
 from minidp.parallel.data_parallel import DistributedDataParallel, ModelMismatch
+from minidp.parallel.ddp_plain import SimpleDistributedDataParallel
 from minidp.parallel.dp_strategy import DataParallel
 from minidp.parallel.fsdp import FullyShardedDataParallel
 from minidp.parallel.mesh import Mesh
@@ -69,6 +70,7 @@ __all__ = [
     "RowParallelLinear",
     "Sign",
     "SignNoEF",
+    "SimpleDistributedDataParallel",
     "StepResult",
     "Strategy",
     "TensorParallel",

@@ -31,7 +31,7 @@ class Bucket:
         self.index = index
         self.params = params
         # on the parameters' own library and device (a torch tensor with --backend torch),
-        # or where `zeros(count, dtype)` puts it (DDP: shared memory, for algo "shm")
+        # or where `zeros(count, dtype)` puts it (ddp_shm.py: shared memory)
         zeros = zeros or namespace(params[0].data).zeros
         self.data = zeros(sum(p.size for p in params), dtype=dtype)
         self.views, self.offsets = [], []
@@ -47,9 +47,10 @@ class Bucket:
         for p, view in zip(self.params, self.views):
             p.grad = view
 
-    def detach(self) -> None:
+    def move_to_private_memory(self) -> None:
         """Move the buffer into private memory, values kept and every .grad still its view,
-        so that the memory it lay in can be reused (DDP.close hands its shared memory back)."""
+        so that the memory it lay in can be reused (ddp_shm.release: DDP.close hands its
+        shared memory back)."""
         grads = [p.grad for p in self.params]  # first: reading multiplies deferred rows in
         data = self.data.copy()
         views = [data[o : o + p.size].reshape(p.shape) for o, p in zip(self.offsets, self.params)]

@@ -11,48 +11,39 @@ Why a thread, and not non-blocking messages advanced between backward ops: the c
 in minidp.comm are ordinary blocking code a reader can follow, and NumPy's BLAS and MPI's
 blocking calls release the GIL, so the thread's messages really do proceed beside the
 matmuls of the rest of backward. Both threads still take turns holding the GIL for their
-Python code; by default one may wait 5 ms for the other to let go of it, a convoy that cost
-10% of a step here, so while any communication thread runs, Python's switch interval is
-0.2 ms (`quick_gil_handover`, restored when the last such thread ends).
+Python code: the thread runs inside an `around` context, by default ddp_gil.py's short
+switch interval (a speed trick of its own; DDP can turn it off).
 
 Nothing here refers back to the DistributedDataParallel that started the thread: the thread
 holds only its queues and a `Reducer`, so a DDP that is dropped without `close()` is still
 collected, and its finalizer stops the thread (and with it the short switch interval).
 """
 
-import contextlib
 import queue
-import sys
 import threading
 import time
 
 import numpy as np
 
 from minidp import comm
+from minidp.info import cores_per_rank
 from minidp.parallel.buckets import Bucket
+from minidp.parallel.ddp_gil import quick_gil_handover
 from minidp.parallel.host_stage import HostBucket, HostStage
 from minidp.trace import Timeline
 
-SWITCH_INTERVAL_S = 2e-4  # how often the GIL changes hands while a comm thread runs
-_handover = {"threads": 0, "saved": 0.0}  # how many threads hold the short interval now
-_handover_lock = threading.Lock()
 
+def overlap_helps(group_size: int) -> tuple[bool, str]:
+    """What overlap="auto" means here: (on?, why), from the cores each rank can count on.
 
-@contextlib.contextmanager
-def quick_gil_handover():
-    """Shorten sys.setswitchinterval while the block runs; the last block out restores it."""
-    with _handover_lock:
-        if _handover["threads"] == 0:
-            _handover["saved"] = sys.getswitchinterval()
-            sys.setswitchinterval(min(_handover["saved"], SWITCH_INTERVAL_S))
-        _handover["threads"] += 1
-    try:
-        yield
-    finally:
-        with _handover_lock:
-            _handover["threads"] -= 1
-            if _handover["threads"] == 0:
-                sys.setswitchinterval(_handover["saved"])
+    The communication thread needs a core of its own to hide anything: with none to spare it
+    takes the core from backward (data_parallel.py's docstring has the measurement)."""
+    if group_size == 1:
+        return False, "auto: one rank, nothing to communicate"
+    share = cores_per_rank()
+    if share >= 2:
+        return True, f"auto: {share:g} cores per rank, one to spare for communication"
+    return False, f"auto: {share:g} cores per rank, none to spare"
 
 
 def allreduce_hook(algo: str = "auto"):
@@ -60,17 +51,15 @@ def allreduce_hook(algo: str = "auto"):
 
     A hook is any callable `hook(bucket, group)` that leaves in `bucket.data` the sum over
     the group's ranks of what each put there (their gradients, already weighted by n_r / B);
-    gradient compression plugs in here (as PyTorch DDP's `register_comm_hook`)."""
+    gradient compression plugs in here (as PyTorch DDP's `register_comm_hook`).
+    `sums_in_place` says it is exactly that allreduce (ddp_coalesce.py may then reduce
+    several buckets in one call)."""
 
     def allreduce_bucket(bucket: Bucket, group: comm.Group) -> None:
         comm.allreduce(bucket.data, op="sum", algo=algo, group=group, out=bucket.data)
 
-    def allreduce_buckets(buckets: list[Bucket], group: comm.Group) -> None:
-        """Several buckets at once, the same bits (comm.allreduce_coalesced)."""
-        comm.allreduce_coalesced([b.data for b in buckets], op="sum", algo=algo, group=group)
-
     allreduce_bucket.algo = algo
-    allreduce_bucket.coalesced = allreduce_buckets  # Reducer.many uses it when present
+    allreduce_bucket.sums_in_place = True
     return allreduce_bucket
 
 
@@ -96,23 +85,9 @@ class Reducer:
         self.hook(bucket, self.group)
         if device is not None:
             self.stage.to_device(bucket.data, device.data, f"bucket {device.index}")
-        self._record(f"bucket {bucket.index}", start, size)
+        self.record(f"bucket {bucket.index}", start, size)
 
-    def many(self, buckets: list[Bucket]) -> None:
-        """Reduce several buckets (DDP's weighed ones, share 1) that go at the same time:
-        in one call when the hook can take them together (`hook.coalesced`, the default
-        allreduce's), else one by one."""
-        coalesced = getattr(self.hook, "coalesced", None)
-        if coalesced is None or len(buckets) < 2 or not isinstance(buckets[0].data, np.ndarray):
-            for bucket in buckets:
-                self(bucket, 1.0)
-            return
-        start = time.perf_counter()
-        coalesced(buckets, self.group)
-        what = f"buckets {buckets[0].index}-{buckets[-1].index}"
-        self._record(what, start, sum(b.data.nbytes for b in buckets))
-
-    def _record(self, what: str, start: float, size: int) -> None:
+    def record(self, what: str, start: float, size: int) -> None:
         """Count the time since start, and put it on the timeline's communication track."""
         end = time.perf_counter()
         self.seconds += end - start
@@ -126,15 +101,26 @@ class Reducer:
         )
 
 
-class CommThread:
-    """A thread that runs `reducer(bucket, share)` for each submitted bucket, in order."""
+def reduce_each(reducer: Reducer, buckets: list[Bucket]) -> None:
+    """Reduce DDP's weighed buckets (share 1) one by one: the plain way for buckets that go
+    together (ddp_coalesce.reduce_together is the trick)."""
+    for bucket in buckets:
+        reducer(bucket, 1.0)
 
-    def __init__(self, reducer: Reducer):
+
+class CommThread:
+    """A thread that runs `reducer(bucket, share)` for each submitted bucket, in order,
+    inside `around()` (default: ddp_gil.quick_gil_handover; contextlib.nullcontext: none)."""
+
+    def __init__(self, reducer: Reducer, around=quick_gil_handover):
         self._work: queue.Queue = queue.Queue()
         self._done: queue.Queue = queue.Queue()
         self._in_flight = 0  # submitted, not yet waited for
         self._thread = threading.Thread(
-            target=_serve, args=(reducer, self._work, self._done), daemon=True, name="minidp-comm"
+            target=_serve,
+            args=(reducer, self._work, self._done, around),
+            daemon=True,
+            name="minidp-comm",
         )
         self._thread.start()
 
@@ -162,8 +148,8 @@ class CommThread:
         return self._thread.is_alive()
 
 
-def _serve(reducer: Reducer, work: queue.Queue, done: queue.Queue) -> None:
-    with quick_gil_handover():
+def _serve(reducer: Reducer, work: queue.Queue, done: queue.Queue, around) -> None:
+    with around():
         failed = None  # after an error, no further bucket is reduced: each reports the error
         while (item := work.get()) is not None:
             if failed is None:

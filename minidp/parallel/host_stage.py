@@ -15,6 +15,12 @@ CUDA, short of the pinning. Device-aware MPI (CUDA-aware Open MPI, MPICH with GP
 support) could hand device
 pointers to MPI and skip both copies; `device_aware_mpi()` detects it for the record, and
 minidp does not rely on it (mpi4py's NumPy buffers are what every MPI takes).
+
+HostStage is a speed trick of DDP's (`tricks={"host_stage": ...}`, data_parallel.py):
+PlainStage is the plain way, a NumPy array from `t.cpu().numpy()` each time (for a CPU
+tensor a view of its own memory, no copy at all; for a CUDA tensor a fresh, pageable host
+copy) and, unless it is that view, a copy back. The bits are the same
+(test_ddp_tricks.py); `bench dp --case tricks --backend torch` measures them side by side.
 """
 
 import time
@@ -111,3 +117,24 @@ class HostBucket:
 
     def __init__(self, bucket, data: np.ndarray):
         self.index, self.params, self.data = bucket.index, bucket.params, data
+
+
+class PlainStage(HostStage):
+    """Staging without kept buffers: `t.cpu().numpy()` each time, a view for a CPU tensor
+    (nothing to copy, either way) and a fresh host copy for a CUDA one."""
+
+    def to_host(self, t, key) -> np.ndarray:
+        start = time.perf_counter()
+        host = t.detach().cpu().numpy()
+        if not _same_memory(host, t):
+            self._count(f"stage to host {key}", start, host.nbytes)
+        return host
+
+    def to_device(self, host: np.ndarray, t, key) -> None:
+        if _same_memory(host, t):  # a view of t itself: the result is already there
+            return
+        super().to_device(host, t, key)
+
+
+def _same_memory(host: np.ndarray, t) -> bool:
+    return t.device.type == "cpu" and host.__array_interface__["data"][0] == t.data_ptr()

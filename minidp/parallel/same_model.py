@@ -1,0 +1,48 @@
+"""Before data parallelism starts: do all ranks hold the same model? One allgather of a
+checksum of every parameter's name, shape, dtype and frozen flag; on a difference, every
+rank raises ModelMismatch naming the first parameter that differs and the rank that has it
+(DDP, ZeRO and FSDP check so at construction).
+"""
+
+import zlib
+
+import numpy as np
+
+from minidp import comm
+from minidp.nn import Module
+
+
+class ModelMismatch(RuntimeError):
+    """The ranks do not hold the same model (names, shapes or parameter count)."""
+
+
+def describe_model(model: Module) -> list[str]:
+    """One line per parameter: name, shape, dtype, and whether it is frozen."""
+    return [
+        f"{name} {tuple(p.shape)} {p.dtype}" + ("" if p.requires_grad else " frozen")
+        for name, p in model.named_parameters()
+    ]
+
+
+def check_same_model(model: Module, group: comm.Group) -> None:
+    """Raise ModelMismatch on every rank if any rank's parameter list differs from rank 0's."""
+    mine = describe_model(model)
+    digest = np.array([zlib.crc32("\n".join(mine).encode()), len(mine)], dtype=np.int64)
+    digests = comm.allgather(digest, group=group).reshape(group.size, 2)
+    if (digests == digests[0]).all():
+        return
+    theirs = comm.broadcast_text("\n".join(mine), root=0, group=group).split("\n")
+    first = next(
+        (i for i, (a, b) in enumerate(zip(mine, theirs)) if a != b), min(len(mine), len(theirs))
+    )
+    firsts = comm.allgather(np.array([first if mine != theirs else -1]), group=group).ravel()
+    culprit = int(np.flatnonzero(firsts >= 0)[0])
+    index = int(firsts[culprit])
+    mine_there = mine[index] if index < len(mine) else "(no parameter)"
+    theirs_there = comm.broadcast_text(mine_there, root=culprit, group=group)
+    ours = theirs[index] if index < len(theirs) else "(no parameter)"
+    raise ModelMismatch(
+        f"ranks hold different models: rank {culprit} has {int(digests[culprit, 1])} parameters, "
+        f"rank 0 has {int(digests[0, 1])}; first difference at parameter #{index}: "
+        f"rank 0 has {ours!r}, rank {culprit} has {theirs_there!r}"
+    )
