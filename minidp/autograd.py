@@ -302,13 +302,3 @@ class Tensor(TensorOps):
             self._grad = g
         else:
             self._grad = namespace(g).array(g, dtype=self.dtype)  # a private copy
-
-
-def __getattr__(name: str):
-    """The old home of the deferral's names: `from minidp.autograd import defer_weight_grads`
-    (or Product) still works; they live in weight_grads.py."""
-    if name in ("defer_weight_grads", "Product"):
-        from minidp import weight_grads
-
-        return getattr(weight_grads, name)
-    raise AttributeError(f"module 'minidp.autograd' has no attribute {name!r}")

@@ -9,7 +9,7 @@ global norm, AdamW, on the tiny GPT (or --model mlp), --dtype float32. Contender
   minidp torch     the same engine on torch tensors (--backend torch), one process
   pytorch          the same model in plain PyTorch (torch_ref.py: torch autograd, AdamW)
   minidp DP        minidp's data parallelism over every rank (NumPy)
-  minidp DP torch  the same on torch tensors: buckets staged through host buffers
+  minidp DP torch  the same on torch tensors (on CUDA its buckets stage through host buffers)
   pytorch DDP      torch.nn.parallel.DistributedDataParallel over gloo on 127.0.0.1
 The one-process contenders run on every rank at once (each rank its own copy), so they share
 the machine as the DP ones do; each time is the slowest rank's (barrier, time, max), the

@@ -10,10 +10,10 @@ One host buffer per bucket (per key), made on first use and reused every step; p
 (page-locked) on CUDA so the copies run at full PCIe speed. Every copy is counted
 (`copies`, `bytes`, `seconds`) and drawn in the timeline ("stage to host" / "stage to
 device" spans on the communication track), so what staging costs is measured, not
-guessed. On the CPU (`--device cpu`) the copies are real too: the same code path as on
-CUDA, short of the pinning. Device-aware MPI (CUDA-aware Open MPI, MPICH with GPU
-support) could hand device
-pointers to MPI and skip both copies; `device_aware_mpi()` detects it for the record, and
+guessed. DDP stages CUDA tensors so by default; CPU tensors take the plain way below (a
+view, no copy), unless `tricks={"host_stage": True}` asks for the copies on the CPU too.
+Device-aware MPI (CUDA-aware Open MPI, MPICH with GPU support) could hand device pointers
+to MPI and skip both copies; `device_aware_mpi()` detects it for the record, and
 minidp does not rely on it (mpi4py's NumPy buffers are what every MPI takes).
 
 HostStage is a speed trick of DDP's (`tricks={"host_stage": ...}`, data_parallel.py):

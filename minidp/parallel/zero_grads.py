@@ -23,10 +23,10 @@ import time
 import numpy as np
 
 from minidp import comm
-from minidp.autograd import defer_weight_grads
 from minidp.parallel.comm_thread import CommThread, Reducer
 from minidp.parallel.zero_flat import ShardLayout
 from minidp.trace import Timeline
+from minidp.weight_grads import defer_weight_grads
 
 
 class Staged:
