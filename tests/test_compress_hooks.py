@@ -19,8 +19,8 @@ from minidp.parallel import (
     SignNoEF,
     TopK,
 )
+from minidp.parallel.across_ranks import replica_spread
 from minidp.parallel.compress import make_compressor
-from minidp.parallel.strategy import replica_spread
 
 BY_HAND = {  # what a user writes -> the --compress value that builds the same compressor
     "fp16": FP16,

@@ -14,7 +14,7 @@ from minidp.config import TrainConfig
 from minidp.data import DistributedSampler
 from minidp.nn import Module, Parameter
 from minidp.parallel import DataParallel, DistributedDataParallel, ModelMismatch
-from minidp.parallel.strategy import replica_spread
+from minidp.parallel.across_ranks import replica_spread
 from minidp.tasks import Task
 
 STEPS = 3

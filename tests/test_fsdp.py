@@ -15,7 +15,7 @@ from minidp import Tensor, comm, cross_entropy, nn, optim
 from minidp.chunks import chunk_range
 from minidp.memory import nbytes
 from minidp.parallel import FullyShardedDataParallel
-from minidp.parallel.strategy import replica_spread
+from minidp.parallel.across_ranks import replica_spread
 
 STEPS, BATCH, MAX_NORM = 4, 10, 0.5  # 10 examples: uneven slices over 3 ranks
 ADAMW = dict(lr=0.01, weight_decay=0.1)

@@ -17,8 +17,8 @@ from minidp.autograd import Tensor
 from minidp.config import TrainConfig
 from minidp.data import DistributedSampler
 from minidp.parallel import DataParallel, DistributedDataParallel
+from minidp.parallel.across_ranks import bytes_sent
 from minidp.parallel.prune_comm import masked_allreduce_hook
-from minidp.parallel.strategy import bytes_sent
 from minidp.prune import MagnitudePruner, cubic_sparsity
 from minidp.tasks import Task
 

@@ -11,7 +11,7 @@ import pytest
 from minidp import Tensor, comm, cross_entropy, nn, optim
 from minidp.chunks import chunk_range
 from minidp.parallel import DistributedDataParallel, ZeroRedundancyOptimizer
-from minidp.parallel.strategy import replica_spread
+from minidp.parallel.across_ranks import replica_spread
 
 STEPS, BATCH = 4, 10  # 10 examples: uneven slices over 3 ranks
 OPTIMIZERS = {

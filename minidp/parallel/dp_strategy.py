@@ -24,13 +24,14 @@ import numpy as np
 from minidp import comm, optim
 from minidp.config import BadConfig
 from minidp.memory import nbytes, optimizer_bytes
+from minidp.parallel.across_ranks import bytes_sent, global_l2, replica_spread
 from minidp.parallel.compress import compression_line, compression_record, make_compressor
 from minidp.parallel.compress_update import CompressedUpdate, LocalGradients
 from minidp.parallel.compress_velocity import MomentumCorrectedSGD, MomentumCorrection
 from minidp.parallel.data_parallel import DistributedDataParallel
 from minidp.parallel.prune_comm import attach_pruner
 from minidp.parallel.step import Step, check_micro_batches
-from minidp.parallel.strategy import Clock, Recipe, bytes_sent, global_l2, replica_spread
+from minidp.parallel.strategy import Clock, Recipe
 
 OVERLAP = {"auto": "auto", "on": True, "off": False}  # --overlap -> DDP's overlap=
 

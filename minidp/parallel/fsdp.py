@@ -66,8 +66,8 @@ import numpy as np
 
 from minidp import comm
 from minidp.nn import Module
+from minidp.parallel.across_ranks import clip_global_norm
 from minidp.parallel.data_parallel import check_same_model
-from minidp.parallel.strategy import clip_global_norm
 from minidp.parallel.zero3 import units_of
 from minidp.parallel.zero_flat import allgather_flat, gather_whole, pieces, slices_in
 from minidp.parallel.zero_sharded import ALGOS, ShardedModel

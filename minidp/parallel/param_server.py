@@ -53,16 +53,10 @@ from minidp.chunks import chunk_range
 from minidp.config import BadConfig, staleness_bound
 from minidp.log import print0
 from minidp.memory import activation_bytes, nbytes, optimizer_bytes
+from minidp.parallel.across_ranks import bytes_sent, clip_global_norm, global_l2, stand_in
 from minidp.parallel.ps_pieces import ParameterServerWorker, flatten, load_flat
 from minidp.parallel.ps_server import ShardServer
-from minidp.parallel.strategy import (
-    StepResult,
-    Strategy,
-    bytes_sent,
-    clip_global_norm,
-    global_l2,
-    stand_in,
-)
+from minidp.parallel.strategy import StepResult, Strategy
 
 
 class ParameterServer(Strategy):

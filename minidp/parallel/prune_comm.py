@@ -28,9 +28,9 @@ minidp/prune_functions.py left on a user's model (`masked_allreduce_hook(ddp)`).
 import numpy as np
 
 from minidp import comm
+from minidp.parallel.across_ranks import bytes_sent
 from minidp.parallel.buckets import Bucket
 from minidp.parallel.data_parallel import DistributedDataParallel
-from minidp.parallel.strategy import bytes_sent
 from minidp.prune import MagnitudePruner
 from minidp.prune_functions import ModelMasks
 

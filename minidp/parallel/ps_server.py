@@ -44,8 +44,8 @@ from minidp.autograd import Tensor
 from minidp.comm import p2p
 from minidp.log import JobError
 from minidp.parallel import ps_comm
+from minidp.parallel.across_ranks import clip_global_norm
 from minidp.parallel.ps_comm import PULL, PUSH, Header
-from minidp.parallel.strategy import clip_global_norm
 
 
 def consistency_bound(consistency: str) -> float:

@@ -37,7 +37,8 @@ from minidp import comm
 from minidp.chunks import chunk_range
 from minidp.config import BadConfig
 from minidp.memory import activation_bytes
-from minidp.parallel.strategy import StepResult, global_loss
+from minidp.parallel.across_ranks import global_loss
+from minidp.parallel.strategy import StepResult
 from minidp.trace import Timeline
 
 

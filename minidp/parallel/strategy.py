@@ -49,15 +49,14 @@ pieces (tp_strategy.py): no scheme's class derives from another's. The parameter
 (param_server.py), whose step is a push and a pull, implements the protocol directly.
 """
 
-import math
 from collections.abc import Callable
 from typing import NamedTuple
 
 import numpy as np
 
 from minidp import comm, optim
-from minidp.backend import to_numpy
 from minidp.memory import nbytes
+from minidp.parallel.across_ranks import bytes_sent
 from minidp.trace import Timeline
 
 
@@ -198,51 +197,3 @@ class Recipe(Strategy):
     def memory_bytes(self) -> dict[str, int]:
         held = {**self.held(), "activations_peak": [self.run.activations_peak]}
         return {category: count_bytes(held[category]) for category in MEMORY if category in held}
-
-
-# ---- pieces every strategy needs ----------------------------------------------------------
-def global_l2(arrays, shard_group: comm.Group | None = None) -> float:
-    """The L2 norm of `arrays`, this rank's shard, summed over `shard_group` (None: the
-    arrays are whole here). Each element must be held by exactly one rank of shard_group."""
-    total = optim.sum_of_squares(arrays)
-    if shard_group is not None and shard_group.size > 1:
-        total = float(comm.allreduce(np.array([total]), group=shard_group)[0])
-    return math.sqrt(total)
-
-
-def clip_global_norm(params, max_norm: float, shard_group: comm.Group | None = None) -> float:
-    """Clip gradients by their global norm, each shard counted once (see global_l2)."""
-    params = list(params)
-    norm = global_l2([p.grad for p in params], shard_group)
-    return optim.clip_grad_norm(params, max_norm, total_norm=norm)
-
-
-def stand_in(p) -> np.ndarray:
-    """What a released parameter's .data is: read-only, its shape, one element of memory
-    (a scheme that keeps only shards releases the whole model's arrays so)."""
-    return np.broadcast_to(np.zeros((), p.dtype), p.shape)
-
-
-def replica_spread(arrays, group: comm.Group) -> float:
-    """max over elements of (largest - smallest value across the group): 0.0 when in sync."""
-    if not arrays:
-        return 0.0
-    flat = np.concatenate([to_numpy(a).ravel() for a in arrays]).astype(np.float64)
-    high = comm.allreduce(flat, op="max", group=group)
-    low = comm.allreduce(flat, op="min", group=group)
-    return float((high - low).max())
-
-
-def bytes_sent(*groups: comm.Group) -> int:
-    """Data bytes this rank sent on the groups (not the fingerprints of the checks)."""
-    return sum(
-        c["bytes_sent"]
-        for group in groups
-        for name, c in group.counters.items()
-        if name != "checks"
-    )
-
-
-def global_loss(local_loss: float, share: float, group: comm.Group) -> float:
-    """The global batch's mean loss: the sum over ranks of (n_r / B) * this rank's mean."""
-    return float(comm.allreduce(np.array([local_loss * share]), group=group)[0])

@@ -37,10 +37,11 @@ import numpy as np
 
 from minidp import comm, optim
 from minidp.config import BadConfig
+from minidp.parallel.across_ranks import replica_spread, stand_in
 from minidp.parallel.dp_strategy import DDPAxis
 from minidp.parallel.mesh import Mesh
 from minidp.parallel.step import check_micro_batches
-from minidp.parallel.strategy import Recipe, exposed_clock, replica_spread, stand_in
+from minidp.parallel.strategy import Recipe, exposed_clock
 from minidp.parallel.tp_gpt import TensorParallelGPT
 from minidp.parallel.zero import check_zero
 from minidp.parallel.zero_hybrid import ZeROOverTP, check_drift

@@ -53,8 +53,9 @@ import numpy as np
 
 from minidp import comm
 from minidp.config import BadConfig
+from minidp.parallel.across_ranks import global_l2, replica_spread
 from minidp.parallel.step import check_micro_batches
-from minidp.parallel.strategy import Recipe, global_l2, replica_spread
+from minidp.parallel.strategy import Recipe
 from minidp.parallel.zero_axis import ZeROAxis
 from minidp.parallel.zero_sharded import ALGOS
 

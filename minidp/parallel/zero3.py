@@ -41,7 +41,7 @@ import numpy as np
 from minidp import comm
 from minidp.autograd import op
 from minidp.nn import Module
-from minidp.parallel.strategy import stand_in
+from minidp.parallel.across_ranks import stand_in
 from minidp.parallel.zero_flat import ShardLayout, gather_whole
 
 
