@@ -17,9 +17,9 @@ A new op (a communication op of a parallel scheme, say) is written with `minidp.
 public `minidp.autograd.op`; autograd.py's docstring states its contract.
 """
 
-from minidp import autograd, nn, ops, optim
+from minidp import autograd, functional, nn, optim
 from minidp.autograd import Tensor, is_grad_enabled, no_grad, op
-from minidp.ops import (
+from minidp.functional import (
     concatenate,
     cross_entropy,
     dropout,
@@ -41,7 +41,7 @@ __all__ = [
     "Product",
     "autograd",
     "nn",
-    "ops",
+    "functional",
     "optim",
     "concatenate",
     "stack",

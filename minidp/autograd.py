@@ -26,7 +26,7 @@ Grad mode is per thread (grad_mode.py). The arrays are NumPy's, or torch tensors
 `--backend torch`: an op that calls a NumPy function resolves `xp = namespace(data)` once
 (backend.py says how, and why it costs the NumPy path nothing). This file holds the engine;
 Tensor's arithmetic, reductions and shape ops are in tensor_ops.py; matmul, nonlinearities,
-losses and joining ops in ops.py.
+losses and joining ops in functional.py.
 """
 
 from collections.abc import Callable

@@ -5,8 +5,8 @@
     python -m minidp bench autograd       # a benchmark (minidp/bench/<name>.py)
     python -m minidp info                 # versions, BLAS, MPI library, world size
 
-Flags of `train` are generated from TrainConfig (config.py). A bad flag or value is one clear
-line on stderr, never a traceback.
+Flags of `train` are generated from TrainConfig (training/config.py). A bad flag or value is one
+clear line on stderr, never a traceback.
 """
 
 import argparse
@@ -15,9 +15,9 @@ import pkgutil
 import sys
 import types
 
-from minidp.config import BadConfig, TrainConfig, config_fields
 from minidp.log import JobError, die, print0
 from minidp.parser import Parser  # below cli.py: the benchmarks take it from there
+from minidp.training.config import BadConfig, TrainConfig, config_fields
 
 SUBCOMMANDS = ("train", "bench", "info")
 
@@ -29,9 +29,9 @@ def _field_type(annotation):
 
 
 def train_parser() -> argparse.ArgumentParser:
-    from minidp.parallel import STRATEGIES  # the one table of --strategy names
+    from minidp.strategies import STRATEGIES  # the one table of --strategy names
 
-    parser = Parser(prog="minidp train", description="Train a model (see config.py).")
+    parser = Parser(prog="minidp train", description="Train a model (see training/config.py).")
     for name, default, annotation, meta in config_fields():
         if name == "strategy":
             meta = {**meta, "choices": tuple(STRATEGIES)}
@@ -41,7 +41,7 @@ def train_parser() -> argparse.ArgumentParser:
             parser.add_argument(flag, dest=name, action="store_true", help=meta["help"])
             continue
         shown = default
-        if "of_steps" in meta:  # unset: a fraction of --steps (config.py)
+        if "of_steps" in meta:  # unset: a fraction of --steps (training/config.py)
             numerator, denominator, least = meta["of_steps"]
             shown = f"{numerator} x " if numerator > 1 else ""
             shown += f"steps / {denominator}" + (f", at least {least}" if least else "")
@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
             end_job(error)
             raise
     config = parse_train_args(argv)
-    from minidp.train import TrainingDiverged, train
+    from minidp.training.loop import TrainingDiverged, train
 
     try:
         train(config)

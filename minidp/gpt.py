@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from minidp import ops
+from minidp import functional as F
 from minidp.autograd import Tensor, no_grad
 from minidp.backend import to_numpy
 from minidp.nn import Dropout, Embedding, LayerNorm, Linear, Module
@@ -44,7 +44,7 @@ class CausalSelfAttention(Module):
     def forward(self, x: Tensor) -> Tensor:
         B, T, C = x.shape
         H = self.n_head
-        q, k, v = ops.split(self.qkv(x), 3, axis=2)  # each (B, T, C)
+        q, k, v = F.split(self.qkv(x), 3, axis=2)  # each (B, T, C)
         q, k, v = (t.reshape(B, T, H, C // H).transpose(0, 2, 1, 3) for t in (q, k, v))
         att = (q @ k.transpose(0, 1, 3, 2)) * (1.0 / math.sqrt(C // H))  # (B, H, T, T)
         att = att.masked_fill(self.future[:T, :T], -np.inf).softmax(axis=-1)

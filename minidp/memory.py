@@ -66,7 +66,7 @@ def estimated_bytes(config) -> int:
     """A rough size of one training step of a TrainConfig: the parameters with their gradients
     and AdamW's two moments, and the activations the global batch keeps for backward. For the
     GPT, per layer, 3 B H T^2 (scores, masked, softmax) + 20 B T C, and the T x T causal
-    mask: within 2x of what train.py's report counts (tests/test_cli_input.py checks it).
+    mask: within 2x of what training/loop.py's report counts (tests/test_cli_input.py checks it).
     The vocabulary is taken as 128 characters (the corpus has fewer)."""
     itemsize = 8 if config.dtype == "float64" else 4
     B = config.batch_size

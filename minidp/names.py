@@ -6,12 +6,12 @@ One list, read by everyone, so that a name added in one place cannot be missing 
                                           which refuses one that disagrees with ALGORITHMS
     comm/checks.py                        numbers these names in the fingerprint
     comm/auto.py                          picks among them (checked when it is imported)
-    comm/ops.py                           the reduction ops, OPS
-    config.py                             --allreduce choices: AUTO + ALGORITHMS["allreduce"]
+    comm/reduce_ops.py                    the reduction ops, OPS
+    training/config.py                    --allreduce choices: AUTO + ALGORITHMS["allreduce"]
     benchmarks, tests                     loop over them (as comm.ALGORITHMS, the same dict)
 
-Pure Python, no MPI: config.py imports it without starting MPI. To add an algorithm, write
-it, add its name here, and add the function to its collective's table.
+Pure Python, no MPI: training/config.py imports it without starting MPI. To add an
+algorithm, write it, add its name here, and add the function to its collective's table.
 """
 
 AUTO = "auto"

@@ -26,10 +26,10 @@ from collections.abc import Iterator
 
 import numpy as np
 
-from minidp import ops
+from minidp import functional as F
 from minidp.autograd import Tensor, op
 from minidp.backend import is_torch, namespace, to_numpy
-from minidp.ops import cross_entropy, mse
+from minidp.functional import cross_entropy, mse
 from minidp.weight_grads import weight_gradient
 
 __all__ = [
@@ -271,7 +271,7 @@ class Dropout(Module):
         self.p, self.rng = p, rng
 
     def forward(self, x: Tensor) -> Tensor:
-        return ops.dropout(x, self.p, self.rng, self.training)
+        return F.dropout(x, self.p, self.rng, self.training)
 
 
 # The GPT is built from the layers above: gpt.py imports them, so it comes last.

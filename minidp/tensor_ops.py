@@ -185,39 +185,39 @@ class TensorOps:
 
         return op(self.data[index], (self,), backward)
 
-    # ---- matmul, elementwise math and friends, defined in minidp.ops.py -----------------------
+    # ---- matmul, elementwise math and friends, defined in functional.py -----------------------
     def __matmul__(self, other):
-        return minidp.ops.matmul(self, self._lift(other))
+        return minidp.functional.matmul(self, self._lift(other))
 
     def __rmatmul__(self, other):
-        return minidp.ops.matmul(self._lift(other), self)
+        return minidp.functional.matmul(self._lift(other), self)
 
     def exp(self):
-        return minidp.ops.exp(self)
+        return minidp.functional.exp(self)
 
     def log(self):
-        return minidp.ops.log(self)
+        return minidp.functional.log(self)
 
     def sqrt(self):
-        return minidp.ops.sqrt(self)
+        return minidp.functional.sqrt(self)
 
     def tanh(self):
-        return minidp.ops.tanh(self)
+        return minidp.functional.tanh(self)
 
     def sigmoid(self):
-        return minidp.ops.sigmoid(self)
+        return minidp.functional.sigmoid(self)
 
     def relu(self):
-        return minidp.ops.relu(self)
+        return minidp.functional.relu(self)
 
     def gelu(self):
-        return minidp.ops.gelu(self)
+        return minidp.functional.gelu(self)
 
     def softmax(self, axis: int = -1):
-        return minidp.ops.softmax(self, axis)
+        return minidp.functional.softmax(self, axis)
 
     def log_softmax(self, axis: int = -1):
-        return minidp.ops.log_softmax(self, axis)
+        return minidp.functional.log_softmax(self, axis)
 
     def masked_fill(self, mask, value: float):
-        return minidp.ops.masked_fill(self, mask, value)
+        return minidp.functional.masked_fill(self, mask, value)

@@ -27,10 +27,10 @@ import torch.nn.functional as F
 
 from minidp import comm, data, optim
 from minidp.autograd import Tensor
-from minidp.config import TrainConfig
 from minidp.info import cores_per_rank
-from minidp.tasks import Task
 from minidp.torch_ref import torch_model
+from minidp.training.config import TrainConfig
+from minidp.training.tasks import Task
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
@@ -106,10 +106,10 @@ class ReferenceRun:
 
 class MinidpRun:
     """minidp's own side of a comparison: the "dp" strategy over `group` (a one-rank group:
-    one process), stepped exactly as train.py steps it. `close()` when done."""
+    one process), stepped exactly as training/loop.py steps it. `close()` when done."""
 
     def __init__(self, config: TrainConfig, group: comm.Group, timeline=None):
-        from minidp.parallel import DataParallel
+        from minidp.strategies import DataParallel
 
         config = config.resolved()  # --warmup unset: its fraction of --steps
         self.config = config

@@ -98,7 +98,7 @@ def test_bench_dp_shallowspeed_checks_minidp_against_the_hand_written_loop(tmp_p
 
 @pytest.mark.timeout(120)
 def test_bench_dp_tricks_has_one_on_off_row_per_trick(tmp_path):
-    from minidp.parallel.data_parallel import TRICKS
+    from minidp.parallel.data_parallel.ddp import TRICKS
 
     out = tmp_path / "tricks.json"
     args = ("--case", "tricks", "--no-torch", *ONE_ROUND, *TINY_MLP, "--bucket-mb", "0.01")

@@ -10,8 +10,8 @@ import sys
 import pytest
 
 from minidp.cli import benchmarks, main
-from minidp.config import TrainConfig
 from minidp.memory import estimated_bytes
+from minidp.training.config import TrainConfig
 
 
 def minidp(*args: str, nprocs: int = 1, env=None, timeout: float = 120):
@@ -83,8 +83,8 @@ def test_a_bad_seed_is_one_line_at_two_ranks():
 
 def test_the_memory_estimate_is_within_2x_of_what_the_graph_holds():
     """estimated_bytes against the parameters, gradients, AdamW moments and activations that
-    one process measures for the same GPT and batch (train.py's memory report)."""
-    from minidp.train import train
+    one process measures for the same GPT and batch (training/loop.py's memory report)."""
+    from minidp.training.loop import train
 
     config = TrainConfig(steps=1, batch_size=4, sample_tokens=0, eval_batches=1, threads=1)
     memory = train(config)["memory_bytes"]

@@ -17,10 +17,11 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from minidp import comm, config, names
+from minidp import comm, names
 from minidp.comm import collectives, rooted
 from minidp.comm.errors import MessageSizeMismatch
 from minidp.comm.p2p import irecv
+from minidp.training import config
 
 
 def group(timeout: float = 2.0, checks: bool = True) -> comm.Group:

@@ -74,7 +74,7 @@ def kinds() -> list[tuple[str, list[comm.Group]]]:
 
 
 def reduced(xs: list[np.ndarray], op: str) -> np.ndarray:
-    """The op over the members' inputs, in NumPy; avg divides once at the end (ops.py)."""
+    """The op over the members' inputs, in NumPy; avg divides once at the end (reduce_ops.py)."""
     dtype = xs[0].dtype
     total = _UFUNC[op].reduce(np.stack(xs), axis=0).astype(dtype)
     if op == "avg":

@@ -8,13 +8,13 @@ import numpy as np
 import pytest
 
 from minidp import comm
-from minidp.config import BadConfig, TrainConfig
-from minidp.parallel.compress import COMPRESSORS, make_compressor, parse_compress
-from minidp.parallel.compress_cast import from_bf16, to_bf16
-from minidp.parallel.compress_lowrank import orthogonalize
-from minidp.parallel.compress_quant import pack_codes, unpack_codes
-from minidp.parallel.compress_sparse import top_k_indices
-from minidp.train import train
+from minidp.parallel.compression.cast import from_bf16, to_bf16
+from minidp.parallel.compression.lowrank import orthogonalize
+from minidp.parallel.compression.quant import pack_codes, unpack_codes
+from minidp.parallel.compression.sparse import top_k_indices
+from minidp.parallel.compression.table import COMPRESSORS, make_compressor, parse_compress
+from minidp.training.config import BadConfig, TrainConfig
+from minidp.training.loop import train
 
 
 def compress_once(spec: str, x: np.ndarray, shapes=None, compressor=None, key=0) -> np.ndarray:

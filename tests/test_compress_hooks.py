@@ -20,7 +20,7 @@ from minidp.parallel import (
     TopK,
 )
 from minidp.parallel.across_ranks import replica_spread
-from minidp.parallel.compress import make_compressor
+from minidp.parallel.compression.table import make_compressor
 
 BY_HAND = {  # what a user writes -> the --compress value that builds the same compressor
     "fp16": FP16,

@@ -11,9 +11,9 @@ from test_compress_parallel import TINY_GPT
 from test_strategy import run as steps  # one step per index: the global losses
 
 from minidp import comm
-from minidp.config import TrainConfig
-from minidp.parallel.tp_strategy import Hybrid
-from minidp.tasks import Task
+from minidp.strategies.tp import Hybrid
+from minidp.training.config import TrainConfig
+from minidp.training.tasks import Task
 
 
 @pytest.mark.parallel(nprocs=[4])

@@ -10,13 +10,13 @@ import pytest
 from test_strategy import run as steps  # one step per index, lr 1e-2: the global losses
 
 from minidp import comm
-from minidp.config import TrainConfig
-from minidp.parallel import DataParallel
-from minidp.parallel.comm_thread import allreduce_hook
-from minidp.parallel.compress import COMPRESSORS, make_compressor
-from minidp.parallel.compress_sparse import kept
-from minidp.tasks import Task
-from minidp.train import train
+from minidp.parallel.compression.sparse import kept
+from minidp.parallel.compression.table import COMPRESSORS, make_compressor
+from minidp.parallel.data_parallel.comm_thread import allreduce_hook
+from minidp.strategies import DataParallel
+from minidp.training.config import TrainConfig
+from minidp.training.loop import train
+from minidp.training.tasks import Task
 
 SPECS = ["fp16", "bf16", "topk:0.05", "randomk:0.05", "sign", "sign-noef", "qsgd:3", "powersgd:2"]
 TINY_GPT = dict(

@@ -1,4 +1,4 @@
-"""`--compress-warmup`, and `--compress-on update` (parallel/compress_update.py): each
+"""`--compress-warmup`, and `--compress-on update` (parallel/compression/update.py): each
 rank's optimizer step is what the hook compresses. At one rank with no compressor that is
 the gradient path's training (the step taken as θ - (θ - θ')); over ranks the replicas stay
 bitwise identical and the residual holds what the compressed steps left out; the warm-up's
@@ -12,12 +12,13 @@ from test_compress_parallel import TINY_GPT, params
 from test_strategy import run as steps  # one step per index: the global losses
 
 from minidp import comm, optim
-from minidp.config import BadConfig, TrainConfig
 from minidp.data import DistributedSampler
-from minidp.parallel import DataParallel, DistributedDataParallel
-from minidp.parallel.compress import make_compressor
-from minidp.parallel.compress_update import CompressedUpdate, LocalGradients
-from minidp.tasks import Task
+from minidp.parallel import DistributedDataParallel
+from minidp.parallel.compression.table import make_compressor
+from minidp.parallel.compression.update import CompressedUpdate, LocalGradients
+from minidp.strategies import DataParallel
+from minidp.training.config import BadConfig, TrainConfig
+from minidp.training.tasks import Task
 
 
 def test_update_path_is_the_gradient_path_at_one_rank():
@@ -107,8 +108,9 @@ def by_hand(config, group, hook, make_optimizer) -> np.ndarray:
 @pytest.mark.parallel(nprocs=[2])
 @pytest.mark.timeout(120)
 def test_update_pieces_on_a_users_ddp_are_the_strategy_bit_for_bit():
-    """LocalGradients and CompressedUpdate around a DDP built by hand (compress_update.py's
-    docstring loop) take the same steps as --compress-on update, bit for bit."""
+    """LocalGradients and CompressedUpdate around a DDP built by hand
+    (parallel/compression/update.py's docstring loop) take the same steps as --compress-on update,
+    bit for bit."""
     group = comm.world()
     config = replace(TrainConfig(**TINY_GPT), compress="topk:0.3", compress_on="update")
     with DataParallel(Task(config, np.float64), config, group) as strategy:

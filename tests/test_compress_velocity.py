@@ -1,4 +1,4 @@
-"""`--compress-on velocity` (parallel/compress_velocity.py), DGC's momentum correction with
+"""`--compress-on velocity` (parallel/compression/velocity.py), DGC's momentum correction with
 momentum factor masking: one round conserves mass exactly (what was sent plus the new
 residual is the old residual plus the new velocity, bit for bit) and clears the sent
 coordinates in both u_w and v_w; every rank sums the same bits; uncompressed (warm-up)
@@ -14,12 +14,12 @@ from test_compress_update import by_hand
 from test_strategy import run as steps  # one step per index, lr 1e-2: the global losses
 
 from minidp import comm, optim
-from minidp.config import BadConfig, TrainConfig
-from minidp.parallel import DataParallel
-from minidp.parallel.buckets import Bucket
-from minidp.parallel.compress import make_compressor
-from minidp.parallel.compress_velocity import MomentumCorrectedSGD, MomentumCorrection
-from minidp.tasks import Task
+from minidp.parallel.compression.table import make_compressor
+from minidp.parallel.compression.velocity import MomentumCorrectedSGD, MomentumCorrection
+from minidp.parallel.data_parallel.buckets import Bucket
+from minidp.strategies import DataParallel
+from minidp.training.config import BadConfig, TrainConfig
+from minidp.training.tasks import Task
 
 VELOCITY = dict(optimizer="momentum", compress_on="velocity", weight_decay=0.1)
 
@@ -118,8 +118,8 @@ def test_bad_combinations_are_one_line():
 @pytest.mark.timeout(120)
 def test_velocity_pieces_on_a_users_ddp_are_the_strategy_bit_for_bit():
     """MomentumCorrection and MomentumCorrectedSGD around a DDP built by hand, with
-    compress_update.LocalGradients (compress_velocity.py's docstring loop), take the same
-    steps as --compress-on velocity, bit for bit."""
+    update.LocalGradients (parallel/compression/velocity.py's docstring loop), take the
+    same steps as --compress-on velocity, bit for bit."""
     group = comm.world()
     config = replace(TrainConfig(**TINY_GPT, **VELOCITY), compress="topk:0.3")
     with DataParallel(Task(config, np.float64), config, group) as strategy:

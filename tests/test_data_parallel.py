@@ -10,12 +10,13 @@ import pytest
 
 from minidp import comm, nn, optim
 from minidp.autograd import Tensor
-from minidp.config import TrainConfig
 from minidp.data import DistributedSampler
 from minidp.nn import Module, Parameter
-from minidp.parallel import DataParallel, DistributedDataParallel, ModelMismatch
+from minidp.parallel import DistributedDataParallel, ModelMismatch
 from minidp.parallel.across_ranks import replica_spread
-from minidp.tasks import Task
+from minidp.strategies import DataParallel
+from minidp.training.config import TrainConfig
+from minidp.training.tasks import Task
 
 STEPS = 3
 TINY = dict(n_layer=1, n_embd=16, n_head=2, block_size=8, hidden=16, seed=3)

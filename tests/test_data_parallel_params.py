@@ -12,7 +12,7 @@ from minidp.autograd import Tensor
 from minidp.chunks import chunk_range
 from minidp.nn import Module, Parameter
 from minidp.parallel import DistributedDataParallel, ModelMismatch
-from minidp.parallel.buckets import bucket_groups
+from minidp.parallel.data_parallel.buckets import bucket_groups
 
 B, STEPS = 7, 4  # 7 examples: 4 + 3 at 2 ranks
 # the examples flagged "rare" at each step (rank 0 reads 0-3, rank 1 reads 4-6): `rare` is

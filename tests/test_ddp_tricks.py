@@ -13,8 +13,8 @@ import pytest
 from minidp import comm, nn, optim
 from minidp.autograd import Tensor
 from minidp.parallel import DistributedDataParallel
-from minidp.parallel import data_parallel as dp
-from minidp.parallel.ddp_plain import SimpleDistributedDataParallel
+from minidp.parallel.data_parallel import ddp as dp
+from minidp.parallel.data_parallel.plain import SimpleDistributedDataParallel
 
 STEPS = 3
 SIZES = [12, 40, 40, 40, 5]  # float32; a tiny bucket cap below cuts it into several buckets
@@ -147,8 +147,8 @@ def test_host_staging_gives_the_bits_of_plain_staging(monkeypatch):
     """--backend torch, overlap and micro-batches: the same losses and parameters, bit for
     bit, with DDP's host buffers (HostStage) and without (PlainStage: a view on the CPU)."""
     from minidp import backend
-    from minidp.config import TrainConfig
     from minidp.torch_train import minidp_losses
+    from minidp.training.config import TrainConfig
 
     config = TrainConfig(
         n_layer=1, n_embd=16, n_head=2, block_size=8, seed=5, batch_size=5, lr=1e-2,

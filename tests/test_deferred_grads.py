@@ -212,7 +212,7 @@ def test_accumulation_adds_in_the_buckets_and_an_unused_parameter_has_a_zero_slo
     """After ddp.zero_grad() (every .grad None), the end of a no_sync block moves each
     gradient into its bucket slot (a deferred weight keeps its rows, nothing else): later
     micro-batches add up in place (one gradient's memory, not two), and a parameter no
-    micro-batch reaches still has a .grad to write (compress_update does), until the sync
+    micro-batch reaches still has a .grad to write (update.LocalGradients does), until the sync
     finds that no backward reached it: None then, as one process leaves it."""
 
     def model_with_a_spare_layer():
@@ -275,9 +275,9 @@ def test_rows_of_another_dtype_than_the_weight_take_no_more_bytes_than_its_gradi
 
 def test_zero_stage_2_accumulation_defers_too(monkeypatch):
     from minidp import comm, weight_grads
-    from minidp.config import TrainConfig
-    from minidp.parallel import ZeRO
-    from minidp.tasks import Task
+    from minidp.strategies import ZeRO
+    from minidp.training.config import TrainConfig
+    from minidp.training.tasks import Task
 
     kept = []
     add = weight_grads.Rows.add

@@ -1,11 +1,16 @@
 """Layering that reads bottom up: what imports without MPI, and who may import whom.
 
-    chunks  autograd  tensor_ops  grad_mode  ops  weight_grads  nn  gpt
-    optim  data  log  config                                        no MPI
-    parser  plots  backend  prune    (torch_ref, backend_torch: torch, not MPI)
-    comm  trace  parallel  train  cli  bench                        on MPI (mpi4py)
+    engine   chunks  autograd  tensor_ops  functional  grad_mode  weight_grads  nn  gpt
+             optim  data  log  prune/  parser  plots  backend        no MPI
+             (torch_ref, backend_torch: torch, not MPI)
+    comm     comm/  trace                                          on MPI (mpi4py)
+    pieces   parallel/
+    face     training/  strategies/  cli  bench/  (training/config imports without MPI)
 
-Everything in the first row must import, and tutorials 01 and 02 must run, where mpi4py
+Arrows point down only: a piece never imports the face (it takes plain arguments, never
+TrainConfig), comm never imports a piece, the engine never imports comm.
+
+Everything marked no MPI must import, and tutorials 01 and 02 must run, where mpi4py
 cannot load an MPI library. The tests block mpi4py in a fresh interpreter with a
 `sys.meta_path` finder that refuses it, so a new path from the first row to mpi4py fails
 here, not on a laptop without MPI.
@@ -28,14 +33,16 @@ NO_MPI_MODULES = (
     "minidp.gpt",
     "minidp.tensor_ops",
     "minidp.optim",
-    "minidp.config",
+    "minidp.training.config",
     "minidp.log",
     "minidp.parser",
     "minidp.plots",
     "minidp.backend",
     "minidp.grad_mode",
     "minidp.weight_grads",
-    "minidp.prune",
+    "minidp.functional",
+    "minidp.prune.magnitude",
+    "minidp.prune.functions",
 )
 BLOCK_MPI4PY = """
 import sys
@@ -77,6 +84,58 @@ def test_lower_modules_do_not_import_mpi4py():
     code = imports(NO_MPI_MODULES) + 'import sys\nassert "mpi4py" not in sys.modules\n'
     result = python(code)
     assert result.returncode == 0, result.stderr
+
+
+LAYERS = {  # a package or module of minidp -> its layer, lowest first
+    "engine": 0,
+    "comm": 1,
+    "trace": 1,
+    "parallel": 2,
+    "training": 3,
+    "strategies": 3,
+    "cli": 3,
+    "bench": 3,
+    "torch_train": 3,
+    "__main__": 3,
+}
+
+
+def layer_of(module: str) -> int:
+    """minidp.parallel.zero.flat -> 2; anything not named in LAYERS is the engine's."""
+    parts = module.split(".")
+    return LAYERS.get(parts[1], 0) if len(parts) > 1 else 0
+
+
+def test_arrows_point_down_only():
+    """Every import inside minidp (at the top or inside a function) names a module of the
+    same layer or one below it."""
+    upward = []
+    for path in sorted((ROOT / "minidp").rglob("*.py")):
+        module = ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
+        if module == "minidp":  # the package's face re-exports the engine only
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = []
+            if isinstance(node, ast.ImportFrom) and node.module == "minidp":
+                names = [f"minidp.{a.name}" for a in node.names]  # from minidp import comm
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                names = [node.module]
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            for name in names:
+                if name.startswith("minidp.") and layer_of(name) > layer_of(module):
+                    upward.append(f"{module} line {node.lineno} imports {name}")
+    assert not upward, "\n".join(upward)
+
+
+def test_every_module_reads_in_one_sitting():
+    """STYLE.md: one idea per file, short enough to read in one sitting (~300 lines)."""
+    long = {
+        str(p.relative_to(ROOT)): n
+        for p in (ROOT / "minidp").rglob("*.py")
+        if (n := len(p.read_text().splitlines())) > 320
+    }
+    assert not long, f"modules over ~300 lines: {long}"
 
 
 def test_chunks_stay_reexported_by_comm():

@@ -10,10 +10,10 @@ import pytest
 from test_strategy import TINY, params
 
 from minidp import comm, optim
-from minidp.config import BadConfig, TrainConfig
 from minidp.data import DistributedSampler
-from minidp.parallel import DataParallel, ZeRO
-from minidp.tasks import Task
+from minidp.strategies import DataParallel, ZeRO
+from minidp.training.config import BadConfig, TrainConfig
+from minidp.training.tasks import Task
 
 STEPS, LR = 3, 0.05
 BASE = TrainConfig(**{**TINY, "model": "gpt"}, grad_clip=0.0, weight_decay=0.1)

@@ -11,13 +11,14 @@ import numpy as np
 import pytest
 
 from minidp import comm, optim
-from minidp.config import TrainConfig
 from minidp.data import DistributedSampler
-from minidp.parallel import ParameterServer, ps_comm
-from minidp.parallel.param_server import ps_optimizer
-from minidp.parallel.ps_comm import PULL, PUSH, Header
-from minidp.parallel.ps_server import ShardServer
-from minidp.tasks import Task
+from minidp.parallel.param_server import messages
+from minidp.parallel.param_server.messages import PULL, PUSH, Header
+from minidp.parallel.param_server.server import ShardServer
+from minidp.strategies import ParameterServer
+from minidp.strategies.ps import ps_optimizer
+from minidp.training.config import TrainConfig
+from minidp.training.tasks import Task
 
 TINY = dict(
     n_layer=1, n_embd=16, n_head=2, block_size=8, hidden=16, seed=3, batch_size=10,
@@ -128,14 +129,14 @@ def test_bsp_is_single_process_training(monkeypatch):
     # a push sent twice (same worker, clock, shard) is applied once: the same training
     config = replace(config, servers=2)  # the gpt, adamw
     want_losses, want, *_ = parameter_server(config, group)
-    push = ps_comm.push
+    push = messages.push
 
     def push_twice(group, servers, shards, grad, header, versions):
         first = push(group, servers, shards, grad, header, versions)
         again = push(group, servers, shards, grad, header, versions)
         return [first[0] + again[0], first[1] + again[1]]
 
-    monkeypatch.setattr(ps_comm, "push", push_twice)
+    monkeypatch.setattr(messages, "push", push_twice)
     losses, got, strategy, _ = parameter_server(config, group)
     assert_bitwise_same((losses, got), (want_losses, want))
     assert strategy.record()["duplicates_dropped"] == 2 * (group.size - 2) * STEPS
@@ -184,9 +185,9 @@ def scripted_server(monkeypatch, consistency: str, script) -> tuple[ShardServer,
         versions[worker] = header.version
         return [[], []]
 
-    monkeypatch.setattr(ps_comm, "next_header", lambda ps, buf, timeout: inbox.pop())
-    monkeypatch.setattr(ps_comm, "recv_push_data", lambda ps, buf, worker: buf.fill(1.0))
-    monkeypatch.setattr(ps_comm, "reply", reply)
+    monkeypatch.setattr(messages, "next_header", lambda ps, buf, timeout: inbox.pop())
+    monkeypatch.setattr(messages, "recv_push_data", lambda ps, buf, worker: buf.fill(1.0))
+    monkeypatch.setattr(messages, "reply", reply)
     for tag, w, c in script:
         version = versions[w] if tag == PUSH else 0
         inbox.append((tag, Header(w, c, 0, 4, version, loss=1.0, share=0.5, lr=0.1)))
@@ -221,10 +222,10 @@ def test_a_server_that_does_not_answer_is_a_clear_error_naming_it():
     ps.patient = True
     if ps.rank == 0:  # a worker whose server (rank 1) never answers
         params = np.zeros(4)
-        with pytest.raises(ps_comm.ServerLost, match=r"no reply from server rank\(s\) \[1\]"):
-            ps_comm.pull(ps, [1], [(0, 4)], params, worker=0, clock=5, timeout=0.2)
+        with pytest.raises(messages.ServerLost, match=r"no reply from server rank\(s\) \[1\]"):
+            messages.pull(ps, [1], [(0, 4)], params, worker=0, clock=5, timeout=0.2)
     comm.barrier(group=comm.world())
     if ps.rank == 1:  # the pull that came: its header names the worker, clock and keys
-        tag, header = ps_comm.next_header(ps, ps_comm.empty_header(), timeout=5)
-        assert (tag, header[:4]) == (ps_comm.PULL, (0, 5, 0, 4))
+        tag, header = messages.next_header(ps, messages.empty_header(), timeout=5)
+        assert (tag, header[:4]) == (messages.PULL, (0, 5, 0, 4))
     ps.free()

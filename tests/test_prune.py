@@ -1,4 +1,4 @@
-"""Magnitude pruning in one process (minidp/prune.py): the masks keep exactly the largest
+"""Magnitude pruning in one process (minidp/prune/magnitude.py): the masks keep exactly the largest
 magnitudes (as torch.nn.utils.prune computes them), the cubic schedule, masked weights that
 stay exactly zero through AdamW, resuming with the masks, and one clear line per bad flag.
 """
@@ -13,17 +13,17 @@ import pytest
 from minidp import comm, nn, optim
 from minidp.autograd import Tensor
 from minidp.cli import parse_train_args
-from minidp.config import BadConfig, TrainConfig
 from minidp.data import DistributedSampler
-from minidp.parallel import DataParallel
-from minidp.prune import (
+from minidp.prune.magnitude import (
     MagnitudePruner,
     cubic_sparsity,
     is_pruning_step,
     magnitude_masks,
     prunable,
 )
-from minidp.tasks import Task
+from minidp.strategies import DataParallel
+from minidp.training.config import BadConfig, TrainConfig
+from minidp.training.tasks import Task
 
 SHAPES = [(6, 5), (4, 7), (3, 3)]
 
@@ -211,8 +211,8 @@ def test_bench_prune_smoke(tmp_path, capsys):
 
 
 def test_the_pruner_needs_no_mpi():
-    """minidp/prune.py sits with nn and optim, below the comm layer (test_layering.py)."""
+    """minidp/prune/magnitude.py sits with nn and optim, below the comm layer (test_layering.py)."""
     from test_layering import BLOCK_MPI4PY, python
 
-    result = python(BLOCK_MPI4PY + "import minidp.prune\n")
+    result = python(BLOCK_MPI4PY + "import minidp.prune.magnitude\n")
     assert result.returncode == 0, result.stderr

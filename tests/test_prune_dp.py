@@ -1,8 +1,8 @@
-"""Pruning under data parallelism (minidp/parallel/prune_comm.py), in one launch: a pruned DP
+"""Pruning under data parallelism (minidp/parallel/pruning.py), in one launch: a pruned DP
 run is a pruned single-process run (float64, 1e-10), every rank holds the same masks and
 bitwise identical parameters after every step, the bytes sent fall as the ring's arithmetic
 says, and until the first weight is pruned the run is bitwise the unpruned one. Then the
-same hook on a user's own DDP, over masks the torch-named functions left (prune_functions.py).
+same hook on a user's own DDP, over masks the torch-named functions left (prune/functions.py).
 """
 
 import zlib
@@ -12,15 +12,16 @@ import numpy as np
 import pytest
 
 from minidp import comm, nn, optim
-from minidp import prune_functions as prune
 from minidp.autograd import Tensor
-from minidp.config import TrainConfig
 from minidp.data import DistributedSampler
-from minidp.parallel import DataParallel, DistributedDataParallel
+from minidp.parallel import DistributedDataParallel
 from minidp.parallel.across_ranks import bytes_sent
-from minidp.parallel.prune_comm import masked_allreduce_hook
-from minidp.prune import MagnitudePruner, cubic_sparsity
-from minidp.tasks import Task
+from minidp.parallel.pruning import masked_allreduce_hook
+from minidp.prune import functions as prune
+from minidp.prune.magnitude import MagnitudePruner, cubic_sparsity
+from minidp.strategies import DataParallel
+from minidp.training.config import TrainConfig
+from minidp.training.tasks import Task
 
 STEPS = 6
 CONFIG = dict(

@@ -13,14 +13,15 @@ import pytest
 
 from minidp import comm, optim
 from minidp.cli import train_parser
-from minidp.config import TrainConfig
 from minidp.data import DistributedSampler
-from minidp.meter import StepMeter
-from minidp.parallel import STRATEGIES, DataParallel, DistributedDataParallel, Strategy
-from minidp.parallel import data_parallel as dp_module
-from minidp.parallel.comm_thread import allreduce_hook
-from minidp.tasks import Task
-from minidp.train import train
+from minidp.parallel import DistributedDataParallel
+from minidp.parallel.data_parallel import ddp as dp_module
+from minidp.parallel.data_parallel.comm_thread import allreduce_hook
+from minidp.strategies import STRATEGIES, DataParallel, Strategy
+from minidp.training.config import TrainConfig
+from minidp.training.loop import train
+from minidp.training.meter import StepMeter
+from minidp.training.tasks import Task
 
 TINY = dict(
     model="mlp", n_layer=1, n_embd=16, n_head=2, block_size=8, hidden=16, seed=3,

@@ -15,12 +15,13 @@ import pytest
 
 from minidp import comm
 from minidp.cli import main
-from minidp.config import TrainConfig
 from minidp.data import DistributedSampler
 from minidp.memory import nbytes
-from minidp.parallel import STRATEGIES, DataParallel, Mesh
-from minidp.tasks import Task
-from minidp.train import train
+from minidp.parallel import Mesh
+from minidp.strategies import STRATEGIES, DataParallel
+from minidp.training.config import TrainConfig
+from minidp.training.loop import train
+from minidp.training.tasks import Task
 
 STEPS = 3
 TINY = dict(

@@ -12,15 +12,18 @@ from minidp import comm, nn
 from minidp.autograd import Tensor
 from minidp.chunks import chunk_range
 from minidp.parallel.mesh import Mesh
-from minidp.parallel.tensor_parallel import (
+from minidp.parallel.tensor_parallel.communications import sequence_range
+from minidp.parallel.tensor_parallel.gpt import TensorParallelGPT
+from minidp.parallel.tensor_parallel.layers import (
     ColumnParallelLinear,
     ParallelAttention,
     ParallelMLP,
     RowParallelLinear,
 )
-from minidp.parallel.tp_comm import sequence_range
-from minidp.parallel.tp_gpt import TensorParallelGPT
-from minidp.parallel.vocab_parallel import VocabParallelEmbedding, vocab_parallel_cross_entropy
+from minidp.parallel.tensor_parallel.vocab import (
+    VocabParallelEmbedding,
+    vocab_parallel_cross_entropy,
+)
 
 F64 = np.float64
 

@@ -14,10 +14,10 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from minidp import backend, comm, ops
+from minidp import backend, comm, functional
 from minidp.autograd import Tensor
-from minidp.config import BadConfig, TrainConfig
 from minidp.trace import Timeline
+from minidp.training.config import BadConfig, TrainConfig
 
 try:
     import torch
@@ -88,12 +88,12 @@ def _graph(xp_array):
     """Many of the engine's ops on one input, reduced to a scalar: a loss to backpropagate."""
     x = Tensor(xp_array, requires_grad=True)
     y = (x.transpose(1, 0, 2) * 2.0 - 1.0).sigmoid() + x.max(axis=1, keepdims=True) ** 2
-    y = ops.concatenate([y, x[np.array([0, 0, 1])]], axis=0)  # a repeated fancy index
-    parts = ops.split(y, [1, 3], axis=2)
-    z = ops.stack([parts[0], parts[2][..., :1]], axis=0).sum(axis=(0, 3))
-    w = ops.where(z.data > 0.5, z, z * 0.5).log_softmax(axis=-1).mean()
+    y = functional.concatenate([y, x[np.array([0, 0, 1])]], axis=0)  # a repeated fancy index
+    parts = functional.split(y, [1, 3], axis=2)
+    z = functional.stack([parts[0], parts[2][..., :1]], axis=0).sum(axis=(0, 3))
+    w = functional.where(z.data > 0.5, z, z * 0.5).log_softmax(axis=-1).mean()
     m = x.masked_fill(np.array([True, False, True, False]), 0.0).tanh().gelu().exp().log()
-    loss = w + (m + 1.0).sqrt().mean() + ops.cross_entropy(x[0], np.array([1, 0, 3]))
+    loss = w + (m + 1.0).sqrt().mean() + functional.cross_entropy(x[0], np.array([1, 0, 3]))
     loss = loss + (x.max(axis=2) * x[:, :, 0]).sum() * 0.1  # no keepdims this time
     loss.backward()
     return loss.item(), x.grad
@@ -113,7 +113,7 @@ def test_the_torch_shim_computes_what_numpy_does_gradients_included():
 
 @pytest.mark.torch
 def test_staging_copies_are_counted_and_drawn(monkeypatch):
-    from minidp.parallel import data_parallel
+    from minidp.parallel.data_parallel import ddp as data_parallel
     from minidp.torch_train import MinidpRun
 
     monkeypatch.setitem(data_parallel.TRICKS, "host_stage", True)  # CUDA's way, on the CPU

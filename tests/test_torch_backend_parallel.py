@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from minidp import backend, comm
-from minidp.config import TrainConfig
+from minidp.training.config import TrainConfig
 
 TINY = dict(
     n_layer=1, n_embd=16, n_head=2, block_size=8, seed=5, batch_size=4, warmup=2, lr=1e-2,

@@ -8,7 +8,7 @@ import pytest
 
 from minidp import comm, nn
 from minidp.optim import AdamW
-from minidp.parallel.tp_gpt import TensorParallelGPT
+from minidp.parallel.tensor_parallel.gpt import TensorParallelGPT
 
 CFG = nn.GPTConfig(vocab_size=11, block_size=6, n_layer=1, n_head=2, n_embd=8)
 

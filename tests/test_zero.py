@@ -17,13 +17,13 @@ import pytest
 from minidp import comm, nn, optim
 from minidp.chunks import chunk_bounds
 from minidp.cli import parse_train_args
-from minidp.config import BadConfig, TrainConfig
 from minidp.data import DistributedSampler
-from minidp.parallel import DataParallel, ZeRO
-from minidp.parallel.zero import model_state_bytes
-from minidp.parallel.zero_flat import ShardLayout
-from minidp.tasks import Task
-from minidp.train import train
+from minidp.parallel.zero.flat import ShardLayout
+from minidp.strategies import DataParallel, ZeRO
+from minidp.strategies.zero import model_state_bytes
+from minidp.training.config import BadConfig, TrainConfig
+from minidp.training.loop import train
+from minidp.training.tasks import Task
 
 STEPS = 3
 # batch 10 does not divide by 3 or 4; a tiny bucket cap: many segments, chunk edges in tensors

@@ -66,7 +66,7 @@ def has_reference_gradients(net) -> bool:
 # Each rank's loss is the mean over its own examples, so the global mean gradient is the
 # average of the ranks' gradients (the batch divides evenly here). One allreduce per
 # parameter, after backward has finished: that is all of `SimpleDistributedDataParallel`
-# (minidp/parallel/ddp_plain.py), whose finish_gradient_sync is
+# (minidp/parallel/data_parallel/plain.py), whose finish_gradient_sync is
 #
 #     for p in model.parameters():
 #         comm.allreduce(p.grad, op="avg", group=group, out=p.grad)
@@ -88,9 +88,9 @@ print0(f"per-parameter averaging matches one process: {calls} allreduce calls")
 # `p.grad` a *view* into its bucket: no packing copy, one message per bucket. Without
 # overlap every bucket goes after backward. Two of DDP's speed tricks show here, each a
 # module of its own (`ddp.tricks` lists them all; each gives the plain path's bits): the
-# buckets lie in shared memory (ddp_shm.py, algo "auto" on one machine), and then go in
-# one coalesced call (ddp_coalesce.py, `comm.allreduce_coalesced`): one set of
-# synchronizations for all, each bucket summed as by itself.
+# buckets lie in shared memory (parallel/data_parallel/shm_arena.py, algo "auto" on one machine),
+# and then go in one coalesced call (parallel/data_parallel/coalesce.py,
+# `comm.allreduce_coalesced`): one set of synchronizations for all, each bucket summed as by itself.
 
 # %%
 model = new_model()

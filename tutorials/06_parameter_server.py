@@ -31,11 +31,13 @@ import numpy as np
 from minidp import Tensor, comm, cross_entropy, data, nn, optim
 from minidp.chunks import chunk_range
 from minidp.comm import p2p
-from minidp.config import TrainConfig
 from minidp.log import print0
-from minidp.parallel import ParameterServer, ParameterServerWorker, ps_comm, serve
+from minidp.parallel import ParameterServerWorker, serve
+from minidp.parallel.param_server import messages
 from minidp.plots import pyplot, save
-from minidp.tasks import Task
+from minidp.strategies import ParameterServer
+from minidp.training.config import TrainConfig
+from minidp.training.tasks import Task
 
 group = comm.world()
 rank, world = group.rank, group.size
@@ -47,7 +49,7 @@ SERVER, WORKERS = 3, [0, 1, 2]
 # The flat parameter vector θ lives on the server. Each worker takes its third of the
 # global batch, computes its mean gradient g_w, pushes it with a header (worker, clock, key
 # range, its share n_w/B), and pulls θ. The server sums Σ n_w/B · g_w, the global mean
-# gradient, takes one SGD step, and answers the pulls. The messages are ps_comm's.
+# gradient, takes one SGD step, and answers the pulls. The messages are messages.py's.
 
 # %%
 x_all, y_all, _, _ = data.classification(seed=0, dtype=np.float64)
@@ -60,26 +62,26 @@ keys = [(0, theta.size)]  # one server: the whole key range
 ps = group.dup()  # the PS messages on a communicator of their own
 ps.patient = True  # wait by napping: 4 ranks share 2 cores here
 if rank == SERVER:
-    total, pulls, buf = np.zeros_like(theta), [], ps_comm.empty_header()
+    total, pulls, buf = np.zeros_like(theta), [], messages.empty_header()
     while len(pulls) < len(WORKERS):  # each worker sends a push, then a pull
-        tag, h = ps_comm.next_header(ps, buf, timeout=60)
-        if tag == ps_comm.PUSH:
+        tag, h = messages.next_header(ps, buf, timeout=60)
+        if tag == messages.PUSH:
             g = np.empty(h.hi - h.lo)
-            ps_comm.recv_push_data(ps, g, h.worker)
+            messages.recv_push_data(ps, g, h.worker)
             total += h.share * g
         else:
             pulls.append(h)
     theta -= lr * total  # SGD, on the server only
     for h in pulls:
-        sent = ps_comm.reply(ps, h.worker, ps_comm.Header(h.worker, 1, 0, theta.size, 1), theta)
+        sent = messages.reply(ps, h.worker, messages.Header(h.worker, 1, 0, theta.size, 1), theta)
         p2p.waitall(ps, sent[0], [h.worker, h.worker])
 else:
     lo, hi = chunk_range(B, len(WORKERS), rank)  # this worker's slice of the batch
     cross_entropy(model(Tensor(x_all[lo:hi])), y_all[lo:hi]).backward()
     g = np.concatenate([p.grad.ravel() for p in params])
-    header = ps_comm.Header(rank, 0, 0, 0, loss=0.0, share=(hi - lo) / B, lr=lr)
-    sent = ps_comm.push(ps, [SERVER], keys, g, header, versions=[0])
-    ps_comm.pull(ps, [SERVER], keys, theta, rank, clock=1, timeout=60)
+    header = messages.Header(rank, 0, 0, 0, loss=0.0, share=(hi - lo) / B, lr=lr)
+    sent = messages.push(ps, [SERVER], keys, g, header, versions=[0])
+    messages.pull(ps, [SERVER], keys, theta, rank, clock=1, timeout=60)
     p2p.waitall(ps, sent[0], [SERVER, SERVER])
 
 single = nn.MLP([32, 16, 10], rng=np.random.default_rng(0), dtype=np.float64)

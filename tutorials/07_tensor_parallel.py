@@ -29,25 +29,24 @@ import tempfile
 import numpy as np
 
 from minidp import Tensor, comm, nn
-from minidp.config import TrainConfig
 from minidp.data import DistributedSampler
 from minidp.log import print0
 from minidp.optim import AdamW
 from minidp.parallel import (
     ColumnParallelLinear,
-    DataParallel,
     Mesh,
     ParallelAttention,
     ParallelMLP,
     RowParallelLinear,
-    TensorParallel,
     TensorParallelGPT,
     VocabParallelEmbedding,
     vocab_parallel_cross_entropy,
 )
-from minidp.parallel.tp_comm import copy_to_tensor_parallel, sequence_range
+from minidp.parallel.tensor_parallel.communications import copy_to_tensor_parallel, sequence_range
 from minidp.plots import pyplot, save
-from minidp.tasks import Task
+from minidp.strategies import DataParallel, TensorParallel
+from minidp.training.config import TrainConfig
+from minidp.training.tasks import Task
 
 mesh = Mesh(tp=comm.world().size)  # dp 1 x tp p: every rank in one TP group
 group = mesh.tp_group

@@ -34,11 +34,11 @@ from minidp.parallel import (
     FullyShardedDataParallel,
     ZeroRedundancyOptimizer,
 )
-from minidp.parallel.zero import model_state_bytes
-from minidp.parallel.zero3 import GatheredUnits
-from minidp.parallel.zero_flat import ShardLayout, pieces
-from minidp.parallel.zero_grads import ShardedGradients
+from minidp.parallel.zero.flat import ShardLayout, pieces
+from minidp.parallel.zero.grads import ShardedGradients
+from minidp.parallel.zero.stage3 import GatheredUnits
 from minidp.plots import pyplot, save
+from minidp.strategies.zero import model_state_bytes
 from minidp.trace import Timeline
 
 group = comm.world()
@@ -190,7 +190,8 @@ check(2, held, layout.shard_numel, psi)
 # before its backward. The backward closures keep references to the arrays the forward
 # read (`linear` keeps W), so a fresh array per gather would stay alive until backward and
 # the rank would hold all Ψ again; instead every gather writes into one of two reused slots
-# (zero3.py explains why that is safe). `gathered_peak` measures the bytes held at once.
+# (parallel/zero/stage3.py explains why that is safe). `gathered_peak` measures the bytes held at
+# once.
 
 # %%
 model, flat = new_model()

@@ -25,7 +25,7 @@
 # communication hook of a DDP around the tutorial's model, then training with them,
 # loss and bytes side by side; last, why error feedback fights Adam, and Deep Gradient
 # Compression's momentum correction under momentum SGD, by hand and in training. The
-# compressors are minidp/parallel/compress*.py (DGC's: compress_velocity.py).
+# compressors are minidp/parallel/compress*.py (DGC's: parallel/compression/velocity.py).
 
 # %%
 import os
@@ -36,13 +36,14 @@ import numpy as np
 
 from minidp import comm, data, optim
 from minidp.bench.compress import MOMENTUM_LR
-from minidp.config import TrainConfig
 from minidp.log import print0
-from minidp.parallel import DataParallel, DistributedDataParallel, PowerSGD
-from minidp.parallel.compress import make_compressor
-from minidp.parallel.compress_sparse import top_k_indices
+from minidp.parallel import DistributedDataParallel, PowerSGD
+from minidp.parallel.compression.sparse import top_k_indices
+from minidp.parallel.compression.table import make_compressor
 from minidp.plots import pyplot, save
-from minidp.tasks import Task
+from minidp.strategies import DataParallel
+from minidp.training.config import TrainConfig
+from minidp.training.tasks import Task
 
 group = comm.world()
 rank, world = group.rank, group.size

@@ -31,16 +31,17 @@ from dataclasses import replace
 import numpy as np
 
 from minidp import Tensor, comm, nn, optim
-from minidp import prune_functions as prune
-from minidp.config import TrainConfig
 from minidp.data import DistributedSampler
 from minidp.log import print0
-from minidp.parallel import DataParallel, DistributedDataParallel
-from minidp.parallel.prune_comm import masked_allreduce_hook
+from minidp.parallel import DistributedDataParallel
+from minidp.parallel.pruning import masked_allreduce_hook
 from minidp.plots import pyplot, save
-from minidp.prune import MagnitudePruner, cubic_sparsity, magnitude_masks
-from minidp.tasks import Task
-from minidp.train import train
+from minidp.prune import functions as prune
+from minidp.prune.magnitude import MagnitudePruner, cubic_sparsity, magnitude_masks
+from minidp.strategies import DataParallel
+from minidp.training.config import TrainConfig
+from minidp.training.loop import train
+from minidp.training.tasks import Task
 
 group = comm.world()
 
@@ -103,7 +104,7 @@ print0("s_t:", ", ".join(f"{t}: {cubic_sparsity(t, 0.9, 10, 40):.2f}" for t in r
 
 # %% [markdown]
 # ## 4. Data parallelism sends the kept gradients only
-# `--prune` plugs a communication hook into DDP (minidp/parallel/prune_comm.py): each
+# `--prune` plugs a communication hook into DDP (minidp/parallel/pruning.py): each
 # bucket's unmasked gradients are packed with `np.take`, allreduced, and put back; masked
 # slots are zeroed, never sent. No mask is ever sent either: every rank computes it from
 # its replica, and replicas are bitwise identical. With the ring, each rank sends

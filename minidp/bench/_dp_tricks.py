@@ -7,14 +7,16 @@ a batch of 256 per rank, float32, one BLAS thread per rank). For each trick of
 data_parallel.TRICKS, two DDPs around the same weights, one with the trick and one without
 (every other trick as by default), in the setting where the trick acts:
 
-    shared_memory  overlap off, algo auto  buckets carved from a shared arena (ddp_shm.py),
+    shared_memory  overlap off, algo auto  buckets carved from a shared arena (shm_arena.py),
                                            or plain arrays copied through the shm scratch
     coalesce       overlap off, algo auto  the buckets in one allreduce_coalesced, or one
-                                           allreduce each (ddp_coalesce.py)
+                                           allreduce each (coalesce.py)
     quick_gil      overlap on,  algo auto  a 0.2 ms GIL switch interval while the comm
-                                           thread runs, or Python's 5 ms (ddp_gil.py)
+                                           thread runs, or Python's 5 ms (gil.py)
     host_stage     torch tensors (CPU)     reused host buffers (host_stage.HostStage), or
                                            t.cpu().numpy() each time (PlainStage: a view)
+
+(the modules are in minidp/parallel/data_parallel/)
 
 All contenders run in one loop, the order rotated each round; on/off is the median of the
 per-round ratios of the pair (< 1: the trick pays). host_stage runs when torch imports
@@ -24,7 +26,7 @@ per-round ratios of the pair (< 1: the trick pays). host_stage runs when torch i
 from minidp.bench._common import median, median_ratio, rotated_rounds
 from minidp.bench._mlp import ddp_sgd_step, make_data, make_model
 from minidp.parallel import DistributedDataParallel
-from minidp.parallel.data_parallel import TRICKS
+from minidp.parallel.data_parallel.ddp import TRICKS
 
 SETTINGS = {  # trick: (overlap, backend) where it acts
     "shared_memory": (False, "numpy"),

@@ -3,7 +3,7 @@
     mpiexec -n 2 python -m minidp bench compare [--model gpt] [--iters 10] [--device cpu]
         [--n-embd 64 --n-layer 2 --n-head 4 --block-size 64 --batch-size 16] [--json FILE]
 
-The step is train.py's: forward, cross-entropy, backward, gradient sync (DP), clip by the
+The step is training/loop.py's: forward, cross-entropy, backward, gradient sync (DP), clip by the
 global norm, AdamW, on the tiny GPT (or --model mlp), --dtype float32. Contenders:
   minidp numpy     minidp's engine on NumPy arrays, one process (the global batch alone)
   minidp torch     the same engine on torch tensors (--backend torch), one process
@@ -34,9 +34,9 @@ from minidp.bench._common import (
     summary,
     write_json,
 )
-from minidp.config import TrainConfig
 from minidp.log import die, print0
 from minidp.parser import Parser
+from minidp.training.config import TrainConfig
 
 SINGLE = ("minidp numpy", "minidp torch", "pytorch")
 PARALLEL = ("minidp DP", "minidp DP torch", "pytorch DDP")

@@ -46,15 +46,15 @@ from minidp.bench._common import (
     timed,
     write_json,
 )
-from minidp.config import BadConfig, TrainConfig
 from minidp.log import die, print0
 from minidp.optim import MOMENTUM, OPTIMIZERS
-from minidp.parallel import DataParallel
-from minidp.parallel.compress import make_compressor
+from minidp.parallel.compression.table import make_compressor
 from minidp.parser import Parser
 from minidp.plots import pyplot, save
-from minidp.tasks import Task
-from minidp.train import blas_threads_per_rank
+from minidp.strategies import DataParallel
+from minidp.training.config import BadConfig, TrainConfig
+from minidp.training.loop import blas_threads_per_rank
+from minidp.training.tasks import Task
 
 CONTENDERS = (
     "none,fp16,bf16,topk:0.001,randomk:0.01,sign,sign-noef,qsgd:4,powersgd:1,powersgd:2,powersgd:4"

@@ -63,7 +63,7 @@ from minidp.bench._mlp import (
     torch_mlp_step,
 )
 from minidp.log import die, print0
-from minidp.parallel.data_parallel import overlap_helps
+from minidp.parallel.data_parallel.ddp import overlap_helps
 from minidp.parser import Parser
 
 ALGOS = comm.ALGORITHMS["allreduce"]  # every hand-written allreduce, and "mpi"

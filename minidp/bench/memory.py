@@ -6,8 +6,8 @@ each stage costs in step time and bytes sent, side by side with plain data paral
 
 Part 1, memory. For N = 1, 2, 4 (those the world holds) and each of DP, ZeRO-1, -2, -3: build
 the GPT (float32, AdamW) on the first N ranks, take one step, and read rank 0's
-`memory_bytes()` (counted from the arrays, memory.py) beside the formula (zero.py's table:
-16Ψ, 8Ψ + 8Ψ/N, 4Ψ + 12Ψ/N, 16Ψ/N). `traced_peak` is tracemalloc's peak during that step
+`memory_bytes()` (counted from the arrays, memory.py) beside the formula (strategies/zero.py's
+table: 16Ψ, 8Ψ + 8Ψ/N, 4Ψ + 12Ψ/N, 16Ψ/N). `traced_peak` is tracemalloc's peak during that step
 above the bytes held when it began: what the step allocates on top of the model states
 (activations, transient gradients, staging), a measurement independent of the counting.
 A PNG stacks each row's categories.
@@ -33,14 +33,14 @@ from minidp.bench._common import (
     summary,
     write_json,
 )
-from minidp.config import TrainConfig
 from minidp.data import DistributedSampler
 from minidp.log import die, print0
-from minidp.parallel import DataParallel, ZeRO
-from minidp.parallel.zero import model_state_bytes
 from minidp.parser import Parser
 from minidp.plots import pyplot, save
-from minidp.tasks import Task
+from minidp.strategies import DataParallel, ZeRO
+from minidp.strategies.zero import model_state_bytes
+from minidp.training.config import TrainConfig
+from minidp.training.tasks import Task
 
 CONTENDERS = {"dp": 0, "zero1": 1, "zero2": 2, "zero3": 3}  # name -> ZeRO stage (0: DP)
 SHOWN = ("parameters", "gradients", "optimizer", "buffers", "activations_peak")

@@ -8,7 +8,7 @@ Contenders: the default GPT (`python -m minidp train`'s defaults: 2 layers, 4 he
 64, 300 steps, float32) trained with `--prune S` for each sparsity S (0, 50, 80, 90, 95%
 by default), and the same for a GPT of half the width (32: about a quarter of the weights).
 Each run prunes on Zhu & Gupta's cubic ramp from step steps/6 to 2 steps/3, every
-steps/30 steps (minidp/prune.py), and then trains on at the target sparsity.
+steps/30 steps (minidp/prune/magnitude.py), and then trains on at the target sparsity.
 
 Columns: the weight-matrix values left nonzero, the validation loss (and its ratio to the
 dense default GPT's), the gradient bytes each rank sends per step once the target is
@@ -16,7 +16,7 @@ reached (the last step's; the ratio to the dense default's), and the step time. 
 that is both smaller and better at the same nonzero count shows that shrinking beats
 pruning here; the bytes column shows what pruning saves on the wire.
 
-Each contender is one whole training run (train.py's loop), timed as the slowest rank's;
+Each contender is one whole training run (training/loop.py's loop), timed as the slowest rank's;
 with --repeats R the runs go R rounds in rotated order and the times are medians (the
 losses are the same every round: one seed). The PNG (--out) plots loss against nonzero
 weights, and bytes against sparsity, one line per width.
@@ -31,13 +31,13 @@ import numpy as np
 
 from minidp import comm
 from minidp.bench._common import median, print_table, rotated_rounds, summary, write_json
-from minidp.config import BadConfig, TrainConfig
 from minidp.log import die, print0
 from minidp.parser import Parser
 from minidp.plots import pyplot, save
-from minidp.prune import prunable
-from minidp.tasks import Task
-from minidp.train import train
+from minidp.prune.magnitude import prunable
+from minidp.training.config import BadConfig, TrainConfig
+from minidp.training.loop import train
+from minidp.training.tasks import Task
 
 SPARSITIES = (0.0, 0.5, 0.8, 0.9, 0.95)
 

@@ -26,13 +26,13 @@ import numpy as np
 
 from minidp import comm, optim
 from minidp.bench._common import environment, median, print_table, summary, write_json
-from minidp.config import TrainConfig
 from minidp.data import DistributedSampler
 from minidp.log import print0
-from minidp.parallel import DataParallel, ParameterServer
 from minidp.parser import Parser
 from minidp.plots import pyplot, save
-from minidp.tasks import Task
+from minidp.strategies import DataParallel, ParameterServer
+from minidp.training.config import TrainConfig
+from minidp.training.tasks import Task
 
 COLUMNS = [
     ("contender", "s"),

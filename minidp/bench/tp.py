@@ -38,14 +38,14 @@ from minidp.bench._common import (
     summary,
     write_json,
 )
-from minidp.config import TrainConfig
 from minidp.data import DistributedSampler
 from minidp.log import print0
-from minidp.parallel import STRATEGIES
 from minidp.parser import Parser
 from minidp.plots import pyplot, save
-from minidp.tasks import Task
-from minidp.train import blas_threads_per_rank
+from minidp.strategies import STRATEGIES
+from minidp.training.config import TrainConfig
+from minidp.training.loop import blas_threads_per_rank
+from minidp.training.tasks import Task
 
 
 def parse_args(argv: list[str]):

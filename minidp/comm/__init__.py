@@ -8,7 +8,7 @@ How a vector is cut into one chunk per rank is pure arithmetic, below this packa
 `minidp/chunks.py` (`chunk_bounds`, `chunk_range`, re-exported here). Read the package in
 this order, every module of it:
 
-  the messages      p2p.py (the only sends and receives), ops.py (the reduction operators,
+  the messages      p2p.py (the only sends and receives), reduce_ops.py (the reduction operators,
                     applied on the receiving side), errors.py (what a collective raises)
   the algorithms    ring.py (Baidu's ring), recursive.py (butterflies: recursive doubling,
                     halving, Rabenseifner), tree.py (binomial trees), naive.py (one rank
@@ -51,7 +51,7 @@ from minidp.comm.errors import (
     MessageSizeMismatch,
 )
 from minidp.comm.group import Group, world
-from minidp.comm.ops import OPS, REDUCE_DTYPES
+from minidp.comm.reduce_ops import OPS, REDUCE_DTYPES
 from minidp.comm.rooted import (
     BROADCAST,
     GATHER,

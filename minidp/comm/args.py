@@ -11,7 +11,7 @@ the job of the fingerprint check (checks.py).
 import numpy as np
 
 from minidp.comm.auto import choose
-from minidp.comm.ops import MOVE_KINDS
+from minidp.comm.reduce_ops import MOVE_KINDS
 from minidp.names import AUTO
 
 

@@ -26,7 +26,7 @@ by keyword. `group=None` means `world()`.
 
 ops: sum, avg, max, min, prod. Every rank gets bitwise-identical results (each algorithm
 either computes each element on one rank and copies it, or has both partners combine the
-same operands in the same order; see ops.py). Algorithm names and costs are in the
+same operands in the same order; see reduce_ops.py). Algorithm names and costs are in the
 docstrings of ring.py, recursive.py, tree.py, naive.py, alltoall.py, barrier.py; "auto" is
 explained in auto.py.
 """
@@ -48,13 +48,13 @@ from minidp.comm.builtin import (
 )
 from minidp.comm.group import Group, world
 from minidp.comm.naive import naive_allgather, naive_allreduce, naive_reduce_scatter
-from minidp.comm.ops import check_op, finish
 from minidp.comm.recursive import (
     doubling_allgather_chunks,
     halving_reduce_scatter_chunks,
     rabenseifner_allreduce,
     recursive_doubling_allreduce,
 )
+from minidp.comm.reduce_ops import check_op, finish
 from minidp.comm.ring import ring_allgather, ring_allreduce, ring_reduce_scatter
 from minidp.comm.shm import in_shared_memory, shm_allreduce, shm_allreduce_many
 from minidp.comm.tree import tree_allreduce

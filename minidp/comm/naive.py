@@ -18,8 +18,8 @@ fine for two or three ranks.
 import numpy as np
 
 from minidp.chunks import Bounds
-from minidp.comm.ops import combine
 from minidp.comm.p2p import irecv, isend, recv, send, waitall
+from minidp.comm.reduce_ops import combine
 
 
 def _others(group, root: int) -> list[int]:

@@ -6,7 +6,7 @@ so log2(p) steps replace the ring's p - 1.
 
 Recursive doubling allreduce, p = 8: partners differ in one bit of the rank; each sends its
 whole vector and combines it with the partner's, both computing lower ⊕ higher (the same
-operands in the same order, so partners hold the same bits; see ops.py):
+operands in the same order, so partners hold the same bits; see reduce_ops.py):
 
     step 0 (mask 1)  0↔1  2↔3  4↔5  6↔7       lg(p)·(α + nβ + nγ)
     step 1 (mask 2)  0↔2  1↔3  4↔6  5↔7       latency-optimal: for short messages
@@ -34,8 +34,8 @@ one hands its data to the odd one above it and sits out, so p' "virtual" ranks r
 import numpy as np
 
 from minidp.chunks import Bounds, chunk_bounds
-from minidp.comm.ops import combine
 from minidp.comm.p2p import recv, send, sendrecv
+from minidp.comm.reduce_ops import combine
 
 
 class Fold:

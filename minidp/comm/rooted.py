@@ -27,7 +27,7 @@ from minidp.comm.args import flat, pick, result, root_in, same_memory
 from minidp.comm.builtin import mpi_broadcast, mpi_gather, mpi_reduce, mpi_scatter
 from minidp.comm.group import Group, world
 from minidp.comm.naive import linear_broadcast, linear_gather, linear_reduce, linear_scatter
-from minidp.comm.ops import check_op, finish
+from minidp.comm.reduce_ops import check_op, finish
 from minidp.comm.ring import ring_allgather, ring_reduce_scatter
 from minidp.comm.tree import (
     binomial_broadcast,

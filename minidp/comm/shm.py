@@ -20,8 +20,8 @@ again (barriers; a fourth for a plain array, once it is copied in). Intra-node c
 in MPICH, NCCL and DeepSpeed's CPU allreduce use shared memory the same way.
 
 Zero copies need the array itself in shared memory: `shared_zeros(n, dtype, group)` makes
-one (collective; DDP's arena, parallel/ddp_shm.py), in a segment of shm_memory.py, which
-also tells where an array lies and gives every rank's array at its place.
+one (collective; DDP's arena, parallel/data_parallel/shm_arena.py), in a segment of shm_memory.py,
+which also tells where an array lies and gives every rank's array at its place.
 algo="auto" picks "shm" exactly for arrays in shared memory.
 Any other array can be reduced with algo="shm" too: it is copied into a shared scratch
 segment and back, which costs more than a ring (two extra copies).
@@ -51,7 +51,7 @@ from mpi4py import MPI
 from minidp.chunks import chunk_bounds
 from minidp.comm.builtin import mpi_allgather, mpi_barrier
 from minidp.comm.errors import CollectiveMismatch
-from minidp.comm.ops import combine
+from minidp.comm.reduce_ops import combine
 from minidp.comm.shm_memory import (  # noqa: F401 (shm.pool: the tests count segments)
     Segment,
     find,

@@ -6,7 +6,7 @@ seen by every rank (`Segment.per_rank[q]`, rank q's bytes). shm.py reduces by lo
 them; this module makes, pools and finds them.
 
     shared_zeros(n, dtype, group)   (shm.py) an array of zeros in a segment (DDP's arena,
-                                    parallel/ddp_shm.py)
+                                    parallel/data_parallel/shm_arena.py)
     in_shared_memory(x, group)      whether x lies in one of the group's segments
     peer_arrays(x, group)           every rank's array at x's place (tutorial 04 does the
                                     allreduce by hand with it)

@@ -24,8 +24,8 @@ root other than 0 rotate first.
 import numpy as np
 
 from minidp.chunks import Bounds
-from minidp.comm.ops import combine
 from minidp.comm.p2p import isend, recv, send, waitall
+from minidp.comm.reduce_ops import combine
 
 
 def _relative(group, root: int) -> tuple[int, int]:

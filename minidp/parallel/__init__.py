@@ -1,15 +1,21 @@
-"""Parallel training strategies, each wrapping a model and talking only through minidp.comm.
+"""The pieces a user wraps around their own model, one folder per scheme, each talking to
+other ranks only through minidp.comm and taking plain arguments (never the command line's).
 
-The pieces a user wraps around their own model are exported here too: DDP, FSDP, ZeRO's
-optimizer, the tensor-parallel layers, and the gradient compressors (compress_base.py), each
-a DDP communication hook: `ddp.register_comm_hook(PowerSGD(rank=2))`.
+    data_parallel/     plain.py (one allreduce per parameter) -> ddp.py (buckets, overlap)
+                       -> its speed tricks beside it: shm_arena, coalesce, gil, host_stage
+    zero/              optimizer.py (stage 1, ZeroRedundancyOptimizer) -> flat.py -> grads.py
+                       -> stage3.py -> sharded.py -> fsdp.py (stages 2 and 3 as a piece)
+    tensor_parallel/   communications.py (Megatron's f and g) -> layers.py -> vocab.py -> gpt.py
+    param_server/      messages.py -> server.py -> pieces.py (the worker and the server loop)
+    compression/       base.py (error feedback) -> cast, sparse, quant, lowrank -> table.py;
+                       update.py and velocity.py (the optimizer-side placements)
+    pruning.py         the DDP hook that reduces only the kept gradients (masks: minidp.prune)
+    mesh.py            the rank grid and one group per axis; across_ranks.py, same_model.py
 
-`STRATEGIES` maps each `--strategy` name to the class the training loop drives; every class
-follows the protocol in strategy.py, most as a short recipe handed to the one step skeleton
-(step.py). A new scheme is a module here and one line in the table.
+The `--strategy` recipes that assemble these pieces from flags live in minidp.strategies.
 """
 
-from minidp.parallel.compress import (
+from minidp.parallel.compression.table import (
     BF16,
     FP16,
     QSGD,
@@ -20,50 +26,44 @@ from minidp.parallel.compress import (
     SignNoEF,
     TopK,
 )
-from minidp.parallel.data_parallel import DistributedDataParallel, ModelMismatch
-from minidp.parallel.ddp_plain import SimpleDistributedDataParallel
-from minidp.parallel.dp_strategy import DataParallel
-from minidp.parallel.fsdp import FullyShardedDataParallel
+from minidp.parallel.compression.update import CompressedUpdate, LocalGradients
+from minidp.parallel.compression.velocity import MomentumCorrectedSGD, MomentumCorrection
+from minidp.parallel.data_parallel.ddp import DistributedDataParallel
+from minidp.parallel.data_parallel.plain import SimpleDistributedDataParallel
 from minidp.parallel.mesh import Mesh
-from minidp.parallel.param_server import ParameterServer
-from minidp.parallel.ps_pieces import ParameterServerWorker, serve
-from minidp.parallel.strategy import StepResult, Strategy
-from minidp.parallel.tensor_parallel import (
+from minidp.parallel.param_server.pieces import ParameterServerWorker, serve
+from minidp.parallel.pruning import masked_allreduce_hook
+from minidp.parallel.same_model import ModelMismatch
+from minidp.parallel.tensor_parallel.gpt import TensorParallelGPT
+from minidp.parallel.tensor_parallel.layers import (
     ColumnParallelLinear,
     ParallelAttention,
     ParallelMLP,
     RowParallelLinear,
 )
-from minidp.parallel.tp_gpt import TensorParallelGPT
-from minidp.parallel.tp_strategy import Hybrid, TensorParallel
-from minidp.parallel.vocab_parallel import VocabParallelEmbedding, vocab_parallel_cross_entropy
-from minidp.parallel.zero import ZeRO
-from minidp.parallel.zero_optimizer import ZeroRedundancyOptimizer
-
-STRATEGIES: dict[str, type[Strategy]] = {
-    DataParallel.name: DataParallel,
-    ParameterServer.name: ParameterServer,
-    ZeRO.name: ZeRO,
-    TensorParallel.name: TensorParallel,
-    Hybrid.name: Hybrid,
-}
+from minidp.parallel.tensor_parallel.vocab import (
+    VocabParallelEmbedding,
+    vocab_parallel_cross_entropy,
+)
+from minidp.parallel.zero.fsdp import FullyShardedDataParallel
+from minidp.parallel.zero.optimizer import ZeroRedundancyOptimizer
 
 __all__ = [
     "BF16",
     "FP16",
     "QSGD",
-    "STRATEGIES",
     "ColumnParallelLinear",
+    "CompressedUpdate",
     "Compressor",
-    "DataParallel",
     "DistributedDataParallel",
     "FullyShardedDataParallel",
-    "Hybrid",
+    "LocalGradients",
     "Mesh",
     "ModelMismatch",
+    "MomentumCorrectedSGD",
+    "MomentumCorrection",
     "ParallelAttention",
     "ParallelMLP",
-    "ParameterServer",
     "ParameterServerWorker",
     "PowerSGD",
     "RandomK",
@@ -71,14 +71,11 @@ __all__ = [
     "Sign",
     "SignNoEF",
     "SimpleDistributedDataParallel",
-    "StepResult",
-    "Strategy",
-    "TensorParallel",
     "TensorParallelGPT",
     "TopK",
     "VocabParallelEmbedding",
-    "ZeRO",
     "ZeroRedundancyOptimizer",
+    "masked_allreduce_hook",
     "serve",
     "vocab_parallel_cross_entropy",
 ]

@@ -1,0 +1,40 @@
+"""The `--strategy` recipes: each builds a Mesh, wraps the task's model in the pieces of
+minidp.parallel, and hands them to the one step skeleton (step.py). Read in this order:
+
+    protocol.py      what the training loop drives, and Recipe: reports from declarations
+    step.py          the step skeleton, written once
+    dp.py            --strategy dp: DDP (DDPAxis) and its --compress / --prune wiring
+    zero.py          --strategy zero: the Ψ table; zero_axis.py, ZeRO stages 1-3 as an axis
+    tp.py            --strategy tp and hybrid: the TP GPT, DDP or ZeRO over the DP axis
+                     (zero_over_tp.py: ZeRO's chunks of TP shards)
+    ps.py            --strategy ps: the parameter server's roles
+
+`STRATEGIES` maps each --strategy name to its class; a new scheme is a module here and one
+line in the table.
+"""
+
+from minidp.strategies.dp import DataParallel
+from minidp.strategies.protocol import Recipe, StepResult, Strategy
+from minidp.strategies.ps import ParameterServer
+from minidp.strategies.tp import Hybrid, TensorParallel
+from minidp.strategies.zero import ZeRO
+
+STRATEGIES: dict[str, type[Strategy]] = {
+    DataParallel.name: DataParallel,
+    ParameterServer.name: ParameterServer,
+    ZeRO.name: ZeRO,
+    TensorParallel.name: TensorParallel,
+    Hybrid.name: Hybrid,
+}
+
+__all__ = [
+    "STRATEGIES",
+    "DataParallel",
+    "Hybrid",
+    "ParameterServer",
+    "Recipe",
+    "StepResult",
+    "Strategy",
+    "TensorParallel",
+    "ZeRO",
+]
