@@ -228,15 +228,25 @@ class Linear(Module):
 
 
 class MLP(Module):
-    """Linear layers with ReLU between them: sizes (784, 1024, 1024, 10) -> 3 Linears."""
+    """Linear layers with ReLU between them: sizes (784, 1024, 1024, 10) -> 3 Linears.
 
-    def __init__(self, sizes: list[int], *, rng: np.random.Generator, dtype=np.float32):
+    `fuse_relu`: each hidden Linear and its ReLU as one op (`linear(..., relu=True)`, a speed
+    trick: one graph node and one kept array a layer), or, False, the plain way, a Linear
+    then `.relu()`. The same bits either way (tests/test_nn.py); `bench autograd` times both."""
+
+    def __init__(
+        self, sizes: list[int], *, rng: np.random.Generator, dtype=np.float32, fuse_relu=True
+    ):
         self.layers = [Linear(a, b, rng=rng, dtype=dtype) for a, b in zip(sizes[:-1], sizes[1:])]
+        self.fuse_relu = fuse_relu
 
     def forward(self, x: Tensor) -> Tensor:
         last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
-            x = layer(x, relu=i < last)  # Linear and ReLU as one op (see `linear`)
+            if i < last and not self.fuse_relu:
+                x = layer(x).relu()  # the plain way: two ops
+            else:
+                x = layer(x, relu=i < last)  # Linear and ReLU as one op (see `linear`)
         return x
 
 

@@ -307,6 +307,27 @@ def test_fused_linear_has_the_bits_of_matmul_then_add(dtype, shape, bias, relu):
         assert ours.tobytes() == theirs.tobytes()
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_an_mlp_with_relu_fused_has_the_bits_of_the_plain_mlp(dtype):
+    """MLP(fuse_relu=True), the speed trick, against MLP(fuse_relu=False), a Linear then
+    .relu(): the same output, loss and gradients, bit for bit, over two SGD steps."""
+    rng = np.random.default_rng(4)
+    x = Tensor(rng.standard_normal((7, 6)).astype(dtype))
+    y = rng.integers(0, 3, 7)
+    runs = []
+    for fuse in (True, False):
+        model = MLP([6, 5, 4, 3], rng=np.random.default_rng(0), dtype=dtype, fuse_relu=fuse)
+        opt, seen = optim.SGD(model.parameters(), lr=0.1), []
+        for _ in range(2):
+            model.zero_grad()
+            loss = cross_entropy(model(x), y)
+            loss.backward()
+            seen += [loss.data.tobytes(), *(p.grad.tobytes() for p in model.parameters())]
+            opt.step()
+        runs.append(seen + [p.data.tobytes() for p in model.parameters()])
+    assert runs[0] == runs[1]
+
+
 def test_an_mlp_records_one_node_per_layer_and_keeps_one_array_per_layer():
     """Linear and ReLU fused (nn.linear(relu=True)): 3 layers, 3 nodes before the loss."""
     from minidp.memory import activation_bytes

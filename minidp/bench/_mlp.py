@@ -25,8 +25,8 @@ def parse_sizes(text: str) -> tuple[int, ...]:
     return sizes
 
 
-def make_model(sizes, seed: int = 0) -> nn.MLP:
-    return nn.MLP(list(sizes), rng=np.random.default_rng(seed))
+def make_model(sizes, seed: int = 0, fuse_relu: bool = True) -> nn.MLP:
+    return nn.MLP(list(sizes), rng=np.random.default_rng(seed), fuse_relu=fuse_relu)
 
 
 def make_data(sizes, batch: int, seed: int) -> tuple[np.ndarray, np.ndarray]:

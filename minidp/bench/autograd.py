@@ -7,6 +7,8 @@ The step: forward, cross-entropy, backward, SGD update of an MLP 784-1024-1024-1
 of 256 (--sizes, --batch), float32. Contenders, alternated step by step in one process
 (A B C A B C ...):
   minidp  the engine (minidp.nn.MLP, loss.backward(), optim.SGD)
+  unfused the same, each hidden Linear and its ReLU as two ops (MLP(fuse_relu=False)): the
+          plain path of the fused Linear + ReLU; minidp/unfused says what fusing buys
   numpy   the same network with every matrix product written by hand: the floor for minidp
   torch   torch.nn on the CPU, when torch is installed
 Reported: median step time per contender and the median of the per-round ratios.
@@ -43,6 +45,7 @@ def measure(
     model = make_model(sizes)
     contenders = {
         "minidp": minidp_sgd_step(model, x, y),
+        "unfused": minidp_sgd_step(make_model(sizes, fuse_relu=False), x, y),
         "numpy": numpy_step(weights_of(model), x, y),
     }
     if torch_too:
@@ -65,7 +68,7 @@ def measure(
     row = {"threads": threads, "batch": batch, "sizes": "-".join(map(str, sizes))}
     for name, ts in times.items():
         row[f"{name}_ms"] = 1e3 * median(ts)
-    for other in ("numpy", "torch"):
+    for other in ("unfused", "numpy", "torch"):
         if other in times:
             row[f"minidp/{other}"] = median_ratio(times["minidp"], times[other])
     if "torch" in times:
@@ -101,8 +104,10 @@ def main(argv: list[str]) -> int:
     columns = [
         ("threads", "d"),
         ("minidp_ms", ".2f"),
+        ("unfused_ms", ".2f"),
         ("numpy_ms", ".2f"),
         ("torch_ms", ".2f"),
+        ("minidp/unfused", ".3f"),
         ("minidp/numpy", ".3f"),
         ("minidp/torch", ".3f"),
         ("numpy/torch", ".3f"),
