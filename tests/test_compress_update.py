@@ -82,11 +82,14 @@ def test_update_compression_across_ranks():
         assert strategy.compressor.residual_norm() > 0 and strategy.max_param_diff() == 0.0
 
 
-def by_hand(config, group, hook, make_optimizer) -> np.ndarray:
+def by_hand(config, group, hook, make_optimizer, frozen=()) -> np.ndarray:
     """Three steps of the placements' docstring loop on a DDP built by hand, with `hook`
-    and the optimizer `make_optimizer(ddp)` (lr 1e-2, as steps()); the parameters, flat."""
+    and the optimizer `make_optimizer(ddp)` (lr 1e-2, as steps()), the parameters named in
+    `frozen` frozen first; the parameters, flat."""
     task = Task(config, np.float64)
     model = task.model
+    for name, p in model.named_parameters():
+        p.requires_grad = name not in frozen
     ddp = DistributedDataParallel(model, group, bucket_cap_mb=config.bucket_mb, overlap=True)
     ddp.register_comm_hook(hook)
     sync, opt = LocalGradients(ddp), make_optimizer(ddp)
@@ -123,3 +126,36 @@ def test_update_pieces_on_a_users_ddp_are_the_strategy_bit_for_bit():
 
     hook = make_compressor(config.compress, seed=config.seed)
     np.testing.assert_array_equal(by_hand(config, group, hook, adamw), want)
+
+
+@pytest.mark.parallel(nprocs=[2])
+@pytest.mark.timeout(120)
+def test_both_placements_leave_a_frozen_parameter_alone():
+    """A user's model with a frozen parameter: CompressedUpdate and MomentumCorrectedSGD step
+    the rest, never the frozen one (it has no .grad), and the replicas stay identical."""
+    from minidp.parallel.compression.velocity import MomentumCorrectedSGD, MomentumCorrection
+
+    group = comm.world()
+    config = replace(TrainConfig(**TINY_GPT), compress="topk:0.3")
+    named = list(Task(config, np.float64).model.named_parameters())
+    start = np.concatenate([p.data.ravel() for _, p in named])
+    frozen = ("wpe.weight",)
+    i = [name for name, _ in named].index(frozen[0])
+    lo, n = sum(p.size for _, p in named[:i]), named[i][1].size
+
+    def update(ddp):
+        inner = optim.make_optimizer(config.optimizer, ddp.parameters(), 1e-2, 0.1)
+        return CompressedUpdate(inner, ddp)
+
+    def velocity(ddp):
+        return MomentumCorrectedSGD(ddp, 1e-2, weight_decay=0.1)
+
+    for make, hook in (
+        (update, make_compressor(config.compress, seed=config.seed)),
+        (velocity, MomentumCorrection(make_compressor(config.compress, seed=1), 0.9)),
+    ):
+        got = by_hand(config, group, hook, make, frozen=frozen)
+        np.testing.assert_array_equal(got[lo : lo + n], start[lo : lo + n])  # never moved
+        assert not np.array_equal(got, start)  # the rest trained
+        every = comm.allgather(got, group=group).reshape(group.size, -1)
+        assert (every == every[0]).all()

@@ -77,7 +77,9 @@ class CompressedUpdate:
         self.optimizer.lr = lr
 
     def step(self) -> None:
-        params = self.ddp.parameters()
+        # frozen, or reached by no backward on this rank: no .grad, no step, u_w = 0 (its
+        # bucket slot keeps the zeros zero_grad left)
+        params = [p for p in self.ddp.parameters() if p.grad is not None]
         before = [p.data.copy() for p in params]
         self.optimizer.step()
         for p, theta in zip(params, before):  # .grad := u_w (weighed into the buckets); θ back
@@ -85,8 +87,8 @@ class CompressedUpdate:
             p.data[...] = theta
         with self.timeline.span("gradient sync wait"):
             self.ddp.finish_gradient_sync()  # every bucket through the hook: Σ_w (n_w/B)·C(p_w)
-        for p in params:
-            if p.grad is not None:  # None: no rank's backward reached it (DDP's rule)
+        for p in self.ddp.parameters():
+            if p.grad is not None:  # None: frozen, or no rank's backward reached it
                 p.data -= p.grad
 
     def zero_grad(self) -> None:

@@ -100,11 +100,12 @@ class MomentumCorrectedSGD:
         params = self.ddp.parameters()
         if self.weight_decay:  # torch's SGD: g + wd·θ, before the momentum
             for p in params:
-                p.grad += p.grad.dtype.type(self.weight_decay) * p.data
+                if p.grad is not None:  # None: frozen, or no backward here reached it
+                    p.grad += p.grad.dtype.type(self.weight_decay) * p.data
         with self.timeline.span("gradient sync wait"):
             self.ddp.finish_gradient_sync()  # each bucket through MomentumCorrection
         for p in params:  # plain SGD on Σ_w C(v_w)
-            if p.grad is not None:  # None: no rank's backward reached it (DDP's rule)
+            if p.grad is not None:  # None: frozen, or no rank's backward reached it
                 p.data -= p.grad.dtype.type(self.lr) * p.grad
 
     def zero_grad(self) -> None:
