@@ -6,7 +6,7 @@ back. Leaves that require a gradient (parameters) accumulate into `.grad`, as in
 fire their grad-ready hooks the moment that gradient is final: data parallelism launches its
 communication from those hooks while backward goes on.
 
-Writing an op, the contract (for every op in tensor_ops.py, ops.py, and outside minidp):
+Writing an op, the contract (for every op in tensor_ops.py, functional.py, and outside minidp):
 compute the forward on arrays and return `op(data, parents, backward)`. `backward(g)`,
 written right beside the forward, maps the gradient of the loss with respect to the output
 to a tuple with one entry per parent: that parent's gradient, or None where it needs none.

@@ -2,7 +2,7 @@
 
 `Tensor` (autograd.py) takes these methods from `TensorOps`; every one computes its forward
 on arrays and returns `op(data, parents, backward)`, the contract at the top of autograd.py.
-Matmul, the nonlinearities, joining ops and losses are in ops.py.
+Matmul, the nonlinearities, joining ops and losses are in functional.py.
 """
 
 import operator

@@ -105,7 +105,7 @@ def parse_args(argv: list[str]):
         try:
             make_compressor(spec)  # the class checks its value
         except ValueError as error:
-            raise die(f"bench compress: {error}") from None
+            raise die(f"bench compress: --compressors {error}") from None
     if args.lr is None:
         args.lr = LR[args.optimizer]
     if args.steps <= TAIL:

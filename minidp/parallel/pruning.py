@@ -20,9 +20,10 @@ replicas ever to differ, the packed vectors would no longer line up; this is why
 is refused together with --compress (a lossy reduction need not keep replicas identical).
 
 The hook goes in through `DistributedDataParallel.register_comm_hook`, as every gradient
-transform does. It reads its masks from a MagnitudePruner (`attach_pruner` builds one from
-the config and plugs it in: `--prune`), or from the masks the torch-named functions of
-minidp/prune/functions.py left on a user's model (`masked_allreduce_hook(ddp)`).
+transform does. It reads its masks from a MagnitudePruner
+(`MaskedAllreduce(pruner, ddp.buckets, algo)`; `--prune` builds one so, in
+strategies/dp.py), or from the masks the torch-named functions of minidp/prune/functions.py
+left on a user's model (`masked_allreduce_hook(ddp)`).
 """
 
 import numpy as np
@@ -90,26 +91,6 @@ class MaskedAllreduce:
             "prune_dense_grad_elements": self.dense_elements,
             "prune_bytes_per_step": self.step_bytes,
         }
-
-
-def attach_pruner(ddp: DistributedDataParallel, optimizer, config) -> MaskedAllreduce | None:
-    """The pruner `--prune` asks for, its hook registered on `ddp`; None without --prune.
-    The hook holds the pruner (`hook.pruner`)."""
-    if not config.prune:
-        return None
-    config = config.resolved()  # the schedule's unset steps follow --steps
-    pruner = MagnitudePruner(
-        ddp.model,
-        optimizer,
-        target=config.prune,
-        start=config.prune_start,
-        end=config.prune_end,
-        every=config.prune_every,
-        scope=config.prune_scope,
-    )
-    hook = MaskedAllreduce(pruner, ddp.buckets, config.allreduce)
-    ddp.register_comm_hook(hook)
-    return hook
 
 
 def masked_allreduce_hook(ddp: DistributedDataParallel, algo: str | None = None) -> MaskedAllreduce:

@@ -1,5 +1,6 @@
-"""The `--strategy` recipes: each builds a Mesh, wraps the task's model in the pieces of
-minidp.parallel, and hands them to the one step skeleton (step.py). Read in this order:
+"""The `--strategy` recipes: each wraps the task's model in the pieces of minidp.parallel
+over its group (tp and hybrid: over a Mesh's axes) and hands them to the one step skeleton
+(step.py). Read in this order:
 
     protocol.py      what the training loop drives, and Recipe: reports from declarations
     step.py          the step skeleton, written once

@@ -13,10 +13,10 @@ the same on every rank: each computes them alone, with nothing to gather.
 
 What plugs in (`DDPAxis`, the data-parallel axis as DDP: the hybrid uses it too):
 `--compress` and `--prune` replace the bucket allreduce through DDP's communication hook
-(compress.py, parallel/pruning.py); `--compress-on update` runs the optimizer before the reduction
-(parallel/compression/update.py: a synchronizer that leaves gradients local and an optimizer wrapper
-that reduces the step), `--compress-on velocity` momentum SGD's velocity, DGC's momentum
-correction (parallel/compression/velocity.py); both clip each rank's own gradient, locally.
+(parallel/compression/table.py, parallel/pruning.py); `--compress-on update` runs the optimizer
+before the reduction (parallel/compression/update.py: a synchronizer that leaves gradients local and
+an optimizer wrapper that reduces the step), `--compress-on velocity` momentum SGD's velocity, DGC's
+momentum correction (parallel/compression/velocity.py); both clip each rank's own gradient, locally.
 """
 
 import numpy as np
@@ -28,7 +28,8 @@ from minidp.parallel.compression.table import compression_line, compression_reco
 from minidp.parallel.compression.update import CompressedUpdate, LocalGradients
 from minidp.parallel.compression.velocity import MomentumCorrectedSGD, MomentumCorrection
 from minidp.parallel.data_parallel.ddp import DistributedDataParallel
-from minidp.parallel.pruning import attach_pruner
+from minidp.parallel.pruning import MaskedAllreduce
+from minidp.prune.magnitude import MagnitudePruner
 from minidp.strategies.protocol import Clock, Recipe
 from minidp.strategies.step import Step, check_micro_batches
 from minidp.training.config import BadConfig
@@ -36,20 +37,40 @@ from minidp.training.config import BadConfig
 OVERLAP = {"auto": "auto", "on": True, "off": False}  # --overlap -> DDP's overlap=
 
 
+def attach_pruner(ddp: DistributedDataParallel, optimizer, config) -> MaskedAllreduce | None:
+    """The pruner `--prune` asks for, its hook registered on `ddp`; None without --prune.
+    The hook holds the pruner (`hook.pruner`)."""
+    if not config.prune:
+        return None
+    config = config.resolved()  # the schedule's unset steps follow --steps
+    pruner = MagnitudePruner(
+        ddp.model,
+        optimizer,
+        target=config.prune,
+        start=config.prune_start,
+        end=config.prune_end,
+        every=config.prune_every,
+        scope=config.prune_scope,
+    )
+    hook = MaskedAllreduce(pruner, ddp.buckets, config.allreduce)
+    ddp.register_comm_hook(hook)
+    return hook
+
+
 class DDPAxis:
     """The data-parallel axis as DDP: `model` wrapped in DistributedDataParallel over
     `dp_group`, its comm hook (--compress, --prune), the optimizer (the config's unless
-    `optimizer` is given) and the --compress-on placement. `step(...)` builds the skeleton
+    `optimizer` is given) and the --compress-on placement. `make_step(...)` builds the skeleton
     over them; the rest is what a recipe reports, saves and closes."""
 
     def __init__(self, model, dp_group: comm.Group, config, timeline, optimizer=None):
         self.config, self.dp_group = config, dp_group
-        try:  # --compress: a bad value is found alike on every rank, before any message
+        try:  # --compress: a bad value is found alike on every rank (dp: before any message)
             self.compressor = make_compressor(
                 config.compress, config.allreduce, config.seed, config.compress_warmup
             )
-        except ValueError as error:
-            raise BadConfig(str(error)) from None
+        except ValueError as error:  # the piece names the spec; the flag goes in front
+            raise BadConfig(f"--compress {error}") from None
         self.ddp = ddp = DistributedDataParallel(
             model,
             dp_group,
@@ -83,7 +104,7 @@ class DDPAxis:
             self.stepper = MomentumCorrectedSGD(ddp, config.lr, wd, timeline)
         self.clock = Clock(lambda: ddp.comm_seconds, lambda: ddp.exposed_seconds)
 
-    def step(self, loss, clip, timeline, after_sync=()) -> Step:
+    def make_step(self, loss, clip, timeline, after_sync=()) -> Step:
         """The skeleton over these pieces; `clip` is the recipe's global-norm clip, replaced
         by a local one where the optimizer runs before the reduction."""
         config = self.config
@@ -197,7 +218,7 @@ class DataParallel(Recipe):
         self.compressor, self.pruning = dp.compressor, dp.pruning
         self.axes, self.clocks = {"dp": [dp.ddp.comm_group, group]}, [dp.clock]
         self.clip_params = dp.ddp.parameters()
-        self.run = dp.step(self.loss, self.clip, self.timeline)
+        self.run = dp.make_step(self.loss, self.clip, self.timeline)
         self.data_shard = (group.rank, group.size)
 
     def loss(self, indices: np.ndarray):

@@ -41,9 +41,9 @@ What a strategy must say, and why the loop cannot work it out itself:
   final record and a closing line.
 
 Most strategies are recipes (`Recipe`, below): a short __init__ that checks its flags, builds
-a Mesh, wraps the task's model in pieces (DDP, ZeRO's sharding, the TP GPT) and hands them
-to the one step skeleton (step.py). It *declares* its groups per mesh axis, where its
-communication time is read (`Clock`s) and what arrays it holds per memory category; the
+a Mesh where it needs one (tp, hybrid), wraps the task's model in pieces (DDP, ZeRO's sharding, the
+TP GPT) and hands them to the one step skeleton (step.py). It *declares* its groups per mesh axis,
+where its communication time is read (`Clock`s) and what arrays it holds per memory category; the
 reports above are computed from those declarations here, once. A hybrid composes the same
 pieces (tp.py): no scheme's class derives from another's. The parameter server
 (ps.py), whose step is a push and a pull, implements the protocol directly.
@@ -156,6 +156,7 @@ class Recipe(Strategy):
     - `axes`: {"dp": [groups], "tp": [...], "pp": [...]}: the groups whose data bytes this
       rank sent count on each axis (an axis it does not name, it does not report);
     - `clocks`: [Clock], summed into comm_seconds and exposed_seconds;
+    - `clip_params`: the parameters (or shard pieces) `clip()` scales;
 
     and implements `held()`, {category: [arrays and byte counts]} for memory_bytes (every
     category of MEMORY but activations_peak, which the skeleton measures), and `norm(kind)`,

@@ -24,6 +24,10 @@ The pieces, each anything with the methods named:
 - hooks: `before` the step, `after_sync` (TP's replicated gradients), `after_step` (ZeRO's
   parameter allgather, the hybrid's drift broadcast): plain callables.
 
+With `--compress-on update` or `velocity` the synchronizer never reduces in backward and
+the optimizer wrapper syncs inside its step: the trace then shows an empty "gradient sync
+wait" here and the real one inside "optimizer".
+
 Replicas stay identical, so the global loss (one scalar allreduce over the data-parallel
 group) is the same on every rank, and every rank skips a non-finite step alike: no message
 is left unmatched.

@@ -128,7 +128,7 @@ class OnTheMesh(Recipe):
         self.ddp, self.optimizer, self.comm_group = dp.ddp, dp.optimizer, dp.ddp.comm_group
         self.compressor, self.pruning = dp.compressor, dp.pruning
         self.clocks, self.clip_params = [dp.clock], self.model.parameters()
-        self.run = dp.step(self.loss, self.clip, self.timeline, [self.sync_replicated])
+        self.run = dp.make_step(self.loss, self.clip, self.timeline, [self.sync_replicated])
 
     def use_zero(self, make_optimizer=None) -> None:
         """ZeRO over the DP axis (zero_over_tp.py): rank (d, t) keeps chunk d of TP shard t."""
@@ -136,7 +136,7 @@ class OnTheMesh(Recipe):
         self.optimizer, self.comm_group, self.gathered = z.optimizer, z.comm_group, z.gathered
         self.layout, self.pieces, self.shard = z.layout, z.pieces, z.shard
         self.clocks, self.clip_params = [z.clock], z.pieces
-        self.run = z.step(self.loss, self.clip, [self.broadcast_drift])
+        self.run = z.make_step(self.loss, self.clip, [self.broadcast_drift])
 
     def loss(self, indices: np.ndarray):
         return self.model.loss(*self.task.batch(indices))

@@ -30,9 +30,15 @@ One step, over the data-parallel `group` (the whole world, or a mesh's DP axis):
               put back after it, as DDP's optimizer skips it; allgather every bucket
     stage 2   the same, but a bucket's gradients go to a staging vector when ready and are
               dropped after its reduce-scatter: only my gradient chunks stay
-    (parallel/zero/grads.py) stage 3   parameters sharded too: each layer is allgathered before its
-              forward and again before its backward, released after (parallel/zero/stage3.py); its
-              gradients are reduce-scattered when ready; AdamW on my chunks; nothing to gather after
+              (parallel/zero/grads.py)
+    stage 3   parameters sharded too: each layer is allgathered before its forward and
+              again before its backward, released after (parallel/zero/stage3.py); its
+              gradients are reduce-scattered when ready; AdamW on my chunks; no allgather
+
+At stages 2 and 3 this recipe steps every chunk: the models of the command line have no
+parameter that a step leaves without a gradient. FullyShardedDataParallel, the same stages
+as a piece for a user's model, skips such a parameter as DDP does (one small max-allreduce
+of its reached flags per step, which this recipe does not pay).
 
 Communication per rank per step (ring algorithms, n elements): DP allreduces 2(N-1)/N·Ψ;
 stages 1 and 2 reduce-scatter and allgather (N-1)/N·Ψ each, the same bytes; stage 3 adds the
@@ -101,7 +107,7 @@ class ZeRO(Recipe):
             [z.clock],
             z.pieces,
         )
-        self.run = z.step(self.loss, self.clip)
+        self.run = z.make_step(self.loss, self.clip)
         self.data_shard = (group.rank, group.size)
 
     def loss(self, indices: np.ndarray):

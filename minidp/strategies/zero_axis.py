@@ -18,11 +18,9 @@ import numpy as np
 from minidp import comm, optim
 from minidp.memory import optimizer_bytes
 from minidp.parallel.data_parallel.buckets import bucket_groups
-from minidp.parallel.data_parallel.ddp import (
-    DistributedDataParallel,
-    check_same_model,
-    overlap_helps,
-)
+from minidp.parallel.data_parallel.comm_thread import overlap_helps
+from minidp.parallel.data_parallel.ddp import DistributedDataParallel
+from minidp.parallel.same_model import check_same_model
 from minidp.parallel.zero.flat import (
     ShardLayout,
     allgather_flat,
@@ -123,7 +121,10 @@ class ZeROAxis:
         zeros where a parameter has .grad None (no rank's backward reached it); keep that
         part of my chunks, and of their optimizer state, to put back after the step, so it
         is neither moved nor decayed (DDP's optimizer skips such a parameter). No copy when
-        every parameter was reached."""
+        every parameter was reached. Not all of DDP's rule: AdamW's step count is per piece
+        (a segment's chunk), so a parameter skipped on some steps and reached on others gets
+        the bias correction of its piece's count, not of its own. Reads the state of
+        minidp.optim's optimizers (a list of per-piece dicts of arrays)."""
         states = getattr(self.optimizer, "state", [{}] * len(self.pieces))
         self.aside = [
             (array, s, array[s].copy())
@@ -138,7 +139,7 @@ class ZeROAxis:
             array[s] = kept
         self.aside = []
 
-    def step(self, loss, clip, after_step=()) -> Step:
+    def make_step(self, loss, clip, after_step=()) -> Step:
         """The skeleton over these pieces (`clip`: the recipe's, each chunk counted once)."""
         config = self.config
         return Step(

@@ -6,7 +6,8 @@ parallelism inside each TP group.
 What ZeRO flattens is the TP model this rank holds (parallel/tensor_parallel/gpt.py): TP rank t's
 shards of the split layers and the replicated parameters (LayerNorms, wpe, row-parallel biases), Ψ_t
 elements in all. Its DP group is the D ranks with the same t, which hold the same TP shard,
-so zero.py runs unchanged on it: rank (d, t) keeps chunk d of TP shard t's flat vector.
+so ZeROAxis (zero_axis.py) runs unchanged on it: rank (d, t) keeps chunk d of TP shard t's flat
+vector.
 
     grid dp 2 x tp 2     tp groups {0,1} {2,3}: f, g inside the model, as without ZeRO
                          dp groups {0,2} {1,3}: reduce-scatter, AdamW on my chunk, allgather

@@ -50,7 +50,7 @@ def flag(default, help: str, *, with_: str | None = None, **metadata):
 
 @dataclass
 class TrainConfig:
-    strategy: str = flag("dp", "how ranks share the work (minidp.parallel.STRATEGIES names them)")
+    strategy: str = flag("dp", "how ranks share the work (minidp.strategies.STRATEGIES names them)")
     model: str = flag("gpt", "model to train", choices=("gpt", "mlp"))
     steps: int = flag(300, "optimizer steps")
     batch_size: int = flag(16, "GLOBAL batch (sequences for gpt, examples for mlp)")

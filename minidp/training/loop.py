@@ -6,7 +6,7 @@
 
 One loop for every scheme. It reads top to bottom: build the task (model and data) from one
 seed, so every rank holds the same model; hand it to the strategy that `--strategy` names
-(minidp.parallel.STRATEGIES; the protocol is in strategies/protocol.py); then, for each step,
+(minidp.strategies.STRATEGIES; the protocol is in strategies/protocol.py); then, for each step,
 take the examples of the global batch this rank computes on and let the strategy do the
 step (forward, backward, communication, clipping, optimizer); log; report. Who writes: the
 group's rank 0 prints, writes the JSON records and the sample; every rank may keep a log.

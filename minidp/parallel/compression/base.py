@@ -12,7 +12,7 @@ Every compressor takes `algo` (the allreduce algorithm for what is still allredu
 (the seed every rank shares) and `warmup` (see below); its `state_dict()` holds its
 residuals, round counters and any warm start. The compressors: FP16, BF16 (cast.py),
 TopK, RandomK (sparse.py), Sign, SignNoEF, QSGD (quant.py), PowerSGD
-(lowrank.py); compress.py's `make_compressor` builds one from `--compress NAME:PARAM`.
+(lowrank.py); table.py's `make_compressor` builds one from a spec NAME:PARAM (`--compress`).
 
 `compressor(bucket, group)` leaves in `bucket.data` the sum over the group of every rank's
 *compressed* bucket, instead of the exact sum an allreduce gives. One round, on rank w,

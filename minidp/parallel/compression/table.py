@@ -54,24 +54,24 @@ def default_param(name: str) -> float | None:
 
 
 def parse_compress(spec: str) -> tuple[str, float | None]:
-    """(name, param) of a --compress value: the name checked, the number read (an integral
-    one as an int); the class checks the value (make_compressor). ValueError, one line."""
+    """(name, param) of a spec NAME[:PARAM] (--compress's value): the name checked, the
+    number read (an integral one as an int); the class checks the value (make_compressor).
+    ValueError, one line naming the spec (the command line puts its flag in front)."""
     name, _, text = spec.partition(":")
     if name != "none" and name not in COMPRESSORS:
         raise ValueError(
-            f"--compress {spec!r}: unknown compressor {name!r}; choose from none, "
-            + ", ".join(COMPRESSORS)
+            f"{spec!r}: unknown compressor {name!r}; choose from none, " + ", ".join(COMPRESSORS)
         )
     if name == "none" or COMPRESSORS[name].param is None:
         if text:
-            raise ValueError(f"--compress {spec!r}: {name} takes no parameter")
+            raise ValueError(f"{spec!r}: {name} takes no parameter")
         return name, None
     if not text:
         return name, default_param(name)
     try:
         param = float(text)
     except ValueError:
-        raise ValueError(f"--compress {spec!r}: {text!r} is not a number") from None
+        raise ValueError(f"{spec!r}: {text!r} is not a number") from None
     return name, int(param) if param.is_integer() else param
 
 
@@ -81,7 +81,7 @@ def make_compressor(
     """The compressor a --compress value names (None for "none": the plain allreduce), built
     with its class's keywords: "powersgd:2" is PowerSGD(rank=2, algo=..., seed=..., ...).
     `warmup`: rounds of each bucket allreduced uncompressed first (--compress-warmup). A bad
-    value is the class's ValueError, with the flag's value in front."""
+    value is the class's ValueError, with the spec in front."""
     name, param = parse_compress(spec)
     if name == "none":
         return None
@@ -90,7 +90,7 @@ def make_compressor(
     try:
         return cls(**keywords, algo=algo, seed=seed, warmup=warmup)
     except ValueError as error:
-        raise ValueError(f"--compress {spec!r}: {error}") from None
+        raise ValueError(f"{spec!r}: {error}") from None
 
 
 def compression_record(spec: str, compressor, buckets, sent: int, steps: int, p: int) -> dict:

@@ -31,10 +31,10 @@ have gone (PyTorch's reducer): every rank runs the same collectives in the same 
 
 Speed tricks, each a module of its own, on or off in `TRICKS` (or the `tricks` argument);
 each gives the plain path's bits (test_ddp_tricks.py), `bench dp --case tricks` measures it:
-    shared_memory   shm_arena.py       buckets carved from one shared-memory arena
-    coalesce        coalesce.py  buckets that go together reduced in one collective
-    quick_gil       gil.py       a short GIL switch interval while the thread runs
-    host_stage      host_stage.py    torch tensors through reused (pinned) host buffers
+    shared_memory   shm_arena.py    buckets carved from one shared-memory arena
+    coalesce        coalesce.py     buckets that go together reduced in one collective
+    quick_gil       gil.py          a short GIL switch interval while the thread runs
+    host_stage      host_stage.py   CUDA tensors through kept, pinned host buffers
 
 As PyTorch's DDP: a shared (tied) parameter has one slot, a frozen one none; one unused on
 some ranks gets their zeros, on every rank .grad None (unused_params.py). Uneven batches:
@@ -56,7 +56,7 @@ from minidp.parallel.data_parallel.comm_thread import overlap_helps
 from minidp.parallel.data_parallel.gil import quick_gil_handover
 from minidp.parallel.data_parallel.host_stage import HostStage, PlainStage
 from minidp.parallel.data_parallel.unused_params import ReachedFlags
-from minidp.parallel.same_model import ModelMismatch, check_same_model  # noqa: F401
+from minidp.parallel.same_model import check_same_model
 from minidp.trace import Timeline
 from minidp.weight_grads import defer_weight_grads
 

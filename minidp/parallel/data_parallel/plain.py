@@ -5,14 +5,16 @@ parameter. Then every replica takes the step one process would take on the whole
     mpiexec -n 4 python tutorials/05_data_parallel.py     (builds up to this, then beyond)
 
     ddp = SimpleDistributedDataParallel(model)   # every rank starts from rank 0's weights
+    opt.zero_grad()
     loss = cross_entropy(ddp(x), y)              # each rank: the mean over its own examples
     loss.backward()
-    ddp.finish_gradient_sync()                   # p.grad <- (1/p) sum_r p.grad_r, per parameter
+    ddp.finish_gradient_sync()                   # w.grad <- (1/N) sum_r w.grad_r, for each w
     opt.step()
 
-Why the average is right: with p equal slices, the global mean loss is (1/p) sum_r L_r, so
-its gradient is (1/p) sum_r grad L_r. Cost per step, in the α-β model (Thakur et al.): one
-allreduce per parameter, so k parameters pay k·α of latency besides the bandwidth term.
+Why the average is right: with N ranks on equal slices, the global mean loss is
+(1/N) sum_r L_r, so its gradient is (1/N) sum_r grad L_r. Cost per step, in the α-β model
+(Thakur et al.): one allreduce per parameter, so k parameters pay k·α of latency besides the
+bandwidth term.
 
 ddp.py's DistributedDataParallel is this with the speed put back: gradients packed
 into a few buckets (one α per bucket), reduced as backward produces them (overlap), uneven

@@ -68,7 +68,7 @@ import numpy as np
 from minidp import comm
 from minidp.nn import Module
 from minidp.parallel.across_ranks import clip_global_norm
-from minidp.parallel.data_parallel.ddp import check_same_model
+from minidp.parallel.same_model import check_same_model
 from minidp.parallel.zero.flat import allgather_flat, gather_whole, pieces, slices_in
 from minidp.parallel.zero.sharded import ALGOS, ShardedModel
 from minidp.parallel.zero.stage3 import units_of
