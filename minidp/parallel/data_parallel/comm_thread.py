@@ -11,14 +11,15 @@ Why a thread, and not non-blocking messages advanced between backward ops: the c
 in minidp.comm are ordinary blocking code a reader can follow, and NumPy's BLAS and MPI's
 blocking calls release the GIL, so the thread's messages really do proceed beside the
 matmuls of the rest of backward. Both threads still take turns holding the GIL for their
-Python code: the thread runs inside an `around` context, by default gil.py's short
-switch interval (a speed trick of its own; DDP can turn it off).
+Python code: the thread runs inside an `around` context, plainly nothing; DDP and ZeRO pass
+gil.py's short switch interval (a speed trick of its own, on by default in DDP's TRICKS).
 
 Nothing here refers back to the DistributedDataParallel that started the thread: the thread
 holds only its queues and a `Reducer`, so a DDP that is dropped without `close()` is still
 collected, and its finalizer stops the thread (and with it the short switch interval).
 """
 
+import contextlib
 import queue
 import threading
 import time
@@ -28,8 +29,7 @@ import numpy as np
 from minidp import comm
 from minidp.info import cores_per_rank
 from minidp.parallel.data_parallel.buckets import Bucket
-from minidp.parallel.data_parallel.gil import quick_gil_handover
-from minidp.parallel.data_parallel.host_stage import HostBucket, HostStage
+from minidp.parallel.data_parallel.host_stage import HostBucket, HostStage, PlainStage
 from minidp.trace import Timeline
 
 
@@ -66,12 +66,12 @@ def allreduce_hook(algo: str = "auto"):
 class Reducer:
     """Reduces one bucket with the hook on `group`, and keeps the time it took.
 
-    A bucket of torch tensors (--backend torch) goes through `stage` (host_stage.py): the
-    hook sees its host NumPy copy, and the result is copied back."""
+    A bucket of torch tensors (--backend torch) goes through `stage` (host_stage.py; plainly
+    `t.cpu().numpy()`): the hook sees a host NumPy array, and the result goes back."""
 
     def __init__(self, hook, group: comm.Group, timeline: Timeline, stage: HostStage | None = None):
         self.hook, self.group, self.timeline = hook, group, timeline
-        self.stage = stage or HostStage(timeline)
+        self.stage = stage or PlainStage(timeline)
         self.seconds = 0.0  # time inside the hook, in total (read differences)
 
     def __call__(self, bucket: Bucket, share: float) -> None:
@@ -110,9 +110,9 @@ def reduce_each(reducer: Reducer, buckets: list[Bucket]) -> None:
 
 class CommThread:
     """A thread that runs `reducer(bucket, share)` for each submitted bucket, in order,
-    inside `around()` (default: gil.quick_gil_handover; contextlib.nullcontext: none)."""
+    inside `around()` (a context; plainly none, DDP passes gil.quick_gil_handover)."""
 
-    def __init__(self, reducer: Reducer, around=quick_gil_handover):
+    def __init__(self, reducer: Reducer, around=contextlib.nullcontext):
         self._work: queue.Queue = queue.Queue()
         self._done: queue.Queue = queue.Queue()
         self._in_flight = 0  # submitted, not yet waited for

@@ -25,6 +25,7 @@ import numpy as np
 
 from minidp import comm
 from minidp.parallel.data_parallel.comm_thread import CommThread, Reducer
+from minidp.parallel.data_parallel.gil import quick_gil_handover
 from minidp.parallel.zero.flat import ShardLayout
 from minidp.trace import Timeline
 from minidp.weight_grads import defer_weight_grads
@@ -79,7 +80,8 @@ class ShardedGradients:
         self.layout, self.order, self.shard = layout, launch_order, shard
         self.group = group
         self.reducer = Reducer(reduce_scatter_hook(algo), group, timeline)
-        self._thread = CommThread(self.reducer) if overlap else None
+        # as DDP's thread, with its short GIL switch interval (data_parallel/gil.py)
+        self._thread = CommThread(self.reducer, quick_gil_handover) if overlap else None
         self._segment_of = {id(p): s for s, seg in enumerate(layout.segments) for p in seg}
         params = [p for seg in layout.segments for p in seg]  # flat order
         self._index_of = {id(p): k for k, p in enumerate(params)}
