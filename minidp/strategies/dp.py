@@ -79,6 +79,17 @@ class DDPAxis:
             overlap=OVERLAP[config.overlap],
             timeline=timeline,
         )
+        try:  # what plugs into it; the DDP closed again if that fails
+            self._plug_in(model, config, timeline, optimizer)
+        except BaseException:
+            ddp.close()
+            raise
+        self.clock = Clock(lambda: ddp.comm_seconds, lambda: ddp.exposed_seconds)
+
+    def _plug_in(self, model, config, timeline, optimizer) -> None:
+        """The optimizer, the comm hook (--compress, --prune) and the --compress-on
+        placement: what the skeleton drives."""
+        ddp = self.ddp
         self.optimizer_from_config = optimizer is None  # else the caller's, named by no flag
         self.optimizer = optimizer or optim.make_optimizer(
             config.optimizer, model.parameters(), config.lr, config.weight_decay
@@ -102,7 +113,6 @@ class DDPAxis:
             wd = config.weight_decay
             self.sync = LocalGradients(ddp)
             self.stepper = MomentumCorrectedSGD(ddp, config.lr, wd, timeline)
-        self.clock = Clock(lambda: ddp.comm_seconds, lambda: ddp.exposed_seconds)
 
     def make_step(self, loss, clip, timeline, after_sync=()) -> Step:
         """The skeleton over these pieces; `clip` is the recipe's global-norm clip, replaced
