@@ -1,0 +1,79 @@
+"""Cutting a user's model into pipeline stages: which layers each stage runs.
+
+    GPT, n_layer 5, 3 stages:   stage 0: wte + wpe, blocks 0 1
+                                stage 1:            blocks 2 3
+                                stage 2:            block  4,  ln_f + head
+    MLP, 4 Linears, 3 stages:   stage 0: layers 0 1 | stage 1: layer 2 | stage 2: layer 3
+
+Blocks (or layers) go to stages as evenly as possible, the first `n % S` stages taking one
+more (`chunk_bounds`, as a vector is cut into chunks). A part holds the user's own modules,
+not copies: its parameters are the model's, frozen ones included, and training a part
+trains the model. The loss is not in the part: the last PipelineStage applies it.
+"""
+
+import numpy as np
+
+from minidp import nn
+from minidp.autograd import Tensor
+from minidp.chunks import chunk_bounds
+
+__all__ = ["GPTPart", "MLPPart", "split_model"]
+
+
+class GPTPart(nn.Module):
+    """Blocks [lo, hi) of a GPT, with the embeddings in front on the first stage and the
+    final LayerNorm and head behind on the last. Input: token ids (first) or activations
+    (B, T, C); output: activations, or logits (B, T, vocab_size) on the last."""
+
+    def __init__(self, gpt: nn.GPT, lo: int, hi: int):
+        self.first, self.last = lo == 0, hi == len(gpt.blocks)
+        if self.first:
+            self.wte, self.wpe, self.drop = gpt.wte, gpt.wpe, gpt.drop
+            self.block_size = gpt.config.block_size
+        self.blocks = gpt.blocks[lo:hi]
+        if self.last:
+            self.ln_f, self.head = gpt.ln_f, gpt.head
+
+    def forward(self, x) -> Tensor:
+        if self.first:  # GPT.forward's embedding, line for line
+            idx = np.asarray(x)
+            T = idx.shape[-1]
+            if T > self.block_size:
+                raise ValueError(f"sequence of {T} tokens is longer than {self.block_size}")
+            x = self.drop(self.wte(idx) + self.wpe(np.arange(T)))
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x)) if self.last else x
+
+
+class MLPPart(nn.Module):
+    """Layers [lo, hi) of an MLP: a ReLU after each but the model's last layer."""
+
+    def __init__(self, mlp: nn.MLP, lo: int, hi: int):
+        self.layers = mlp.layers[lo:hi]
+        self.relu = [lo + i < len(mlp.layers) - 1 for i in range(hi - lo)]
+        self.fuse_relu = mlp.fuse_relu
+
+    def forward(self, x) -> Tensor:
+        for layer, relu in zip(self.layers, self.relu):
+            x = layer(x, relu=True) if relu and self.fuse_relu else layer(x)
+            if relu and not self.fuse_relu:
+                x = x.relu()
+        return x
+
+
+def split_model(model: nn.Module, num_stages: int) -> list[nn.Module]:
+    """The `num_stages` parts of a user's nn.GPT or nn.MLP, in order (see the module doc).
+    ValueError naming `num_stages` when the model has fewer blocks (layers) than stages."""
+    if isinstance(model, nn.GPT):
+        units, part, what = len(model.blocks), GPTPart, "blocks"
+    elif isinstance(model, nn.MLP):
+        units, part, what = len(model.layers), MLPPart, "layers"
+    else:
+        raise TypeError(f"split_model: model must be an nn.GPT or nn.MLP, got {type(model)}")
+    if not isinstance(num_stages, int) or num_stages < 1:
+        raise ValueError(f"num_stages must be a positive integer, got {num_stages!r}")
+    if num_stages > units:
+        raise ValueError(f"num_stages ({num_stages}) exceeds the model's {units} {what}")
+    bounds = chunk_bounds(units, num_stages)
+    return [part(model, bounds[s], bounds[s + 1]) for s in range(num_stages)]
