@@ -211,6 +211,30 @@ def test_b_then_w_equals_full_backward():
     stage.wait_sends()
 
 
+@pytest.mark.parallel(nprocs=[2])
+@pytest.mark.timeout(120)
+def test_held_activations_gpipe_against_1f1b():
+    """GPipe holds all M micro-batches' activations at its peak, 1F1B at most S - s of them
+    (the same bytes each: every micro-batch has one shape); all freed after the step."""
+    group = comm.world()
+    model = tiny_gpt(2)
+    stage = PipelineStage(split_model(model, 2)[group.rank], group.rank, 2, group)
+    inputs, targets = batches(model)[0]
+    micro_in, micro_t = np.split(inputs, MICRO), np.split(targets, MICRO)
+    peaks = {}
+    for schedule in (gpipe, one_f_one_b):
+        stage.reset_peaks()
+        run(stage, schedule(stage, MICRO), micro_in, micro_t)
+        stage.wait_sends()
+        assert stage.in_flight == stage.held_bytes == 0
+        peaks[schedule] = stage.peak_in_flight, stage.peak_bytes
+    per_micro_batch = peaks[gpipe][1] // MICRO
+    assert per_micro_batch > 0
+    assert peaks[gpipe] == (MICRO, MICRO * per_micro_batch)
+    s = stage.stage_index
+    assert peaks[one_f_one_b] == (2 - s, (2 - s) * per_micro_batch)
+
+
 # ---- four ranks ---------------------------------------------------------------------------
 @pytest.mark.parallel(nprocs=[4])
 @pytest.mark.timeout(180)
@@ -245,3 +269,21 @@ def test_stage_errors_name_the_argument():
         stage.forward(0, inputs=np.zeros((1, 6), int), targets=np.zeros((1, 6), int))
     with pytest.raises(ValueError, match="W before its B"):
         stage.backward_weight(0)
+
+
+class TiedHead(nn.Module):
+    """logits = X E^T with the embedding's own weight (GPT-2's tying)."""
+
+    def __init__(self, wte):
+        self.weight = wte.weight
+
+    def forward(self, x):
+        return x @ self.weight.transpose(1, 0)
+
+
+def test_a_weight_tied_across_stages_is_refused():
+    model = tiny_gpt(2)
+    model.head = TiedHead(model.wte)
+    assert len(split_model(model, 1)) == 1  # one stage: the tie stays on one rank
+    with pytest.raises(ValueError, match="'wte.weight' of stage 0 is also 'head.weight'"):
+        split_model(model, 2)

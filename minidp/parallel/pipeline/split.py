@@ -8,7 +8,9 @@
 Blocks (or layers) go to stages as evenly as possible, the first `n % S` stages taking one
 more (`chunk_bounds`, as a vector is cut into chunks). A part holds the user's own modules,
 not copies: its parameters are the model's, frozen ones included, and training a part
-trains the model. The loss is not in the part: the last PipelineStage applies it.
+trains the model. The loss is not in the part: the last PipelineStage applies it. A
+weight shared by two stages (a head tied to the embedding) is refused: its two gradients
+would live on two ranks (Megatron-LM allreduces them between the first and last stage).
 """
 
 import numpy as np
@@ -76,4 +78,22 @@ def split_model(model: nn.Module, num_stages: int) -> list[nn.Module]:
     if num_stages > units:
         raise ValueError(f"num_stages ({num_stages}) exceeds the model's {units} {what}")
     bounds = chunk_bounds(units, num_stages)
-    return [part(model, bounds[s], bounds[s + 1]) for s in range(num_stages)]
+    parts = [part(model, bounds[s], bounds[s + 1]) for s in range(num_stages)]
+    _check_nothing_shared(parts)
+    return parts
+
+
+def _check_nothing_shared(parts: list[nn.Module]) -> None:
+    """A parameter in two parts (a head tied to the embedding, with the embedding on the
+    first stage and the head on the last) would get two halves of its gradient on two ranks
+    and drift apart: refused, naming it."""
+    owner: dict[int, tuple[int, str]] = {}
+    for s, part in enumerate(parts):
+        for name, p in part.named_parameters():
+            if id(p) in owner and owner[id(p)][0] != s:
+                first, first_name = owner[id(p)]
+                raise ValueError(
+                    f"num_stages ({len(parts)}): parameter {first_name!r} of stage {first} is "
+                    f"also {name!r} of stage {s} (a tied weight); stages cannot share one"
+                )
+            owner[id(p)] = (s, name)
