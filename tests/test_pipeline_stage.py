@@ -113,7 +113,7 @@ def train_pipelined(model, num_stages: int, schedule) -> tuple[list, list[float]
             for stage in reversed(stages):  # every stage's backwards, last stage first
                 run(stage, [a for a in schedule(stage, MICRO) if a[0] != "F"], micro_in, micro_t)
         for stage in stages:
-            assert stage.in_flight == 0 and not stage._weight_grads
+            assert stage.in_flight == stage.held_bytes == 0 and not stage._weight_grads
             stage.wait_sends()
         opt.step()
         last = [sum(st.losses.values()) for st in stages if st.is_last]
@@ -204,6 +204,8 @@ def test_b_then_w_equals_full_backward():
     for mb in (1, 0):
         stage.backward_input(mb)
     assert all(p.grad is None for p in stage.parameters())
+    assert stage.held_bytes > 0  # the factors W will multiply
+    comm.barrier()  # every B is over on every stage: B sent its gradients without W
     for mb in (0, 1):
         stage.backward_weight(mb)
     for p, g in zip(stage.parameters(), full):
@@ -279,6 +281,24 @@ class TiedHead(nn.Module):
 
     def forward(self, x):
         return x @ self.weight.transpose(1, 0)
+
+
+@pytest.mark.parametrize("make", [lambda: tiny_gpt(4), lambda: tiny_mlp(4)])
+def test_parts_hold_the_models_parameters_under_its_names(make):
+    model = make()
+    whole, group = model.state_dict(), SimpleNamespace(size=3, rank=0)
+    parts = split_model(model, 3)
+    states = [part.state_dict() for part in parts]
+    units = [len(getattr(part, "blocks", getattr(part, "layers", None))) for part in parts]
+    assert units == [2, 1, 1]  # 4 blocks (layers) over 3 stages: the first takes one more
+    assert sum(len(state) for state in states) == len(whole)
+    for state in states:
+        for name, value in state.items():
+            np.testing.assert_array_equal(value, whole[name])
+    stage = PipelineStage(parts[0], 0, 3, group)
+    stage.load_state_dict({name: value + 1 for name, value in states[0].items()})
+    for name, value in stage.state_dict().items():
+        np.testing.assert_array_equal(value, whole[name] + 1)
 
 
 def test_a_weight_tied_across_stages_is_refused():

@@ -27,8 +27,10 @@ Product's factors); the rest of the micro-batch's graph is freed after B.
 import numpy as np
 
 from minidp.autograd import LazyGradient, Tensor, op
+from minidp.memory import nbytes
+from minidp.weight_grads import Product
 
-__all__ = ["backward_input", "backward_weight"]
+__all__ = ["backward_input", "backward_weight", "kept_bytes"]
 
 
 def _array(g):
@@ -64,3 +66,11 @@ def backward_weight(kept: list[tuple[Tensor, object]]) -> None:
     grads = tuple(g for _, g in kept)
     ones = np.ones((), leaves[0].dtype)
     op(ones, leaves, lambda _seed: grads).backward()
+
+
+def kept_bytes(kept: list[tuple[Tensor, object]]) -> int:
+    """Bytes of what B kept for W: gradients, and each Product's two factors."""
+    arrays = []
+    for _, g in kept:
+        arrays += [g.x, g.g] if isinstance(g, Product) else [_array(g)]
+    return nbytes(arrays)

@@ -22,12 +22,25 @@ from minidp.chunks import chunk_bounds
 __all__ = ["GPTPart", "MLPPart", "split_model"]
 
 
+def _renumbered(named, list_name: str, offset: int):
+    """(name, parameter) pairs with `list_name.i.` renamed `list_name.{i + offset}.`: a
+    part's names are the whole model's (its state_dict loads into the model's)."""
+    head = list_name + "."
+    for name, p in named:
+        if name.startswith(head):
+            i, rest = name[len(head) :].split(".", 1)
+            name = f"{head}{int(i) + offset}.{rest}"
+        yield name, p
+
+
 class GPTPart(nn.Module):
     """Blocks [lo, hi) of a GPT, with the embeddings in front on the first stage and the
     final LayerNorm and head behind on the last. Input: token ids (first) or activations
-    (B, T, C); output: activations, or logits (B, T, vocab_size) on the last."""
+    (B, T, C); output: activations, or logits (B, T, vocab_size) on the last. Parameters
+    are named as in the whole GPT ("blocks.2.fc.weight" for its third block)."""
 
     def __init__(self, gpt: nn.GPT, lo: int, hi: int):
+        self.offset = lo
         self.first, self.last = lo == 0, hi == len(gpt.blocks)
         if self.first:
             self.wte, self.wpe, self.drop = gpt.wte, gpt.wpe, gpt.drop
@@ -47,11 +60,16 @@ class GPTPart(nn.Module):
             x = block(x)
         return self.head(self.ln_f(x)) if self.last else x
 
+    def _every_named_parameter(self, prefix: str):
+        return _renumbered(super()._every_named_parameter(prefix), prefix + "blocks", self.offset)
+
 
 class MLPPart(nn.Module):
-    """Layers [lo, hi) of an MLP: a ReLU after each but the model's last layer."""
+    """Layers [lo, hi) of an MLP: a ReLU after each but the model's last layer. Parameters
+    are named as in the whole MLP ("layers.2.weight")."""
 
     def __init__(self, mlp: nn.MLP, lo: int, hi: int):
+        self.offset = lo
         self.layers = mlp.layers[lo:hi]
         self.relu = [lo + i < len(mlp.layers) - 1 for i in range(hi - lo)]
         self.fuse_relu = mlp.fuse_relu
@@ -62,6 +80,9 @@ class MLPPart(nn.Module):
             if relu and not self.fuse_relu:
                 x = x.relu()
         return x
+
+    def _every_named_parameter(self, prefix: str):
+        return _renumbered(super()._every_named_parameter(prefix), prefix + "layers", self.offset)
 
 
 def split_model(model: nn.Module, num_stages: int) -> list[nn.Module]:

@@ -22,7 +22,7 @@ The stage keeps each micro-batch's graph from its forward to its backward (the r
 weighted loss, or the send's handle) and frees it after: `in_flight` and
 `peak_in_flight` count micro-batches, `held_bytes` and `peak_bytes` the activations
 (`minidp.memory.activation_bytes`, a lower bound: see memory.py), what 1F1B bounds and GPipe
-does not.
+does not; between a B and its W, what B kept for W (backward_split.kept_bytes) instead.
 """
 
 from minidp import functional
@@ -30,7 +30,7 @@ from minidp.autograd import Tensor
 from minidp.memory import activation_bytes
 from minidp.nn import Module
 from minidp.parallel.pipeline import communications as msg
-from minidp.parallel.pipeline.backward_split import backward_input, backward_weight
+from minidp.parallel.pipeline.backward_split import backward_input, backward_weight, kept_bytes
 
 __all__ = ["PipelineStage"]
 
@@ -72,7 +72,7 @@ class PipelineStage:
         self.outbox = msg.Outbox(group)
         self._anchor = Tensor(0.0, requires_grad=True)  # receive_activations' parent
         self._roots: dict[int, tuple[Tensor, int]] = {}  # mb -> (root of its graph, bytes)
-        self._weight_grads: dict[int, list] = {}  # mb -> what its B kept for its W
+        self._weight_grads: dict[int, tuple[list, int]] = {}  # mb -> (B kept for W, bytes)
         self.losses: dict[int, float] = {}  # the last stage's weighted loss per micro-batch
         self.in_flight = self.peak_in_flight = self.held_bytes = self.peak_bytes = 0
 
@@ -120,6 +120,9 @@ class PipelineStage:
         nbytes = activation_bytes(root)
         self._roots[micro_batch] = (root, nbytes)
         self.in_flight += 1
+        self._count(nbytes)
+
+    def _count(self, nbytes: int) -> None:
         self.held_bytes += nbytes
         self.peak_in_flight = max(self.peak_in_flight, self.in_flight)
         self.peak_bytes = max(self.peak_bytes, self.held_bytes)
@@ -141,15 +144,26 @@ class PipelineStage:
     def backward_input(self, micro_batch: int) -> None:
         """B for `micro_batch`: dL/d(input), sent upstream at once; the parameters'
         gradients kept (a Linear's uncomputed: x and dL/dy) for `backward_weight`."""
-        self._weight_grads[micro_batch] = backward_input(self._release(micro_batch))
+        kept = backward_input(self._release(micro_batch))
+        self._weight_grads[micro_batch] = kept, kept_bytes(kept)
+        self._count(self._weight_grads[micro_batch][1])  # held until W
 
     def backward_weight(self, micro_batch: int) -> None:
         """W for `micro_batch`: add the gradients its B kept into the parameters' .grad."""
         if micro_batch not in self._weight_grads:
             raise ValueError(f"micro_batch {micro_batch}: W before its B on this stage")
-        backward_weight(self._weight_grads.pop(micro_batch))
+        kept, nbytes = self._weight_grads.pop(micro_batch)
+        backward_weight(kept)
+        self.held_bytes -= nbytes
 
     # ---- around a step ---------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """The part's parameters, under the whole model's names (split.py)."""
+        return self.module.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.module.load_state_dict(state)
+
     def wait_sends(self) -> None:
         """Wait until every message this stage sent has been received (end of a step)."""
         self.outbox.wait()
