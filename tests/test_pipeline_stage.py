@@ -237,6 +237,25 @@ def test_held_activations_gpipe_against_1f1b():
     assert peaks[one_f_one_b] == (2 - s, (2 - s) * per_micro_batch)
 
 
+@pytest.mark.parallel(nprocs=[2])
+@pytest.mark.timeout(60)
+def test_a_receive_nothing_matches_times_out_naming_the_peer():
+    """Stage 1 waits for micro-batch 0, which stage 0 never sends: CollectiveTimeout within
+    the group's timeout, naming rank 0, instead of a hang."""
+    group = comm.world().dup()
+    group.timeout = 0.5
+    stage = PipelineStage(split_model(tiny_gpt(2), 2)[group.rank], group.rank, 2, group)
+    error = None
+    if stage.is_last:
+        with pytest.raises(
+            comm.CollectiveTimeout, match="heard nothing from rank\\(s\\) 0"
+        ) as error:
+            stage.forward(0, targets=np.zeros((2, 6), int))
+        for request, _ in group.receiving.values():
+            request.Cancel()  # what a collective's exit does after an error (group.py)
+    assert comm.allreduce(np.array([error is not None], np.int64))[0] == 1
+
+
 # ---- four ranks ---------------------------------------------------------------------------
 @pytest.mark.parallel(nprocs=[4])
 @pytest.mark.timeout(180)
