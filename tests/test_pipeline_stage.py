@@ -89,11 +89,11 @@ def split_b_w(stage, M):
     )
 
 
-def train_pipelined(model, num_stages: int, schedule) -> tuple[list, list[float]]:
+def train_pipelined(model, num_stages: int, schedule, recompute=False) -> tuple[list, list]:
     """model cut into num_stages stages over the world (stage s on rank s % P), trained by
     running `schedule(stage, M)`'s actions."""
     group = comm.world()
-    parts = split_model(model, num_stages)
+    parts = split_model(model, num_stages, recompute=recompute)
     stages = [
         PipelineStage(parts[s], s, num_stages, group)
         for s in range(group.rank, num_stages, group.size)
@@ -256,6 +256,24 @@ def test_a_receive_nothing_matches_times_out_naming_the_peer():
     assert comm.allreduce(np.array([error is not None], np.int64))[0] == 1
 
 
+@pytest.mark.parallel(nprocs=[2])
+@pytest.mark.timeout(120)
+def test_recomputation_gives_the_same_bits_and_holds_less():
+    """Blocks recomputed in backward: the same losses and parameters, bit for bit, as the
+    stages that keep everything; fewer bytes held at the peak. Split into B and W too."""
+    plain, plain_losses = train_pipelined(tiny_gpt(2), 2, one_f_one_b)
+    again, again_losses = train_pipelined(tiny_gpt(2), 2, one_f_one_b, recompute=True)
+    assert again_losses == plain_losses
+    for p, q in zip(plain[0].parameters(), again[0].parameters()):
+        np.testing.assert_array_equal(p.data, q.data)
+    assert again[0].peak_in_flight == plain[0].peak_in_flight
+    assert again[0].peak_bytes < plain[0].peak_bytes / 2
+    split, split_losses = train_pipelined(tiny_gpt(2), 2, split_b_w, recompute=True)
+    np.testing.assert_allclose(split_losses, plain_losses, rtol=1e-12)  # B and W too
+    for p, q in zip(plain[0].parameters(), split[0].parameters()):
+        np.testing.assert_allclose(p.data, q.data, rtol=1e-10, atol=1e-12)
+
+
 # ---- four ranks ---------------------------------------------------------------------------
 @pytest.mark.parallel(nprocs=[4])
 @pytest.mark.timeout(180)
@@ -270,6 +288,11 @@ def test_split_errors_name_the_argument():
         split_model(tiny_gpt(2), 3)
     with pytest.raises(ValueError, match="num_stages \\(5\\) exceeds the model's 4 layers"):
         split_model(tiny_mlp(4), 5)
+    with pytest.raises(ValueError, match="recompute=True: for an nn.GPT"):
+        split_model(tiny_mlp(4), 2, recompute=True)
+    dropping = nn.GPT(nn.GPTConfig(vocab_size=11, block_size=6, n_layer=2, dropout=0.1))
+    with pytest.raises(ValueError, match="recompute=True needs dropout 0"):
+        split_model(dropping, 2, recompute=True)
     with pytest.raises(TypeError, match="model must be an nn.GPT or nn.MLP"):
         split_model(nn.Linear(2, 2, rng=np.random.default_rng(0)), 1)
 

@@ -2,6 +2,7 @@
 through them (GPipe, 1F1B, interleaved 1F1B, zero bubble).
 
 Read in this order: communications.py (activations forward and gradients back, as autograd
-ops), split.py (a user's GPT or MLP cut into parts), backward_split.py (backward as B and
-W), stage.py (`PipelineStage`: the actions a schedule calls).
+ops), split.py (a user's GPT or MLP cut into parts), recompute.py (a block run again in
+backward instead of keeping its activations), backward_split.py (backward as B and W),
+stage.py (`PipelineStage`: the actions a schedule calls).
 """

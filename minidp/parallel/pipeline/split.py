@@ -13,11 +13,14 @@ weight shared by two stages (a head tied to the embedding) is refused: its two g
 would live on two ranks (Megatron-LM allreduces them between the first and last stage).
 """
 
+import functools
+
 import numpy as np
 
 from minidp import nn
 from minidp.autograd import Tensor
 from minidp.chunks import chunk_bounds
+from minidp.parallel.pipeline.recompute import recomputed
 
 __all__ = ["GPTPart", "MLPPart", "split_model"]
 
@@ -37,9 +40,16 @@ class GPTPart(nn.Module):
     """Blocks [lo, hi) of a GPT, with the embeddings in front on the first stage and the
     final LayerNorm and head behind on the last. Input: token ids (first) or activations
     (B, T, C); output: activations, or logits (B, T, vocab_size) on the last. Parameters
-    are named as in the whole GPT ("blocks.2.fc.weight" for its third block)."""
+    are named as in the whole GPT ("blocks.2.fc.weight" for its third block). `recompute`:
+    each block keeps only its input and runs again in backward (recompute.py)."""
 
-    def __init__(self, gpt: nn.GPT, lo: int, hi: int):
+    def __init__(self, gpt: nn.GPT, lo: int, hi: int, recompute: bool = False):
+        if recompute and gpt.config.dropout > 0:
+            raise ValueError(
+                f"recompute=True needs dropout 0 (got {gpt.config.dropout}): a block run "
+                "again would draw another dropout mask"
+            )
+        self.recompute = recompute
         self.offset = lo
         self.first, self.last = lo == 0, hi == len(gpt.blocks)
         if self.first:
@@ -57,7 +67,7 @@ class GPTPart(nn.Module):
                 raise ValueError(f"sequence of {T} tokens is longer than {self.block_size}")
             x = self.drop(self.wte(idx) + self.wpe(np.arange(T)))
         for block in self.blocks:
-            x = block(x)
+            x = recomputed(block, x) if self.recompute else block(x)
         return self.head(self.ln_f(x)) if self.last else x
 
     def _every_named_parameter(self, prefix: str):
@@ -85,13 +95,19 @@ class MLPPart(nn.Module):
         return _renumbered(super()._every_named_parameter(prefix), prefix + "layers", self.offset)
 
 
-def split_model(model: nn.Module, num_stages: int) -> list[nn.Module]:
+def split_model(model: nn.Module, num_stages: int, *, recompute: bool = False) -> list[nn.Module]:
     """The `num_stages` parts of a user's nn.GPT or nn.MLP, in order (see the module doc).
-    ValueError naming `num_stages` when the model has fewer blocks (layers) than stages."""
+    ValueError naming `num_stages` when the model has fewer blocks (layers) than stages.
+    `recompute` (GPT only): every block recomputed in backward (recompute.py)."""
     if isinstance(model, nn.GPT):
-        units, part, what = len(model.blocks), GPTPart, "blocks"
+        units, what = len(model.blocks), "blocks"
+        part = functools.partial(GPTPart, recompute=recompute)
     elif isinstance(model, nn.MLP):
         units, part, what = len(model.layers), MLPPart, "layers"
+        if recompute:
+            raise ValueError(
+                "recompute=True: for an nn.GPT's blocks (an MLP's layer keeps its input anyway)"
+            )
     else:
         raise TypeError(f"split_model: model must be an nn.GPT or nn.MLP, got {type(model)}")
     if not isinstance(num_stages, int) or num_stages < 1:
