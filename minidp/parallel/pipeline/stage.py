@@ -37,7 +37,9 @@ __all__ = ["PipelineStage"]
 
 class PipelineStage:
     """Stage `stage_index` of `num_stages`, running `module_part` on this rank of `group`
-    (the pipeline's ranks: stage s on group rank s % group.size). See the module doc."""
+    (the pipeline's ranks: stage s on group rank s % group.size). `loss_fn(output,
+    targets)` is the last stage's loss, a mean over the micro-batch's examples (0-d Tensor).
+    See the module doc."""
 
     def __init__(
         self,
