@@ -1,0 +1,136 @@
+"""Cutting a user's model into pipeline stages: which layers each stage runs.
+
+    GPT, n_layer 5, 3 stages:   stage 0: wte + wpe, blocks 0 1
+                                stage 1:            blocks 2 3
+                                stage 2:            block  4,  ln_f + head
+    MLP, 4 Linears, 3 stages:   stage 0: layers 0 1 | stage 1: layer 2 | stage 2: layer 3
+
+Blocks (or layers) go to stages as evenly as possible, the first `n % S` stages taking one
+more (`chunk_bounds`, as a vector is cut into chunks). A part holds the user's own modules,
+not copies: its parameters are the model's, frozen ones included, and training a part
+trains the model. The loss is not in the part: the last PipelineStage applies it. A
+weight shared by two stages (a head tied to the embedding) is refused: its two gradients
+would live on two ranks (Megatron-LM allreduces them between the first and last stage).
+"""
+
+import functools
+
+import numpy as np
+
+from minidp import nn
+from minidp.autograd import Tensor
+from minidp.chunks import chunk_bounds
+from minidp.parallel.pipeline.recompute import recomputed
+
+__all__ = ["GPTPart", "MLPPart", "split_model"]
+
+
+def _renumbered(named, list_name: str, offset: int):
+    """(name, parameter) pairs with `list_name.i.` renamed `list_name.{i + offset}.`: a
+    part's names are the whole model's (its state_dict loads into the model's)."""
+    head = list_name + "."
+    for name, p in named:
+        if name.startswith(head):
+            i, rest = name[len(head) :].split(".", 1)
+            name = f"{head}{int(i) + offset}.{rest}"
+        yield name, p
+
+
+class GPTPart(nn.Module):
+    """Blocks [lo, hi) of a GPT, with the embeddings in front on the first stage and the
+    final LayerNorm and head behind on the last. Input: token ids (first) or activations
+    (B, T, C); output: activations, or logits (B, T, vocab_size) on the last. Parameters
+    are named as in the whole GPT ("blocks.2.fc.weight" for its third block). `recompute`:
+    each block keeps only its input and runs again in backward (recompute.py)."""
+
+    def __init__(self, gpt: nn.GPT, lo: int, hi: int, recompute: bool = False):
+        if recompute and gpt.config.dropout > 0:
+            raise ValueError(
+                f"recompute=True needs dropout 0 (got {gpt.config.dropout}): a block run "
+                "again would draw another dropout mask"
+            )
+        self.recompute = recompute
+        self.offset = lo
+        self.first, self.last = lo == 0, hi == len(gpt.blocks)
+        if self.first:
+            self.wte, self.wpe, self.drop = gpt.wte, gpt.wpe, gpt.drop
+            self.block_size = gpt.config.block_size
+        self.blocks = gpt.blocks[lo:hi]
+        if self.last:
+            self.ln_f, self.head = gpt.ln_f, gpt.head
+
+    def forward(self, x) -> Tensor:
+        if self.first:  # GPT.forward's embedding, line for line
+            idx = np.asarray(x)
+            T = idx.shape[-1]
+            if T > self.block_size:
+                raise ValueError(f"sequence of {T} tokens is longer than {self.block_size}")
+            x = self.drop(self.wte(idx) + self.wpe(np.arange(T)))
+        for block in self.blocks:
+            x = recomputed(block, x) if self.recompute else block(x)
+        return self.head(self.ln_f(x)) if self.last else x
+
+    def _every_named_parameter(self, prefix: str):
+        return _renumbered(super()._every_named_parameter(prefix), prefix + "blocks", self.offset)
+
+
+class MLPPart(nn.Module):
+    """Layers [lo, hi) of an MLP: a ReLU after each but the model's last layer. Parameters
+    are named as in the whole MLP ("layers.2.weight")."""
+
+    def __init__(self, mlp: nn.MLP, lo: int, hi: int):
+        self.offset = lo
+        self.layers = mlp.layers[lo:hi]
+        self.relu = [lo + i < len(mlp.layers) - 1 for i in range(hi - lo)]
+        self.fuse_relu = mlp.fuse_relu
+
+    def forward(self, x) -> Tensor:
+        for layer, relu in zip(self.layers, self.relu):
+            x = layer(x, relu=True) if relu and self.fuse_relu else layer(x)
+            if relu and not self.fuse_relu:
+                x = x.relu()
+        return x
+
+    def _every_named_parameter(self, prefix: str):
+        return _renumbered(super()._every_named_parameter(prefix), prefix + "layers", self.offset)
+
+
+def split_model(model: nn.Module, num_stages: int, *, recompute: bool = False) -> list[nn.Module]:
+    """The `num_stages` parts of a user's nn.GPT or nn.MLP, in order (see the module doc).
+    ValueError naming `num_stages` when the model has fewer blocks (layers) than stages.
+    `recompute` (GPT only): every block recomputed in backward (recompute.py)."""
+    if isinstance(model, nn.GPT):
+        units, what = len(model.blocks), "blocks"
+        part = functools.partial(GPTPart, recompute=recompute)
+    elif isinstance(model, nn.MLP):
+        units, part, what = len(model.layers), MLPPart, "layers"
+        if recompute:
+            raise ValueError(
+                "recompute=True: for an nn.GPT's blocks (an MLP's layer keeps its input anyway)"
+            )
+    else:
+        raise TypeError(f"split_model: model must be an nn.GPT or nn.MLP, got {type(model)}")
+    if not isinstance(num_stages, int) or num_stages < 1:
+        raise ValueError(f"num_stages must be a positive integer, got {num_stages!r}")
+    if num_stages > units:
+        raise ValueError(f"num_stages ({num_stages}) exceeds the model's {units} {what}")
+    bounds = chunk_bounds(units, num_stages)
+    parts = [part(model, bounds[s], bounds[s + 1]) for s in range(num_stages)]
+    _check_nothing_shared(parts)
+    return parts
+
+
+def _check_nothing_shared(parts: list[nn.Module]) -> None:
+    """A parameter in two parts (a head tied to the embedding, with the embedding on the
+    first stage and the head on the last) would get two halves of its gradient on two ranks
+    and drift apart: refused, naming it."""
+    owner: dict[int, tuple[int, str]] = {}
+    for s, part in enumerate(parts):
+        for name, p in part.named_parameters():
+            if id(p) in owner and owner[id(p)][0] != s:
+                first, first_name = owner[id(p)]
+                raise ValueError(
+                    f"num_stages ({len(parts)}): parameter {first_name!r} of stage {first} is "
+                    f"also {name!r} of stage {s} (a tied weight); stages cannot share one"
+                )
+            owner[id(p)] = (s, name)
