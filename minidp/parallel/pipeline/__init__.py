@@ -1,0 +1,18 @@
+"""Pipeline parallelism: layers cut into stages across ranks, micro-batches flowing through.
+
+Read in this order (schedules are plain data, checked before anything runs; no MPI here):
+
+    actions.py     an Action (stage, micro-batch, kind: F, B, W, SEND_F, RECV_F, ...) and the
+                   stage -> rank placement (stage s on rank s % pp)
+    schedules.py   the compute-only order of each rank: ScheduleGPipe, Schedule1F1B,
+                   ScheduleInterleaved1F1B, ScheduleZeroBubbleH1; SCHEDULES, the one table
+    lowering.py    add_send_recv: every send on its sender, its receive on the receiver,
+                   in an order that cannot deadlock
+    validate.py    validate: F before B before W on every stage, counts, placement
+    dry_run.py     dry_run: the lowered lists executed with blocking receives; a deadlock is
+                   "not progressing", reported as the grid with the stuck steps marked
+    simulate.py    simulate: the timeline in unit time, idle time, bubble fraction against
+                   the formulas, peak activations per stage; the grid and the time diagram
+
+This file imports nothing, so reading a schedule never needs MPI.
+"""
