@@ -105,7 +105,28 @@ def schedule_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--json", metavar="FILE", help="save the figures and the action lists")
     parser.add_argument("--png", metavar="FILE", help="save the time diagram")
+    parser.add_argument(
+        "--table",
+        action="store_true",
+        help="instead: every schedule's bubble against its formula, pp 2, 4 and m 1, 2, 4, 8",
+    )
     return parser
+
+
+def print_bubble_table(virtual: int) -> None:
+    from minidp.parallel.pipeline.simulate import bubble_table
+
+    lines = [
+        "| schedule | pp | m | V | length | bubble (simulated) | formula | formula's value |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for row in bubble_table(virtual=virtual):
+        value = f"{row['formula_bubble']:.4f}" + ("" if row["formula_holds"] else " (not exact)")
+        lines.append(
+            f"| {row['schedule']} | {row['pp']} | {row['micro_batches']} | {row['virtual']} "
+            f"| {row['length']:g} | {row['bubble_fraction']:.4f} | {row['formula']} | {value} |"
+        )
+    print0("\n".join(lines))
 
 
 SCHEDULE_FLAGS = {"pp": "--pp", "micro_batches": "--micro-batches", "virtual": "--virtual"}
@@ -123,6 +144,9 @@ def run_schedule(argv: list[str]) -> int:
 
     args = schedule_parser().parse_args(argv)
     virtual = args.virtual
+    if args.table:
+        print_bubble_table(virtual or 2)
+        return 0
     if virtual is None:
         virtual = 2 if args.schedule == "interleaved" else 1
     try:

@@ -247,6 +247,13 @@ def test_cli_bad_input_is_one_line(args, words, capsys):
     assert err.count("\n") == 1 and err.startswith("minidp: error:") and words in err, err
 
 
+def test_cli_bubble_table(capsys):
+    assert main(["schedule", "--table"]) == 0
+    out = capsys.readouterr().out
+    assert "| zb-h1 | 4 | 8 | 1 | 19 | 0.1579 | (p-1)/(2*m+p-1) | 0.1579 |" in out
+    assert "| interleaved | 4 | 2 | 2 | 18 | 0.5556 | (p-1)/(V*m+p-1) | 0.4286 (not exact) |" in out
+
+
 def test_python_m_minidp_schedule():
     result = subprocess.run(
         [sys.executable, "-m", "minidp", "schedule", "--schedule", "interleaved", "--pp", "2",

@@ -72,6 +72,11 @@ def peer_stage(action: Action) -> int:
     return action.stage + (1 if action.kind in (SEND_F, RECV_B) else -1)
 
 
+def peer_rank(action: Action, pp: int) -> int:
+    """The rank a send goes to, or a receive comes from."""
+    return stage_rank(peer_stage(action), pp)
+
+
 __all__ = [
     "Action",
     "B",
@@ -84,6 +89,7 @@ __all__ = [
     "SEND_F",
     "TICKS_PER_UNIT",
     "W",
+    "peer_rank",
     "peer_stage",
     "stage_rank",
     "ticks",

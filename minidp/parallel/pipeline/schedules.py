@@ -1,6 +1,12 @@
 """The compute-only order of each rank: GPipe, 1F1B, interleaved 1F1B, zero-bubble H1.
 
-GRID
+1F1B, pp = 3 ranks, m = 4 micro-batches, in unit time (sFj: forward of stage s on micro-batch
+j; sBj its backward; '.' idle; `python -m minidp schedule --pp 3 --micro-batches 4`):
+
+    rank 0: 0F0 0F1 0F2 .   .   0B0 0F3 0B1 .   0B2 .   0B3      warm-up: pp - 1 - r forwards,
+    rank 1: .   1F0 1F1 .   1B0 1F2 1B1 1F3 1B2 .   1B3 .        then one F, one B, then the
+    rank 2: .   .   2F0 2B0 2F1 2B1 2F2 2B2 2F3 2B3 .   .        backwards left; the dots are
+                                                                 the bubble: (p-1)/(m+p-1)
 
 A schedule object holds the numbers (pp ranks, m micro-batches, V stages per rank) and says
 what each rank computes, in order; lowering.py adds the messages, validate.py and
@@ -22,11 +28,12 @@ The step table, rank r of pp, m micro-batches (Megatron-LM's order for the inter
 
 Bubble fraction (idle / (pp · length)) in unit time (F = B = 1; split: B = W = 1/2):
 
-    GPipe, 1F1B    (p - 1) / (m + p - 1)           Huang et al. 2019; Narayanan et al. 2021
-    interleaved    (p - 1) / (V m + p - 1)          Narayanan et al. 2021, with pp | m
-    ZB-H1          (p - 1) / (2m + p - 1)           Qi et al., "Zero Bubble Pipeline
-                   the bubble (p - 1)(T_F + T_B - T_W) of Parallelism" (ICLR 2024), Table 2,
-                   with T_F = 1, T_B = T_W = 1/2, against 1F1B's (p - 1)(T_F + T_B + T_W)
+    GPipe, 1F1B    (p - 1) / (m + p - 1)       Huang et al. 2019; Narayanan et al. 2021
+    interleaved    (p - 1) / (V m + p - 1)     Narayanan et al. 2021; exact when pp divides m
+    ZB-H1          (p - 1) / (2m + p - 1)      Qi et al., "Zero Bubble Pipeline Parallelism"
+                                               (ICLR 2024), Table 2: idle (p - 1)(T_F + T_B - T_W)
+                                               against 1F1B's (p - 1)(T_F + T_B + T_W), here with
+                                               T_F = 1, T_B = T_W = 1/2; exact when m >= pp
 """
 
 from minidp.parallel.pipeline.actions import Action, B, F, W, stage_rank

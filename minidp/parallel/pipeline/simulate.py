@@ -142,9 +142,24 @@ def summary(schedule) -> dict:
     }
 
 
+def bubble_table(pps=(2, 4), micro_batches=(1, 2, 4, 8), virtual: int = 2) -> list[dict]:
+    """Every schedule's simulated bubble beside its formula, for each pp and m (interleaved
+    with `virtual` stages per rank)."""
+    from minidp.parallel.pipeline.schedules import SCHEDULES, build_schedule
+
+    rows = []
+    for name, cls in SCHEDULES.items():
+        for pp in pps:
+            for m in micro_batches:
+                schedule = build_schedule(name, pp, m, virtual if cls.needs_virtual else 1)
+                rows.append(summary(schedule))
+    return rows
+
+
 __all__ = [
     "FORMULAS",
     "Timeline",
+    "bubble_table",
     "formula_bubble",
     "formula_holds",
     "peak_activations",
