@@ -12,7 +12,11 @@ Read in this order (schedules are plain data, checked before anything runs; no M
     dry_run.py     dry_run: the lowered lists executed with blocking receives; a deadlock is
                    "not progressing", reported as the grid with the stuck steps marked
     simulate.py    simulate: the timeline in unit time, idle time, bubble fraction against
-                   the formulas, peak activations per stage; the grid and the time diagram
+                   the formulas, peak activations per stage
+    diagram.py     the grid (`0F0 0F1 . 0B0 ...`, one row per rank) and the time-diagram PNG
+
+An executor takes `schedule.actions()[rank]` (lowered, validated, dry-run) and runs it in
+order: F, B, W on its stages, SEND_*/RECV_* to and from `peer_rank(action, pp)`.
 
 This file imports nothing, so reading a schedule never needs MPI.
 """

@@ -37,6 +37,9 @@ Bubble fraction (idle / (pp · length)) in unit time (F = B = 1; split: B = W = 
 """
 
 from minidp.parallel.pipeline.actions import Action, B, F, W, stage_rank
+from minidp.parallel.pipeline.dry_run import dry_run
+from minidp.parallel.pipeline.lowering import add_send_recv
+from minidp.parallel.pipeline.validate import validate
 
 
 class PipelineSchedule:
@@ -79,10 +82,6 @@ class PipelineSchedule:
     def actions(self) -> list[list[Action]]:
         """Per rank, the lowered order: computes with their sends and receives, checked."""
         if self._lowered is None:
-            from minidp.parallel.pipeline.dry_run import dry_run
-            from minidp.parallel.pipeline.lowering import add_send_recv
-            from minidp.parallel.pipeline.validate import validate
-
             compute = self.compute_actions()
             validate(compute, self.pp, self.num_stages, self.micro_batches)
             lowered = add_send_recv(compute, self.pp, self.num_stages)

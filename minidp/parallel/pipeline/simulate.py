@@ -11,7 +11,8 @@ in ticks of 1/2). From the timeline:
     peak activations the most micro-batches a stage holds at once: +1 at its F, -1 at its
                      B (or at its W when split: W still needs the stage's inputs)
 
-GPipe's peak is m on every stage; 1F1B's is pp - s on stage s (Narayanan et al. 2021).
+GPipe's peak is m on every stage; 1F1B's min(m, pp - s) on stage s (Narayanan et al. 2021);
+ZB-H1's min(m, pp) on every stage (the deferred W's hold theirs longer).
 The formulas each schedule is compared against are `formula_bubble` (see schedules.py).
 """
 
@@ -19,6 +20,7 @@ from dataclasses import dataclass, field
 
 from minidp.parallel.pipeline.actions import TICKS_PER_UNIT, Action, B, F, W, ticks
 from minidp.parallel.pipeline.lowering import needs
+from minidp.parallel.pipeline.schedules import SCHEDULES, build_schedule
 
 
 @dataclass
@@ -145,8 +147,6 @@ def summary(schedule) -> dict:
 def bubble_table(pps=(2, 4), micro_batches=(1, 2, 4, 8), virtual: int = 2) -> list[dict]:
     """Every schedule's simulated bubble beside its formula, for each pp and m (interleaved
     with `virtual` stages per rank)."""
-    from minidp.parallel.pipeline.schedules import SCHEDULES, build_schedule
-
     rows = []
     for name, cls in SCHEDULES.items():
         for pp in pps:
