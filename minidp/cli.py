@@ -99,7 +99,9 @@ def schedule_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--micro-batches", type=int, default=8, help="micro-batches per step (default: 8)"
     )
-    parser.add_argument("--schedule", choices=tuple(SCHEDULES), default="1f1b")
+    parser.add_argument(
+        "--schedule", choices=tuple(SCHEDULES), default="1f1b", help="(default: 1f1b)"
+    )
     parser.add_argument(
         "--virtual", type=int, default=None, help="stages per rank, interleaved only (default: 2)"
     )

@@ -336,3 +336,11 @@ def test_python_m_minidp_schedule():
     assert result.returncode == 0, result.stderr
     assert "rank 1: .   1F0 1F1 3F0 3B0" in result.stdout
     assert "bubble fraction: 0.1111 (formula (p-1)/(V*m+p-1) = 0.1111)" in result.stdout
+
+
+def test_schedule_help_reads_whole(capsys):
+    with pytest.raises(SystemExit) as exit:
+        main(["schedule", "--help"])
+    assert exit.value.code == 0
+    out = capsys.readouterr().out
+    assert "--micro-batches" in out and "simulate a pipeline schedule (unit time; no MPI)." in out
