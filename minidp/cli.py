@@ -115,22 +115,6 @@ def schedule_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def print_bubble_table(virtual: int) -> None:
-    from minidp.parallel.pipeline.simulate import bubble_table
-
-    lines = [
-        "| schedule | pp | m | V | length | bubble (simulated) | formula | formula's value |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
-    for row in bubble_table(virtual=virtual):
-        value = f"{row['formula_bubble']:.4f}" + ("" if row["formula_holds"] else " (not exact)")
-        lines.append(
-            f"| {row['schedule']} | {row['pp']} | {row['micro_batches']} | {row['virtual']} "
-            f"| {row['length']:g} | {row['bubble_fraction']:.4f} | {row['formula']} | {value} |"
-        )
-    print0("\n".join(lines))
-
-
 SCHEDULE_FLAGS = {"pp": "--pp", "micro_batches": "--micro-batches", "virtual": "--virtual"}
 
 
@@ -142,12 +126,12 @@ def run_schedule(argv: list[str]) -> int:
 
     from minidp.parallel.pipeline.diagram import grid, time_diagram
     from minidp.parallel.pipeline.schedules import build_schedule
-    from minidp.parallel.pipeline.simulate import simulate, summary
+    from minidp.parallel.pipeline.simulate import bubble_table, simulate, summary
 
     args = schedule_parser().parse_args(argv)
     virtual = args.virtual
     if args.table:
-        print_bubble_table(virtual or 2)
+        print0(bubble_table(virtual=virtual or 2))
         return 0
     if virtual is None:
         virtual = 2 if args.schedule == "interleaved" else 1

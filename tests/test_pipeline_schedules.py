@@ -26,7 +26,12 @@ from minidp.parallel.pipeline.actions import (
 from minidp.parallel.pipeline.dry_run import Deadlock, dry_run
 from minidp.parallel.pipeline.lowering import add_send_recv, needs
 from minidp.parallel.pipeline.schedules import SCHEDULES, build_schedule
-from minidp.parallel.pipeline.simulate import formula_bubble, formula_holds, simulate
+from minidp.parallel.pipeline.simulate import (
+    bubble_table,
+    formula_bubble,
+    formula_holds,
+    simulate,
+)
 from minidp.parallel.pipeline.validate import validate
 
 ROOT = Path(__file__).parent.parent
@@ -198,6 +203,7 @@ def test_the_grids_in_the_docs_are_what_the_command_prints(capsys):
     for command, printed in blocks:
         assert main(command.split()) == 0
         assert capsys.readouterr().out == printed, command
+    assert bubble_table() in text  # `python -m minidp schedule --table`, pasted
 
 
 # ---- hand-made schedules that must be refused, naming the rank and the step -----------------

@@ -144,16 +144,25 @@ def summary(schedule) -> dict:
     }
 
 
-def bubble_table(pps=(2, 4), micro_batches=(1, 2, 4, 8), virtual: int = 2) -> list[dict]:
+def bubble_table(pps=(2, 4), micro_batches=(1, 2, 4, 8), virtual: int = 2) -> str:
     """Every schedule's simulated bubble beside its formula, for each pp and m (interleaved
-    with `virtual` stages per rank)."""
-    rows = []
+    with `virtual` stages per rank), as a markdown table; "(not exact)" where the formula's
+    assumption (formula_holds) fails."""
+    lines = [
+        "| schedule | pp | m | V | length | bubble (simulated) | formula | formula's value |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for name, cls in SCHEDULES.items():
         for pp in pps:
             for m in micro_batches:
-                schedule = build_schedule(name, pp, m, virtual if cls.needs_virtual else 1)
-                rows.append(summary(schedule))
-    return rows
+                row = summary(build_schedule(name, pp, m, virtual if cls.needs_virtual else 1))
+                value = f"{row['formula_bubble']:.4f}"
+                value += "" if row["formula_holds"] else " (not exact)"
+                lines.append(
+                    f"| {name} | {pp} | {m} | {row['virtual']} | {row['length']:g} "
+                    f"| {row['bubble_fraction']:.4f} | {row['formula']} | {value} |"
+                )
+    return "\n".join(lines)
 
 
 __all__ = [
