@@ -152,6 +152,7 @@ def run_schedule(argv: list[str]) -> int:
         f"{schedule!r}: {schedule.num_stages} stages, stage s on rank s % {schedule.pp}\n"
         f"{grid(timeline)}\n"
         f"length: {figures['length']:g} (unit time, {unit})\n"
+        f"idle per rank: {' '.join(f'{r}:{t:g}' for r, t in enumerate(figures['idle_per_rank']))}\n"
         f"bubble fraction: {figures['bubble_fraction']:.4f} "
         f"(formula {figures['formula']} = {figures['formula_bubble']:.4f}{holds})\n"
         f"peak activations per stage (micro-batches held): {peaks}"

@@ -3,17 +3,20 @@
 For per-rank lists (compute-only, or lowered with sends and receives), with num_stages
 stages placed stage s -> rank s % pp and m micro-batches, every rule below, in this order:
 
-    rule                                              broken, e.g.
-    stages and micro-batches in range                 rank 1 step 4: 5F0: stage 5 is not in 0..3
-    each stage on exactly one rank, rank s % pp       rank 0 step 2: 1F0: stage 1 is on rank 1
-    no action twice                                   rank 1 step 6: 1F2 again (first at step 2)
-    on each stage, F before B before W                rank 1 step 3: 1B0 before its forward 1F0
-    a stage's input from the same rank comes first    rank 0 step 1: 2F0 before 1F0 (interleaved,
-                                                      pp = 1)
-    lowered: the receive before its compute, the      rank 1 step 0: 1F0 before its receive
-    send after it                                     1RECV_F0
-    counts: one F and one B per (stage, micro-batch), rank 2 step 9 (the end): stage 2
-    and one W each when split (any W present)         micro-batch 3 has no B
+    rule                                     broken, e.g.
+    stages and micro-batches in range        rank 1 step 4: 5F0: stage 5 is not in 0..3
+    each stage on exactly one rank, s % pp   rank 0 step 2: 1F0: stage 1 belongs on rank 1
+                                             (stage s on rank s % pp)
+    no action twice                          rank 1 step 6: 1F2 again (first at step 2)
+    on each stage, F before B before W       rank 1 step 3: 1B0 comes before 1F0, which it
+                                             needs
+    a stage's input from the same rank       rank 0 step 1: 2F0 comes before 1F0, which it
+    first (interleaved with pp = 1)          needs
+    lowered: the receive before its          rank 1 step 0: 1F0 comes before its receive
+    compute, the send after it               1RECV_F0
+    counts: one F and one B per (stage,      rank 2 step 9 (the end): stage 2 micro-batch 3
+    micro-batch), one W each when split      has no B
+    (when any W is present)
 
 Every error is a ValueError naming the rank and the step (the index in that rank's list).
 Whether the lists can run together (each receive meeting its send) is dry_run.py's question.
