@@ -1,0 +1,177 @@
+"""simulate: the schedule's timeline in unit time, its bubble, and its activation memory.
+
+Each rank runs its compute actions in order; an action starts when its rank is free and
+what it needs has ended (F of s needs F of s - 1; B of s needs B of s + 1; W needs B);
+messages take no time. F = B = 1 unit; a split backward is B = W = 1/2 (time is counted
+in ticks of 1/2). From the timeline:
+
+    length           the last action's end, in units
+    idle(rank)       length - the rank's busy time
+    bubble fraction  sum of idle / (pp · length)
+    peak activations the most micro-batches a stage holds at once: +1 at its F, -1 at its
+                     B (or at its W when split: W still needs the stage's inputs)
+
+GPipe's peak is m on every stage; 1F1B's min(m, pp - s) on stage s (Narayanan et al. 2021);
+ZB-H1's min(m, pp) on every stage (the deferred W's hold theirs longer).
+The formulas each schedule is compared against are `formula_bubble` (see schedules.py).
+"""
+
+from dataclasses import dataclass, field
+
+from minidp.parallel.pipeline.actions import TICKS_PER_UNIT, Action, B, F, W, ticks
+from minidp.parallel.pipeline.lowering import needs
+from minidp.parallel.pipeline.schedules import SCHEDULES, build_schedule
+
+
+@dataclass
+class Timeline:
+    """The simulated run: (start, end) in ticks of each rank's compute actions, in order."""
+
+    pp: int
+    num_stages: int
+    split_backward: bool
+    rows: list[list[tuple[int, int, Action]]]
+    peak_activations: dict[int, int] = field(default_factory=dict)  # stage -> peak
+
+    @property
+    def length_ticks(self) -> int:
+        return max((row[-1][1] for row in self.rows if row), default=0)
+
+    @property
+    def length(self) -> float:
+        """In units (F = 1)."""
+        return self.length_ticks / TICKS_PER_UNIT
+
+    def idle(self, rank: int) -> float:
+        busy = sum(end - start for start, end, _ in self.rows[rank])
+        return (self.length_ticks - busy) / TICKS_PER_UNIT
+
+    @property
+    def bubble_fraction(self) -> float:
+        total_idle = sum(self.idle(r) for r in range(self.pp))
+        return total_idle / (self.pp * self.length) if self.length else 0.0
+
+
+def simulate(
+    compute: list[list[Action]], pp: int, num_stages: int, split_backward: bool
+) -> Timeline:
+    """Time per-rank compute lists (messages, if any, are skipped: they take no time)."""
+    orders = [[a for a in order if a.is_compute] for order in compute]
+    rows: list[list[tuple[int, int, Action]]] = [[] for _ in orders]
+    end: dict[Action, int] = {}
+    free = [0] * len(orders)
+    moved = True
+    while moved:
+        moved = False
+        for rank, order in enumerate(orders):
+            while len(rows[rank]) < len(order):
+                action = order[len(rows[rank])]
+                need = needs(action, num_stages)
+                if need is not None and need not in end:
+                    break
+                start = max(free[rank], end[need] if need is not None else 0)
+                free[rank] = end[action] = start + ticks(action.kind, split_backward)
+                rows[rank].append((start, free[rank], action))
+                moved = True
+    stuck = [r for r in range(len(orders)) if len(rows[r]) < len(orders[r])]
+    if stuck:
+        r = stuck[0]
+        raise ValueError(f"rank {r} step {len(rows[r])}: {orders[r][len(rows[r])]} never starts")
+    return Timeline(pp, num_stages, split_backward, rows, peak_activations(orders, split_backward))
+
+
+def peak_activations(compute: list[list[Action]], split_backward: bool) -> dict[int, int]:
+    """stage -> the most micro-batches whose activations it holds at once."""
+    release = W if split_backward else B
+    held: dict[int, int] = {}
+    peak: dict[int, int] = {}
+    for order in compute:
+        for action in order:
+            if action.kind == F:
+                held[action.stage] = held.get(action.stage, 0) + 1
+                peak[action.stage] = max(peak.get(action.stage, 0), held[action.stage])
+            elif action.kind == release:
+                held[action.stage] -= 1
+    return dict(sorted(peak.items()))
+
+
+def formula_holds(name: str, pp: int, micro_batches: int) -> bool:
+    """Whether the simulated bubble equals `formula_bubble` exactly: always for GPipe and
+    1F1B; interleaved when pp divides m; ZB-H1 when m >= pp (a shorter pipeline never fills)."""
+    if name == "interleaved":
+        return micro_batches % pp == 0
+    if name == "zb-h1":
+        return micro_batches >= pp
+    return True
+
+
+FORMULAS = {  # schedule -> its bubble fraction in unit time: as text, and as a function
+    "gpipe": ("(p-1)/(m+p-1)", lambda p, m, V: (p - 1) / (m + p - 1)),
+    "1f1b": ("(p-1)/(m+p-1)", lambda p, m, V: (p - 1) / (m + p - 1)),
+    "interleaved": ("(p-1)/(V*m+p-1)", lambda p, m, V: (p - 1) / (V * m + p - 1)),
+    # (p-1)(T_F + T_B - T_W) idle against m (T_F + T_B + T_W) of work, T_F = 1, T_B = T_W = 1/2
+    "zb-h1": ("(p-1)/(2*m+p-1)", lambda p, m, V: (p - 1) / (2 * m + p - 1)),
+}
+
+
+def formula_bubble(name: str, pp: int, micro_batches: int, virtual: int = 1) -> float:
+    """The textbook bubble fraction (FORMULAS), in this module's unit time."""
+    if name not in FORMULAS:
+        raise ValueError(f"no formula for schedule {name!r}")
+    return FORMULAS[name][1](pp, micro_batches, virtual)
+
+
+def summary(schedule) -> dict:
+    """A schedule's simulated figures beside its formula's (the CLI prints and saves this)."""
+    timeline = simulate(
+        schedule.compute_actions(), schedule.pp, schedule.num_stages, schedule.split_backward
+    )
+    name, pp, m = schedule.name, schedule.pp, schedule.micro_batches
+    return {
+        "schedule": name,
+        "pp": pp,
+        "micro_batches": m,
+        "virtual": schedule.virtual,
+        "num_stages": schedule.num_stages,
+        "split_backward": schedule.split_backward,
+        "length": timeline.length,
+        "idle_per_rank": [timeline.idle(r) for r in range(pp)],
+        "bubble_fraction": timeline.bubble_fraction,
+        "formula": FORMULAS[name][0],
+        "formula_bubble": formula_bubble(name, pp, m, schedule.virtual),
+        "formula_holds": formula_holds(name, pp, m),
+        "peak_activations_per_stage": timeline.peak_activations,
+    }
+
+
+def bubble_table(pps=(2, 4), micro_batches=(1, 2, 4, 8), virtual: int = 2) -> str:
+    """Every schedule's simulated bubble beside its formula, for each pp and m (interleaved
+    with `virtual` stages per rank), as a markdown table; "(not exact)" where the formula's
+    assumption (formula_holds) fails."""
+    lines = [
+        "| schedule | pp | m | V | length | bubble (simulated) | formula | formula's value |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for name, cls in SCHEDULES.items():
+        for pp in pps:
+            for m in micro_batches:
+                row = summary(build_schedule(name, pp, m, virtual if cls.needs_virtual else 1))
+                value = f"{row['formula_bubble']:.4f}"
+                value += "" if row["formula_holds"] else " (not exact)"
+                lines.append(
+                    f"| {name} | {pp} | {m} | {row['virtual']} | {row['length']:g} "
+                    f"| {row['bubble_fraction']:.4f} | {row['formula']} | {value} |"
+                )
+    return "\n".join(lines)
+
+
+__all__ = [
+    "FORMULAS",
+    "Timeline",
+    "bubble_table",
+    "formula_bubble",
+    "formula_holds",
+    "peak_activations",
+    "simulate",
+    "summary",
+]
