@@ -7,6 +7,9 @@ other ranks only through minidp.comm and taking plain arguments (never the comma
                        -> stage3.py -> sharded.py -> fsdp.py (stages 2 and 3 as a piece)
     tensor_parallel/   communications.py (Megatron's f and g) -> layers.py -> vocab.py -> gpt.py
     param_server/      messages.py -> server.py -> pieces.py (the worker and the server loop)
+    pipeline/          schedules as checked data (actions, schedules, lowering, validate,
+                       dry_run, simulate, diagram) -> the stage (communications, split,
+                       recompute, backward_split, stage.py: PipelineStage)
     compression/       base.py (error feedback) -> cast, sparse, quant, lowrank -> table.py;
                        update.py and velocity.py (the optimizer-side placements)
     pruning.py         the DDP hook that reduces only the kept gradients (masks: minidp.prune)
@@ -32,6 +35,15 @@ from minidp.parallel.data_parallel.ddp import DistributedDataParallel
 from minidp.parallel.data_parallel.plain import SimpleDistributedDataParallel
 from minidp.parallel.mesh import Mesh
 from minidp.parallel.param_server.pieces import ParameterServerWorker, serve
+from minidp.parallel.pipeline.schedules import (
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleZeroBubbleH1,
+    build_schedule,
+)
+from minidp.parallel.pipeline.split import split_model
+from minidp.parallel.pipeline.stage import PipelineStage
 from minidp.parallel.pruning import masked_allreduce_hook
 from minidp.parallel.same_model import ModelMismatch
 from minidp.parallel.tensor_parallel.gpt import TensorParallelGPT
@@ -65,9 +77,14 @@ __all__ = [
     "ParallelAttention",
     "ParallelMLP",
     "ParameterServerWorker",
+    "PipelineStage",
     "PowerSGD",
     "RandomK",
     "RowParallelLinear",
+    "Schedule1F1B",
+    "ScheduleGPipe",
+    "ScheduleInterleaved1F1B",
+    "ScheduleZeroBubbleH1",
     "Sign",
     "SignNoEF",
     "SimpleDistributedDataParallel",
@@ -75,7 +92,9 @@ __all__ = [
     "TopK",
     "VocabParallelEmbedding",
     "ZeroRedundancyOptimizer",
+    "build_schedule",
     "masked_allreduce_hook",
     "serve",
+    "split_model",
     "vocab_parallel_cross_entropy",
 ]
