@@ -1,0 +1,318 @@
+# ---
+# jupyter:
+#   jupytext:
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+# ---
+
+# %% [markdown]
+# # 09 · Pipeline parallelism: split the layers, stream the micro-batches
+#
+# Launch line:
+#
+# mpiexec -n 4 python tutorials/09_pipeline.py
+#
+# Data parallelism copies the model, tensor parallelism splits each layer; pipeline
+# parallelism (GPipe, Huang et al. 2019) cuts the model between layers: rank s runs stage s,
+# sends its activations to stage s + 1, and receives their gradient back. One batch at a
+# time, every rank but one would wait, so the batch is cut into m micro-batches that stream
+# through the stages; the order of who computes what, when, is the *schedule*. We build a
+# two-stage pipeline by hand, then with `split_model` and `PipelineStage`; then run GPipe,
+# 1F1B, interleaved 1F1B and zero bubble H1 as minidp writes them: per rank, a list of
+# actions, simulated for the bubble and the memory, then executed on real stages. Every
+# run is checked against one process in float64.
+
+# %%
+import os
+import tempfile
+
+import numpy as np
+
+from minidp import Tensor, comm, cross_entropy, data, nn, optim
+from minidp.comm import p2p
+from minidp.log import print0
+from minidp.parallel.pipeline.actions import B, F, W
+from minidp.parallel.pipeline.diagram import grid, time_diagram
+from minidp.parallel.pipeline.schedules import build_schedule
+from minidp.parallel.pipeline.simulate import formula_bubble, simulate, summary
+from minidp.parallel.pipeline.split import split_model
+from minidp.parallel.pipeline.stage import PipelineStage
+
+world = comm.world()
+rank, P = world.rank, world.size  # 4 ranks: a pipeline of up to 4 stages
+SIZES = [32] + [24] * 7 + [10]  # 8 Linears: 2 a stage on 4 stages, 1 a stage on 8
+BATCH = 16  # examples a step; m micro-batches of BATCH / m
+x_all, y_all, _, _ = data.classification(seed=0, dtype=np.float64)
+X, Y = x_all[:BATCH], y_all[:BATCH]
+
+
+def new_model() -> nn.MLP:
+    """The same float64 MLP on every rank (the same seed)."""
+    return nn.MLP(SIZES, rng=np.random.default_rng(0), dtype=np.float64)
+
+
+def one_process(x, y) -> nn.MLP:
+    """The reference: the whole model, the whole batch, one backward."""
+    ref = new_model()
+    cross_entropy(ref(Tensor(x)), y).backward()
+    return ref
+
+
+def assert_grads_equal(named, ref) -> None:
+    """Each (name, parameter) of a part has the whole model's gradient of that name."""
+    want = dict(ref.named_parameters())
+    for name, p in named:
+        np.testing.assert_allclose(p.grad, want[name].grad, rtol=1e-10, atol=1e-13)
+
+
+ref = one_process(X, Y)
+ref_loss = cross_entropy(ref(Tensor(X)), Y).item()
+
+# %% [markdown]
+# ## 1. Two stages by hand
+# Rank 0 holds the first four layers, rank 1 the last four. Forward: rank 0 computes h and
+# sends it; rank 1 receives it as a leaf x, finishes the model and the loss. Backward: rank 1
+# backpropagates down to x and sends dL/dx back; rank 0 starts its own backward from h with
+# that gradient as the seed, `h.backward(dL/dh)`. Ranks 2 and 3 sit this one out.
+
+# %%
+pair = world.subgroup([0, 1])  # None on ranks 2 and 3
+model = new_model()
+half = len(model.layers) // 2
+if pair is not None:
+    if pair.rank == 0:
+        h = Tensor(X)
+        for layer in model.layers[:half]:
+            h = layer(h, relu=True)
+        p2p.send(pair, h.data, 1)  # activations forward
+        dh = np.empty_like(h.data)
+        p2p.recv(pair, dh, 1)  # their gradient back
+        h.backward(dh)
+    else:
+        buf = np.empty((BATCH, SIZES[half]))
+        p2p.recv(pair, buf, 0)
+        x = Tensor(buf, requires_grad=True)  # a leaf: backward stops here
+        out = x
+        for i, layer in enumerate(model.layers[half:]):
+            out = layer(out, relu=half + i < len(model.layers) - 1)
+        loss = cross_entropy(out, Y)
+        loss.backward()
+        p2p.send(pair, np.ascontiguousarray(x.grad), 0)
+        assert np.isclose(loss.item(), ref_loss, rtol=1e-12)
+    mine = [(name, p) for name, p in model.named_parameters() if p.grad is not None]
+    assert len(mine) == 2 * half  # this rank's half only: a weight and a bias a layer
+    assert_grads_equal(mine, ref)
+    print0(f"by hand: rank 0 sent h {(BATCH, SIZES[half])}, got dL/dh back; equal to one process")
+
+# %% [markdown]
+# The same with the pieces. `split_model` cuts the user's own model into parts (its own
+# modules, not copies, named as in the whole model); a `PipelineStage` runs one part and does
+# the sends and receives itself, as autograd ops (communications.py): the backward of
+# "receive the activations" is "send their gradient". `forward(micro_batch, ...)` takes the
+# inputs on the first stage and the targets on the last; `backward(micro_batch)` is the whole
+# backward of that micro-batch.
+
+# %%
+if pair is not None:
+    model.zero_grad()
+    part = split_model(model, 2)[pair.rank]
+    stage = PipelineStage(part, pair.rank, 2, pair)
+    stage.forward(0, inputs=X if stage.is_first else None, targets=Y if stage.is_last else None)
+    stage.backward(0)
+    stage.wait_sends()
+    assert_grads_equal(part.named_parameters(), ref)
+    names = [name for name, _ in part.named_parameters()]
+    print0(f"split_model + PipelineStage: stage 0 holds {names[0]} .. {names[-1]}; equal")
+    pair.free()
+
+# %% [markdown]
+# ## 2. Micro-batches and the bubble: GPipe
+# A schedule is data: per rank, the list of what it computes. `sFj` is stage s's forward of
+# micro-batch j, `sBj` its backward. GPipe runs every forward, then every backward. The
+# simulator (simulate.py) times the lists in unit time (F = B = 1); the grid prints a `.`
+# where a rank idles. That idle time is the *bubble*: with p stages and m micro-batches,
+# (p−1)/(m+p−1) of the run. More micro-batches shrink it.
+
+
+# %%
+def timeline(schedule):
+    """The schedule's compute lists, timed by the simulator."""
+    return simulate(
+        schedule.compute_actions(), schedule.pp, schedule.num_stages, schedule.split_backward
+    )
+
+
+gpipe = build_schedule("gpipe", P, 4)
+print0(f"{gpipe}\n{grid(timeline(gpipe))}")
+print0(" m  bubble (simulated)  (p-1)/(m+p-1)")
+for m in (1, 2, 4, 8):
+    row = summary(build_schedule("gpipe", P, m))
+    print0(f"{m:2d}  {row['bubble_fraction']:.4f}              {(P - 1) / (m + P - 1):.4f}")
+    assert np.isclose(row["bubble_fraction"], (P - 1) / (m + P - 1), rtol=0, atol=1e-12)
+if rank == 0:
+    path = os.path.join(tempfile.gettempdir(), "minidp_09_gpipe.png")
+    gpipe_timeline = timeline(gpipe)
+    title = f"GPipe, p = {P}, m = 4: bubble {gpipe_timeline.bubble_fraction:.3f}"
+    time_diagram(gpipe_timeline, path, title=title)
+
+# %% [markdown]
+# ## 3. 1F1B and its memory
+# GPipe's stage s holds the activations of all m micro-batches before its first backward.
+# 1F1B (PipeDream-Flush, Narayanan et al. 2021) runs p − 1 − s warm-up forwards, then one
+# forward, one backward: the same bubble, but stage s holds at most p − s micro-batches.
+
+# %%
+M = 8
+schedules = {name: build_schedule(name, P, M) for name in ("gpipe", "1f1b")}
+print0(f"{schedules['1f1b']}\n{grid(timeline(schedules['1f1b']))}")
+simulated_peaks = {name: timeline(s).peak_activations for name, s in schedules.items()}
+assert simulated_peaks["gpipe"] == {s: M for s in range(P)}  # GPipe: m
+assert simulated_peaks["1f1b"] == {s: P - s for s in range(P)}  # 1F1B: p − s
+bubbles = {name: summary(s)["bubble_fraction"] for name, s in schedules.items()}
+print0(f"bubble at m = {M}: GPipe {bubbles['gpipe']:.4f}, 1F1B {bubbles['1f1b']:.4f}")
+assert bubbles["gpipe"] == bubbles["1f1b"] == (P - 1) / (M + P - 1)
+
+# %% [markdown]
+# Now on real stages. `schedule.actions()` gives each rank's list *lowered*: the sends and
+# receives added, in an order that cannot deadlock, validated and dry-run. The loop below
+# runs this rank's list in order: F, B, W call the stage; SEND and RECV need nothing, since
+# the stage's forward and backward send and receive themselves. This loop is the executor in
+# miniature; the library's (minidp/parallel/pipeline/executor.py, being written) runs the
+# same lists.
+
+
+# %%
+def pipeline_step(schedule, model, x, y):
+    """One step of `schedule` on `model` over the world: this rank's stages, its actions in
+    order. Returns the stages (stage index -> PipelineStage) and the step's loss."""
+    S, m = schedule.num_stages, schedule.micro_batches
+    parts = split_model(model, S)
+    stages = {s: PipelineStage(parts[s], s, S, world) for s in schedule.stages_of(rank)}
+    xs, ys = np.split(x, m), np.split(y, m)
+    for action in schedule.actions()[rank]:
+        stage, j = stages[action.stage], action.micro_batch
+        if action.kind == F:
+            first, last = stage.is_first, stage.is_last
+            stage.forward(j, xs[j] if first else None, ys[j] if last else None, share=1 / m)
+        elif action.kind == B and schedule.split_backward:
+            stage.backward_input(j)  # B: dL/d(input) only, sent at once
+        elif action.kind == B:
+            stage.backward(j)  # the whole backward
+        elif action.kind == W:
+            stage.backward_weight(j)  # the weight gradients B left
+        # SEND_F, RECV_F, SEND_B, RECV_B: inside forward and backward
+    for stage in stages.values():
+        stage.wait_sends()
+    losses = stages[S - 1].losses.values() if S - 1 in stages else []
+    return stages, comm.broadcast(np.array([sum(losses, 0.0)]), root=(S - 1) % P)[0]
+
+
+def measured_peaks(stages, num_stages) -> dict[int, int]:
+    """stage -> the most micro-batches it held at once, gathered from every rank."""
+    peaks = np.zeros(num_stages, np.int64)
+    for s, stage in stages.items():
+        peaks[s] = stage.peak_in_flight
+    return dict(enumerate(comm.allreduce(peaks).tolist()))
+
+
+for name, schedule in schedules.items():
+    model = new_model()
+    stages, loss = pipeline_step(schedule, model, X, Y)
+    for stage in stages.values():
+        assert_grads_equal(stage.module.named_parameters(), ref)
+    peaks = measured_peaks(stages, schedule.num_stages)
+    print0(f"{name} on real stages: loss {loss:.12f}, micro-batches held per stage {peaks}")
+    assert peaks == simulated_peaks[name]
+    assert np.isclose(loss, ref_loss, rtol=1e-10)
+
+# %% [markdown]
+# ## 4. Interleaving: V stages per rank
+# Cut the model into V·p stages and give rank r the stages r, r + p, ... (Megatron-LM's
+# interleaved 1F1B): each stage is 1/V of a rank's work, so the pipeline fills and drains V
+# times faster and the bubble shrinks to (p−1)/(V·m+p−1), for V times more messages and a
+# longer warm-up (the first ranks hold more micro-batches, each of half their layers). Here
+# V = 2: 8 stages of one Linear each, rank 0 holding stages 0 and 4; the same loop runs them.
+
+# %%
+V = 2
+interleaved = build_schedule("interleaved", P, 4, virtual=V)
+print0(f"{interleaved}\n{grid(timeline(interleaved))}")
+print0(" m  1F1B    interleaved  (p-1)/(V*m+p-1)")
+for m in (4, 8):
+    row = summary(build_schedule("interleaved", P, m, virtual=V))
+    plain = summary(build_schedule("1f1b", P, m))["bubble_fraction"]
+    want = formula_bubble("interleaved", P, m, V)
+    print0(f"{m:2d}  {plain:.4f}  {row['bubble_fraction']:.4f}       {want:.4f}")
+    assert np.isclose(row["bubble_fraction"], (P - 1) / (V * m + P - 1), rtol=0, atol=1e-12)
+    assert row["bubble_fraction"] < plain
+stages, loss = pipeline_step(interleaved, new_model(), X, Y)  # the same loop, 2 stages a rank
+for stage in stages.values():
+    assert_grads_equal(stage.module.named_parameters(), ref)
+peaks = measured_peaks(stages, interleaved.num_stages)
+assert peaks == timeline(interleaved).peak_activations
+print0(f"interleaved on real stages: rank 0 runs stages {sorted(stages)}; equal to one process")
+print0(f"micro-batches held per stage (simulated = measured): {peaks}")
+
+# %% [markdown]
+# ## 5. Zero bubble H1: backward as B and W
+# A layer y = x W has two gradients, and only one is on the critical path: B, dL/dx =
+# dL/dy Wᵀ, which the previous stage waits for, and W, dL/dW = xᵀ dL/dy, which nobody
+# waits for (Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024). ZB-H1 runs 1F1B with
+# B alone, and slips the deferred W's into what were bubbles. With F = 1, B = W = 1/2 the
+# bubble is (p−1)/(2m+p−1) instead of (p−1)/(m+p−1); each column of the grid is half a unit.
+
+# %%
+zb = build_schedule("zb-h1", P, 4)
+print0(f"{zb}\n{grid(timeline(zb))}")
+print0(" m  1F1B    ZB-H1   (p-1)/(2m+p-1)")
+for m in (4, 8):
+    row = summary(build_schedule("zb-h1", P, m))
+    plain = summary(build_schedule("1f1b", P, m))["bubble_fraction"]
+    print0(f"{m:2d}  {plain:.4f}  {row['bubble_fraction']:.4f}  {(P - 1) / (2 * m + P - 1):.4f}")
+    assert np.isclose(row["bubble_fraction"], (P - 1) / (2 * m + P - 1), rtol=0, atol=1e-12)
+
+# %% [markdown]
+# B then W is the whole backward: `stage.backward_input` leaves each Linear's weight gradient
+# uncomputed (its two factors, x and dL/dy), `stage.backward_weight` multiplies them into
+# .grad. Run through the same loop, ZB-H1's gradients equal 1F1B's full backward's and one
+# process's. Memory: the simulator counts a micro-batch held until its W (p on every stage,
+# 1F1B's stage 0 peak); the stage's `peak_in_flight` counts whole graphs, freed at B (p − s,
+# as in 1F1B): between B and W only the factors B kept for W stay.
+
+# %%
+zb = build_schedule("zb-h1", P, M)
+zb_stages, _ = pipeline_step(zb, new_model(), X, Y)
+full_stages, _ = pipeline_step(schedules["1f1b"], new_model(), X, Y)
+for s, stage in zb_stages.items():
+    assert_grads_equal(stage.module.named_parameters(), ref)
+    for p, q in zip(stage.parameters(), full_stages[s].parameters()):
+        np.testing.assert_allclose(p.grad, q.grad, rtol=1e-12, atol=1e-15)
+assert timeline(zb).peak_activations == {s: P for s in range(P)}
+held = measured_peaks(zb_stages, P)
+assert held == {s: P - s for s in range(P)}  # as 1F1B's
+print0(f"ZB-H1: gradients equal 1F1B's and one process's; graphs held per stage {held}")
+
+# %% [markdown]
+# Training with it: a few AdamW steps of ZB-H1 on the 4 ranks, each rank stepping only its
+# stage's parameters, against the whole model trained in one process.
+
+# %%
+model, whole = new_model(), new_model()
+mine = split_model(model, P)[rank].parameters()  # this rank's stage's
+opt, whole_opt = optim.AdamW(mine, lr=1e-2), optim.AdamW(whole.parameters(), lr=1e-2)
+for step in range(4):
+    batch = slice(step * BATCH, (step + 1) * BATCH)
+    model.zero_grad()
+    _, loss = pipeline_step(zb, model, x_all[batch], y_all[batch])
+    opt.step()
+    whole.zero_grad()
+    want = cross_entropy(whole(Tensor(x_all[batch])), y_all[batch])
+    want.backward()
+    whole_opt.step()
+    print0(f"step {step}: one process {want.item():.12f}, ZB-H1 pipeline {loss:.12f}")
+    assert np.isclose(loss, want.item(), rtol=1e-10)
+want = dict(whole.named_parameters())
+for name, p in split_model(model, P)[rank].named_parameters():
+    np.testing.assert_allclose(p.data, want[name].data, rtol=1e-10, atol=1e-13)
+print0("all checks passed")
