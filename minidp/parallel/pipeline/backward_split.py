@@ -27,6 +27,7 @@ Product's factors); the rest of the micro-batch's graph is freed after B.
 import numpy as np
 
 from minidp.autograd import LazyGradient, Tensor, op
+from minidp.backend import base_of
 from minidp.memory import nbytes
 from minidp.weight_grads import Product
 
@@ -68,9 +69,14 @@ def backward_weight(kept: list[tuple[Tensor, object]]) -> None:
     op(ones, leaves, lambda _seed: grads).backward()
 
 
-def kept_bytes(kept: list[tuple[Tensor, object]]) -> int:
-    """Bytes of what B kept for W: gradients, and each Product's two factors."""
+def kept_bytes(kept: list[tuple[Tensor, object]], inputs=None) -> int:
+    """Bytes of what B kept for W: gradients, and each Product's two factors; not `inputs`
+    (the first stage's batch, the user's array and no activation, as activation_bytes
+    leaves leaves out), nor any view of the array it lies in."""
     arrays = []
     for _, g in kept:
         arrays += [g.x, g.g] if isinstance(g, Product) else [_array(g)]
+    if inputs is not None:
+        batch = id(base_of(getattr(inputs, "data", inputs)))
+        arrays = [a for a in arrays if id(base_of(a)) != batch]
     return nbytes(arrays)

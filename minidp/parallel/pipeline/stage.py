@@ -75,7 +75,10 @@ class PipelineStage:
         self._anchor = Tensor(0.0, requires_grad=True)  # receive_activations' parent
         self._roots: dict[int, tuple[Tensor, int]] = {}  # mb -> (root of its graph, bytes)
         self._weight_grads: dict[int, tuple[list, int]] = {}  # mb -> (B kept for W, bytes)
+        self._inputs: dict = {}  # first stage: mb -> the user's batch (never counted as held)
         self.losses: dict[int, float] = {}  # the last stage's weighted loss per micro-batch
+        # in_flight: micro-batches between their F and their B (a split backward's W holds
+        # only what B kept, counted in held_bytes; simulate.py counts a micro-batch until W)
         self.in_flight = self.peak_in_flight = self.held_bytes = self.peak_bytes = 0
 
     def parameters(self) -> list:
@@ -103,7 +106,7 @@ class PipelineStage:
         if self.is_last != (targets is not None):
             raise ValueError(f"stage {self.stage_index}: targets go to the last stage only")
         if self.is_first:
-            x = inputs
+            x = self._inputs[micro_batch] = inputs
         else:
             tags = self._tags(micro_batch, self.stage_index - 1)
             x = msg.receive_activations(self._anchor, self.outbox, self.prev_rank, *tags)
@@ -141,13 +144,15 @@ class PipelineStage:
     def backward(self, micro_batch: int) -> None:
         """B and W at once for `micro_batch`: the engine's backward from its root (receive
         dL/d(output) first, send dL/d(input) last); the graph is freed after."""
+        self._inputs.pop(micro_batch, None)
         self._release(micro_batch).backward()
 
     def backward_input(self, micro_batch: int) -> None:
         """B for `micro_batch`: dL/d(input), sent upstream at once; the parameters'
         gradients kept (a Linear's uncomputed: x and dL/dy) for `backward_weight`."""
         kept = backward_input(self._release(micro_batch))
-        self._weight_grads[micro_batch] = kept, kept_bytes(kept)
+        inputs = self._inputs.pop(micro_batch, None)  # the user's batch: not counted
+        self._weight_grads[micro_batch] = kept, kept_bytes(kept, inputs)
         self._count(self._weight_grads[micro_batch][1])  # held until W
 
     def backward_weight(self, micro_batch: int) -> None:
