@@ -22,7 +22,8 @@ The stage keeps each micro-batch's graph from its forward to its backward (the r
 weighted loss, or the send's handle) and frees it after: `in_flight` and
 `peak_in_flight` count micro-batches, `held_bytes` and `peak_bytes` the activations
 (`minidp.memory.activation_bytes`, a lower bound: see memory.py), what 1F1B bounds and GPipe
-does not; between a B and its W, what B kept for W (backward_split.kept_bytes) instead.
+does not; between a B and its W, what B kept for W (backward_split.kept_bytes) instead,
+the micro-batch still counted in flight until its W (simulate.py's peak activations).
 """
 
 from minidp import functional
@@ -148,6 +149,7 @@ class PipelineStage:
         gradients kept (a Linear's uncomputed: x and dL/dy) for `backward_weight`."""
         kept = backward_input(self._release(micro_batch))
         self._weight_grads[micro_batch] = kept, kept_bytes(kept)
+        self.in_flight += 1  # still in flight until its W
         self._count(self._weight_grads[micro_batch][1])  # held until W
 
     def backward_weight(self, micro_batch: int) -> None:
@@ -156,6 +158,7 @@ class PipelineStage:
             raise ValueError(f"micro_batch {micro_batch}: W before its B on this stage")
         kept, nbytes = self._weight_grads.pop(micro_batch)
         backward_weight(kept)
+        self.in_flight -= 1
         self.held_bytes -= nbytes
 
     # ---- around a step ---------------------------------------------------------------------
