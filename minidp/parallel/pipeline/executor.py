@@ -5,30 +5,36 @@ validated and dry-run once. The executor walks that list in order and nothing el
 what runs when (nothing is scheduled twice), as torch.distributed.pipelining's
 `schedule.step(x, target=...)` does. 1F1B, pp = 2, m = 3, rank 1's list and what runs:
 
-    action       what the executor calls              where it waits
-    1RECV_F0     nothing (the receive is in F)        -
-    1F0          stage1.forward(0, targets=t[0], ...)  receiving stage 0's activation of mb 0
-    1B0          stage1.backward(0)                    -  (isends dL/dx of mb 0 upstream)
-    1SEND_B0     nothing (B already isent it)          -
-    1RECV_F1     nothing                               -
-    1F1          stage1.forward(1, ...)                receiving mb 1's activation
+    action     what the executor does                        span (busy)
+    1RECV_F0   wait until stage 0's activation of mb 0 is here   -  (idle)
+    1F0        stage1.forward(0, targets=t[0], share=s[0])   F 1.0  (receives it, computes)
+    1B0        stage1.backward(0)                            B 1.0  (isends dL/dx upstream)
+    1SEND_B0   nothing: B isent it already                   -
+    1RECV_F1   wait until mb 1's activation is here          -  (idle)
+    1F1        stage1.forward(1, ...)                        F 1.1
     ...
-    end          stage.wait_sends() on every stage     until every send has been received
+    end        stage.wait_sends() on every stage: until every send has been received
 
     action     the stage's call                        with schedule.split_backward
     sFj        stages[s].forward(j, inputs, targets, share)
     sBj        stages[s].backward(j)                   stages[s].backward_input(j)
     sWj        -                                       stages[s].backward_weight(j)
-    SEND_*     no-op: the stage isends inside the compute action just before it
-    RECV_*     no-op: the stage receives inside the compute action just after it
+    SEND_*     nothing: the stage isends inside the compute action just before it
+    RECV_*     wait (p2p.probe) until the message the next compute action receives has
+               arrived; that action then receives it without waiting
+
+So a wait for a neighbour is idle time between spans, never inside one, and the bubble
+read off the spans is the schedule's (plus up to ~1 ms a wait: the probe naps when the
+wait is long, leaving the core to the ranks that compute).
 
 Why it cannot deadlock: lowering places every RECV right before its compute action and
-every SEND right after its compute action, so running the list with the receives inside F
-and B and the sends inside them (non-blocking `isend`) is exactly the dry run's model of
-execution: a rank blocks only at a receive, never at a send. `schedule.actions()` has been
-dry-run to completion under that model (dry_run.py), and messages are matched by tag
-(micro-batch, boundary, direction: communications.py), so the order in which they arrive
-does not matter. Hence the real run completes as the dry run did.
+every SEND right after its compute action, and the stage sends with a non-blocking
+`isend`: running the list is exactly the dry run's model of execution, where a rank blocks
+only at a receive, never at a send. `schedule.actions()` has been dry-run to completion
+under that model (dry_run.py), and messages are matched by tag (micro-batch, boundary,
+direction: communications.py), so the order in which they arrive does not matter. Hence
+the real run completes as the dry run did. (A message that never comes: the probe gives
+up after the group's timeout and the stage's own receive raises, naming the peer.)
 
 The executor splits nothing: it takes the step's micro-batches as lists (inputs for the
 first stage, targets for the last) and each micro-batch's `share` of the step's examples
@@ -48,7 +54,9 @@ import contextlib
 import numpy as np
 
 from minidp import comm
-from minidp.parallel.pipeline.actions import B, F, W
+from minidp.comm import p2p
+from minidp.parallel.pipeline import communications as msg
+from minidp.parallel.pipeline.actions import RECV_B, RECV_F, Action, B, F, W, peer_rank
 from minidp.parallel.pipeline.stage import PipelineStage
 
 __all__ = ["measured_bubble", "run_schedule", "split_batch"]
@@ -90,9 +98,11 @@ def run_schedule(
         raise ValueError(f"shares has {len(shares)} entries, the schedule {m} micro-batches")
     last = schedule.num_stages - 1
     for action in schedule.actions()[rank]:
-        if not action.is_compute:
-            continue  # SEND_* and RECV_*: done inside the compute action beside it
         stage, j = stages[action.stage], action.micro_batch
+        if action.kind in (RECV_F, RECV_B):
+            _wait_for(action, stage, schedule.pp)
+        if not action.is_compute:
+            continue  # SEND_*: sent inside the compute action before it
         name = f"{action.kind} {action.stage}.{j}"
         with timeline.span(name) if timeline is not None else contextlib.nullcontext():
             if action.kind == F:
@@ -113,6 +123,17 @@ def run_schedule(
     if last in stages:
         return [stages[last].losses[j] for j in range(m)]
     return []
+
+
+def _wait_for(action: Action, stage: PipelineStage, pp: int) -> None:
+    """Wait until the message `action` (RECV_F or RECV_B) names has arrived; not received."""
+    if action.kind == RECV_F:  # across boundary s - 1 -> s, forward
+        boundary, direction = action.stage - 1, msg.FORWARD
+    else:  # across boundary s -> s + 1, backward
+        boundary, direction = action.stage, msg.BACKWARD
+    group = stage.group
+    tag = msg.message_tag(group, action.micro_batch, boundary, stage.num_stages, direction)
+    p2p.probe(group, peer_rank(action, pp), tag, timeout=group.timeout)
 
 
 def _check(schedule, stages: dict[int, PipelineStage]) -> int:
