@@ -1,7 +1,8 @@
 """`--strategy pp` trains like one process: the tiny float64 GPT (4 blocks), AdamW, clipping
-on, every schedule (interleaved with V = 2, recomputation on for one) at pp = 2: the same
-per-step losses on every rank and, after gather_model, the same whole model (1e-10); the
-record's bytes per axis and bubble fields. Then the bad flags, one line each."""
+on, every schedule (interleaved with V = 2, recomputation on for one) at pp = 2, 1F1B and
+ZB-H1 at pp = 4: the same per-step losses on every rank and, after gather_model, the same
+whole model (1e-10); the record's bytes per axis and bubble fields; resuming from a rank's
+state. Then the bad flags, one line each."""
 
 import numpy as np
 import pytest
@@ -48,10 +49,20 @@ def reference(config):
 @pytest.mark.parallel(nprocs=[2])
 @pytest.mark.timeout(240)
 def test_every_schedule_trains_like_one_process():
+    check_like_one_process(PIPELINE)
+
+
+@pytest.mark.parallel(nprocs=[4])
+@pytest.mark.timeout(240)
+def test_four_stages_train_like_one_process():
+    check_like_one_process([dict(schedule="1f1b"), dict(schedule="zb-h1")])
+
+
+def check_like_one_process(schedules: list[dict]) -> None:
     world = comm.world()
     want_losses, want_params = reference(TrainConfig(**TINY))
-    for flags in PIPELINE:
-        config = TrainConfig(**TINY, strategy="pp", pp=2, micro_batches=4, **flags)
+    for flags in schedules:
+        config = TrainConfig(**TINY, strategy="pp", pp=world.size, micro_batches=4, **flags)
         with STRATEGIES["pp"](Task(config, np.float64), config, world) as s:
             losses = run(s)
             np.testing.assert_allclose(losses, want_losses, rtol=1e-10, err_msg=str(flags))
@@ -70,6 +81,17 @@ def test_every_schedule_trains_like_one_process():
             assert 0 <= record["bubble_fraction"] < 1
             assert 0 < record["bubble_fraction_formula"] < 1
             assert set(s.memory_bytes()) >= {"parameters", "activations_peak"}
+            if flags["schedule"] == "1f1b":  # resuming from this rank's state: the same step
+                check_resume(s, config, world)
+
+
+def check_resume(s, config, group):
+    state = s.state_dict()  # this rank's stages and their AdamW moments
+    with STRATEGIES["pp"](Task(config, np.float64), config, group) as again:
+        again.load_state_dict(state)
+        assert again.param_l2() == s.param_l2()
+        assert again.step(np.arange(8), 1e-2) == s.step(np.arange(8), 1e-2)
+        assert again.param_l2() == s.param_l2()  # the moments came too
 
 
 @pytest.mark.parametrize(

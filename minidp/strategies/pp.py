@@ -98,6 +98,20 @@ class Pipeline(Recipe):
         except ValueError as error:  # the piece names its argument; say the flag
             raise BadConfig(f"--schedule {config.schedule}: {error}") from None
         self.mesh = mesh = Mesh(pp=pp, group=group)
+        try:
+            self._build(task, config, optimizer)
+        except BaseException:
+            mesh.close()
+            raise
+        self.axes = {"dp": [], "tp": [], "pp": [mesh.pp_group]}
+        self.clocks, self.clip_params = [exposed_clock(mesh.pp_group)], self.params
+        self.data_shard = (0, 1)
+        self.run = PipelineStep(self)
+
+    def _build(self, task, config, optimizer) -> None:
+        """This rank's stages of the task's GPT, the others' parameters released; the
+        optimizer over this rank's parameters."""
+        mesh = self.mesh
         S, rank = self.schedule.num_stages, mesh.pp_group.rank
         self.parts = split_model(task.model, S, recompute=config.recompute)
         self.stages = {
@@ -112,10 +126,6 @@ class Pipeline(Recipe):
         self.optimizer = optimizer or optim.make_optimizer(
             config.optimizer, self.params, config.lr, config.weight_decay
         )
-        self.axes = {"dp": [], "tp": [], "pp": [mesh.pp_group]}
-        self.clocks, self.clip_params = [exposed_clock(mesh.pp_group)], self.params
-        self.data_shard = (0, 1)
-        self.run = PipelineStep(self)
 
     def norm(self, kind: str) -> float:
         """Each stage's parameters on one rank: the sum of squares summed over pp."""
