@@ -9,8 +9,9 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+from test_pipeline_stage import MICRO, batches, tiny_gpt, train_whole  # 3 steps of 8, m = 4
 
-from minidp import comm, cross_entropy, nn, optim
+from minidp import comm, optim
 from minidp.parallel.pipeline.executor import measured_bubble, run_schedule, split_batch
 from minidp.parallel.pipeline.schedules import build_schedule
 from minidp.parallel.pipeline.simulate import summary
@@ -19,33 +20,7 @@ from minidp.parallel.pipeline.stage import PipelineStage
 from minidp.trace import Timeline
 
 F64 = np.float64
-STEPS, MICRO, BATCH, N_LAYER = 3, 4, 8, 4  # 8 examples a step, 4 micro-batches of 2
-
-
-def tiny_gpt() -> nn.GPT:
-    cfg = nn.GPTConfig(vocab_size=11, block_size=6, n_layer=N_LAYER, n_head=2, n_embd=8)
-    return nn.GPT(cfg, seed=3, dtype=F64)
-
-
-def batches() -> list:
-    """STEPS (inputs, targets) pairs of BATCH examples, the same on every rank."""
-    rng = np.random.default_rng(11)
-    return [
-        (rng.integers(0, 11, (BATCH, 6)), rng.integers(0, 11, (BATCH, 6))) for _ in range(STEPS)
-    ]
-
-
-def train_whole(model) -> list[float]:
-    """The reference: one process, the whole batch, AdamW."""
-    opt = optim.AdamW(model.parameters(), lr=1e-2)
-    losses = []
-    for inputs, targets in batches():
-        model.zero_grad()
-        loss = cross_entropy(model(inputs), targets)
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    return losses
+N_LAYER = 4  # interleaved at pp = 2 with V = 2: four stages of one block
 
 
 def train_pipelined(model, schedule, recompute=False):
@@ -60,7 +35,7 @@ def train_pipelined(model, schedule, recompute=False):
     opt = optim.AdamW([p for st in stages.values() for p in st.parameters()], lr=1e-2)
     losses, peaks, bubbles = [], [], []
     timeline = Timeline()
-    for inputs, targets in batches():
+    for inputs, targets in batches(model):
         model.zero_grad()
         for stage in stages.values():
             stage.reset_peaks()
@@ -74,7 +49,9 @@ def train_pipelined(model, schedule, recompute=False):
         losses.append(comm.broadcast(np.array([sum(mine)], F64), root=root)[0])
         peaks.append({s: st.peak_in_flight for s, st in stages.items()})
         bubbles.append(measured_bubble(timeline, group, first_event))
-    assert len(timeline.events) == STEPS * sum(len(stage_actions(schedule, s)) for s in stages)
+    assert len(timeline.events) == len(batches(model)) * sum(
+        len(stage_actions(schedule, s)) for s in stages
+    )
     return stages, losses, peaks, bubbles
 
 
@@ -86,9 +63,9 @@ def stage_actions(schedule, stage: int) -> list:
 def check_equal(name: str, virtual: int = 1, recompute: bool = False) -> None:
     pp = comm.world().size
     schedule = build_schedule(name, pp, MICRO, virtual)
-    ref = tiny_gpt()
+    ref = tiny_gpt(N_LAYER)
     want = train_whole(ref)
-    stages, got, peaks, bubbles = train_pipelined(tiny_gpt(), schedule, recompute)
+    stages, got, peaks, bubbles = train_pipelined(tiny_gpt(N_LAYER), schedule, recompute)
     np.testing.assert_allclose(got, want, rtol=1e-10, atol=0)
     ref_parts = split_model(ref, schedule.num_stages)
     for s, stage in stages.items():
@@ -128,7 +105,7 @@ def test_four_stages_equal_one_process(name):
 def test_errors_name_the_argument():
     schedule = build_schedule("1f1b", 2, 2)
     group = SimpleNamespace(size=2, rank=0)
-    parts = split_model(tiny_gpt(), 2)
+    parts = split_model(tiny_gpt(N_LAYER), 2)
     with pytest.raises(ValueError, match="stages is empty"):
         run_schedule(schedule, {})
     stage1 = PipelineStage(parts[1], 1, 2, SimpleNamespace(size=2, rank=1))
@@ -140,6 +117,6 @@ def test_errors_name_the_argument():
     with pytest.raises(ValueError, match="shares has 3 entries"):
         run_schedule(schedule, {0: stage0}, shares=[0.5, 0.25, 0.25])
     with pytest.raises(ValueError, match="micro_batches \\(9\\) exceeds the batch's 8"):
-        split_batch(*batches()[0], 9)
+        split_batch(*batches(tiny_gpt(N_LAYER))[0], 9)
     micro_in, micro_t, shares = split_batch(np.arange(5), np.arange(5), 2)
     assert [len(x) for x in micro_in] == [3, 2] and shares == [0.6, 0.4]
