@@ -120,3 +120,17 @@ def test_errors_name_the_argument():
         split_batch(*batches(tiny_gpt(N_LAYER))[0], 9)
     micro_in, micro_t, shares = split_batch(np.arange(5), np.arange(5), 2)
     assert [len(x) for x in micro_in] == [3, 2] and shares == [0.6, 0.4]
+
+
+def test_the_bubble_is_idle_time_over_the_window():
+    """One rank: F 0.0 over [0, 1) s, an idle second, B 0.0 over [2, 3): busy 2 of 3; other
+    spans (the optimizer's) and those before `first_event` do not count."""
+    timeline = Timeline()
+    t0 = timeline._t0
+    timeline.add("optimizer", "compute", t0 - 5, t0 - 4)
+    first = len(timeline.events)
+    for name, start in (("F 0.0", 0.0), ("optimizer", 1.0), ("B 0.0", 2.0)):
+        timeline.add(name, "compute", t0 + start, t0 + start + 1)
+    solo = comm.world().split(comm.world().rank)
+    assert measured_bubble(timeline, solo, first) == pytest.approx(1 / 3)
+    solo.free()
