@@ -7,7 +7,10 @@ One list, read by everyone, so that a name added in one place cannot be missing 
     comm/checks.py                        numbers these names in the fingerprint
     comm/auto.py                          picks among them (checked when it is imported)
     comm/reduce_ops.py                    the reduction ops, OPS
-    training/config.py                    --allreduce choices: AUTO + ALGORITHMS["allreduce"]
+    training/config.py                    --allreduce choices: AUTO + ALGORITHMS["allreduce"];
+                                          --schedule choices: PIPELINE_SCHEDULES
+    parallel/pipeline/schedules.py        SCHEDULES, refused at import unless it names
+                                          exactly PIPELINE_SCHEDULES
     benchmarks, tests                     loop over them (as comm.ALGORITHMS, the same dict)
 
 Pure Python, no MPI: training/config.py imports it without starting MPI. To add an
@@ -35,6 +38,9 @@ COLLECTIVES: tuple[str, ...] = tuple(ALGORITHMS)
 
 OPS: tuple[str, ...] = ("sum", "avg", "max", "min", "prod")
 """The reduction ops of allreduce, reduce_scatter and reduce."""
+
+PIPELINE_SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved", "zb-h1")
+"""The pipeline schedules (parallel/pipeline/schedules.py's SCHEDULES), in its order."""
 
 
 def table(collective: str, functions: dict) -> dict:

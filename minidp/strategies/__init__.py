@@ -9,12 +9,14 @@ over its group (tp and hybrid: over a Mesh's axes) and hands them to the one ste
     tp.py            --strategy tp and hybrid: the TP GPT, DDP or ZeRO over the DP axis
                      (zero_over_tp.py: ZeRO's chunks of TP shards)
     ps.py            --strategy ps: the parameter server's roles
+    pp.py            --strategy pp: the GPT cut into pipeline stages, the executor's step
 
 `STRATEGIES` maps each --strategy name to its class; a new scheme is a module here and one
 line in the table.
 """
 
 from minidp.strategies.dp import DataParallel
+from minidp.strategies.pp import Pipeline
 from minidp.strategies.protocol import Recipe, StepResult, Strategy
 from minidp.strategies.ps import ParameterServer
 from minidp.strategies.tp import Hybrid, TensorParallel
@@ -26,6 +28,7 @@ STRATEGIES: dict[str, type[Strategy]] = {
     ZeRO.name: ZeRO,
     TensorParallel.name: TensorParallel,
     Hybrid.name: Hybrid,
+    Pipeline.name: Pipeline,
 }
 
 __all__ = [
@@ -33,6 +36,7 @@ __all__ = [
     "DataParallel",
     "Hybrid",
     "ParameterServer",
+    "Pipeline",
     "Recipe",
     "StepResult",
     "Strategy",

@@ -24,7 +24,7 @@ Each field is a `flag(default, help, **metadata)`. The metadata keys:
 
 from dataclasses import dataclass, field, fields, replace
 
-from minidp.names import ALGORITHMS, AUTO
+from minidp.names import ALGORITHMS, AUTO, PIPELINE_SCHEDULES
 from minidp.optim import OPTIMIZERS
 from minidp.training.config_checks import (
     TORCH_STRATEGIES,
@@ -166,6 +166,17 @@ class TrainConfig:
         False,
         "split LayerNorm and dropout regions along the sequence over the TP group",
         strategies=("tp", "hybrid"),
+    )
+
+    # pipeline parallelism (--strategy pp): 4 blocks, --pp 2 --virtual 2: 4 stages of 1 block
+    pp: int = flag(0, "pipeline stages' ranks (0: the world)", strategies=("pp",))
+    micro_batches: int = flag(4, "micro-batches per step (m)", strategies=("pp",))
+    schedule: str = flag(
+        "1f1b", "pipeline schedule", choices=PIPELINE_SCHEDULES, strategies=("pp",)
+    )
+    virtual: int = flag(1, "stages per rank (V > 1: --schedule interleaved)", strategies=("pp",))
+    recompute: bool = flag(
+        False, "blocks recompute their activations in backward", strategies=("pp",)
     )
 
     # ZeRO (--strategy zero, hybrid)

@@ -71,7 +71,34 @@ def check_config(config) -> None:
         raise BadConfig(f"--strategy zero needs --zero-stage 1, 2 or 3, got {config.zero_stage}")
     if config.strategy == "hybrid" and config.zero_stage not in (0, 1, 2, 3):
         raise BadConfig(f"--zero-stage must be 1, 2 or 3 (0: off), got {config.zero_stage}")
+    check_pipeline(config, config.pp)
     check_log_dir(config)
+
+
+def check_pipeline(config, pp: int) -> None:
+    """--strategy pp: pp x V stages of at least one block each, V of them a rank only for
+    interleaved (which needs pp x V to divide the blocks), 1 <= m <= batch (pp: 0 unknown)."""
+    if config.strategy != "pp":
+        return
+    V, m, n = config.virtual, config.micro_batches, config.n_layer
+    if config.model != "gpt":
+        raise BadConfig(
+            f"--strategy pp cuts the GPT's blocks into stages, not --model {config.model}"
+        )
+    if pp < 0 or V < 1:
+        raise BadConfig(f"--pp must be >= 0 (0: the world) and --virtual >= 1, got {pp}, {V}")
+    if not 1 <= m <= config.batch_size:
+        raise BadConfig(
+            f"--micro-batches must be in [1, --batch-size {config.batch_size}], got {m}"
+        )
+    if V > 1 and config.schedule != "interleaved":
+        raise BadConfig(f"--virtual {V}: only --schedule interleaved runs several stages a rank")
+    if max(pp, 1) * V > n:
+        raise BadConfig(f"--pp {pp} x --virtual {V} stages are more than --n-layer {n} blocks")
+    if V > 1 and pp and n % (pp * V):
+        raise BadConfig(
+            f"--schedule interleaved: --pp {pp} x --virtual {V} must divide --n-layer {n}"
+        )
 
 
 def check_ranges(config) -> None:

@@ -24,9 +24,11 @@ The stage, what runs the actions on a model the user built:
     backward_split.py  backward as B (input gradients, sent at once) and W (weights, later)
     stage.py           PipelineStage: forward, backward, backward_input, backward_weight
 
-An executor takes `schedule.actions()[rank]` (lowered, validated, dry-run) and runs it in
-order: F, B, W on its stages' PipelineStage, SEND_*/RECV_* to and from `peer_rank(action,
-pp)`. (Not built yet: that executor, `--strategy pp`, and the DP x TP x PP mesh.)
+    executor.py        run_schedule: `schedule.actions()[rank]` (lowered, validated,
+                       dry-run) run in order, F, B, W on this rank's stages, each a span on
+                       a Timeline; measured_bubble: the bubble from those spans
+
+(Not built yet: the DP x TP x PP mesh.)
 
 This file imports nothing.
 """

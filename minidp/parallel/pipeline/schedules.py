@@ -36,6 +36,7 @@ Bubble fraction (idle / (pp · length)) in unit time (F = B = 1; split: B = W = 
                                                T_F = 1, T_B = T_W = 1/2; exact when m >= pp
 """
 
+from minidp.names import PIPELINE_SCHEDULES
 from minidp.parallel.pipeline.actions import Action, B, F, W, stage_rank
 from minidp.parallel.pipeline.dry_run import dry_run
 from minidp.parallel.pipeline.lowering import add_send_recv
@@ -195,6 +196,8 @@ SCHEDULES = {
     cls.name: cls
     for cls in (ScheduleGPipe, Schedule1F1B, ScheduleInterleaved1F1B, ScheduleZeroBubbleH1)
 }
+if tuple(SCHEDULES) != PIPELINE_SCHEDULES:  # the one list (--schedule's choices)
+    raise ValueError(f"SCHEDULES names {tuple(SCHEDULES)}, names.py {PIPELINE_SCHEDULES}")
 
 
 def build_schedule(name: str, pp: int, micro_batches: int, virtual: int = 1) -> PipelineSchedule:

@@ -22,7 +22,8 @@ The stage keeps each micro-batch's graph from its forward to its backward (the r
 weighted loss, or the send's handle) and frees it after: `in_flight` and
 `peak_in_flight` count micro-batches, `held_bytes` and `peak_bytes` the activations
 (`minidp.memory.activation_bytes`, a lower bound: see memory.py), what 1F1B bounds and GPipe
-does not; between a B and its W, what B kept for W (backward_split.kept_bytes) instead.
+does not; between a B and its W, what B kept for W (backward_split.kept_bytes) instead,
+the micro-batch still counted in flight until its W (simulate.py's peak activations).
 """
 
 from minidp import functional
@@ -77,8 +78,8 @@ class PipelineStage:
         self._weight_grads: dict[int, tuple[list, int]] = {}  # mb -> (B kept for W, bytes)
         self._inputs: dict = {}  # first stage: mb -> the user's batch (never counted as held)
         self.losses: dict[int, float] = {}  # the last stage's weighted loss per micro-batch
-        # in_flight: micro-batches between their F and their B (a split backward's W holds
-        # only what B kept, counted in held_bytes; simulate.py counts a micro-batch until W)
+        # in_flight: micro-batches between their F and their last backward action (B, or W
+        # when split: as simulate.py counts them); held_bytes: their graphs, then what B kept
         self.in_flight = self.peak_in_flight = self.held_bytes = self.peak_bytes = 0
 
     def parameters(self) -> list:
@@ -153,6 +154,7 @@ class PipelineStage:
         kept = backward_input(self._release(micro_batch))
         inputs = self._inputs.pop(micro_batch, None)  # the user's batch: not counted
         self._weight_grads[micro_batch] = kept, kept_bytes(kept, inputs)
+        self.in_flight += 1  # still in flight until its W
         self._count(self._weight_grads[micro_batch][1])  # held until W
 
     def backward_weight(self, micro_batch: int) -> None:
@@ -161,6 +163,7 @@ class PipelineStage:
             raise ValueError(f"micro_batch {micro_batch}: W before its B on this stage")
         kept, nbytes = self._weight_grads.pop(micro_batch)
         backward_weight(kept)
+        self.in_flight -= 1
         self.held_bytes -= nbytes
 
     # ---- around a step ---------------------------------------------------------------------
