@@ -9,7 +9,7 @@ other ranks only through minidp.comm and taking plain arguments (never the comma
     param_server/      messages.py -> server.py -> pieces.py (the worker and the server loop)
     pipeline/          schedules as checked data (actions, schedules, lowering, validate,
                        dry_run, simulate, diagram) -> the stage (communications, split,
-                       recompute, backward_split, stage.py: PipelineStage)
+                       recompute, backward_split, stage.py: PipelineStage) -> executor.py
     compression/       base.py (error feedback) -> cast, sparse, quant, lowrank -> table.py;
                        update.py and velocity.py (the optimizer-side placements)
     pruning.py         the DDP hook that reduces only the kept gradients (masks: minidp.prune)
@@ -35,6 +35,7 @@ from minidp.parallel.data_parallel.ddp import DistributedDataParallel
 from minidp.parallel.data_parallel.plain import SimpleDistributedDataParallel
 from minidp.parallel.mesh import Mesh
 from minidp.parallel.param_server.pieces import ParameterServerWorker, serve
+from minidp.parallel.pipeline.executor import run_schedule, split_batch
 from minidp.parallel.pipeline.schedules import (
     Schedule1F1B,
     ScheduleGPipe,
@@ -94,7 +95,9 @@ __all__ = [
     "ZeroRedundancyOptimizer",
     "build_schedule",
     "masked_allreduce_hook",
+    "run_schedule",
     "serve",
+    "split_batch",
     "split_model",
     "vocab_parallel_cross_entropy",
 ]
