@@ -9,7 +9,6 @@ over its group (tp and hybrid: over a Mesh's axes) and hands them to the one ste
     tp.py            --strategy tp and hybrid: the TP GPT, DDP or ZeRO over the DP axis
                      (zero_over_tp.py: ZeRO's chunks of TP shards)
     ps.py            --strategy ps: the parameter server's roles
-    pp.py            --strategy pp: the model in stages, run_schedule each step
     pp.py            --strategy pp: the GPT cut into pipeline stages, the executor's step
 
 `STRATEGIES` maps each --strategy name to its class; a new scheme is a module here and one
