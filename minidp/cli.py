@@ -118,7 +118,7 @@ def schedule_parser() -> argparse.ArgumentParser:
 SCHEDULE_FLAGS = {"pp": "--pp", "micro_batches": "--micro-batches", "virtual": "--virtual"}
 
 
-def run_schedule(argv: list[str]) -> int:
+def schedule_command(argv: list[str]) -> int:
     """`python -m minidp schedule ...`: the grid, the length, the bubble against its
     formula, the peak activations per stage; a schedule the library refuses is one line."""
     import json
@@ -178,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return info_main(argv)
     if command == "schedule":
-        return run_schedule(argv)
+        return schedule_command(argv)
     if command == "bench":
         try:
             return run_bench(argv)
@@ -254,4 +254,4 @@ def _other_ranks_running() -> bool:
     return MPI.Is_initialized() and not MPI.Is_finalized() and MPI.COMM_WORLD.Get_size() > 1
 
 
-__all__ = ["main", "parse_train_args", "run_schedule", "train_parser", "end_job"]
+__all__ = ["main", "parse_train_args", "schedule_command", "train_parser", "end_job"]

@@ -116,6 +116,8 @@ def test_errors_name_the_argument():
         run_schedule(build_schedule("1f1b", 4, 2), {0: stage0})
     with pytest.raises(ValueError, match="shares has 3 entries"):
         run_schedule(schedule, {0: stage0}, shares=[0.5, 0.25, 0.25])
+    with pytest.raises(ValueError, match="inputs: the schedule has 2 micro-batches, got None"):
+        run_schedule(schedule, {0: stage0})
     with pytest.raises(ValueError, match="micro_batches \\(9\\) exceeds the batch's 8"):
         split_batch(*batches(tiny_gpt(N_LAYER))[0], 9)
     micro_in, micro_t, shares = split_batch(np.arange(5), np.arange(5), 2)

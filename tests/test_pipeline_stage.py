@@ -313,6 +313,10 @@ def test_stage_errors_name_the_argument():
         stage.forward(0, inputs=np.zeros((1, 6), int), targets=np.zeros((1, 6), int))
     with pytest.raises(ValueError, match="W before its B"):
         stage.backward_weight(0)
+    for p in part.parameters():  # a frozen first stage: refused, never a hang
+        p.requires_grad = False
+    with pytest.raises(ValueError, match="stage 0 has no parameter that requires grad"):
+        PipelineStage(part, 0, 2, group)
 
 
 class TiedHead(nn.Module):

@@ -28,10 +28,11 @@ then the payload, on one tag (MPI keeps the order of two messages between one pa
 tag); a gradient needs no header, since its sender knows the shape it sent forward.
 
 Sends are non-blocking (`p2p.isend`): a stage never waits for its neighbour to be ready to
-receive, so any order of actions that respects the data dependencies completes. The
-`Outbox` keeps each send's buffer alive until MPI is done with it. Receives wait, with the
-group's deadline (`group.timeout`), so a schedule that can never deliver fails naming the
-peer instead of hanging.
+receive. Receives block, so an order of actions completes when the schedule's dry run
+(dry_run.py) says it does, not merely because each rank respects its data dependencies.
+The `Outbox` keeps each send's buffer alive until MPI is done with it. Receives wait with
+the group's deadline (`group.timeout`, set by default; checks.py): a message that never
+comes fails naming the peer instead of hanging.
 """
 
 import numpy as np

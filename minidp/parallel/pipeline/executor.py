@@ -97,6 +97,16 @@ def run_schedule(
     if len(shares) != m:
         raise ValueError(f"shares has {len(shares)} entries, the schedule {m} micro-batches")
     last = schedule.num_stages - 1
+    for name, given, needed in (
+        ("inputs", inputs, 0 in stages),
+        ("targets", targets, last in stages),
+    ):
+        if needed and (given is None or len(given) != m):
+            got = "None" if given is None else f"{len(given)} micro-batches"
+            raise ValueError(f"{name}: the schedule has {m} micro-batches, got {got}")
+    if schedule.num_stages > 1:  # the largest tag, checked once, alike on every rank
+        group = next(iter(stages.values())).group
+        msg.message_tag(group, m - 1, schedule.num_stages - 2, schedule.num_stages, msg.BACKWARD)
     for action in schedule.actions()[rank]:
         stage, j = stages[action.stage], action.micro_batch
         if action.kind in (RECV_F, RECV_B):
@@ -133,7 +143,11 @@ def _wait_for(action: Action, stage: PipelineStage, pp: int) -> None:
         boundary, direction = action.stage, msg.BACKWARD
     group = stage.group
     tag = msg.message_tag(group, action.micro_batch, boundary, stage.num_stages, direction)
-    p2p.probe(group, peer_rank(action, pp), tag, timeout=group.timeout)
+    if p2p.probe(group, peer_rank(action, pp), tag, timeout=group.timeout) is None:
+        raise comm.CollectiveTimeout(
+            f"pipeline: {action} heard nothing from rank {peer_rank(action, pp)} within "
+            f"{group.timeout:g} s"
+        )
 
 
 def _check(schedule, stages: dict[int, PipelineStage]) -> int:

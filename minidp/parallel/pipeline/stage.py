@@ -67,6 +67,13 @@ class PipelineStage:
                 f"stage_index {stage_index} belongs on group rank "
                 f"{stage_index % group.size}, not on rank {group.rank}"
             )
+        if stage_index == 0 < num_stages - 1 and not any(
+            p.requires_grad for p in module_part.parameters()
+        ):  # its backward would have nothing to run while stage 1 sends it a gradient
+            raise ValueError(
+                "module_part of stage 0 has no parameter that requires grad: a pipeline "
+                "with a frozen first stage is not supported (put its layers in stage 1)"
+            )
         self.module, self.loss_fn, self.group = module_part, loss_fn, group
         self.stage_index, self.num_stages = stage_index, num_stages
         self.is_first, self.is_last = stage_index == 0, stage_index == num_stages - 1
