@@ -117,11 +117,11 @@ def virtual_of(name: str) -> int:
     return 2 if name == "interleaved" else 1
 
 
-def run_steps(name, pp, m, group, steps, stages_for, inputs, targets):
+def run_steps(name, pp, m, group, steps, seconds, inputs, targets):
     """`steps` steps (after one to warm up) of schedule (name, pp, m) on `group`: each
     step's measured bubble, and this rank's spans of the last (start us, duration us, name)."""
     schedule = build_schedule(name, pp, m, virtual_of(name))
-    stages = stages_for(schedule, group)
+    stages = delayed_stages(schedule, group, seconds)
     xs, ys, shares = split_batch(inputs, targets, m)
     trace, bubbles = Trace(enabled=True), []
     for _ in range(steps + 1):  # the first step warms up
@@ -136,16 +136,12 @@ def run_steps(name, pp, m, group, steps, stages_for, inputs, targets):
     return bubbles[1:], spans
 
 
-def mlp_stages(seconds):
-    def stages_for(schedule, group):
-        parts = split_model(delayed_mlp(schedule.num_stages, seconds), schedule.num_stages)
-        S = schedule.num_stages
-        return {
-            s: PipelineStage(parts[s], s, S, group, loss_fn=functional.mse)
-            for s in schedule.stages_of(group.rank)
-        }
-
-    return stages_for
+def delayed_stages(schedule, group, seconds: float) -> dict:
+    """This rank's PipelineStages of a delayed MLP with one layer per stage (MSE loss)."""
+    S = schedule.num_stages
+    parts = split_model(delayed_mlp(S, seconds), S)
+    mine = schedule.stages_of(group.rank)
+    return {s: PipelineStage(parts[s], s, S, group, loss_fn=functional.mse) for s in mine}
 
 
 def measured_timeline(spans_by_rank, pp, num_stages, split, seconds) -> Timeline:
@@ -182,9 +178,7 @@ def bubble_rows(args, world, pps, ms) -> tuple[list[dict], dict]:
             for m in ms:
                 inputs = rng.standard_normal((8 * m, 16)).astype(np.float32)
                 targets = np.zeros((8 * m, 16), np.float32)
-                bubbles, spans = run_steps(
-                    name, pp, m, group, args.steps, mlp_stages(seconds), inputs, targets
-                )
+                bubbles, spans = run_steps(name, pp, m, group, args.steps, seconds, inputs, targets)
                 sim = simulated(build_schedule(name, pp, m, virtual_of(name)))
                 rows.append({
                     "schedule": name, "p": pp, "m": m, "V": virtual_of(name),
