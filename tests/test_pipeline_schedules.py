@@ -31,6 +31,7 @@ from minidp.parallel.pipeline.simulate import (
     formula_bubble,
     formula_holds,
     simulate,
+    summary,
 )
 from minidp.parallel.pipeline.validate import validate
 
@@ -84,6 +85,19 @@ def test_every_schedule_lowers_validates_and_runs(name, pp, m, V):
         assert peaks == {s: min(m, pp - s) for s in range(pp)}
     if name == "zb-h1":  # W deferred, yet no stage holds more than 1F1B's peak, pp
         assert peaks == {s: min(m, pp) for s in range(pp)}
+    per_rank = summary(schedule)["peak_activations_per_rank"]
+    for rank in range(pp):  # a rank's stages together: at most the sum of their peaks
+        assert per_rank[rank] <= sum(peaks[s] for s in schedule.stages_of(rank))
+        if V == 1:
+            assert per_rank[rank] == peaks[rank]
+
+
+def test_a_ranks_stages_peak_at_different_times():
+    """Interleaved p=2 m=4 V=2: rank 0's stages 0 and 2 peak at 4 and 2, but hold at most 5
+    together: they peak at different times, not at once."""
+    got = summary(build_schedule("interleaved", 2, 4, 2))
+    assert got["peak_activations_per_stage"] == {0: 4, 1: 3, 2: 2, 3: 1}
+    assert got["peak_activations_per_rank"] == [5, 3]
 
 
 @pytest.mark.parametrize("name", SCHEDULES)
