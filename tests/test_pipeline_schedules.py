@@ -190,7 +190,7 @@ def test_any_order_that_can_run_lowers_to_lists_that_cannot_deadlock():
             rng.random() < 0.5,
         )
         compute = random_compute_order(rng, pp, m, V, split)
-        validate(compute, pp, pp * V, m)
+        validate(compute, pp, pp * V, m, split)
         try:
             simulate(compute, pp, pp * V, split)
             can_run = True
@@ -203,7 +203,7 @@ def test_any_order_that_can_run_lowers_to_lists_that_cannot_deadlock():
             refused += 1
             continue
         assert can_run
-        validate(lowered, pp, pp * V, m)
+        validate(lowered, pp, pp * V, m, split)
         dry_run(lowered, pp)
         lowered_count += 1
     assert lowered_count > 50 and refused > 50, (lowered_count, refused)
@@ -230,7 +230,21 @@ def test_a_backward_before_its_forward_is_refused():
 def test_a_weight_gradient_before_its_backward_is_refused():
     compute = [[Action(0, F, 0), Action(0, W, 0), Action(0, B, 0)]]
     with pytest.raises(ValueError, match=r"rank 0 step 1: 0W0 comes before 0B0"):
-        validate(compute, pp=1, num_stages=1, micro_batches=1)
+        validate(compute, pp=1, num_stages=1, micro_batches=1, split_backward=True)
+
+
+def test_w_is_required_exactly_when_the_backward_is_split():
+    """Whether the backward is split is the schedule's word, not guessed from the lists."""
+    plain = [[Action(0, F, 0), Action(0, B, 0)]]
+    split = [[Action(0, F, 0), Action(0, B, 0), Action(0, W, 0)]]
+    validate(plain, pp=1, num_stages=1, micro_batches=1)
+    validate(split, pp=1, num_stages=1, micro_batches=1, split_backward=True)
+    with pytest.raises(ValueError, match=r"rank 0 step 2: 0W0: a W, but the backward is not"):
+        validate(split, pp=1, num_stages=1, micro_batches=1, split_backward=False)
+    with pytest.raises(
+        ValueError, match=r"rank 0 step 2 \(the end\): stage 0 micro-batch 0 has no W"
+    ):
+        validate(plain, pp=1, num_stages=1, micro_batches=1, split_backward=True)
 
 
 @pytest.mark.parametrize(
