@@ -135,7 +135,7 @@ def test_the_bubble_is_idle_time_over_the_window():
     """One rank: F 0.0 over [0, 1) s, an idle second, B 0.0 over [2, 3): busy 2 of 3; other
     spans (the optimizer's) and those before `first_event` do not count."""
     timeline = Timeline()
-    t0 = timeline._t0
+    t0 = timeline.t0
     timeline.add("optimizer", "compute", t0 - 5, t0 - 4)
     first = len(timeline.events)
     for name, start in (("F 0.0", 0.0), ("optimizer", 1.0), ("B 0.0", 2.0)):

@@ -198,7 +198,7 @@ def measured_bubble(timeline, group, first_event: int = 0) -> float:
     """Collective over the pipeline `group`: the bubble fraction of the compute spans
     `timeline.events[first_event:]` (one step's), as the module doc defines it."""
     spans = [e for e in timeline.events[first_event:] if _is_compute_span(e["name"])]
-    t0 = timeline._t0 * 1e6  # perf_counter is one clock for every process of a machine
+    t0 = timeline.t0 * 1e6  # perf_counter is one clock for every process of a machine
     start = min((t0 + e["ts"] for e in spans), default=np.inf)
     end = max((t0 + e["ts"] + e["dur"] for e in spans), default=-np.inf)
     busy = sum(e["dur"] for e in spans)
