@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from minidp.cli import main
+from minidp.cli import main, schedule_flags
 from minidp.parallel.pipeline.actions import (
     RECV_B,
     RECV_F,
@@ -335,6 +335,16 @@ def test_cli_zero_bubble_and_png(tmp_path, capsys):
     assert png.stat().st_size > 1000
 
 
+def test_cli_names_flags_only_where_the_library_names_its_arguments():
+    assert schedule_flags("pp must be a positive integer") == "--pp must be a positive integer"
+    assert schedule_flags("virtual must be 1, not 2") == "--virtual must be 1, not 2"
+    assert (
+        schedule_flags("rounds of pp=3: micro_batches=7") == "rounds of --pp=3: --micro-batches=7"
+    )
+    for untouched in ("stage 1 (stage s on rank s % pp)", "the pp ranks", "--pp must be"):
+        assert schedule_flags(untouched) == untouched
+
+
 @pytest.mark.parametrize(
     "args, words",
     [
@@ -342,7 +352,7 @@ def test_cli_zero_bubble_and_png(tmp_path, capsys):
         (["--micro-batches", "0"], "--micro-batches must be a positive integer"),
         (["--schedule", "interleaved", "--virtual", "0"], "--virtual must be a positive"),
         (["--schedule", "gpipe", "--virtual", "2"], "--virtual must be 1, not 2"),
-        (["--schedule", "interleaved", "--pp", "3", "--micro-batches", "7"], "rounds"),
+        (["--schedule", "interleaved", "--pp", "3", "--micro-batches", "7"], "--pp=3: --micro"),
         (["--schedule", "zb"], "invalid choice: 'zb'"),
     ],
 )
