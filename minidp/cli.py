@@ -13,6 +13,7 @@ clear line on stderr, never a traceback.
 import argparse
 import importlib
 import pkgutil
+import re
 import sys
 import types
 
@@ -116,13 +117,20 @@ def schedule_parser() -> argparse.ArgumentParser:
 
 
 SCHEDULE_FLAGS = {"pp": "--pp", "micro_batches": "--micro-batches", "virtual": "--virtual"}
+# an argument the library names with its value ("pp=3") or as the subject of its rule
+# ("virtual must be 1"), never the same word inside a formula ("stage s on rank s % pp")
+_SCHEDULE_ARGUMENT = re.compile(r"(?<![\w-])(pp|micro_batches|virtual)(?==|\s+must\b)")
+
+
+def schedule_flags(message: str) -> str:
+    """A library message about schedule arguments with the arguments named as flags."""
+    return _SCHEDULE_ARGUMENT.sub(lambda m: SCHEDULE_FLAGS[m[1]], message)
 
 
 def schedule_command(argv: list[str]) -> int:
     """`python -m minidp schedule ...`: the grid, the length, the bubble against its
     formula, the peak activations per stage; a schedule the library refuses is one line."""
     import json
-    import re
 
     from minidp.parallel.pipeline.diagram import grid, time_diagram
     from minidp.parallel.pipeline.schedules import build_schedule
@@ -139,10 +147,7 @@ def schedule_command(argv: list[str]) -> int:
         schedule = build_schedule(args.schedule, args.pp, args.micro_batches, virtual)
         lowered = schedule.actions()
     except ValueError as error:  # the library names its arguments; say the flags
-        message = re.sub(
-            r"\b(pp|micro_batches|virtual)\b", lambda m: SCHEDULE_FLAGS[m[1]], str(error)
-        )
-        raise die(f"--schedule {args.schedule}: {message}") from None
+        raise die(f"--schedule {args.schedule}: {schedule_flags(str(error))}") from None
     figures = summary(schedule)
     timeline = simulate(lowered, schedule.pp, schedule.num_stages, schedule.split_backward)
     unit = "F = 1, B = W = 1/2" if schedule.split_backward else "F = B = 1"

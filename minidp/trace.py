@@ -28,6 +28,12 @@ class Timeline:
         self._lock = threading.Lock()
         self._t0 = time.perf_counter()
 
+    @property
+    def t0(self) -> float:
+        """When the timeline began (perf_counter seconds): an event's "ts" is microseconds
+        after it."""
+        return self._t0
+
     @contextlib.contextmanager
     def span(self, name: str, track: str = "compute", **args):
         if not self.enabled:

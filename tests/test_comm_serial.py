@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from mpi4py import MPI
 
 from minidp import comm
+from minidp.comm import p2p
 from minidp.comm.buffers import Scratch
 from minidp.comm.checks import FIELDS, fingerprint, mismatch_report, ranges
 
@@ -82,6 +83,11 @@ def test_a_group_of_one_runs_every_collective():
     assert np.array_equal(comm.alltoall(x[None], group=g), x[None])
     comm.barrier(group=g)
     assert g.counters["allreduce"]["calls"] == len(comm.ALGORITHMS["allreduce"])
+
+
+def test_max_tag_is_mpis_tag_upper_bound():
+    g = _one()
+    assert p2p.max_tag(g) == MPI.COMM_SELF.Get_attr(MPI.TAG_UB) >= 32767  # MPI's minimum
 
 
 def _raises(call, match):

@@ -25,7 +25,8 @@ N_LAYER = 4  # interleaved at pp = 2 with V = 2: four stages of one block
 
 def train_pipelined(model, schedule, recompute=False):
     """The model cut into the schedule's stages over the world, trained by run_schedule.
-    Returns (stages, per-step losses, per-step peaks in flight, per-step bubbles)."""
+    Returns (stages, per-step losses, per-step peaks in flight per stage and of the rank,
+    per-step bubbles)."""
     group = comm.world()
     parts = split_model(model, schedule.num_stages, recompute=recompute)
     stages = {
@@ -33,7 +34,7 @@ def train_pipelined(model, schedule, recompute=False):
         for s in schedule.stages_of(group.rank)
     }
     opt = optim.AdamW([p for st in stages.values() for p in st.parameters()], lr=1e-2)
-    losses, peaks, bubbles = [], [], []
+    losses, peaks, rank_peaks, bubbles = [], [], [], []
     timeline = Timeline()
     for inputs, targets in batches(model):
         model.zero_grad()
@@ -48,11 +49,13 @@ def train_pipelined(model, schedule, recompute=False):
         root = schedule.stage_rank(schedule.num_stages - 1)
         losses.append(comm.broadcast(np.array([sum(mine)], F64), root=root)[0])
         peaks.append({s: st.peak_in_flight for s, st in stages.items()})
+        rank_peaks.append(mine.peak_in_flight)
+        assert mine.peak_bytes >= max(st.peak_bytes for st in stages.values())
         bubbles.append(measured_bubble(timeline, group, first_event))
     assert len(timeline.events) == len(batches(model)) * sum(
         len(stage_actions(schedule, s)) for s in stages
     )
-    return stages, losses, peaks, bubbles
+    return stages, losses, peaks, rank_peaks, bubbles
 
 
 def stage_actions(schedule, stage: int) -> list:
@@ -65,7 +68,9 @@ def check_equal(name: str, virtual: int = 1, recompute: bool = False) -> None:
     schedule = build_schedule(name, pp, MICRO, virtual)
     ref = tiny_gpt(N_LAYER)
     want = train_whole(ref)
-    stages, got, peaks, bubbles = train_pipelined(tiny_gpt(N_LAYER), schedule, recompute)
+    stages, got, peaks, rank_peaks, bubbles = train_pipelined(
+        tiny_gpt(N_LAYER), schedule, recompute
+    )
     np.testing.assert_allclose(got, want, rtol=1e-10, atol=0)
     ref_parts = split_model(ref, schedule.num_stages)
     for s, stage in stages.items():
@@ -74,6 +79,8 @@ def check_equal(name: str, virtual: int = 1, recompute: bool = False) -> None:
     expected = summary(schedule)["peak_activations_per_stage"]
     for step_peaks in peaks:
         assert step_peaks == {s: expected[s] for s in stages}
+    rank = comm.world().rank
+    assert rank_peaks == [summary(schedule)["peak_activations_per_rank"][rank]] * len(peaks)
     assert all(0 <= b < 1 for b in bubbles)
 
 
@@ -128,7 +135,7 @@ def test_the_bubble_is_idle_time_over_the_window():
     """One rank: F 0.0 over [0, 1) s, an idle second, B 0.0 over [2, 3): busy 2 of 3; other
     spans (the optimizer's) and those before `first_event` do not count."""
     timeline = Timeline()
-    t0 = timeline._t0
+    t0 = timeline.t0
     timeline.add("optimizer", "compute", t0 - 5, t0 - 4)
     first = len(timeline.events)
     for name, start in (("F 0.0", 0.0), ("optimizer", 1.0), ("B 0.0", 2.0)):

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from minidp.cli import main
+from minidp.cli import main, schedule_flags
 from minidp.parallel.pipeline.actions import (
     RECV_B,
     RECV_F,
@@ -31,6 +31,7 @@ from minidp.parallel.pipeline.simulate import (
     formula_bubble,
     formula_holds,
     simulate,
+    summary,
 )
 from minidp.parallel.pipeline.validate import validate
 
@@ -84,6 +85,19 @@ def test_every_schedule_lowers_validates_and_runs(name, pp, m, V):
         assert peaks == {s: min(m, pp - s) for s in range(pp)}
     if name == "zb-h1":  # W deferred, yet no stage holds more than 1F1B's peak, pp
         assert peaks == {s: min(m, pp) for s in range(pp)}
+    per_rank = summary(schedule)["peak_activations_per_rank"]
+    for rank in range(pp):  # a rank's stages together: at most the sum of their peaks
+        assert per_rank[rank] <= sum(peaks[s] for s in schedule.stages_of(rank))
+        if V == 1:
+            assert per_rank[rank] == peaks[rank]
+
+
+def test_a_ranks_stages_peak_at_different_times():
+    """Interleaved p=2 m=4 V=2: rank 0's stages 0 and 2 peak at 4 and 2, but hold at most 5
+    together: they peak at different times, not at once."""
+    got = summary(build_schedule("interleaved", 2, 4, 2))
+    assert got["peak_activations_per_stage"] == {0: 4, 1: 3, 2: 2, 3: 1}
+    assert got["peak_activations_per_rank"] == [5, 3]
 
 
 @pytest.mark.parametrize("name", SCHEDULES)
@@ -176,7 +190,7 @@ def test_any_order_that_can_run_lowers_to_lists_that_cannot_deadlock():
             rng.random() < 0.5,
         )
         compute = random_compute_order(rng, pp, m, V, split)
-        validate(compute, pp, pp * V, m)
+        validate(compute, pp, pp * V, m, split)
         try:
             simulate(compute, pp, pp * V, split)
             can_run = True
@@ -189,7 +203,7 @@ def test_any_order_that_can_run_lowers_to_lists_that_cannot_deadlock():
             refused += 1
             continue
         assert can_run
-        validate(lowered, pp, pp * V, m)
+        validate(lowered, pp, pp * V, m, split)
         dry_run(lowered, pp)
         lowered_count += 1
     assert lowered_count > 50 and refused > 50, (lowered_count, refused)
@@ -216,7 +230,21 @@ def test_a_backward_before_its_forward_is_refused():
 def test_a_weight_gradient_before_its_backward_is_refused():
     compute = [[Action(0, F, 0), Action(0, W, 0), Action(0, B, 0)]]
     with pytest.raises(ValueError, match=r"rank 0 step 1: 0W0 comes before 0B0"):
-        validate(compute, pp=1, num_stages=1, micro_batches=1)
+        validate(compute, pp=1, num_stages=1, micro_batches=1, split_backward=True)
+
+
+def test_w_is_required_exactly_when_the_backward_is_split():
+    """Whether the backward is split is the schedule's word, not guessed from the lists."""
+    plain = [[Action(0, F, 0), Action(0, B, 0)]]
+    split = [[Action(0, F, 0), Action(0, B, 0), Action(0, W, 0)]]
+    validate(plain, pp=1, num_stages=1, micro_batches=1)
+    validate(split, pp=1, num_stages=1, micro_batches=1, split_backward=True)
+    with pytest.raises(ValueError, match=r"rank 0 step 2: 0W0: a W, but the backward is not"):
+        validate(split, pp=1, num_stages=1, micro_batches=1, split_backward=False)
+    with pytest.raises(
+        ValueError, match=r"rank 0 step 2 \(the end\): stage 0 micro-batch 0 has no W"
+    ):
+        validate(plain, pp=1, num_stages=1, micro_batches=1, split_backward=True)
 
 
 @pytest.mark.parametrize(
@@ -307,6 +335,16 @@ def test_cli_zero_bubble_and_png(tmp_path, capsys):
     assert png.stat().st_size > 1000
 
 
+def test_cli_names_flags_only_where_the_library_names_its_arguments():
+    assert schedule_flags("pp must be a positive integer") == "--pp must be a positive integer"
+    assert schedule_flags("virtual must be 1, not 2") == "--virtual must be 1, not 2"
+    assert (
+        schedule_flags("rounds of pp=3: micro_batches=7") == "rounds of --pp=3: --micro-batches=7"
+    )
+    for untouched in ("stage 1 (stage s on rank s % pp)", "the pp ranks", "--pp must be"):
+        assert schedule_flags(untouched) == untouched
+
+
 @pytest.mark.parametrize(
     "args, words",
     [
@@ -314,7 +352,7 @@ def test_cli_zero_bubble_and_png(tmp_path, capsys):
         (["--micro-batches", "0"], "--micro-batches must be a positive integer"),
         (["--schedule", "interleaved", "--virtual", "0"], "--virtual must be a positive"),
         (["--schedule", "gpipe", "--virtual", "2"], "--virtual must be 1, not 2"),
-        (["--schedule", "interleaved", "--pp", "3", "--micro-batches", "7"], "rounds"),
+        (["--schedule", "interleaved", "--pp", "3", "--micro-batches", "7"], "--pp=3: --micro"),
         (["--schedule", "zb"], "invalid choice: 'zb'"),
     ],
 )

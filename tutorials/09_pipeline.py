@@ -32,12 +32,11 @@ import numpy as np
 from minidp import Tensor, comm, cross_entropy, data, nn, optim
 from minidp.comm import p2p
 from minidp.log import print0
-from minidp.parallel.pipeline.actions import B, F, W
+from minidp.parallel import PipelineStage, run_schedule, split_batch
 from minidp.parallel.pipeline.diagram import grid, time_diagram
 from minidp.parallel.pipeline.schedules import build_schedule
 from minidp.parallel.pipeline.simulate import formula_bubble, simulate, summary
 from minidp.parallel.pipeline.split import split_model
-from minidp.parallel.pipeline.stage import PipelineStage
 
 world = comm.world()
 rank, P = world.rank, world.size  # 4 ranks: a pipeline of up to 4 stages
@@ -175,37 +174,33 @@ assert bubbles["gpipe"] == bubbles["1f1b"] == (P - 1) / (M + P - 1)
 
 # %% [markdown]
 # Now on real stages. `schedule.actions()` gives each rank's list *lowered*: the sends and
-# receives added, in an order that cannot deadlock, validated and dry-run. The loop below
-# runs this rank's list in order: F, B, W call the stage; SEND and RECV need nothing, since
-# the stage's forward and backward send and receive themselves. This loop is the executor in
-# miniature; the library's, `run_schedule` (minidp/parallel/pipeline/executor.py), runs the
-# same lists, waits at each RECV so a timeline shows the bubble, and drives --strategy pp.
+# receives added, in an order that cannot deadlock, validated and dry-run. The executor,
+# `run_schedule` (minidp/parallel/pipeline/executor.py), walks this rank's list in order,
+# and nothing else decides what runs when:
+#
+#     action   the stage's call                  with schedule.split_backward
+#     sFj      stages[s].forward(j, ...)         the same
+#     sBj      stages[s].backward(j)             stages[s].backward_input(j): dL/d(input) only
+#     sWj      -                                 stages[s].backward_weight(j): what B left
+#     SEND_*   nothing: forward and backward send themselves
+#     RECV_*   wait until the message is here (idle time, between the compute spans)
+#
+# It takes the step's micro-batches as lists (`split_batch` cuts them) and returns the last
+# stage's losses on its rank, [] elsewhere.
 
 
 # %%
 def pipeline_step(schedule, model, x, y):
     """One step of `schedule` on `model` over the world: this rank's stages, its actions in
-    order. Returns the stages (stage index -> PipelineStage) and the step's loss."""
-    S, m = schedule.num_stages, schedule.micro_batches
+    order. Returns the stages (stage index -> PipelineStage), the step's loss and what
+    run_schedule returned (the losses, with the rank's peaks)."""
+    S = schedule.num_stages
     parts = split_model(model, S)
     stages = {s: PipelineStage(parts[s], s, S, world) for s in schedule.stages_of(rank)}
-    xs, ys = np.split(x, m), np.split(y, m)
-    for action in schedule.actions()[rank]:
-        stage, j = stages[action.stage], action.micro_batch
-        if action.kind == F:
-            first, last = stage.is_first, stage.is_last
-            stage.forward(j, xs[j] if first else None, ys[j] if last else None, share=1 / m)
-        elif action.kind == B and schedule.split_backward:
-            stage.backward_input(j)  # B: dL/d(input) only, sent at once
-        elif action.kind == B:
-            stage.backward(j)  # the whole backward
-        elif action.kind == W:
-            stage.backward_weight(j)  # the weight gradients B left
-        # SEND_F, RECV_F, SEND_B, RECV_B: inside forward and backward
-    for stage in stages.values():
-        stage.wait_sends()
-    losses = stages[S - 1].losses.values() if S - 1 in stages else []
-    return stages, comm.broadcast(np.array([sum(losses, 0.0)]), root=(S - 1) % P)[0]
+    xs, ys, shares = split_batch(x, y, schedule.micro_batches)
+    result = run_schedule(schedule, stages, xs, ys, shares)
+    loss = comm.broadcast(np.array([sum(result, 0.0)]), root=schedule.stage_rank(S - 1))[0]
+    return stages, loss, result
 
 
 def measured_peaks(stages, num_stages) -> dict[int, int]:
@@ -218,7 +213,7 @@ def measured_peaks(stages, num_stages) -> dict[int, int]:
 
 for name, schedule in schedules.items():
     model = new_model()
-    stages, loss = pipeline_step(schedule, model, X, Y)
+    stages, loss, _ = pipeline_step(schedule, model, X, Y)
     for stage in stages.values():
         assert_grads_equal(stage.module.named_parameters(), ref)
     peaks = measured_peaks(stages, schedule.num_stages)
@@ -232,7 +227,10 @@ for name, schedule in schedules.items():
 # interleaved 1F1B): each stage is 1/V of a rank's work, so the pipeline fills and drains V
 # times faster and the bubble shrinks to (p−1)/(V·m+p−1), for V times more messages and a
 # longer warm-up (the first ranks hold more micro-batches, each of half their layers). Here
-# V = 2: 8 stages of one Linear each, rank 0 holding stages 0 and 4; the same loop runs them.
+# V = 2: 8 stages of one Linear each, rank 0 holding stages 0 and 4; the same executor runs
+# them. A rank's stages may peak at different times, so the rank holds at most the sum of its
+# stages' peaks (at p = 2, m = 4, rank 0's stages peak at 4 and 2, the rank at 5):
+# `run_schedule`'s result carries the rank's own peak, what its memory must hold.
 
 # %%
 V = 2
@@ -246,11 +244,14 @@ for m in (4, 8):
     print0(f"{m:2d}  {plain:.4f}  {row['bubble_fraction']:.4f}       {want:.4f}")
     assert np.isclose(row["bubble_fraction"], (P - 1) / (V * m + P - 1), rtol=0, atol=1e-12)
     assert row["bubble_fraction"] < plain
-stages, loss = pipeline_step(interleaved, new_model(), X, Y)  # the same loop, 2 stages a rank
+stages, loss, result = pipeline_step(interleaved, new_model(), X, Y)  # 2 stages a rank
 for stage in stages.values():
     assert_grads_equal(stage.module.named_parameters(), ref)
 peaks = measured_peaks(stages, interleaved.num_stages)
 assert peaks == timeline(interleaved).peak_activations
+rank_peak = summary(interleaved)["peak_activations_per_rank"][rank]
+assert result.peak_in_flight == rank_peak <= sum(peaks[s] for s in stages)
+print0(f"rank 0 holds at most {rank_peak} micro-batches (its stages: {sorted(stages)})")
 print0(f"interleaved on real stages: rank 0 runs stages {sorted(stages)}; equal to one process")
 print0(f"micro-batches held per stage (simulated = measured): {peaks}")
 
@@ -275,15 +276,15 @@ for m in (4, 8):
 # %% [markdown]
 # B then W is the whole backward: `stage.backward_input` leaves each Linear's weight gradient
 # uncomputed (its two factors, x and dL/dy), `stage.backward_weight` multiplies them into
-# .grad. Run through the same loop, ZB-H1's gradients equal 1F1B's full backward's and one
+# .grad. Run by the same executor, ZB-H1's gradients equal 1F1B's full backward's and one
 # process's. Memory: a micro-batch counts as held until its W, by the simulator and by the
 # stage's `peak_in_flight` alike: p on every stage, 1F1B's stage 0 peak. What it holds shrinks
 # at B, though: the graph is freed, and only the factors B kept for W stay (`held_bytes`).
 
 # %%
 zb = build_schedule("zb-h1", P, M)
-zb_stages, _ = pipeline_step(zb, new_model(), X, Y)
-full_stages, _ = pipeline_step(schedules["1f1b"], new_model(), X, Y)
+zb_stages, _, _ = pipeline_step(zb, new_model(), X, Y)
+full_stages, _, _ = pipeline_step(schedules["1f1b"], new_model(), X, Y)
 for s, stage in zb_stages.items():
     assert_grads_equal(stage.module.named_parameters(), ref)
     for p, q in zip(stage.parameters(), full_stages[s].parameters()):
@@ -304,7 +305,7 @@ opt, whole_opt = optim.AdamW(mine, lr=1e-2), optim.AdamW(whole.parameters(), lr=
 for step in range(4):
     batch = slice(step * BATCH, (step + 1) * BATCH)
     model.zero_grad()
-    _, loss = pipeline_step(zb, model, x_all[batch], y_all[batch])
+    _, loss, _ = pipeline_step(zb, model, x_all[batch], y_all[batch])
     opt.step()
     whole.zero_grad()
     want = cross_entropy(whole(Tensor(x_all[batch])), y_all[batch])

@@ -181,6 +181,13 @@ class Arrival(NamedTuple):
     nbytes: int
 
 
+def max_tag(group) -> int | None:
+    """The largest tag a message on `group` may carry (MPI's TAG_UB, at least 32767), or
+    None where the MPI does not say."""
+    upper = group.comm.Get_attr(MPI.TAG_UB)
+    return None if upper is None else int(upper)
+
+
 def probe(group, source: int = ANY_SOURCE, tag: int = ANY_TAG, timeout: float | None = None):
     """Wait until a message from `source` with `tag` can be received, without receiving it;
     return its Arrival, or None when `timeout` seconds pass first (None: wait forever).

@@ -64,9 +64,7 @@ class PipelineStep:
             self.spans.events.clear()  # a private timeline keeps one step's spans
         first = len(self.spans.events)
         mine = run_schedule(schedule, stages, micro_in, micro_t, shares, timeline=self.spans)
-        self.activations_peak = max(
-            self.activations_peak, sum(stage.peak_bytes for stage in stages.values())
-        )
+        self.activations_peak = max(self.activations_peak, mine.peak_bytes)
         last_rank = schedule.stage_rank(schedule.num_stages - 1)
         loss = comm.broadcast(np.array([sum(mine)], np.float64), root=last_rank, group=group)
         loss = float(loss[0])

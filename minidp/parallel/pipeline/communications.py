@@ -36,7 +36,6 @@ comes fails naming the peer instead of hanging.
 """
 
 import numpy as np
-from mpi4py import MPI
 
 from minidp.autograd import Tensor, op
 from minidp.comm import p2p
@@ -51,7 +50,7 @@ def message_tag(group, micro_batch: int, boundary: int, num_stages: int, directi
     """The tag of the message across `boundary` (stage boundary -> boundary + 1) for
     `micro_batch` in `direction` (FORWARD or BACKWARD): distinct for every triple."""
     tag = _TAG_BASE + 2 * (micro_batch * num_stages + boundary) + direction
-    upper = group.comm.Get_attr(MPI.TAG_UB)
+    upper = p2p.max_tag(group)
     if upper is not None and tag > upper:
         raise ValueError(f"micro_batch {micro_batch}: its message tag {tag} exceeds MPI's {upper}")
     return tag

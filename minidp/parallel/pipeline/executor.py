@@ -59,7 +59,18 @@ from minidp.parallel.pipeline import communications as msg
 from minidp.parallel.pipeline.actions import RECV_B, RECV_F, Action, B, F, W, peer_rank
 from minidp.parallel.pipeline.stage import PipelineStage
 
-__all__ = ["measured_bubble", "run_schedule", "split_batch"]
+__all__ = ["RunResult", "measured_bubble", "run_schedule", "split_batch"]
+
+
+class RunResult(list):
+    """What `run_schedule` returns: the list of the last stage's weighted losses per
+    micro-batch ([] off its rank), with this rank's peaks over the run, all its stages
+    together, read after each compute action: `peak_in_flight` (micro-batches) and
+    `peak_bytes` (activations held). Not the sum of each stage's own peak: two stages of one
+    rank (interleaved, V > 1) peak at different times."""
+
+    peak_in_flight: int = 0
+    peak_bytes: int = 0
 
 
 def split_batch(inputs, targets, micro_batches: int) -> tuple[list, list, list[float]]:
@@ -82,7 +93,7 @@ def run_schedule(
     targets=None,
     shares=None,
     timeline=None,
-) -> list[float]:
+) -> RunResult:
     """Run this rank's `schedule.actions()[rank]` on `stages` (stage index -> this rank's
     PipelineStage, every stage of `schedule.stages_of(rank)`), then wait for the sends.
 
@@ -90,7 +101,8 @@ def run_schedule(
     its targets (read on the rank of the last stage only), `shares[j]` its fraction of the
     step's examples (default 1/m each). Gradients are added into the parameters' .grad
     (zero them before, step the optimizer after). Returns the last stage's weighted losses
-    per micro-batch on its rank (their sum is the step's loss), [] on the other ranks."""
+    per micro-batch on its rank (their sum is the step's loss), [] on the other ranks, as a
+    RunResult: a list that also carries the rank's peak activations over the run."""
     m = schedule.micro_batches
     rank = _check(schedule, stages)
     shares = [1.0 / m] * m if shares is None else list(shares)
@@ -107,6 +119,8 @@ def run_schedule(
     if schedule.num_stages > 1:  # the largest tag, checked once, alike on every rank
         group = next(iter(stages.values())).group
         msg.message_tag(group, m - 1, schedule.num_stages - 2, schedule.num_stages, msg.BACKWARD)
+    result = RunResult()
+    _note_peaks(result, stages)
     for action in schedule.actions()[rank]:
         stage, j = stages[action.stage], action.micro_batch
         if action.kind in (RECV_F, RECV_B):
@@ -128,11 +142,20 @@ def run_schedule(
                 stage.backward(j)
             elif action.kind == W:
                 stage.backward_weight(j)
+        _note_peaks(result, stages)
     for stage in stages.values():
         stage.wait_sends()
     if last in stages:
-        return [stages[last].losses[j] for j in range(m)]
-    return []
+        result.extend(stages[last].losses[j] for j in range(m))
+    return result
+
+
+def _note_peaks(result: RunResult, stages: dict[int, PipelineStage]) -> None:
+    """Raise the rank's peaks to what its stages hold together now."""
+    in_flight = sum(stage.in_flight for stage in stages.values())
+    held = sum(stage.held_bytes for stage in stages.values())
+    result.peak_in_flight = max(result.peak_in_flight, in_flight)
+    result.peak_bytes = max(result.peak_bytes, held)
 
 
 def _wait_for(action: Action, stage: PipelineStage, pp: int) -> None:
@@ -175,7 +198,7 @@ def measured_bubble(timeline, group, first_event: int = 0) -> float:
     """Collective over the pipeline `group`: the bubble fraction of the compute spans
     `timeline.events[first_event:]` (one step's), as the module doc defines it."""
     spans = [e for e in timeline.events[first_event:] if _is_compute_span(e["name"])]
-    t0 = timeline._t0 * 1e6  # perf_counter is one clock for every process of a machine
+    t0 = timeline.t0 * 1e6  # perf_counter is one clock for every process of a machine
     start = min((t0 + e["ts"] for e in spans), default=np.inf)
     end = max((t0 + e["ts"] + e["dur"] for e in spans), default=-np.inf)
     busy = sum(e["dur"] for e in spans)

@@ -84,9 +84,10 @@ class PipelineSchedule:
         """Per rank, the lowered order: computes with their sends and receives, checked."""
         if self._lowered is None:
             compute = self.compute_actions()
-            validate(compute, self.pp, self.num_stages, self.micro_batches)
+            sizes = self.pp, self.num_stages, self.micro_batches, self.split_backward
+            validate(compute, *sizes)
             lowered = add_send_recv(compute, self.pp, self.num_stages)
-            validate(lowered, self.pp, self.num_stages, self.micro_batches)
+            validate(lowered, *sizes)
             dry_run(lowered, self.pp)
             self._lowered = lowered
         return self._lowered

@@ -10,6 +10,8 @@ in ticks of 1/2). From the timeline:
     bubble fraction  sum of idle / (pp · length)
     peak activations the most micro-batches a stage holds at once: +1 at its F, -1 at its
                      B (or at its W when split: W still needs the stage's inputs)
+    per rank         the most its stages hold together at once: at most, and with V > 1
+                     less than, the sum of their peaks (they peak at different times)
 
 GPipe's peak is m on every stage; 1F1B's min(m, pp - s) on stage s (Narayanan et al. 2021);
 ZB-H1's min(m, pp) on every stage (the deferred W's hold theirs longer).
@@ -95,6 +97,19 @@ def peak_activations(compute: list[list[Action]], split_backward: bool) -> dict[
     return dict(sorted(peak.items()))
 
 
+def peak_activations_per_rank(compute: list[list[Action]], split_backward: bool) -> list[int]:
+    """rank -> the most micro-batches whose activations its stages hold together at once."""
+    release = W if split_backward else B
+    peaks = []
+    for order in compute:
+        held = peak = 0
+        for action in order:
+            held += (action.kind == F) - (action.kind == release)
+            peak = max(peak, held)
+        peaks.append(peak)
+    return peaks
+
+
 def formula_holds(name: str, pp: int, micro_batches: int) -> bool:
     """Whether the simulated bubble equals `formula_bubble` exactly: always for GPipe and
     1F1B; interleaved when pp divides m; ZB-H1 when m >= pp (a shorter pipeline never fills)."""
@@ -141,6 +156,9 @@ def summary(schedule) -> dict:
         "formula_bubble": formula_bubble(name, pp, m, schedule.virtual),
         "formula_holds": formula_holds(name, pp, m),
         "peak_activations_per_stage": timeline.peak_activations,
+        "peak_activations_per_rank": peak_activations_per_rank(
+            schedule.compute_actions(), schedule.split_backward
+        ),
     }
 
 
@@ -172,6 +190,7 @@ __all__ = [
     "formula_bubble",
     "formula_holds",
     "peak_activations",
+    "peak_activations_per_rank",
     "simulate",
     "summary",
 ]

@@ -30,8 +30,8 @@ from minidp import functional
 from minidp.autograd import Tensor
 from minidp.memory import activation_bytes
 from minidp.nn import Module
+from minidp.parallel.pipeline import backward_split
 from minidp.parallel.pipeline import communications as msg
-from minidp.parallel.pipeline.backward_split import backward_input, backward_weight, kept_bytes
 
 __all__ = ["PipelineStage"]
 
@@ -158,9 +158,9 @@ class PipelineStage:
     def backward_input(self, micro_batch: int) -> None:
         """B for `micro_batch`: dL/d(input), sent upstream at once; the parameters'
         gradients kept (a Linear's uncomputed: x and dL/dy) for `backward_weight`."""
-        kept = backward_input(self._release(micro_batch))
+        kept = backward_split.backward_input(self._release(micro_batch))
         inputs = self._inputs.pop(micro_batch, None)  # the user's batch: not counted
-        self._weight_grads[micro_batch] = kept, kept_bytes(kept, inputs)
+        self._weight_grads[micro_batch] = kept, backward_split.kept_bytes(kept, inputs)
         self.in_flight += 1  # still in flight until its W
         self._count(self._weight_grads[micro_batch][1])  # held until W
 
@@ -169,7 +169,7 @@ class PipelineStage:
         if micro_batch not in self._weight_grads:
             raise ValueError(f"micro_batch {micro_batch}: W before its B on this stage")
         kept, nbytes = self._weight_grads.pop(micro_batch)
-        backward_weight(kept)
+        backward_split.backward_weight(kept)
         self.in_flight -= 1
         self.held_bytes -= nbytes
 

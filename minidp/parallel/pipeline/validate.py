@@ -14,9 +14,10 @@ stages placed stage s -> rank s % pp and m micro-batches, every rule below, in t
     first (interleaved with pp = 1)          needs
     lowered: the receive before its          rank 1 step 0: 1F0 comes before its receive
     compute, the send after it               1RECV_F0
+    W exactly when the backward is split     rank 0 step 3: 0W0: a W, but the backward is not
+                                             split (split_backward=False)
     counts: one F and one B per (stage,      rank 2 step 9 (the end): stage 2 micro-batch 3
     micro-batch), one W each when split      has no B
-    (when any W is present)
 
 Every error is a ValueError naming the rank and the step (the index in that rank's list).
 Whether the lists can run together (each receive meeting its send) is dry_run.py's question.
@@ -52,12 +53,18 @@ def _first_needs(action: Action, pp: int, num_stages: int) -> list[Action]:
     return earlier
 
 
-def validate(actions: list[list[Action]], pp: int, num_stages: int, micro_batches: int) -> None:
-    """Raise ValueError naming the rank and step of the first broken rule (table above)."""
+def validate(
+    actions: list[list[Action]],
+    pp: int,
+    num_stages: int,
+    micro_batches: int,
+    split_backward: bool = False,
+) -> None:
+    """Raise ValueError naming the rank and step of the first broken rule (table above).
+    `split_backward`: whether the schedule splits B from W (`schedule.split_backward`)."""
     if len(actions) != pp:
         raise ValueError(f"a schedule for pp={pp} needs {pp} lists of actions, not {len(actions)}")
     lowered = any(not a.is_compute for order in actions for a in order)
-    split = any(a.kind == W for order in actions for a in order)
     home: dict[int, tuple[int, int]] = {}  # stage -> (rank, step) first seen
     for rank, order in enumerate(actions):
         seen: dict[Action, int] = {}
@@ -82,6 +89,10 @@ def validate(actions: list[list[Action]], pp: int, num_stages: int, micro_batche
                 )
             if action in seen:
                 raise ValueError(f"{where} again (first at step {seen[action]})")
+            if action.kind == W and not split_backward:
+                raise ValueError(
+                    f"{where}: a W, but the backward is not split (split_backward=False)"
+                )
             for earlier in _first_needs(action, pp, num_stages):
                 if earlier not in seen:
                     raise ValueError(f"{where} comes before {earlier}, which it needs")
@@ -99,7 +110,7 @@ def validate(actions: list[list[Action]], pp: int, num_stages: int, micro_batche
                             raise ValueError(
                                 f"rank {rank} step {seen[action]}: {action} has no {send} after it"
                             )
-        kinds = (F, B, W) if split else (F, B)
+        kinds = (F, B, W) if split_backward else (F, B)
         for stage in range(rank, num_stages, pp):
             for j in range(micro_batches):
                 for kind in kinds:
