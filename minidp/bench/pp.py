@@ -132,7 +132,7 @@ def run_steps(name, pp, m, group, steps, seconds, inputs, targets):
         for stage in stages.values():
             for p in stage.parameters():
                 p.grad = None
-    spans = [(trace._t0 * 1e6 + e["ts"], e["dur"], e["name"]) for e in trace.events[first:]]
+    spans = [(trace.t0 * 1e6 + e["ts"], e["dur"], e["name"]) for e in trace.events[first:]]
     return bubbles[1:], spans
 
 
