@@ -12,6 +12,8 @@ on), but hands nothing to a parameter: each gradient meant for a leaf is kept, i
 (leaf, gradient), and left uncomputed where the op allows it. nn.linear's backward gives
 its weight's gradient as a `Product` (weight_grads.py): the two factors x and dL/dy, not yet
 multiplied. So B does the activation-gradient products and sends, W the weight products.
+(With the deferral switched off, `weight_grads.deferral(False)`, linear returns x^T g
+multiplied: B then computes every weight gradient too, and W only adds them in.)
 
 `backward_weight(kept)` then adds the kept gradients into the leaves' .grad through the
 engine itself: one op whose parents are the leaves and whose backward returns the kept
