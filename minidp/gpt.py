@@ -85,16 +85,20 @@ class GPT(Module):
 
     def forward(self, idx: np.ndarray) -> Tensor:
         """idx: (B, T) token ids -> logits (B, T, vocab_size)."""
+        x = self.embed(idx)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x))
+
+    def embed(self, idx: np.ndarray) -> Tensor:
+        """idx: (B, T) token ids -> the blocks' input (B, T, n_embd): token + position."""
         idx = np.asarray(idx)
         T = idx.shape[-1]
         if T > self.config.block_size:
             raise ValueError(
                 f"sequence of {T} tokens is longer than block_size {self.config.block_size}"
             )
-        x = self.drop(self.wte(idx) + self.wpe(np.arange(T)))
-        for block in self.blocks:
-            x = block(x)
-        return self.head(self.ln_f(x))
+        return self.drop(self.wte(idx) + self.wpe(np.arange(T)))
 
     def generate(
         self, idx: np.ndarray, new_tokens: int, rng: np.random.Generator, temperature: float = 1.0

@@ -109,8 +109,13 @@ def check_resume(s, config, group):
     ],
 )  # fmt: skip
 def test_a_bad_pipeline_flag_is_one_line_naming_it(args, words, capsys):
+    refused(["--strategy", "pp", *args], words, capsys)
+
+
+def refused(argv: list[str], words: str, capsys) -> None:
+    """`argv` ends the run with exit code 2 and one line that holds `words`."""
     with pytest.raises(SystemExit) as exit:
-        main(["--strategy", "pp", "--steps", "1", "--sample-tokens", "0", *args])
+        main(["--steps", "1", "--sample-tokens", "0", *argv])
     assert exit.value.code == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and words in err and "Traceback" not in err, err
@@ -120,7 +125,7 @@ def test_a_pipeline_flag_under_another_strategy_is_refused(capsys):
     with pytest.raises(SystemExit) as exit:
         main(["--strategy", "dp", "--micro-batches", "2"])
     assert exit.value.code == 2
-    assert "--micro-batches is a flag of --strategy pp, not of --strategy dp" in (
+    assert "--micro-batches is a flag of --strategy pp or hybrid, not of --strategy dp" in (
         capsys.readouterr().err
     )
 

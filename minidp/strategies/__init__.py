@@ -9,25 +9,29 @@ over its group (tp and hybrid: over a Mesh's axes) and hands them to the one ste
     tp.py            --strategy tp and hybrid: the TP GPT, DDP or ZeRO over the DP axis
                      (zero_over_tp.py: ZeRO's chunks of TP shards)
     ps.py            --strategy ps: the parameter server's roles
-    pp.py            --strategy pp: the GPT cut into pipeline stages, the executor's step
+    pp.py            --strategy pp and hybrid --pp: the GPT cut into pipeline stages over
+                     the mesh's PP axis, TP inside, DDP or ZeRO-1 over DP (pp_step.py:
+                     the skeleton with the schedule inside)
 
-`STRATEGIES` maps each --strategy name to its class; a new scheme is a module here and one
-line in the table.
+`STRATEGIES` maps each --strategy name to its class (hybrid: a function that picks one); a
+new scheme is a module here and one line in the table.
 """
 
+from collections.abc import Callable
+
 from minidp.strategies.dp import DataParallel
-from minidp.strategies.pp import Pipeline
+from minidp.strategies.pp import Pipeline, hybrid
 from minidp.strategies.protocol import Recipe, StepResult, Strategy
 from minidp.strategies.ps import ParameterServer
 from minidp.strategies.tp import Hybrid, TensorParallel
 from minidp.strategies.zero import ZeRO
 
-STRATEGIES: dict[str, type[Strategy]] = {
+STRATEGIES: dict[str, Callable[..., Strategy]] = {
     DataParallel.name: DataParallel,
     ParameterServer.name: ParameterServer,
     ZeRO.name: ZeRO,
     TensorParallel.name: TensorParallel,
-    Hybrid.name: Hybrid,
+    hybrid.name: hybrid,  # Hybrid (dp x tp), or Pipeline when --pp > 1
     Pipeline.name: Pipeline,
 }
 

@@ -1,177 +1,212 @@
-"""`--strategy pp`: pipeline parallelism, the GPT's blocks cut into stages over the ranks.
+"""`--strategy pp` and `--strategy hybrid --pp P`: the GPT's blocks cut into pipeline stages
+over the PP axis of a mesh, TP inside each stage, DDP or ZeRO-1 over the DP axis.
 
     mpiexec -n 2 python -m minidp --strategy pp --n-layer 4 --micro-batches 4 --schedule 1f1b
     mpiexec -n 2 python -m minidp --strategy pp --n-layer 4 --schedule interleaved --virtual 2
+    mpiexec -n 8 python -m minidp --strategy hybrid --dp 2 --tp 2 --pp 2 --n-layer 4
 
-Every rank builds the whole nn.GPT from the seed (the task's model), cuts it into pp x V
-parts (parallel/pipeline/split.py) and keeps its own: stage s on rank s % pp, the other
-parts' parameters released. Every rank reads the whole global batch (data shard (0, 1)):
-stage 0 needs the inputs, the last stage the targets. This MVP fills the world with one
-pipeline: pp = world, dp = tp = 1.
+Every rank builds the whole nn.GPT from the seed (the task's model). The recipe, pieces
+composed (Megatron-LM's 3-D mesh, Narayanan et al. 2021):
 
-The step is not the skeleton's (step.py runs one forward and backward per micro-batch on
-one model); `PipelineStep` has its shape (`__call__(local, lr)`, `activations_peak`,
-`steps_done`) with the executor inside:
+    Mesh(dp, tp, pp)                 rank (d, p, t); one group per axis (mesh.py)
+    TensorParallelGPT on tp_group    each rank's TP slice of every layer (tp > 1 only)
+    split_model(..., pp x V)         the parts; stage s on pp rank s % pp, the others'
+                                     parameters released (parallel/pipeline/split.py)
+    PipelineStage per stage          its messages on pp_group
+    DDP (or ZeRO-1) over dp_group    this rank's stages' parameters, reduced once per step
+    PipelineStep                     the skeleton with the schedule inside (pp_step.py)
 
-    zero the stage's gradients
-    split the batch into m micro-batches, shares B_j / B     executor.split_batch
-    run this rank's schedule.actions()[rank]                  executor.run_schedule
-    loss = broadcast(sum of the last stage's losses)          from the last stage, over pp
-    if finite: clip (||g||^2 = allreduce_pp(sum of squares)); optimizer.step()
-    bubble = idle / (pp x window) of the step's F/B/W spans   executor.measured_bubble
-
-Each stage's messages go on the pipeline group, so its counters are bytes_sent_by_axis's
-"pp"; dp and tp send nothing.
+`--strategy pp` is the mesh (1, 1, world): one pipeline, dp = tp = 1. Ranks of one
+pipeline read the same examples (the data shard is the DP coordinate, (d, dp)): stage 0
+needs the inputs, the last stage the targets. The gradient norm for clipping:
+||g||^2 = allreduce_pp(allreduce_tp(sharded^2) + replicated^2), each shard counted once.
 """
+
+import math
 
 import numpy as np
 
-from minidp import comm, optim
-from minidp.memory import optimizer_bytes
-from minidp.parallel.across_ranks import global_l2, replica_spread, stand_in
+from minidp import comm, functional, nn, optim
+from minidp.parallel.across_ranks import replica_spread, stand_in
 from minidp.parallel.mesh import Mesh
-from minidp.parallel.pipeline.executor import measured_bubble, run_schedule, split_batch
 from minidp.parallel.pipeline.schedules import build_schedule
 from minidp.parallel.pipeline.simulate import formula_bubble
 from minidp.parallel.pipeline.split import split_model
 from minidp.parallel.pipeline.stage import PipelineStage
-from minidp.strategies.protocol import Recipe, StepResult, exposed_clock
-from minidp.trace import Timeline
+from minidp.parallel.tensor_parallel.gpt import TensorParallelGPT, whole_arrays
+from minidp.strategies.dp import DDPAxis
+from minidp.strategies.pp_step import PipelineStep, pipeline_mesh
+from minidp.strategies.protocol import Recipe, exposed_clock
+from minidp.strategies.tp import Hybrid, make_alike
+from minidp.strategies.zero_axis import ZeROAxis
 from minidp.training.config import BadConfig
-from minidp.training.config_checks import check_pipeline
 
 
-class PipelineStep:
-    """One optimizer step through the pipeline (the module doc): the skeleton's shape."""
+class RankStages(nn.Module):
+    """This rank's parts (one, or V for interleaving), as one module for DDP or ZeRO: its
+    parameters are the parts', under the parts' own names."""
 
-    def __init__(self, recipe: "Pipeline"):
-        self.recipe = recipe
-        self.steps_done = 0
-        self.activations_peak = 0  # the most bytes this rank's stages held at once
-        self.bubbles: list[float] = []  # measured, per step
-        self.spans = recipe.timeline if recipe.timeline.enabled else Timeline()
+    def __init__(self, parts: list[nn.Module]):
+        self.parts = parts
 
-    def __call__(self, local: np.ndarray, lr: float) -> StepResult:
-        r = self.recipe
-        schedule, stages, group = r.schedule, r.stages, r.mesh.pp_group
-        r.optimizer.lr = lr
-        r.optimizer.zero_grad()
-        for stage in stages.values():
-            stage.reset_peaks()
-        inputs, targets = r.task.batch(local)
-        micro_in, micro_t, shares = split_batch(inputs, targets, schedule.micro_batches)
-        if self.spans is not r.timeline:
-            self.spans.events.clear()  # a private timeline keeps one step's spans
-        first = len(self.spans.events)
-        mine = run_schedule(schedule, stages, micro_in, micro_t, shares, timeline=self.spans)
-        self.activations_peak = max(self.activations_peak, mine.peak_bytes)
-        last_rank = schedule.stage_rank(schedule.num_stages - 1)
-        loss = comm.broadcast(np.array([sum(mine)], np.float64), root=last_rank, group=group)
-        loss = float(loss[0])
-        if np.isfinite(loss):  # alike on every rank: no step, no message
-            with r.timeline.span("optimizer"):
-                if r.config.grad_clip:
-                    r.clip()
-                r.optimizer.step()
-        self.bubbles.append(measured_bubble(self.spans, group, first))
-        self.steps_done += 1
-        return StepResult(loss, loss)
+    def _every_named_parameter(self, prefix: str):
+        for part in self.parts:
+            yield from part._every_named_parameter(prefix)
 
 
 class Pipeline(Recipe):
-    """`--strategy pp --pp P --micro-batches M --schedule S [--virtual V] [--recompute]`."""
+    """`--strategy pp` (the mesh 1 x world x 1) or `--strategy hybrid --dp D --tp T --pp P
+    [--zero-stage 1]`; see the module doc."""
 
     name = "pp"
 
     def __init__(self, task, config, group: comm.Group, timeline=None, optimizer=None):
         super().__init__(task, config, group, timeline)
-        pp = config.pp or group.size
-        check_pipeline(config, pp)  # alike on every rank, before any message
-        if pp != group.size:
-            raise BadConfig(f"--pp {pp} must be the world's {group.size} ranks (dp = tp = 1)")
+        self.name = config.strategy
+        dp, tp, pp = pipeline_mesh(config, group.size)  # alike on every rank, before messages
         try:
             self.schedule = build_schedule(
                 config.schedule, pp, config.micro_batches, config.virtual
             )
         except ValueError as error:  # the piece names its argument; say the flag
             raise BadConfig(f"--schedule {config.schedule}: {error}") from None
-        self.mesh = mesh = Mesh(pp=pp, group=group)
+        self.mesh = mesh = Mesh(dp=dp, tp=tp, pp=pp, group=group)
+        self.dp, self.zero = None, None
         try:
-            self._build(task, config, optimizer)
+            self._build(task, config)
+            if config.zero_stage:  # ZeRO-1 over the DP axis (tp = 1: pipeline_mesh)
+                z = self.zero = ZeROAxis(self.held_model, mesh.dp_group, config, self.timeline)
+                sync, self.optimizer, stepper, comm_group = (
+                    z.sync,
+                    z.optimizer,
+                    z.optimizer,
+                    z.comm_group,
+                )
+                after_sync, after_step, self.clip_params = z.after_sync, z.after_step, z.pieces
+            else:  # DDP over the DP axis
+                d = self.dp = DDPAxis(
+                    self.held_model, mesh.dp_group, config, self.timeline, optimizer
+                )
+                sync, self.optimizer, stepper, comm_group = (
+                    d.sync,
+                    d.optimizer,
+                    d.stepper,
+                    d.ddp.comm_group,
+                )
+                after_sync, after_step, self.clip_params = [self.sync_replicated], [], self.params
         except BaseException:
             mesh.close()
             raise
-        self.axes = {"dp": [], "tp": [], "pp": [mesh.pp_group]}
-        self.clocks, self.clip_params = [exposed_clock(mesh.pp_group)], self.params
-        self.data_shard = (0, 1)
-        self.run = PipelineStep(self)
-
-    def _build(self, task, config, optimizer) -> None:
-        """This rank's stages of the task's GPT, the others' parameters released; the
-        optimizer over this rank's parameters."""
-        mesh = self.mesh
-        S, rank = self.schedule.num_stages, mesh.pp_group.rank
-        self.parts = split_model(task.model, S, recompute=config.recompute)
-        self.stages = {
-            s: PipelineStage(self.parts[s], s, S, mesh.pp_group)
-            for s in self.schedule.stages_of(rank)
+        self.axes = {
+            "dp": [comm_group, mesh.dp_group],
+            "tp": [mesh.tp_group],
+            "pp": [mesh.pp_group],
         }
-        self.params = [p for stage in self.stages.values() for p in stage.parameters()]
-        mine = {id(p) for p in self.params}
-        for p in task.model.parameters():  # the other stages' parameters: released
-            if id(p) not in mine:
-                p.data = stand_in(p)
-        self.optimizer = optimizer or optim.make_optimizer(
-            config.optimizer, self.params, config.lr, config.weight_decay
+        axis_clock = (self.dp or self.zero).clock
+        self.clocks = [axis_clock, exposed_clock(mesh.tp_group), exposed_clock(mesh.pp_group)]
+        self.data_shard = (mesh.dp_group.rank, dp)
+        self.run = PipelineStep(
+            self, sync, stepper, clip=self.clip, after_sync=after_sync, after_step=after_step
         )
 
+    def _build(self, task, config) -> None:
+        """This rank's stages of the task's GPT (its TP slices when tp > 1), the others'
+        parameters released."""
+        mesh = self.mesh
+        S, rank = self.schedule.num_stages, mesh.pp_group.rank
+        model = task.model
+        self.tp_model = None
+        if mesh.tp > 1:
+            sp = config.sequence_parallel
+            self.tp_model = model = TensorParallelGPT(
+                task.model, mesh.tp_group, sequence_parallel=sp
+            )
+        self.parts = split_model(model, S, recompute=config.recompute)
+        loss_fn = self.tp_model.criterion if self.tp_model else functional.cross_entropy
+        self.stages = {
+            s: PipelineStage(self.parts[s], s, S, mesh.pp_group, loss_fn=loss_fn)
+            for s in self.schedule.stages_of(rank)
+        }
+        self.held_model = RankStages([self.parts[s] for s in self.stages])
+        self.params = self.held_model.parameters()
+        mine = {id(p) for p in self.params}
+        others = task.model.parameters() + (self.tp_model.parameters() if self.tp_model else [])
+        for p in others:  # the whole model's and the other stages': released
+            if id(p) not in mine:
+                p.data = stand_in(p)
+        if self.tp_model:
+            self.sharded = [p for p in self.params if p.placement.axis is not None]
+            self.replicated = [p for p in self.params if p.placement.axis is None]
+        else:
+            self.sharded, self.replicated = [], self.params
+
+    def sync_replicated(self) -> None:
+        """After DDP's sync: TP's replicated gradients alike on every TP rank (tp.py)."""
+        partial = self.tp_model is not None and self.tp_model.replicated_grads_partial
+        make_alike(self.replicated, self.mesh, partial)
+
     def norm(self, kind: str) -> float:
-        """Each stage's parameters on one rank: the sum of squares summed over pp."""
-        return global_l2([getattr(p, kind) for p in self.params], self.mesh.pp_group)
+        """sqrt(Σ_pp (Σ_tp sharded² + replicated²)); ZeRO-1: Σ over every rank's chunks."""
+        if self.zero is not None:  # tp = 1: the chunks of dp x pp ranks are disjoint
+            arrays = [getattr(p, kind) for p in self.zero.pieces]
+            total = np.array([optim.sum_of_squares(arrays)], float)
+            return math.sqrt(float(comm.allreduce(total, group=self.group)[0]))
+        total = np.array([optim.sum_of_squares(getattr(p, kind) for p in self.sharded)], float)
+        if self.mesh.tp > 1:
+            comm.allreduce(total, out=total, group=self.mesh.tp_group)
+        total += optim.sum_of_squares(getattr(p, kind) for p in self.replicated)
+        return math.sqrt(float(comm.allreduce(total, group=self.mesh.pp_group)[0]))
 
     def gather_model(self) -> None:
-        """Collective: each stage's parameters broadcast from its rank into task.model."""
-        for s, part in enumerate(self.parts):
-            params = part.parameters()
-            if not params:
+        """Collective: each stage's parameters whole over TP, then broadcast from its pp
+        rank into task.model, on every rank."""
+        mesh, S = self.mesh, self.schedule.num_stages
+        if self.tp_model:
+            whole = whole_arrays(self.params, mesh.tp_group)
+        else:
+            whole = dict(self.held_model.named_parameters())
+            whole = {name: np.asarray(p.data) for name, p in whole.items()}
+        target = dict(self.task.model.named_parameters())
+        for s, part in enumerate(split_model(self.task.model, S)):  # the whole model's names
+            names = [name for name, _ in part.named_parameters()]
+            if not names:
                 continue
-            dtype = params[0].dtype
+            dtype = target[names[0]].dtype
             if s in self.stages:
-                flat = np.concatenate([np.asarray(p.data, dtype).ravel() for p in params])
+                flat = np.concatenate([np.asarray(whole[n], dtype).ravel() for n in names])
             else:
-                flat = np.empty(sum(int(np.prod(p.shape)) for p in params), dtype)
-            root = self.schedule.stage_rank(s)
-            comm.broadcast(flat, root=root, group=self.mesh.pp_group)
+                flat = np.empty(sum(target[n].size for n in names), dtype)
+            comm.broadcast(flat, root=self.schedule.stage_rank(s), group=mesh.pp_group)
             offset = 0
-            for p in params:
-                size = int(np.prod(p.shape))
-                p.data = flat[offset : offset + size].reshape(p.shape).copy()
-                offset += size
+            for n in names:
+                p = target[n]
+                p.data = flat[offset : offset + p.size].reshape(p.shape).copy()
+                offset += p.size
 
     def max_param_diff(self) -> float:
-        """No two ranks train the same parameters; after gather_model, the whole model's
-        copies (0.0: every rank received the same bits)."""
+        """After gather_model: the whole model's copies (0.0: every rank holds its bits)."""
         return replica_spread([p.data for p in self.task.model.parameters()], self.group)
 
     def held(self) -> dict[str, list]:
-        return {
-            "parameters": [p.data for p in self.params],
-            "gradients": [p.grad for p in self.params if p.grad is not None],
-            "optimizer": [optimizer_bytes(self.optimizer)],
-            "buffers": [g.scratch.nbytes for g in (self.group, *self.mesh.groups().values())],
-        }
+        held = (self.dp or self.zero).held()
+        held["buffers"] += [g.scratch.nbytes for g in (self.group, *self.mesh.groups().values())]
+        return held
 
     def describe(self) -> str:
         s, c = self.schedule, self.config
+        axis = (self.dp or self.zero).describe()
         return (
             f"{self.mesh.describe()} | schedule {s.name} | micro-batches {s.micro_batches} | "
             f"stages {s.num_stages} (V {s.virtual}) | recompute {'on' if c.recompute else 'off'}"
+            f" | {axis}"
         )
 
     def record(self) -> dict:
-        s, bubbles = self.schedule, self.run.bubbles
+        s, bubbles, mesh = self.schedule, self.run.bubbles, self.mesh
+        own = self.dp.record(self.run.steps_done) if self.dp else self.zero.record()
         return {
-            "mesh": {"dp": 1, "tp": 1, "pp": s.pp},
+            **own,
+            "mesh": {"dp": mesh.dp, "tp": mesh.tp, "pp": mesh.pp},
             "schedule": s.name,
             "micro_batches": s.micro_batches,
             "virtual": s.virtual,
@@ -190,14 +225,23 @@ class Pipeline(Recipe):
         )
 
     def state_dict(self) -> dict:
-        model = {k: v for st in self.stages.values() for k, v in st.state_dict().items()}
-        return {"model": model, "optimizer": self.optimizer.state_dict()}
+        return self.dp.state_dict(self.held_model) if self.dp else self.zero.state_dict()
 
     def load_state_dict(self, state: dict) -> None:
-        for stage in self.stages.values():
-            mine = stage.state_dict()
-            stage.load_state_dict({k: v for k, v in state["model"].items() if k in mine})
-        self.optimizer.load_state_dict(state["optimizer"])
+        if self.dp:
+            self.dp.load_state_dict(self.held_model, state)
+        else:
+            self.zero.load_state_dict(state)
 
     def close(self) -> None:
+        (self.dp or self.zero).close()
         self.mesh.close()
+
+
+def hybrid(task, config, group: comm.Group, timeline=None, optimizer=None) -> Recipe:
+    """`--strategy hybrid`: the 3-D mesh (Pipeline) when --pp > 1, else dp x tp (Hybrid)."""
+    recipe = Pipeline if config.pp > 1 else Hybrid
+    return recipe(task, config, group, timeline, optimizer)
+
+
+hybrid.name = "hybrid"

@@ -92,6 +92,28 @@ def check_mesh(config, world_size: int, gpt) -> tuple[int, int, bool]:
     return dp, tp, drifts
 
 
+def make_alike(replicated: list, mesh: Mesh, partial: bool, compressed: bool = False) -> None:
+    """After the DP axis's sync: the `replicated` parameters' gradients alike on every rank
+    of `mesh.tp_group`. `partial`: each rank saw its T/p positions (sequence parallelism),
+    so the group sums them. Else the DP sums may differ by rank: in order (dp > 2), or in
+    what a compressor chose from each TP rank's own bucket (top-k, a scale): take rank 0's."""
+    tp_group = mesh.tp_group
+    if tp_group.size == 1 or not replicated:
+        return
+    grads = [p.grad for p in replicated]
+    flat = np.concatenate([g.ravel() for g in grads])
+    if partial:
+        comm.allreduce(flat, out=flat, group=tp_group)
+    elif mesh.dp > 2 or compressed:
+        comm.broadcast(flat, root=0, group=tp_group)
+    else:
+        return
+    offset = 0
+    for g in grads:
+        g[...] = flat[offset : offset + g.size].reshape(g.shape)
+        offset += g.size
+
+
 class OnTheMesh(Recipe):
     """What the tp and hybrid recipes share: the mesh, the TP GPT on its TP group, and the
     reports (the mesh in the header and the record, bytes per mesh axis, the whole model
@@ -143,23 +165,8 @@ class OnTheMesh(Recipe):
 
     def sync_replicated(self) -> None:
         """After DDP's sync: the replicated parameters' gradients alike on every TP rank."""
-        tp_group = self.mesh.tp_group
-        if tp_group.size == 1 or not self.replicated:
-            return
-        grads = [p.grad for p in self.replicated]
-        flat = np.concatenate([g.ravel() for g in grads])
-        if self.model.replicated_grads_partial:  # each rank saw its T/p positions: sum them
-            comm.allreduce(flat, out=flat, group=tp_group)
-        elif self.mesh.dp > 2 or self.compressor is not None:
-            # the DP sums may differ by rank: in order (dp > 2), or in what a compressor
-            # chose from each TP rank's own bucket (top-k, a scale): take rank 0's
-            comm.broadcast(flat, root=0, group=tp_group)
-        else:
-            return
-        offset = 0
-        for g in grads:
-            g[...] = flat[offset : offset + g.size].reshape(g.shape)
-            offset += g.size
+        partial = self.model.replicated_grads_partial
+        make_alike(self.replicated, self.mesh, partial, self.compressor is not None)
 
     def broadcast_drift(self) -> None:
         """After ZeRO's step: TP rank 0's replicated parameters, where they may drift."""

@@ -38,6 +38,7 @@ from minidp.training.config_checks import (
 DATA_PARALLEL = ("dp", "tp", "hybrid", "zero")
 """The strategies whose ranks hold replicas (or shards) reduced by allreduce: they read the
 data-parallel flags (allreduce, buckets, overlap, micro-batches); the parameter server not."""
+PP = ("pp", "hybrid")  # the strategies that read the pipeline's flags
 
 
 def flag(default, help: str, *, with_: str | None = None, **metadata):
@@ -168,16 +169,13 @@ class TrainConfig:
         strategies=("tp", "hybrid"),
     )
 
-    # pipeline parallelism (--strategy pp): 4 blocks, --pp 2 --virtual 2: 4 stages of 1 block
-    pp: int = flag(0, "pipeline stages' ranks (0: the world)", strategies=("pp",))
-    micro_batches: int = flag(4, "micro-batches per step (m)", strategies=("pp",))
-    schedule: str = flag(
-        "1f1b", "pipeline schedule", choices=PIPELINE_SCHEDULES, strategies=("pp",)
-    )
-    virtual: int = flag(1, "stages per rank (V > 1: --schedule interleaved)", strategies=("pp",))
-    recompute: bool = flag(
-        False, "blocks recompute their activations in backward", strategies=("pp",)
-    )
+    # pipeline parallelism (--strategy pp, hybrid): 4 blocks, --pp 2 --virtual 2: 4 stages
+    #   of 1 block; world = dp x tp x pp: mpiexec -n 8 ... --strategy hybrid --dp 2 --tp 2 --pp 2
+    pp: int = flag(0, "pipeline stages' ranks (pp: 0 the world; hybrid: 0 none)", strategies=PP)
+    micro_batches: int = flag(4, "micro-batches per step (m)", strategies=PP)
+    schedule: str = flag("1f1b", "pipeline schedule", choices=PIPELINE_SCHEDULES, strategies=PP)
+    virtual: int = flag(1, "stages per rank (V > 1: --schedule interleaved)", strategies=PP)
+    recompute: bool = flag(False, "blocks recompute their activations in backward", strategies=PP)
 
     # ZeRO (--strategy zero, hybrid)
     zero_stage: int = flag(

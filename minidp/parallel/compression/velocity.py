@@ -21,7 +21,7 @@ is u_w and its masking. A `--compress-warmup` round allreduces u_w uncompressed 
 nothing: Σ_w u_w is then the momentum buffer of the mean gradient, and the step is momentum
 SGD's (tests/test_compress_velocity.py checks it against `--compress-on gradient`).
 
-Only the sparsifiers (VELOCITY_COMPRESSORS in training/config_checks.py: topk, randomk) clear what
+Only the sparsifiers (VELOCITY_COMPRESSORS in training/scheme_checks.py: topk, randomk) clear what
 they sent, so only they run here; DGC also clips each rank's gradient locally (here with the whole
 --grad-clip threshold; DGC scales it by N^-1/2 for N ranks) and ramps the density up in
 its first epochs (here: --compress-warmup, uncompressed steps first).

@@ -15,12 +15,11 @@ would live on two ranks (Megatron-LM allreduces them between the first and last 
 
 import functools
 
-import numpy as np
-
 from minidp import nn
 from minidp.autograd import Tensor
 from minidp.chunks import chunk_bounds
 from minidp.parallel.pipeline.recompute import recomputed
+from minidp.parallel.tensor_parallel.gpt import TensorParallelGPT
 
 __all__ = ["GPTPart", "MLPPart", "split_model"]
 
@@ -41,9 +40,12 @@ class GPTPart(nn.Module):
     final LayerNorm and head behind on the last. Input: token ids (first) or activations
     (B, T, C); output: activations, or logits (B, T, vocab_size) on the last. Parameters
     are named as in the whole GPT ("blocks.2.fc.weight" for its third block). `recompute`:
-    each block keeps only its input and runs again in backward (recompute.py)."""
+    each block keeps only its input and runs again in backward (recompute.py).
 
-    def __init__(self, gpt: nn.GPT, lo: int, hi: int, recompute: bool = False):
+    `gpt` is an nn.GPT or a TensorParallelGPT (a stage of a pipeline whose layers are split
+    over a TP group too: the 3-D mesh); either has the parts named here and an `embed`."""
+
+    def __init__(self, gpt, lo: int, hi: int, recompute: bool = False):
         if recompute and gpt.config.dropout > 0:
             raise ValueError(
                 f"recompute=True needs dropout 0 (got {gpt.config.dropout}): a block run "
@@ -52,20 +54,16 @@ class GPTPart(nn.Module):
         self.recompute = recompute
         self.offset = lo
         self.first, self.last = lo == 0, hi == len(gpt.blocks)
-        if self.first:
+        if self.first:  # the model's own embedding, on its own modules (held here)
             self.wte, self.wpe, self.drop = gpt.wte, gpt.wpe, gpt.drop
-            self.block_size = gpt.config.block_size
+            self.embed = gpt.embed
         self.blocks = gpt.blocks[lo:hi]
         if self.last:
             self.ln_f, self.head = gpt.ln_f, gpt.head
 
     def forward(self, x) -> Tensor:
-        if self.first:  # GPT.forward's embedding, line for line
-            idx = np.asarray(x)
-            T = idx.shape[-1]
-            if T > self.block_size:
-                raise ValueError(f"sequence of {T} tokens is longer than {self.block_size}")
-            x = self.drop(self.wte(idx) + self.wpe(np.arange(T)))
+        if self.first:
+            x = self.embed(x)
         for block in self.blocks:
             x = recomputed(block, x) if self.recompute else block(x)
         return self.head(self.ln_f(x)) if self.last else x
@@ -96,10 +94,10 @@ class MLPPart(nn.Module):
 
 
 def split_model(model: nn.Module, num_stages: int, *, recompute: bool = False) -> list[nn.Module]:
-    """The `num_stages` parts of a user's nn.GPT or nn.MLP, in order (see the module doc).
+    """The `num_stages` parts of a user's nn.GPT (or its TensorParallelGPT) or nn.MLP, in order.
     ValueError naming `num_stages` when the model has fewer blocks (layers) than stages.
     `recompute` (GPT only): every block recomputed in backward (recompute.py)."""
-    if isinstance(model, nn.GPT):
+    if isinstance(model, nn.GPT | TensorParallelGPT):
         units, what = len(model.blocks), "blocks"
         part = functools.partial(GPTPart, recompute=recompute)
     elif isinstance(model, nn.MLP):
@@ -109,7 +107,9 @@ def split_model(model: nn.Module, num_stages: int, *, recompute: bool = False) -
                 "recompute=True: for an nn.GPT's blocks (an MLP's layer keeps its input anyway)"
             )
     else:
-        raise TypeError(f"split_model: model must be an nn.GPT or nn.MLP, got {type(model)}")
+        raise TypeError(
+            f"split_model: model must be an nn.GPT, TensorParallelGPT or nn.MLP, got {type(model)}"
+        )
     if not isinstance(num_stages, int) or num_stages < 1:
         raise ValueError(f"num_stages must be a positive integer, got {num_stages!r}")
     if num_stages > units:

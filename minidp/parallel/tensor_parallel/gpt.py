@@ -153,18 +153,28 @@ class TensorParallelGPT(nn.Module):
         return isinstance(self.head, TiedParallelHead)
 
     def forward(self, idx: np.ndarray) -> Tensor:
+        x = self.embed(idx)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x))  # f (or the allgather along T), then my vocabulary
+
+    def embed(self, idx: np.ndarray) -> Tensor:
+        """idx: (B, T) token ids -> the blocks' input, (B, T, C) or (B, T/p, C) with
+        sequence parallelism: this rank's positions."""
         idx = np.asarray(idx)
         T = idx.shape[-1]
         if T > self.config.block_size:
             raise ValueError(f"sequence of {T} tokens is longer than block_size")
         lo, hi = sequence_range(T, self.group) if self.sequence_parallel else (0, T)
-        x = self.drop(self.wte(idx) + self.wpe[np.arange(lo, hi)])  # (B, T or T/p, C)
-        for block in self.blocks:
-            x = block(x)
-        return self.head(self.ln_f(x))  # f (or the allgather along T), then my vocabulary
+        return self.drop(self.wte(idx) + self.wpe[np.arange(lo, hi)])
+
+    def criterion(self, logits: Tensor, targets: np.ndarray) -> Tensor:
+        """The mean cross-entropy of this rank's vocabulary columns of the logits (the
+        same on every rank of the group): what `loss` applies to `forward`'s output."""
+        return vocab_parallel_cross_entropy(logits, targets, self.wte.start, self.group)
 
     def loss(self, idx: np.ndarray, targets: np.ndarray) -> Tensor:
-        return vocab_parallel_cross_entropy(self(idx), targets, self.wte.start, self.group)
+        return self.criterion(self(idx), targets)
 
     def sharded_and_replicated(self) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
         """(parameters split over the group, parameters every rank holds whole)."""
@@ -175,26 +185,8 @@ class TensorParallelGPT(nn.Module):
         )
 
     def gather_whole(self, which: str = "data") -> dict[str, np.ndarray]:
-        """Collective: {whole name: whole array} of every parameter's `data` (or `grad`).
-
-        Each rank writes its shard into zeros of the whole shape; an allreduce(sum) over the
-        group fills in the rest (adding zeros is exact). Once, after training: bytes are no
-        concern here, one clear way is."""
-        whole = {}
-        for p in self.parameters():
-            mine = getattr(p, which)
-            place = p.placement
-            if place.axis is None:
-                whole[place.name] = mine.copy()
-                continue
-            shape = list(mine.shape)
-            shape[place.axis] = place.length
-            full = np.zeros(shape, mine.dtype)
-            index = [slice(None)] * full.ndim
-            index[place.axis] = place.index
-            full[tuple(index)] = mine
-            whole[place.name] = comm.allreduce(full, group=self.group)
-        return whole
+        """Collective: {whole name: whole array} of every parameter's `data` (or `grad`)."""
+        return whole_arrays(self.parameters(), self.group, which)
 
     def gather_into(self, full: nn.GPT) -> None:
         """Collective: the whole trained weights into `full` (an nn.GPT of this config), as
@@ -202,3 +194,27 @@ class TensorParallelGPT(nn.Module):
         whole = self.gather_whole("data")
         for name, p in full.named_parameters():
             p.data = whole[name]
+
+
+def whole_arrays(params, group: comm.Group, which: str = "data") -> dict[str, np.ndarray]:
+    """Collective over `group`: {whole name: whole array} of the `data` (or `grad`) of TP
+    parameters `params` (each with its `placement`; the same list on every rank of `group`).
+
+    Each rank writes its shard into zeros of the whole shape; an allreduce(sum) over the
+    group fills in the rest (adding zeros is exact). Once, after training: bytes are no
+    concern here, one clear way is."""
+    whole = {}
+    for p in params:
+        mine = getattr(p, which)
+        place = p.placement
+        if place.axis is None:
+            whole[place.name] = mine.copy()
+            continue
+        shape = list(mine.shape)
+        shape[place.axis] = place.length
+        full = np.zeros(shape, mine.dtype)
+        index = [slice(None)] * full.ndim
+        index[place.axis] = place.index
+        full[tuple(index)] = mine
+        whole[place.name] = comm.allreduce(full, group=group)
+    return whole

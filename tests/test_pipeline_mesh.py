@@ -1,0 +1,117 @@
+"""`--strategy hybrid --dp D --tp T --pp P` trains like one process: the tiny float64 GPT,
+AdamW, clipping on, at (dp, tp, pp) = (1,1,2), (1,1,4), (1,2,2), (2,1,2) and (2,2,2), every
+schedule at each, recomputation on for half of them (every schedule and every mesh sees it
+on and off), ZeRO-1 on the DP axis of (2,1,2), sequence parallelism at (2,2,2): the same
+per-step losses on every rank and, after gather_model, the same whole model (1e-10).
+
+Eight ranks, split into groups that run their cases side by side: the 8-rank mesh alone,
+the 4-rank meshes two at a time, the 2-rank one four at a time. Then the bad mesh flags,
+one line each."""
+
+import numpy as np
+import pytest
+
+from minidp import comm
+from minidp.strategies import STRATEGIES
+from tests.test_pipeline_strategy import TINY, reference, refused, run
+
+SCHEDULES = [
+    dict(schedule="gpipe"),
+    dict(schedule="1f1b"),
+    dict(schedule="interleaved", virtual=2),
+    dict(schedule="zb-h1"),
+]
+MESHES = [(1, 1, 2), (1, 1, 4), (1, 2, 2), (2, 1, 2), (2, 2, 2)]
+
+
+def cases() -> list[dict]:
+    """Every mesh x every schedule, recompute on every other one; then ZeRO-1 and SP."""
+    out = []
+    for i, (dp, tp, pp) in enumerate(MESHES):
+        for j, flags in enumerate(SCHEDULES):
+            n_layer = 8 if pp * flags.get("virtual", 1) > 4 else 4
+            case = dict(dp=dp, tp=tp, pp=pp, n_layer=n_layer, recompute=(i + j) % 2 == 1)
+            out.append({**case, **flags})
+    out.append(dict(dp=2, tp=1, pp=2, n_layer=4, schedule="1f1b", zero_stage=1))
+    out.append(dict(dp=2, tp=1, pp=2, n_layer=4, schedule="zb-h1", zero_stage=1, recompute=True))
+    out.append(dict(dp=2, tp=2, pp=2, n_layer=4, schedule="1f1b", sequence_parallel=True))
+    return out
+
+
+def rounds(world_size: int) -> list[list[dict]]:
+    """The cases grouped by size, as many at once as the world holds."""
+    by_size: dict[int, list[dict]] = {}
+    for case in cases():
+        by_size.setdefault(case["dp"] * case["tp"] * case["pp"], []).append(case)
+    out = []
+    for size, group in sorted(by_size.items()):
+        at_once = world_size // size
+        out += [group[k : k + at_once] for k in range(0, len(group), at_once)]
+    return out
+
+
+@pytest.mark.parallel(nprocs=[8])
+@pytest.mark.timeout(600)
+def test_the_3d_mesh_trains_like_one_process():
+    from minidp.training.config import TrainConfig
+    from minidp.training.tasks import Task
+
+    world = comm.world()
+    want = {n: reference(TrainConfig(**{**TINY, "n_layer": n})) for n in (4, 8)}
+    for batch in rounds(world.size):
+        size = batch[0]["dp"] * batch[0]["tp"] * batch[0]["pp"]
+        color = world.rank // size
+        group = world.split(color)
+        if color < len(batch):
+            case = batch[color]
+            config = TrainConfig(**{**TINY, **case, "strategy": "hybrid", "micro_batches": 4})
+            with STRATEGIES["hybrid"](Task(config, np.float64), config, group) as s:
+                check(s, case, group, *want[case["n_layer"]])
+        group.free()
+
+
+def check(s, case, group, want_losses, want_params) -> None:
+    losses = run(s)
+    np.testing.assert_allclose(losses, want_losses, rtol=1e-10, err_msg=str(case))
+    assert len(set(group.comm.allgather(tuple(losses)))) == 1  # every rank's alike
+    sent = s.bytes_sent_by_axis()
+    assert sent["pp"] > 0, case
+    assert (sent["tp"] > 0) == (case["tp"] > 1), (case, sent)
+    assert (sent["dp"] > 0) == (case["dp"] > 1), (case, sent)
+    s.gather_model()
+    got = s.task.model.state_dict()
+    assert got.keys() == want_params.keys()
+    for name, value in want_params.items():
+        np.testing.assert_allclose(got[name], value, rtol=1e-10, atol=1e-13, err_msg=str(case))
+    assert s.max_param_diff() == 0.0
+    l2 = np.sqrt(sum(float(np.vdot(a, a)) for a in want_params.values()))
+    assert s.param_l2() == pytest.approx(l2, rel=1e-12)
+    record = s.record()
+    assert record["mesh"] == {"dp": case["dp"], "tp": case["tp"], "pp": case["pp"]}
+    assert 0 <= record["bubble_fraction"] < 1
+
+
+@pytest.mark.parametrize(
+    "args, words",
+    [
+        (["--tp", "1", "--pp", "3", "--n-layer", "3"], "--pp 3 does not divide the world"),
+        (["--tp", "1", "--schedule", "gpipe"], "--schedule: a pipeline needs"),
+        (["--tp", "1", "--pp", "2", "--zero-stage", "2"], "--zero-stage 2 with --pp"),
+        (["--tp", "1", "--pp", "2", "--compress", "fp16"], "--compress does not run with --pp"),
+        (["--tp", "1", "--pp", "2", "--grad-accum", "2"], "--grad-accum does not run with --pp"),
+    ],
+)  # fmt: skip
+def test_a_bad_mesh_flag_is_one_line_naming_it(args, words, capsys):
+    refused(["--strategy", "hybrid", *args], words, capsys)
+
+
+def test_a_mesh_that_does_not_fill_the_world_is_refused():
+    from minidp.strategies.pp_step import pipeline_mesh
+    from minidp.training.config import BadConfig, TrainConfig
+
+    config = TrainConfig(strategy="hybrid", dp=2, tp=2, pp=2, n_layer=4)
+    assert pipeline_mesh(config, 8) == (2, 2, 2)
+    with pytest.raises(BadConfig, match=r"dp x tp x pp = 2 x 2 x 2 = 8, but the world has 4"):
+        pipeline_mesh(config, 4)
+    with pytest.raises(BadConfig, match=r"--pp 2 does not divide the world's 3 ranks"):
+        pipeline_mesh(config, 3)
