@@ -42,6 +42,10 @@ def test_bench_pp_has_a_row_per_schedule_and_the_simulated_and_formula_values(tm
     assert memory["1f1b", False]["formula"] == [2, 1]
     for row in memory.values():  # counted, not timed: the stages hold what the simulator says
         assert row["in_flight"] == row["simulated"] == row["formula"]
+    (per_rank,) = [r for r in rows if r["table"] == "memory_per_rank"]  # interleaved, p 2, V 2
+    sim = summary(build_schedule("interleaved", 2, 2, 2))
+    assert per_rank["measured"] == per_rank["simulated"] == sim["peak_activations_per_rank"]
+    assert per_rank["formula_rank0"] == sim["formula_peak_first_rank"] == per_rank["measured"][0]
     for name in SCHEDULES:  # recomputed blocks keep only their inputs
         assert sum(memory[name, True]["peak_KB"]) < sum(memory[name, False]["peak_KB"])
     if pyplot() is not None:

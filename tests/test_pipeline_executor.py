@@ -5,6 +5,7 @@ batch in one process: every step's loss and the final parameters, to 1e-10. Each
 measured peak of micro-batches in flight equals the simulator's peak activations; the
 measured bubble is a fraction. Bad arguments raise errors that name them."""
 
+import time
 from types import SimpleNamespace
 
 import numpy as np
@@ -98,6 +99,25 @@ def test_every_schedule_equals_one_process(name, virtual):
 @pytest.mark.timeout(120)
 def test_recomputation_equals_one_process():
     check_equal("interleaved", 2, recompute=True)
+
+
+@pytest.mark.parallel(nprocs=[2])
+@pytest.mark.timeout(60)
+def test_the_waits_count_on_the_groups_clock():
+    """The pipeline's blocking waits add to `group.seconds` (what `--strategy pp` reports
+    as comm_seconds): rank 0 starts 0.2 s late, so rank 1 waits at least that long for its
+    first forward message; rank 0 waits for its gradients."""
+    group = comm.world().dup()  # a clock of its own, at 0
+    schedule = build_schedule("1f1b", 2, 2)
+    parts = split_model(tiny_gpt(2), 2)
+    stages = {group.rank: PipelineStage(parts[group.rank], group.rank, 2, group)}
+    inputs, targets = batches(tiny_gpt(2))[0]
+    assert group.seconds == 0.0
+    if group.rank == 0:
+        time.sleep(0.2)
+    run_schedule(schedule, stages, *split_batch(inputs, targets, 2))
+    assert group.seconds > (0.1 if group.rank == 1 else 0.0)
+    group.free()
 
 
 # ---- four ranks ---------------------------------------------------------------------------

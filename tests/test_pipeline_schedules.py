@@ -30,6 +30,8 @@ from minidp.parallel.pipeline.simulate import (
     bubble_table,
     formula_bubble,
     formula_holds,
+    formula_peak_first_rank,
+    peak_activations_per_rank,
     simulate,
     summary,
 )
@@ -117,6 +119,37 @@ def test_simulated_bubble_equals_the_formula_where_it_is_exact(name):
                 ), (pp, m, V)
                 checked += 1
     assert checked >= 15
+
+
+@pytest.mark.parametrize("name", SCHEDULES)
+def test_the_first_ranks_peak_activations_equal_the_formula(name):
+    """Rank 0 holds the most, as the formula says: interleaved p (1 + (p-1)/(pV)) full-size
+    stages, V p + p - 1 of the simulator's stages (1/V of a rank), when pp divides m; else at
+    least as many (p 3, m 8, V 2: rounds of g = 4, 9 against 8); no other rank holds more."""
+    checked = 0
+    for pp in (1, 2, 3, 4, 8):
+        for m in (1, 2, 3, 4, 8, 12, 16):
+            for V in (1, 2, 3, 4) if SCHEDULES[name].needs_virtual else (1,):
+                try:
+                    schedule = build_schedule(name, pp, m, V)
+                except ValueError:  # interleaved: m not in equal rounds
+                    continue
+                per_rank = peak_activations_per_rank(
+                    schedule.compute_actions(), schedule.split_backward
+                )
+                formula = formula_peak_first_rank(name, pp, m, V)
+                assert max(per_rank) == per_rank[0], (pp, m, V)
+                if name != "interleaved" or m % pp == 0:
+                    assert per_rank[0] == formula, (pp, m, V)
+                    checked += 1
+                else:
+                    assert per_rank[0] >= formula, (pp, m, V)
+    assert checked >= 15
+    if name == "interleaved":  # p = 4, V = 2: 11 stages of 1/8, i.e. 5.5 = 4 (1 + 3/8) full ones
+        assert formula_peak_first_rank(name, 4, 8, 2) == 11 == 2 * 4 * (1 + 3 / 8)
+        schedule = build_schedule(name, 3, 8, 2)
+        got = peak_activations_per_rank(schedule.compute_actions(), schedule.split_backward)
+        assert got[0] == 9 > formula_peak_first_rank(name, 3, 8, 2) == 8
 
 
 def test_1f1b_grid_p2_m3():

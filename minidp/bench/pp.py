@@ -23,11 +23,12 @@ rank does twice the work, as the formula assumes). What the measurement adds to 
 model: the receives' probe (it naps up to ~1 ms on a long wait), Python's per-action
 overhead, and sleep's oversleeping (tens of microseconds a call).
 
-Memory. A tiny GPT (float32, one block per stage) runs one step of each schedule at
-p = 4, m = 8, with and without recomputation (`split_model(..., recompute=True)`: a block
-keeps only its input); each stage's `peak_in_flight` (micro-batches held at once) against
-the simulator's and the formula's (GPipe m; 1F1B min(m, p - s); ZB-H1 min(m, p); interleaved
-the simulator's), and `peak_bytes` (the arrays: memory.activation_bytes).
+Memory (_pp_memory.py). A tiny GPT (float32, one block per stage) runs one step of each
+schedule at p = 4, m = 8, with and without recomputation; each stage's `peak_in_flight`
+(micro-batches held at once) against the simulator's and the formula's, and `peak_bytes`
+(the arrays: memory.activation_bytes). Then interleaved (V = 2) at each p of --pps: each
+rank's stages together against the simulator's and rank 0's formula, p (1 + (p-1)/(pV))
+full-size stages (V p + p - 1 stages of 1/V of a rank).
 
 Time diagrams: the measured spans of each schedule's last step at p = 4 (--diagram-m),
 drawn with diagram.time_diagram in units of d, next to the simulated one.
@@ -40,6 +41,7 @@ import numpy as np
 from minidp import comm, functional, nn
 from minidp.autograd import op
 from minidp.bench._common import environment, median, print_table, summary, write_json
+from minidp.bench._pp_memory import SCHEDULES, memory_rows, rank_memory_rows, virtual_of
 from minidp.log import print0
 from minidp.parallel.pipeline.actions import TICKS_PER_UNIT, Action
 from minidp.parallel.pipeline.diagram import time_diagram
@@ -52,8 +54,6 @@ from minidp.parallel.pipeline.stage import PipelineStage
 from minidp.parser import Parser
 from minidp.trace import Timeline as Trace
 from minidp.weight_grads import Product
-
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
 
 
 def parse_args(argv: list[str]):
@@ -113,10 +113,6 @@ def delayed_mlp(layers: int, seconds: float) -> nn.MLP:
 
 
 # ---- one schedule, timed ----------------------------------------------------------------------
-def virtual_of(name: str) -> int:
-    return 2 if name == "interleaved" else 1
-
-
 def run_steps(name, pp, m, group, steps, seconds, inputs, targets):
     """`steps` steps (after one to warm up) of schedule (name, pp, m) on `group`: each
     step's measured bubble, and this rank's spans of the last (start us, duration us, name)."""
@@ -201,50 +197,6 @@ def bubble_rows(args, world, pps, ms) -> tuple[list[dict], dict]:
     return rows, diagrams
 
 
-def formula_peaks(name: str, pp: int, m: int, sim_peaks: dict) -> list[int]:
-    """Micro-batches held at once per stage, by the formulas (the simulator's: interleaved)."""
-    if name == "gpipe":
-        return [m] * pp
-    if name == "1f1b":
-        return [min(m, pp - s) for s in range(pp)]
-    if name == "zb-h1":
-        return [min(m, pp)] * pp
-    return [sim_peaks[s] for s in sorted(sim_peaks)]
-
-
-def memory_rows(args, world) -> list[dict]:
-    """One step of each schedule on a tiny GPT at p = world size, m = --memory-m."""
-    pp, m, rows = world.size, args.memory_m, []
-    cfg = dict(vocab_size=11, block_size=8, n_head=2, n_embd=16)
-    rng = np.random.default_rng(1)
-    batch = 2 * m
-    tokens = rng.integers(0, 11, (batch, 9))
-    for name in SCHEDULES:
-        schedule = build_schedule(name, pp, m, virtual_of(name))
-        S = schedule.num_stages
-        for recompute in (False, True):
-            gpt = nn.GPT(nn.GPTConfig(n_layer=S, **cfg), seed=3, dtype=np.float32)
-            parts = split_model(gpt, S, recompute=recompute)
-            mine = schedule.stages_of(world.rank)
-            stages = {s: PipelineStage(parts[s], s, S, world) for s in mine}
-            xs, ys, shares = split_batch(tokens[:, :-1], tokens[:, 1:], m)
-            run_schedule(schedule, stages, xs, ys, shares)
-            held = {s: (st.peak_in_flight, st.peak_bytes) for s, st in stages.items()}
-            peaks = {}
-            for part in world.comm.allgather(held):
-                peaks.update(part)
-            sim = simulated(schedule)["peak_activations_per_stage"]
-            rows.append({
-                "schedule": name, "p": pp, "m": m, "V": virtual_of(name),
-                "recompute": recompute,
-                "in_flight": [peaks[s][0] for s in range(S)],
-                "simulated": [sim[s] for s in range(S)],
-                "formula": formula_peaks(name, pp, m, sim),
-                "peak_KB": [peaks[s][1] / 1e3 for s in range(S)],
-            })  # fmt: skip
-    return rows
-
-
 def slashed(values, spec="d") -> str:
     return "/".join(format(v, spec) for v in values)
 
@@ -272,6 +224,7 @@ def measure(args) -> int:
     )
     rows, diagrams = bubble_rows(args, world, pps, ms)
     memory = memory_rows(args, world)
+    per_rank = rank_memory_rows(args, world, pps)
     if world.rank == 0:
         print0("\nbubble fraction: measured (median) / simulated / formula")
         print_table(
@@ -290,9 +243,18 @@ def measure(args) -> int:
             [("schedule", ""), ("V", "d"), ("recompute", ""), ("in_flight", ""),
              ("simulated", ""), ("formula", ""), ("peak_KB", "")],
         )  # fmt: skip
+        print0(f"\npeak activations per rank (its stages together), m = {args.memory_m}")
+        print_table(
+            [{**r, "measured": slashed(r["measured"]), "simulated": slashed(r["simulated"])}
+             for r in per_rank],
+            [("schedule", ""), ("p", "d"), ("V", "d"), ("measured", ""), ("simulated", ""),
+             ("formula_rank0", "d"), ("full_rank0", "g"), ("1f1b_rank0", "d")],
+        )  # fmt: skip
         write_json(
             args.json,
-            [{**r, "table": "bubble"} for r in rows] + [{**r, "table": "memory"} for r in memory],
+            [{**r, "table": "bubble"} for r in rows]
+            + [{**r, "table": "memory"} for r in memory]
+            + [{**r, "table": "memory_per_rank"} for r in per_rank],
         )
         for name, (measured, schedule) in diagrams.items():
             tag = f"{name}_p{schedule.pp}_m{schedule.micro_batches}"

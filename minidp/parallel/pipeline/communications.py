@@ -33,7 +33,15 @@ receive. Receives block, so an order of actions completes when the schedule's dr
 The `Outbox` keeps each send's buffer alive until MPI is done with it. Receives wait with
 the group's deadline (`group.timeout`, set by default; checks.py): a message that never
 comes fails naming the peer instead of hanging.
+
+Every blocking wait (a receive, the wait for a message to arrive, the sends' wait at the end
+of a step) adds its wall time to `group.seconds`, the clock the group's collectives add to
+(group.py): a pipeline's communication time is the time its ranks spent waiting for a
+neighbour, the bubble included.
 """
+
+import contextlib
+import time
 
 import numpy as np
 
@@ -74,11 +82,29 @@ class Outbox:
             _wait(self.group, [s[0] for s in pending], [s[2] for s in pending])
 
 
+@contextlib.contextmanager
+def clocked(group):
+    """Add the block's wall time to `group.seconds` (as a collective's _Running does)."""
+    start = time.perf_counter()
+    try:
+        yield
+    finally:
+        group.seconds += time.perf_counter() - start
+
+
+def await_message(group, source: int, tag: int) -> bool:
+    """Wait (clocked) until a message from `source` with `tag` can be received, without
+    receiving it; False when the group's deadline passes first."""
+    with clocked(group):
+        return p2p.probe(group, source, tag, timeout=group.timeout) is not None
+
+
 def _wait(group, requests: list, peers: list[int]) -> None:
-    if group.timeout is None:
-        p2p.waitall(group, requests, peers)
-    else:
-        p2p.waitall_within(group, requests, peers, group.timeout)
+    with clocked(group):
+        if group.timeout is None:
+            p2p.waitall(group, requests, peers)
+        else:
+            p2p.waitall_within(group, requests, peers, group.timeout)
 
 
 def _receive(group, buf: np.ndarray, source: int, tag: int) -> np.ndarray:

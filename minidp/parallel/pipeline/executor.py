@@ -20,8 +20,9 @@ what runs when (nothing is scheduled twice), as torch.distributed.pipelining's
     sBj        stages[s].backward(j)                   stages[s].backward_input(j)
     sWj        -                                       stages[s].backward_weight(j)
     SEND_*     nothing: the stage isends inside the compute action just before it
-    RECV_*     wait (p2p.probe) until the message the next compute action receives has
-               arrived; that action then receives it without waiting
+    RECV_*     wait (communications.await_message, a probe) until the message the next
+               compute action receives has arrived; that action then receives it without
+               waiting. Every such wait adds to the group's clock, `group.seconds`
 
 So a wait for a neighbour is idle time between spans, never inside one, and the bubble
 read off the spans is the schedule's (plus up to ~1 ms a wait: the probe naps when the
@@ -54,7 +55,6 @@ import contextlib
 import numpy as np
 
 from minidp import comm
-from minidp.comm import p2p
 from minidp.parallel.pipeline import communications as msg
 from minidp.parallel.pipeline.actions import RECV_B, RECV_F, Action, B, F, W, peer_rank
 from minidp.parallel.pipeline.stage import PipelineStage
@@ -166,7 +166,7 @@ def _wait_for(action: Action, stage: PipelineStage, pp: int) -> None:
         boundary, direction = action.stage, msg.BACKWARD
     group = stage.group
     tag = msg.message_tag(group, action.micro_batch, boundary, stage.num_stages, direction)
-    if p2p.probe(group, peer_rank(action, pp), tag, timeout=group.timeout) is None:
+    if not msg.await_message(group, peer_rank(action, pp), tag):
         raise comm.CollectiveTimeout(
             f"pipeline: {action} heard nothing from rank {peer_rank(action, pp)} within "
             f"{group.timeout:g} s"

@@ -15,7 +15,18 @@ in ticks of 1/2). From the timeline:
 
 GPipe's peak is m on every stage; 1F1B's min(m, pp - s) on stage s (Narayanan et al. 2021);
 ZB-H1's min(m, pp) on every stage (the deferred W's hold theirs longer).
-The formulas each schedule is compared against are `formula_bubble` (see schedules.py).
+
+Memory's unit: one stage's activations of one micro-batch (a "stage-micro-batch"). A stage
+is 1/S of the model, S = pp · V: with V > 1 a stage is 1/V of what one rank holds, so a
+rank's count divided by V is in stage-micro-batches of a full-size stage (1/pp of the
+model, 1F1B's). Interleaved 1F1B's first rank holds p (1 + (p-1)/(pV)) full-size ones:
+1F1B's p, times 1 + (p-1)/(pV) (Korthikanti et al. 2022, "Reducing Activation
+Recomputation in Large Transformer Models", for Megatron-LM's interleaved schedule). In
+this unit that is V p + p - 1: the warm-up's (V-1) p + 2(p-1) forwards and the steady
+state's one more (schedules.py), exact when pp divides m (rounds of g = pp micro-batches).
+
+The formulas each schedule is compared against are `formula_bubble` (see schedules.py) and
+`formula_peak_first_rank`.
 """
 
 from dataclasses import dataclass, field
@@ -136,6 +147,25 @@ def formula_bubble(name: str, pp: int, micro_batches: int, virtual: int = 1) -> 
     return FORMULAS[name][1](pp, micro_batches, virtual)
 
 
+PEAK_FORMULAS = {  # schedule -> rank 0's peak activations, in stage-micro-batches (above)
+    "gpipe": ("m", lambda p, m, V: m),
+    "1f1b": ("min(m, p)", lambda p, m, V: min(m, p)),
+    # V p (1 + (p-1)/(pV)) = V p + p - 1, and no more than its V m forwards
+    "interleaved": ("min(V*m, V*p*(1+(p-1)/(p*V)))", lambda p, m, V: min(V * m, V * p + p - 1)),
+    "zb-h1": ("min(m, p)", lambda p, m, V: min(m, p)),
+}
+
+
+def formula_peak_first_rank(name: str, pp: int, micro_batches: int, virtual: int = 1) -> int:
+    """Rank 0's peak activations by the formula (PEAK_FORMULAS), in stage-micro-batches, the
+    unit of `peak_activations_per_rank` (divide by V for full-size stages). Rank 0 holds the
+    most; the simulator equals it for GPipe, 1F1B and ZB-H1, and for interleaved when pp
+    divides m (otherwise rounds of g > pp micro-batches lengthen the warm-up)."""
+    if name not in PEAK_FORMULAS:
+        raise ValueError(f"no formula for schedule {name!r}")
+    return PEAK_FORMULAS[name][1](pp, micro_batches, virtual)
+
+
 def summary(schedule) -> dict:
     """A schedule's simulated figures beside its formula's (the CLI prints and saves this)."""
     timeline = simulate(
@@ -159,6 +189,7 @@ def summary(schedule) -> dict:
         "peak_activations_per_rank": peak_activations_per_rank(
             schedule.compute_actions(), schedule.split_backward
         ),
+        "formula_peak_first_rank": formula_peak_first_rank(name, pp, m, schedule.virtual),
     }
 
 
@@ -185,10 +216,12 @@ def bubble_table(pps=(2, 4), micro_batches=(1, 2, 4, 8), virtual: int = 2) -> st
 
 __all__ = [
     "FORMULAS",
+    "PEAK_FORMULAS",
     "Timeline",
     "bubble_table",
     "formula_bubble",
     "formula_holds",
+    "formula_peak_first_rank",
     "peak_activations",
     "peak_activations_per_rank",
     "simulate",
