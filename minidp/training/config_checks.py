@@ -4,7 +4,8 @@
 rank builds a model or sends a message, so a bad value never costs a run. It reads as the
 list of the checks, in the order they run: the sizes and rates, whether each flag set belongs
 to this --strategy and --model, the other ranges, the parameter server's, the output files,
-memory, the mesh, --prune, --backend, --compress, --zero-stage, --log-dir.
+memory, the mesh, --prune, --backend, --compress, --zero-stage, the pipeline, --log-dir.
+Each scheme's own checks live in scheme_checks.py.
 
 Range checks are written `not (0 < x < inf)` so that nan and inf fail them too. The checks
 read a config's fields and its `applies`, `is_set`, `resolved` (config.py); this module does
