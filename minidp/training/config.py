@@ -13,7 +13,8 @@ to a fraction of `--steps` (their metadata's "of_steps"): 300 steps warm up for 
 from 50 to 200 every 10, 60 steps warm up for 4 and prune from 10 to 40 every 2. Left unset
 they are None here, and `resolved()` fills them in; a value given is kept as it is.
 
-Each field is a `flag(default, help, **metadata)`. The metadata keys:
+Each field is a `flag(default, help, **metadata)` (flags.py, with the methods every config
+has: `is_set`, `resolved`, `applies`, `header`, `validate`). The metadata keys:
   choices      the values the command line accepts
   strategies   the --strategy names it belongs to (none: every one); set under another,
                it is refused, never silently ignored
@@ -22,7 +23,7 @@ Each field is a `flag(default, help, **metadata)`. The metadata keys:
   of_steps     (numerator, denominator, least): unset, max(least, steps * n // d)
 """
 
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, fields
 
 from minidp.names import ALGORITHMS, AUTO, PIPELINE_SCHEDULES
 from minidp.optim import OPTIMIZERS
@@ -31,9 +32,9 @@ from minidp.training.config_checks import (
     VELOCITY_COMPRESSORS,
     BadConfig,
     check_block_size,
-    check_config,
     staleness_bound,
 )
+from minidp.training.flags import Flags, flag
 
 DATA_PARALLEL = ("dp", "tp", "hybrid", "zero")
 """The strategies whose ranks hold replicas (or shards) reduced by allreduce: they read the
@@ -41,16 +42,8 @@ data-parallel flags (allreduce, buckets, overlap, micro-batches); the parameter 
 PP = ("pp", "hybrid")  # the strategies that read the pipeline's flags
 
 
-def flag(default, help: str, *, with_: str | None = None, **metadata):
-    """A TrainConfig field: its default, its --help line and its metadata (above; `with_`
-    is the "with" key, a Python keyword)."""
-    if with_ is not None:
-        metadata["with"] = with_
-    return field(default=default, metadata={"help": help, **metadata})
-
-
 @dataclass
-class TrainConfig:
+class TrainConfig(Flags):
     strategy: str = flag("dp", "how ranks share the work (minidp.strategies.STRATEGIES names them)")
     model: str = flag("gpt", "model to train", choices=("gpt", "mlp"))
     steps: int = flag(300, "optimizer steps")
@@ -247,55 +240,6 @@ class TrainConfig:
         strategies=("dp",),
         with_="prune",
     )
-
-    def default_of(self, name: str):
-        """Flag `name`'s default here: a step-counted one's is its fraction of --steps."""
-        meta = TrainConfig.__dataclass_fields__[name].metadata
-        if "of_steps" not in meta:
-            return _DEFAULTS[name]
-        numerator, denominator, least = meta["of_steps"]
-        return max(least, self.steps * numerator // denominator)
-
-    def is_set(self, name: str) -> bool:
-        """Whether flag `name` was given a value other than its default (resolved or not)."""
-        value = getattr(self, name)
-        return value is not None and value != self.default_of(name)
-
-    def resolved(self) -> "TrainConfig":
-        """This config with each step-counted flag left unset filled in from --steps. Resolve
-        last: `replace(config.resolved(), steps=N)` keeps the numbers filled in for the old
-        --steps (replace the unresolved config, then resolve)."""
-        unset = {
-            f.name: self.default_of(f.name)
-            for f in fields(self)
-            if "of_steps" in f.metadata and getattr(self, f.name) is None
-        }
-        return replace(self, **unset) if unset else self
-
-    def applies(self, name: str) -> bool:
-        """Whether field `name` means anything under this --strategy and --model (the header
-        prints only those; setting one that does not is refused by validate)."""
-        meta = TrainConfig.__dataclass_fields__[name].metadata
-        strategies = meta.get("strategies", (self.strategy,))  # no list: every one
-        models = meta.get("models", (self.model,))
-        return self.strategy in strategies and self.model in models
-
-    def header(self) -> str:
-        """The config line of the run's header: the fields that apply to this --strategy and
-        --model, less those of a feature left off (--prune's schedule without --prune, say)."""
-        shown = []
-        for f in fields(self):
-            feature = f.metadata.get("with")  # the flag that turns this one's feature on
-            if self.applies(f.name) and (feature is None or self.is_set(feature)):
-                shown.append(f"{f.name}={getattr(self, f.name)}")
-        return "config: " + " ".join(shown)
-
-    def validate(self) -> None:
-        """Raise BadConfig with one clear line for a value that cannot work (config_checks)."""
-        check_config(self)
-
-
-_DEFAULTS = {f.name: f.default for f in fields(TrainConfig)}
 
 
 def config_fields():
