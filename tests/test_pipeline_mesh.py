@@ -1,8 +1,9 @@
 """`--strategy hybrid --dp D --tp T --pp P` trains like one process: the tiny float64 GPT,
 AdamW, clipping on, at (dp, tp, pp) = (1,1,2), (1,1,4), (1,2,2), (2,1,2) and (2,2,2), every
 schedule at each, recomputation on for half of them (every schedule and every mesh sees it
-on and off), ZeRO-1 on the DP axis of (2,1,2), sequence parallelism at (2,2,2): the same
-per-step losses on every rank and, after gather_model, the same whole model (1e-10).
+on and off), ZeRO-1 on the DP axis of (2,1,2) and (2,2,2), sequence parallelism at
+(2,2,2) with DDP and with ZeRO-1: the same per-step losses on every rank and, after
+gather_model, the same whole model (1e-10).
 
 Eight ranks, split into groups that run their cases side by side: the 8-rank mesh alone,
 the 4-rank meshes two at a time, the 2-rank one four at a time. Then the bad mesh flags,
@@ -35,6 +36,9 @@ def cases() -> list[dict]:
     out.append(dict(dp=2, tp=1, pp=2, n_layer=4, schedule="1f1b", zero_stage=1))
     out.append(dict(dp=2, tp=1, pp=2, n_layer=4, schedule="zb-h1", zero_stage=1, recompute=True))
     out.append(dict(dp=2, tp=2, pp=2, n_layer=4, schedule="1f1b", sequence_parallel=True))
+    out.append(dict(dp=2, tp=2, pp=2, n_layer=4, schedule="gpipe", zero_stage=1))
+    out.append(dict(dp=2, tp=2, pp=2, n_layer=4, schedule="zb-h1", zero_stage=1,
+                    sequence_parallel=True, recompute=True))  # fmt: skip
     return out
 
 

@@ -38,7 +38,7 @@ from minidp.strategies.dp import DDPAxis
 from minidp.strategies.pp_step import PipelineStep, pipeline_mesh
 from minidp.strategies.protocol import Recipe, exposed_clock
 from minidp.strategies.tp import Hybrid, make_alike
-from minidp.strategies.zero_axis import ZeROAxis
+from minidp.strategies.zero_over_tp import ZeROOverTP, check_drift
 from minidp.training.config import BadConfig
 
 
@@ -74,40 +74,37 @@ class Pipeline(Recipe):
         self.dp, self.zero = None, None
         try:
             self._build(task, config)
-            if config.zero_stage:  # ZeRO-1 over the DP axis (tp = 1: pipeline_mesh)
-                z = self.zero = ZeROAxis(self.held_model, mesh.dp_group, config, self.timeline)
-                sync, self.optimizer, stepper, comm_group = (
-                    z.sync,
-                    z.optimizer,
-                    z.optimizer,
-                    z.comm_group,
-                )
-                after_sync, after_step, self.clip_params = z.after_sync, z.after_step, z.pieces
-            else:  # DDP over the DP axis
-                d = self.dp = DDPAxis(
-                    self.held_model, mesh.dp_group, config, self.timeline, optimizer
-                )
-                sync, self.optimizer, stepper, comm_group = (
-                    d.sync,
-                    d.optimizer,
-                    d.stepper,
-                    d.ddp.comm_group,
-                )
-                after_sync, after_step, self.clip_params = [self.sync_replicated], [], self.params
+            sync, stepper, after_sync, after_step = self._data_parallel_axis(config, optimizer)
         except BaseException:
             mesh.close()
             raise
-        self.axes = {
-            "dp": [comm_group, mesh.dp_group],
-            "tp": [mesh.tp_group],
-            "pp": [mesh.pp_group],
-        }
+        axis = self.dp.ddp if self.dp else self.zero
+        self.axes = {"dp": [axis.comm_group, mesh.dp_group], "tp": [mesh.tp_group],
+                     "pp": [mesh.pp_group]}  # fmt: skip
         axis_clock = (self.dp or self.zero).clock
         self.clocks = [axis_clock, exposed_clock(mesh.tp_group), exposed_clock(mesh.pp_group)]
         self.data_shard = (mesh.dp_group.rank, dp)
+        sequence_parallel = config.sequence_parallel and tp > 1
         self.run = PipelineStep(
-            self, sync, stepper, clip=self.clip, after_sync=after_sync, after_step=after_step
+            *(self, sync, stepper),
+            clip=self.clip,
+            before_sync=[self.sum_partial] if sequence_parallel else [],
+            after_sync=after_sync,
+            after_step=after_step,
         )
+
+    def _data_parallel_axis(self, config, optimizer) -> tuple:
+        """DDP over the mesh's DP axis, or ZeRO-1 on the TP shards (zero_over_tp.py): the
+        step's (synchronizer, optimizer, after-sync hooks, after-step hooks)."""
+        if config.zero_stage:
+            mesh = self.mesh
+            self.drifts = check_drift(config, mesh.dp, mesh.tp, self.task.model.config.vocab_size)
+            z = self.zero = ZeROOverTP(self)
+            self.optimizer, self.clip_params = z.optimizer, z.pieces
+            return z.sync, z.optimizer, z.after_sync, [*z.after_step, self.broadcast_drift]
+        d = self.dp = DDPAxis(self.model, self.mesh.dp_group, config, self.timeline, optimizer)
+        self.optimizer, self.clip_params = d.optimizer, self.params
+        return d.sync, d.stepper, [self.sync_replicated], []
 
     def _build(self, task, config) -> None:
         """This rank's stages of the task's GPT (its TP slices when tp > 1), the others'
@@ -127,8 +124,12 @@ class Pipeline(Recipe):
             s: PipelineStage(self.parts[s], s, S, mesh.pp_group, loss_fn=loss_fn)
             for s in self.schedule.stages_of(rank)
         }
-        self.held_model = RankStages([self.parts[s] for s in self.stages])
-        self.params = self.held_model.parameters()
+        self.model = RankStages([self.parts[s] for s in self.stages])  # what DDP or ZeRO wraps
+        # sequence parallelism's partial sums: added over TP after the schedule, before the
+        # DP sync (sum_partial), not in ZeRO's hooks (zero_over_tp.py), which wait for a
+        # backward outside no_sync() that a pipeline never runs
+        self.model.replicated_grads_partial = False
+        self.params = self.model.parameters()
         mine = {id(p) for p in self.params}
         others = task.model.parameters() + (self.tp_model.parameters() if self.tp_model else [])
         for p in others:  # the whole model's and the other stages': released
@@ -140,17 +141,26 @@ class Pipeline(Recipe):
         else:
             self.sharded, self.replicated = [], self.params
 
+    def broadcast_drift(self) -> None:
+        """After ZeRO's step: TP rank 0's replicated parameters, where they may drift (tp.py)."""
+        if self.drifts:
+            self.zero.broadcast_replicated()
+
+    def sum_partial(self) -> None:
+        """Sequence parallelism, after the schedule and before the DP sync: each TP rank's
+        replicated gradients cover its T/p positions; the group sums them."""
+        make_alike(self.replicated, self.mesh, partial=True)
+
     def sync_replicated(self) -> None:
         """After DDP's sync: TP's replicated gradients alike on every TP rank (tp.py)."""
-        partial = self.tp_model is not None and self.tp_model.replicated_grads_partial
-        make_alike(self.replicated, self.mesh, partial)
+        make_alike(self.replicated, self.mesh, partial=False)
 
     def norm(self, kind: str) -> float:
-        """sqrt(Σ_pp (Σ_tp sharded² + replicated²)); ZeRO-1: Σ over every rank's chunks."""
-        if self.zero is not None:  # tp = 1: the chunks of dp x pp ranks are disjoint
-            arrays = [getattr(p, kind) for p in self.zero.pieces]
-            total = np.array([optim.sum_of_squares(arrays)], float)
-            return math.sqrt(float(comm.allreduce(total, group=self.group)[0]))
+        """sqrt(Σ_pp (Σ_tp sharded² + replicated²)); ZeRO-1: its chunks' sum over DP and TP
+        (zero_over_tp.py), summed over PP."""
+        if self.zero is not None:
+            total = np.array([self.zero.sum_of_squares(kind)])
+            return math.sqrt(float(comm.allreduce(total, group=self.mesh.pp_group)[0]))
         total = np.array([optim.sum_of_squares(getattr(p, kind) for p in self.sharded)], float)
         if self.mesh.tp > 1:
             comm.allreduce(total, out=total, group=self.mesh.tp_group)
@@ -164,7 +174,7 @@ class Pipeline(Recipe):
         if self.tp_model:
             whole = whole_arrays(self.params, mesh.tp_group)
         else:
-            whole = dict(self.held_model.named_parameters())
+            whole = dict(self.model.named_parameters())
             whole = {name: np.asarray(p.data) for name, p in whole.items()}
         target = dict(self.task.model.named_parameters())
         for s, part in enumerate(split_model(self.task.model, S)):  # the whole model's names
@@ -225,11 +235,11 @@ class Pipeline(Recipe):
         )
 
     def state_dict(self) -> dict:
-        return self.dp.state_dict(self.held_model) if self.dp else self.zero.state_dict()
+        return self.dp.state_dict(self.model) if self.dp else self.zero.state_dict()
 
     def load_state_dict(self, state: dict) -> None:
         if self.dp:
-            self.dp.load_state_dict(self.held_model, state)
+            self.dp.load_state_dict(self.model, state)
         else:
             self.zero.load_state_dict(state)
 

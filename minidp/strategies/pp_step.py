@@ -9,6 +9,7 @@ Step.__call__ is the skeleton every recipe runs; `PipelineStep` overrides one me
         split this replica's batch into m micro-batches, shares B_j / n_r
         with sync.no_sync():                            gradients add up over the m
             run this rank's schedule.actions()[rank]    executor.run_schedule
+        before-sync hooks                               sequence parallelism's TP sums
         local loss = broadcast(sum of the last stage's losses) over pp
         bubble = idle / (pp x window) of the step's F/B/W spans
     sync.finish_gradient_sync(); after-sync hooks       the DP axis: once per step, after
@@ -32,7 +33,9 @@ from minidp.training.scheme_checks import check_pipeline
 class PipelineStep(Step):
     """The skeleton over a pipeline `recipe` (pp.py): its schedule, stages and mesh."""
 
-    def __init__(self, recipe, sync, optimizer, *, clip, after_sync=(), after_step=()):
+    def __init__(
+        self, recipe, sync, optimizer, *, clip, before_sync=(), after_sync=(), after_step=()
+    ):
         config = recipe.config
         super().__init__(
             *(None, sync, optimizer),  # no loss(indices): the stages compute it
@@ -44,7 +47,7 @@ class PipelineStep(Step):
             after_sync=after_sync,
             after_step=after_step,
         )
-        self.recipe = recipe
+        self.recipe, self.before_sync = recipe, before_sync
         self.bubbles: list[float] = []  # measured, per step
         # the bubble is measured from spans: the run's timeline, or a private one
         self.spans = recipe.timeline if recipe.timeline.enabled else Timeline()
@@ -63,6 +66,8 @@ class PipelineStep(Step):
         first = len(self.spans.events)
         with self.sync.no_sync():
             mine = run_schedule(schedule, stages, micro_in, micro_t, shares, self.spans)
+        for hook in self.before_sync:  # sequence parallelism's sums over TP
+            hook()
         self.activations_peak = max(self.activations_peak, mine.peak_bytes)
         last_rank = schedule.stage_rank(schedule.num_stages - 1)
         loss = comm.broadcast(np.array([sum(mine)], np.float64), root=last_rank, group=pp_group)
@@ -74,6 +79,7 @@ def pipeline_mesh(config, world_size: int) -> tuple[int, int, int]:
     """(dp, tp, pp) of the mesh `--strategy pp` or `--strategy hybrid --pp P` asks for;
     BadConfig (one line, alike on every rank) when the flags cannot work."""
     from minidp.strategies.tp import mesh_sizes  # the hybrid's dp x tp, over world / pp
+    from minidp.strategies.zero import check_zero
 
     if config.strategy == "pp":
         pp = config.pp or world_size
@@ -106,8 +112,8 @@ def pipeline_mesh(config, world_size: int) -> tuple[int, int, int]:
             f"mesh: dp x tp x pp = {dp} x {tp} x {pp} = {dp * tp * pp}, but the world has "
             f"{world_size} ranks; choose --dp, --tp and --pp whose product is {world_size}"
         )
-    if config.zero_stage and tp > 1:
-        raise BadConfig("--zero-stage 1 with --pp and --tp > 1 is not built: use DDP (no ZeRO)")
+    if config.zero_stage:
+        check_zero(config, dp, "hybrid")  # --allreduce: one of reduce-scatter's
     if config.batch_size // dp < config.micro_batches:
         raise BadConfig(
             f"--batch-size {config.batch_size} over {dp} data-parallel ranks leaves "

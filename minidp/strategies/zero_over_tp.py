@@ -129,6 +129,11 @@ class ZeROOverTP(ZeROAxis):
         """The norm of the whole model from this rank's chunks (their `kind`, "grad" or
         "data"): TP-sharded elements summed over every rank, replicated ones over TP rank
         0's DP group."""
+        return math.sqrt(self.sum_of_squares(kind))
+
+    def sum_of_squares(self, kind: str) -> float:
+        """The square of `norm(kind)`, collective over the DP and TP groups (a pipeline
+        sums its stages' over the PP group)."""
         arrays = [getattr(p, kind) for p in self.pieces]
         parts = [[a[s] for a, kinds in zip(arrays, self.kinds) for s in kinds[k]] for k in (0, 1)]
         total = np.array([optim.sum_of_squares(parts[0]), optim.sum_of_squares(parts[1])])
@@ -137,7 +142,7 @@ class ZeROOverTP(ZeROAxis):
             if self.mesh.coords["tp"] != 0:
                 total[1] = 0.0  # TP rank 0's replicated sum, once
             comm.allreduce(total, out=total, group=self.mesh.tp_group)
-        return math.sqrt(float(total.sum()))
+        return float(total.sum())
 
     def _remove_hooks(self) -> None:
         for unhook in self._unhook:
