@@ -134,6 +134,27 @@ def test_bench_deferral_runs(tmp_path):
     assert finite_positive(row["deferred_ms"], row["plain_ms"], row["deferred/plain"])
 
 
+@pytest.mark.timeout(60)
+def test_bench_mesh_has_every_layout_and_bytes_on_exactly_its_axes(tmp_path):
+    out = tmp_path / "mesh.json"
+    tiny = ("--n-embd", "16", "--block-size", "8", "--iters", "1", "--warmup", "0")
+    result = minidp(4, "bench", "mesh", *tiny, "--json", str(out), "--out", str(tmp_path))
+    assert result.returncode == 0, result.stderr
+    assert "oversubscribed" in result.stdout  # the header says what the times compare
+    rows = records(out)
+    layouts = {(1, 1, 4), (1, 2, 2), (1, 4, 1), (2, 1, 2), (2, 2, 1), (4, 1, 1)}  # dp, tp, pp
+    assert {(r["dp"], r["tp"], r["pp"]) for r in rows} == layouts and len(rows) == len(layouts)
+    for r in rows:
+        assert r["world_size"] == 4 and r["strategy"] == ("dp" if r["dp"] == 4 else "hybrid")
+        for axis in ("dp", "tp", "pp"):
+            assert (r[f"{axis}_KB"] == 0) == (r[axis] == 1), (r["layout"], axis)  # exactly 0
+        assert finite_positive(r["step_ms"], r["state_KB"], r["act_KB"])
+        if r["pp"] > 1:
+            assert 0 <= r["bubble"] < 1 and 0 < r["bubble_formula"] < 1
+        else:
+            assert r["bubble"] is None and r["bubble_formula"] is None
+
+
 BROKEN_RING = """
 import sys
 from minidp.comm import collectives

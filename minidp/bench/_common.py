@@ -110,3 +110,124 @@ def write_json(path: str | None, records: list[dict]) -> None:
     with open(path, "w") as f:
         for r in records:
             f.write(json.dumps(r) + "\n")
+
+
+class Contender:
+    """One strategy built on `world` from `config`, stepping the same global batches as every
+    other contender (the sampler's seed), its losses kept: a row of the tp and mesh benches.
+    A context manager: `close()` (collective) frees its communicators."""
+
+    def __init__(self, config, world, lr: float = 1e-3):
+        from minidp.data import DistributedSampler
+        from minidp.strategies import STRATEGIES
+        from minidp.training.tasks import Task
+
+        self.config, self.lr, self.losses = config, lr, []
+        self.timed_from, self.bytes_before = 0, {}
+        dtype = np.dtype(config.dtype).type
+        self.strategy = s = STRATEGIES[config.strategy](Task(config, dtype), config, world)
+        self.sampler = DistributedSampler(
+            s.task.num_examples, config.batch_size, *s.data_shard, seed=config.seed
+        )
+
+    def step(self) -> None:
+        indices = self.sampler.local_indices(len(self.losses))
+        self.losses.append(self.strategy.step(indices, self.lr).loss)
+
+    def start_timing(self) -> None:
+        """Before the first timed round: from here on count the steps and the bytes."""
+        self.timed_from, self.bytes_before = len(self.losses), self.strategy.bytes_sent_by_axis()
+
+    def bytes_per_step(self, mpi) -> dict[str, float]:
+        """Bytes sent per timed step on each axis (dp, tp, pp; 0 for an axis the strategy
+        lacks), the difference of two `bytes_sent_by_axis()` readings, the largest over ranks."""
+        after, steps = self.strategy.bytes_sent_by_axis(), len(self.losses) - self.timed_from
+        return {
+            axis: max_over_ranks((after.get(axis, 0) - self.bytes_before.get(axis, 0)) / steps, mpi)
+            for axis in ("dp", "tp", "pp")
+        }
+
+    def memory_max(self, mpi) -> dict[str, int]:
+        """The strategy's `memory_bytes()`, each category the largest over ranks."""
+        return {k: int(max_over_ranks(v, mpi)) for k, v in self.strategy.memory_bytes().items()}
+
+    def close(self) -> None:
+        self.strategy.close()
+
+    def __enter__(self) -> "Contender":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def first_losses_agree(contenders: dict, bench: str, rtol: float = 1e-4) -> bool:
+    """Step 0 is the same batch on the same model for every contender: their losses agree
+    (or rank 0 says which differ, and the benchmark returns 1 without a table)."""
+    from minidp.log import print0
+
+    first = {name: c.losses[0] for name, c in contenders.items()}
+    if np.allclose(list(first.values()), next(iter(first.values())), rtol=rtol):
+        return True
+    print0(f"bench {bench}: the contenders' first losses differ: {first}")
+    return False
+
+
+def time_contenders(contenders: dict, warmup: int, iters: int, mpi) -> dict:
+    """`rotated_rounds` over the contenders' steps, each contender told when timing starts.
+    Returns {name: [seconds, one per timed round]}."""
+    steps = {name: c.step for name, c in contenders.items()}
+    start = lambda: [c.start_timing() for c in contenders.values()]  # noqa: E731
+    return rotated_rounds(steps, warmup, iters, mpi, on_timing=start)
+
+
+def add_gpt_arguments(parser, bench: str, *, n_embd: int, n_layer: int, n_head: int,
+                      iters: int, warmup: int) -> None:  # fmt: skip
+    """The flags of a bench that trains the GPT under several strategies (tp, mesh): its
+    size, the global batch, the rounds, --json, and --out (default runs/bench_NAME)."""
+    for flag, default, what in (
+        ("--n-embd", n_embd, "GPT channels"),
+        ("--n-layer", n_layer, "blocks"),
+        ("--n-head", n_head, "heads"),
+        ("--block-size", 64, "tokens"),
+        ("--batch-size", 16, "GLOBAL batch"),
+        ("--iters", iters, "timed rounds"),
+        ("--warmup", warmup, "untimed rounds"),
+    ):
+        parser.add_argument(flag, type=int, default=default, help=f"{what} (default {default})")
+    parser.add_argument("--json", metavar="FILE", help="write JSON lines (rank 0)")
+    parser.add_argument("--out", default=f"runs/bench_{bench}", help="directory for the PNG")
+
+
+def gpt_base(args) -> dict:
+    """TrainConfig's fields for `add_gpt_arguments`' GPT: float32, overlap off (the same
+    schedule of messages on every core count), no evaluation or sampling to speak of."""
+    return dict(
+        n_embd=args.n_embd, n_layer=args.n_layer, n_head=args.n_head,
+        block_size=args.block_size, batch_size=args.batch_size, dtype="float32",
+        overlap="off", eval_batches=1, sample_tokens=0,
+    )  # fmt: skip
+
+
+def describe_gpt(args) -> str:
+    """The header's words for `add_gpt_arguments`' GPT."""
+    return (
+        f"GPT n_embd {args.n_embd} x {args.n_layer} layers x {args.n_head} heads, block "
+        f"{args.block_size}, global batch {args.batch_size}, float32"
+    )
+
+
+def measure_per_rank_threads(measure, args) -> int:
+    """`measure(args)` with BLAS at cores / ranks threads a rank (threadpoolctl), a flag that
+    cannot work (BadConfig, found alike on every rank) said in one line, every rank exiting."""
+    from threadpoolctl import threadpool_limits
+
+    from minidp.log import die
+    from minidp.training.config import BadConfig
+    from minidp.training.loop import blas_threads_per_rank
+
+    with threadpool_limits(limits=blas_threads_per_rank(0), user_api="blas"):
+        try:
+            return measure(args)
+        except BadConfig as error:
+            raise die(str(error)) from None

@@ -26,43 +26,38 @@ also shown per sequence a rank computes on (act_KB_per_seq): what TP and SP divi
 times are the slowest rank's, medians over rounds, contenders rotated.
 """
 
+import contextlib
+
 import numpy as np
-from mpi4py import MPI
 
 from minidp import comm
 from minidp.bench._common import (
+    Contender,
+    add_gpt_arguments,
+    describe_gpt,
     environment,
+    first_losses_agree,
+    gpt_base,
+    measure_per_rank_threads,
     median,
     print_table,
-    rotated_rounds,
     summary,
+    time_contenders,
     write_json,
 )
-from minidp.data import DistributedSampler
 from minidp.log import print0
 from minidp.parser import Parser
 from minidp.plots import pyplot, save
-from minidp.strategies import STRATEGIES
 from minidp.training.config import TrainConfig
-from minidp.training.loop import blas_threads_per_rank
-from minidp.training.tasks import Task
 
 
 def parse_args(argv: list[str]):
     parser = Parser(prog="minidp bench tp", description=summary(__doc__))
-    parser.add_argument("--n-embd", type=int, default=256, help="GPT channels (default 256)")
-    parser.add_argument("--n-layer", type=int, default=2, help="blocks (default 2)")
-    parser.add_argument("--n-head", type=int, default=8, help="heads (default 8)")
-    parser.add_argument("--block-size", type=int, default=64, help="tokens (default 64)")
-    parser.add_argument("--batch-size", type=int, default=16, help="GLOBAL batch (default 16)")
-    parser.add_argument("--iters", type=int, default=5, help="timed rounds (default 5)")
-    parser.add_argument("--warmup", type=int, default=1, help="untimed rounds (default 1)")
-    parser.add_argument("--json", metavar="FILE", help="write JSON lines (rank 0)")
-    parser.add_argument("--out", default="runs/bench_tp", help="directory for the PNG")
+    add_gpt_arguments(parser, "tp", n_embd=256, n_layer=2, n_head=8, iters=5, warmup=1)
     return parser.parse_args(argv)
 
 
-def contenders(P: int) -> list[tuple[int, int, bool]]:
+def contenders_of(P: int) -> list[tuple[int, int, bool]]:
     """(dp, tp, sequence parallel) for tp in 1, 2, 4 dividing P."""
     out = []
     for tp in (1, 2, 4):
@@ -78,77 +73,45 @@ def formula_bytes(config: TrainConfig, dp: int, tp: int, itemsize: int) -> float
 
 
 def main(argv: list[str]) -> int:
-    from threadpoolctl import threadpool_limits
-
-    args = parse_args(argv)
-    with threadpool_limits(limits=blas_threads_per_rank(0), user_api="blas"):
-        return measure(args)
+    return measure_per_rank_threads(measure, parse_args(argv))
 
 
 def measure(args) -> int:
     world = comm.world()
     world.checks = False  # as MPI runs: no fingerprints in the measured collectives
-    base = dict(
-        n_embd=args.n_embd, n_layer=args.n_layer, n_head=args.n_head,
-        block_size=args.block_size, batch_size=args.batch_size, dtype="float32",
-        overlap="off", eval_batches=1, sample_tokens=0,
-    )  # fmt: skip
-    print0(
-        f"bench tp | world {world.size} | GPT n_embd {args.n_embd} x {args.n_layer} layers x "
-        f"{args.n_head} heads, block {args.block_size}, global batch {args.batch_size}, "
-        f"float32 | {environment()['blas']}"
-    )
-    strategies, steps, losses, rows = {}, {}, {}, []
-    for dp, tp, sp in contenders(world.size):
-        name = f"dp{dp} tp{tp}" + (" sp" if sp else "")
-        strategy = "dp" if tp == 1 else "hybrid"
-        flags = {} if tp == 1 else {"dp": dp, "tp": tp, "sequence_parallel": sp}
-        config = TrainConfig(**base, strategy=strategy, **flags)
-        s = STRATEGIES[strategy](Task(config, np.float32), config, world)
-        sampler = DistributedSampler(
-            s.task.num_examples, config.batch_size, *s.data_shard, seed=config.seed
-        )
-        losses[name] = []
-
-        def step(s=s, sampler=sampler, kept=losses[name]):
-            kept.append(s.step(sampler.local_indices(len(kept)), 1e-3).loss)
-
-        steps[name] = step
-        strategies[name] = (s, config, dp, tp, sp)
-    before = {}
-    times = rotated_rounds(
-        steps,
-        args.warmup,
-        args.iters,
-        world.comm,
-        on_timing=lambda: before.update(
-            {n: v[0].bytes_sent_by_axis() for n, v in strategies.items()}
-        ),
-    )
-    first = {name: kept[0] for name, kept in losses.items()}  # step 0: the same batch, model
-    if not np.allclose(list(first.values()), next(iter(first.values())), rtol=1e-4):
-        print0(f"bench tp: the contenders' first losses differ: {first}")
-        return 1
-    for name, (s, config, dp, tp, sp) in strategies.items():
-        after = s.bytes_sent_by_axis()
-        tp_bytes = (after.get("tp", 0) - before[name].get("tp", 0)) / args.iters
-        dp_bytes = (after["dp"] - before[name]["dp"]) / args.iters
-        memory = {k: world.comm.allreduce(v, op=MPI.MAX) for k, v in s.memory_bytes().items()}
-        want = formula_bytes(config, dp, tp, 4)
-        rows.append({
-            "contender": name, "dp": dp, "tp": tp, "sequence_parallel": sp,
-            "step_ms": 1e3 * median(times[name]),
-            "tp_MB_per_step": world.comm.allreduce(tp_bytes, op=MPI.MAX) / 1e6,
-            "formula_MB": want / 1e6,
-            "other_MB": (world.comm.allreduce(tp_bytes, op=MPI.MAX) - want) / 1e6,
-            "dp_MB_per_step": world.comm.allreduce(dp_bytes, op=MPI.MAX) / 1e6,
-            "params_MB": memory["parameters"] / 1e6,
-            "activations_MB": memory["activations_peak"] / 1e6,
-            "act_KB_per_seq": memory["activations_peak"] / 1e3 / (config.batch_size // dp),
-            "optimizer_MB": memory["optimizer"] / 1e6,
-            "memory_bytes": memory,
-        })  # fmt: skip
-        s.close()
+    base = gpt_base(args)
+    print0(f"bench tp | world {world.size} | {describe_gpt(args)} | {environment()['blas']}")
+    rows = []
+    with contextlib.ExitStack() as closing:  # every strategy closed at the end, collectively
+        contenders = {}
+        for dp, tp, sp in contenders_of(world.size):
+            name = f"dp{dp} tp{tp}" + (" sp" if sp else "")
+            strategy = "dp" if tp == 1 else "hybrid"
+            flags = {} if tp == 1 else {"dp": dp, "tp": tp, "sequence_parallel": sp}
+            config = TrainConfig(**base, strategy=strategy, **flags)
+            contenders[name] = closing.enter_context(Contender(config, world))
+        times = time_contenders(contenders, args.warmup, args.iters, world.comm)
+        if not first_losses_agree(contenders, "tp"):
+            return 1
+        for name, c in contenders.items():
+            config = c.config
+            dp, tp = config.dp or world.size, config.tp or 1
+            sent, memory = c.bytes_per_step(world.comm), c.memory_max(world.comm)
+            want = formula_bytes(config, dp, tp, 4)
+            rows.append({
+                "contender": name, "dp": dp, "tp": tp,
+                "sequence_parallel": config.sequence_parallel,
+                "step_ms": 1e3 * median(times[name]),
+                "tp_MB_per_step": sent["tp"] / 1e6,
+                "formula_MB": want / 1e6,
+                "other_MB": (sent["tp"] - want) / 1e6,
+                "dp_MB_per_step": sent["dp"] / 1e6,
+                "params_MB": memory["parameters"] / 1e6,
+                "activations_MB": memory["activations_peak"] / 1e6,
+                "act_KB_per_seq": memory["activations_peak"] / 1e3 / (config.batch_size // dp),
+                "optimizer_MB": memory["optimizer"] / 1e6,
+                "memory_bytes": memory,
+            })  # fmt: skip
     if world.rank == 0:
         print_table(
             rows,
