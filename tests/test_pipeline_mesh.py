@@ -35,8 +35,13 @@ def cases() -> list[dict]:
             out.append({**case, **flags})
     out.append(dict(dp=2, tp=1, pp=2, n_layer=4, schedule="1f1b", zero_stage=1))
     out.append(dict(dp=2, tp=1, pp=2, n_layer=4, schedule="zb-h1", zero_stage=1, recompute=True))
-    out.append(dict(dp=2, tp=2, pp=2, n_layer=4, schedule="1f1b", sequence_parallel=True))
-    out.append(dict(dp=2, tp=2, pp=2, n_layer=4, schedule="gpipe", zero_stage=1))
+    out.append(dict(dp=2, tp=2, pp=2, n_layer=4, schedule="1f1b", sequence_parallel=True,
+                    resume=True))  # fmt: skip
+    # 7 examples over 2 replicas (4 and 3), cut into 3 micro-batches: unequal shares
+    out.append(dict(dp=2, tp=1, pp=2, n_layer=4, schedule="1f1b", batch_size=7, micro_batches=3))
+    out.append(dict(dp=2, tp=2, pp=2, n_layer=4, schedule="zb-h1", batch_size=7,
+                    micro_batches=3, zero_stage=1))  # fmt: skip
+    out.append(dict(dp=2, tp=2, pp=2, n_layer=4, schedule="gpipe", zero_stage=1, resume=True))
     out.append(dict(dp=2, tp=2, pp=2, n_layer=4, schedule="zb-h1", zero_stage=1,
                     sequence_parallel=True, recompute=True))  # fmt: skip
     return out
@@ -61,17 +66,39 @@ def test_the_3d_mesh_trains_like_one_process():
     from minidp.training.tasks import Task
 
     world = comm.world()
-    want = {n: reference(TrainConfig(**{**TINY, "n_layer": n})) for n in (4, 8)}
+    keys = sorted({(c["n_layer"], c.get("batch_size", TINY["batch_size"])) for c in cases()})
+    want = {key: reference(TrainConfig(**{**TINY, **dict(zip(KEY, key))})) for key in keys}
     for batch in rounds(world.size):
         size = batch[0]["dp"] * batch[0]["tp"] * batch[0]["pp"]
         color = world.rank // size
         group = world.split(color)
         if color < len(batch):
-            case = batch[color]
-            config = TrainConfig(**{**TINY, **case, "strategy": "hybrid", "micro_batches": 4})
+            case = {"micro_batches": 4, "batch_size": TINY["batch_size"], **batch[color]}
+            key = case["n_layer"], case["batch_size"]
+            flags = {k: v for k, v in case.items() if k != "resume"}
+            config = TrainConfig(**{**TINY, **flags, "strategy": "hybrid"})
             with STRATEGIES["hybrid"](Task(config, np.float64), config, group) as s:
-                check(s, case, group, *want[case["n_layer"]])
+                check(s, case, group, *want[key])
+                if case.get("resume"):  # a fresh recipe from each rank's state: the same step
+                    check_resume(s, config, group)
         group.free()
+
+
+KEY = ("n_layer", "batch_size")
+
+
+def check_resume(s, config, group) -> None:
+    """A fresh recipe loaded with each rank's state (after training and gather_model) steps
+    as the trained one does, bit for bit."""
+    from minidp.training.tasks import Task
+
+    state = s.state_dict()
+    with STRATEGIES["hybrid"](Task(config, np.float64), config, group) as again:
+        again.load_state_dict(state)
+        assert again.param_l2() == s.param_l2()
+        local = np.arange(config.batch_size)[again.data_shard[0] :: again.data_shard[1]]
+        assert again.step(local, 1e-2) == s.step(local, 1e-2)
+        assert again.param_l2() == s.param_l2()  # the moments came too
 
 
 def check(s, case, group, want_losses, want_params) -> None:
@@ -110,7 +137,7 @@ def test_a_bad_mesh_flag_is_one_line_naming_it(args, words, capsys):
 
 
 def test_a_mesh_that_does_not_fill_the_world_is_refused():
-    from minidp.strategies.pp_step import pipeline_mesh
+    from minidp.strategies.pp import pipeline_mesh
     from minidp.training.config import BadConfig, TrainConfig
 
     config = TrainConfig(strategy="hybrid", dp=2, tp=2, pp=2, n_layer=4)
@@ -119,3 +146,22 @@ def test_a_mesh_that_does_not_fill_the_world_is_refused():
         pipeline_mesh(config, 4)
     with pytest.raises(BadConfig, match=r"--pp 2 does not divide the world's 3 ranks"):
         pipeline_mesh(config, 3)
+    # --pp alone: the rest of the world is data parallel
+    assert pipeline_mesh(TrainConfig(strategy="hybrid", pp=2, n_layer=4), 8) == (4, 1, 2)
+
+
+@pytest.mark.parallel(nprocs=[2])
+def test_make_alike_takes_tp_rank_0s_or_the_sum():
+    """The replicated gradients made alike over TP: summed (sequence parallelism), TP rank
+    0's (dp > 2, where the DP sums may differ by rank), or left as they are."""
+    from types import SimpleNamespace
+
+    from minidp.nn import Parameter
+    from minidp.strategies.tp import make_alike
+
+    world = comm.world()
+    p = Parameter(np.zeros(3))
+    for dp, partial, want in ((2, False, world.rank), (3, False, 0), (2, True, 1)):
+        p.grad = np.full(3, float(world.rank))
+        make_alike([p], SimpleNamespace(dp=dp, tp_group=world), partial)
+        np.testing.assert_array_equal(p.grad, np.full(3, float(want)))

@@ -23,6 +23,7 @@ needs the inputs, the last stage the targets. The gradient norm for clipping:
 """
 
 import math
+from dataclasses import replace
 
 import numpy as np
 
@@ -35,11 +36,60 @@ from minidp.parallel.pipeline.split import split_model
 from minidp.parallel.pipeline.stage import PipelineStage
 from minidp.parallel.tensor_parallel.gpt import TensorParallelGPT, whole_arrays
 from minidp.strategies.dp import DDPAxis
-from minidp.strategies.pp_step import PipelineStep, pipeline_mesh
+from minidp.strategies.pp_step import PipelineStep
 from minidp.strategies.protocol import Recipe, exposed_clock
-from minidp.strategies.tp import Hybrid, make_alike
+from minidp.strategies.tp import Hybrid, make_alike, mesh_sizes
+from minidp.strategies.zero import check_zero
 from minidp.strategies.zero_over_tp import ZeROOverTP, check_drift
 from minidp.training.config import BadConfig
+from minidp.training.scheme_checks import check_pipeline
+
+
+def pipeline_mesh(config, world_size: int) -> tuple[int, int, int]:
+    """(dp, tp, pp) of the mesh `--strategy pp` or `--strategy hybrid --pp P` asks for;
+    BadConfig (one line, alike on every rank) when the flags cannot work."""
+    if config.strategy == "pp":
+        pp = config.pp or world_size
+        check_pipeline(config, pp)
+        if pp != world_size:
+            raise BadConfig(
+                f"--pp {pp} must be the world's {world_size} ranks for --strategy pp; "
+                "--strategy hybrid --dp D --tp T --pp P builds the whole mesh"
+            )
+        return 1, 1, pp
+    pp = config.pp
+    check_pipeline(config, pp)
+    if config.zero_stage not in (0, 1):
+        raise BadConfig(
+            f"--zero-stage {config.zero_stage} with --pp: the pipeline runs ZeRO stage 1 "
+            "only (as Megatron-LM's and DeepSpeed's pipelines do); use --zero-stage 1"
+        )
+    for flag, given, why in (
+        ("--compress", config.compress != "none", "its hooks are DDP's over --strategy dp"),
+        ("--prune", bool(config.prune), "its hooks are DDP's over --strategy dp"),
+        ("--grad-accum", config.grad_accum != 1, "the pipeline's --micro-batches accumulate"),
+    ):
+        if given:
+            raise BadConfig(f"{flag} does not run with --pp ({why})")
+    if world_size % pp:
+        raise BadConfig(f"--pp {pp} does not divide the world's {world_size} ranks")
+    if config.dp == config.tp == 0:  # --pp alone: the rest of the world is data parallel
+        config = replace(config, tp=1)
+    dp, tp = mesh_sizes(config, world_size // pp)
+    if dp * tp * pp != world_size:
+        raise BadConfig(
+            f"mesh: dp x tp x pp = {dp} x {tp} x {pp} = {dp * tp * pp}, but the world has "
+            f"{world_size} ranks; choose --dp, --tp and --pp whose product is {world_size}"
+        )
+    if config.zero_stage:
+        check_zero(config, dp, "hybrid")  # --allreduce: one of reduce-scatter's
+    if config.batch_size // dp < config.micro_batches:
+        raise BadConfig(
+            f"--batch-size {config.batch_size} over {dp} data-parallel ranks leaves "
+            f"{config.batch_size // dp} examples per replica, fewer than --micro-batches "
+            f"{config.micro_batches}"
+        )
+    return dp, tp, pp
 
 
 class RankStages(nn.Module):
@@ -55,8 +105,8 @@ class RankStages(nn.Module):
 
 
 class Pipeline(Recipe):
-    """`--strategy pp` (the mesh 1 x world x 1) or `--strategy hybrid --dp D --tp T --pp P
-    [--zero-stage 1]`; see the module doc."""
+    """`--strategy pp`, the mesh (dp, tp, pp) = (1, 1, world), or `--strategy hybrid --dp D
+    --tp T --pp P [--zero-stage 1]`; see the module doc."""
 
     name = "pp"
 
@@ -99,7 +149,7 @@ class Pipeline(Recipe):
         if config.zero_stage:
             mesh = self.mesh
             self.drifts = check_drift(config, mesh.dp, mesh.tp, self.task.model.config.vocab_size)
-            z = self.zero = ZeROOverTP(self)
+            z = self.zero = ZeROOverTP(self, sum_in_hooks=False)  # sum_partial sums
             self.optimizer, self.clip_params = z.optimizer, z.pieces
             return z.sync, z.optimizer, z.after_sync, [*z.after_step, self.broadcast_drift]
         d = self.dp = DDPAxis(self.model, self.mesh.dp_group, config, self.timeline, optimizer)
@@ -125,10 +175,6 @@ class Pipeline(Recipe):
             for s in self.schedule.stages_of(rank)
         }
         self.model = RankStages([self.parts[s] for s in self.stages])  # what DDP or ZeRO wraps
-        # sequence parallelism's partial sums: added over TP after the schedule, before the
-        # DP sync (sum_partial), not in ZeRO's hooks (zero_over_tp.py), which wait for a
-        # backward outside no_sync() that a pipeline never runs
-        self.model.replicated_grads_partial = False
         self.params = self.model.parameters()
         mine = {id(p) for p in self.params}
         others = task.model.parameters() + (self.tp_model.parameters() if self.tp_model else [])
@@ -177,6 +223,7 @@ class Pipeline(Recipe):
             whole = dict(self.model.named_parameters())
             whole = {name: np.asarray(p.data) for name, p in whole.items()}
         target = dict(self.task.model.named_parameters())
+        mine = {id(p) for p in self.params}
         for s, part in enumerate(split_model(self.task.model, S)):  # the whole model's names
             names = [name for name, _ in part.named_parameters()]
             if not names:
@@ -190,7 +237,8 @@ class Pipeline(Recipe):
             offset = 0
             for n in names:
                 p = target[n]
-                p.data = flat[offset : offset + p.size].reshape(p.shape).copy()
+                if id(p) not in mine:  # this rank's own (tp = 1) keep their arrays: ZeRO's
+                    p.data = flat[offset : offset + p.size].reshape(p.shape).copy()  # views
                 offset += p.size
 
     def max_param_diff(self) -> float:

@@ -1,5 +1,5 @@
 """The pipeline's step: the skeleton (step.py) with its forward and backward replaced by a
-schedule, and the checks of the mesh a pipeline runs on (pp.py builds the recipe).
+schedule (pp.py builds the recipe).
 
 Step.__call__ is the skeleton every recipe runs; `PipelineStep` overrides one method,
 `forward_backward`, the K micro-batches' loop, with this rank's schedule:
@@ -26,8 +26,6 @@ from minidp import comm
 from minidp.parallel.pipeline.executor import measured_bubble, run_schedule, split_batch
 from minidp.strategies.step import Step
 from minidp.trace import Timeline
-from minidp.training.config import BadConfig
-from minidp.training.scheme_checks import check_pipeline
 
 
 class PipelineStep(Step):
@@ -73,51 +71,3 @@ class PipelineStep(Step):
         loss = comm.broadcast(np.array([sum(mine)], np.float64), root=last_rank, group=pp_group)
         self.bubbles.append(measured_bubble(self.spans, pp_group, first))
         return float(loss[0])
-
-
-def pipeline_mesh(config, world_size: int) -> tuple[int, int, int]:
-    """(dp, tp, pp) of the mesh `--strategy pp` or `--strategy hybrid --pp P` asks for;
-    BadConfig (one line, alike on every rank) when the flags cannot work."""
-    from minidp.strategies.tp import mesh_sizes  # the hybrid's dp x tp, over world / pp
-    from minidp.strategies.zero import check_zero
-
-    if config.strategy == "pp":
-        pp = config.pp or world_size
-        check_pipeline(config, pp)
-        if pp != world_size:
-            raise BadConfig(
-                f"--pp {pp} must be the world's {world_size} ranks for --strategy pp; "
-                "--strategy hybrid --dp D --tp T --pp P builds the whole mesh"
-            )
-        return 1, 1, pp
-    pp = config.pp
-    check_pipeline(config, pp)
-    if config.zero_stage not in (0, 1):
-        raise BadConfig(
-            f"--zero-stage {config.zero_stage} with --pp: the pipeline runs ZeRO stage 1 "
-            "only (as Megatron-LM's and DeepSpeed's pipelines do); use --zero-stage 1"
-        )
-    for flag, given, why in (
-        ("--compress", config.compress != "none", "its hooks are DDP's over --strategy dp"),
-        ("--prune", bool(config.prune), "its hooks are DDP's over --strategy dp"),
-        ("--grad-accum", config.grad_accum != 1, "the pipeline's --micro-batches accumulate"),
-    ):
-        if given:
-            raise BadConfig(f"{flag} does not run with --pp ({why})")
-    if world_size % pp:
-        raise BadConfig(f"--pp {pp} does not divide the world's {world_size} ranks")
-    dp, tp = mesh_sizes(config, world_size // pp)
-    if dp * tp * pp != world_size:
-        raise BadConfig(
-            f"mesh: dp x tp x pp = {dp} x {tp} x {pp} = {dp * tp * pp}, but the world has "
-            f"{world_size} ranks; choose --dp, --tp and --pp whose product is {world_size}"
-        )
-    if config.zero_stage:
-        check_zero(config, dp, "hybrid")  # --allreduce: one of reduce-scatter's
-    if config.batch_size // dp < config.micro_batches:
-        raise BadConfig(
-            f"--batch-size {config.batch_size} over {dp} data-parallel ranks leaves "
-            f"{config.batch_size // dp} examples per replica, fewer than --micro-batches "
-            f"{config.micro_batches}"
-        )
-    return dp, tp, pp

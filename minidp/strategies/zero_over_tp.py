@@ -96,13 +96,17 @@ class ZeROOverTP(ZeROAxis):
     `sharded` and `replicated` parameters): the sequence-parallel sums hooked ahead of
     ZeRO's, the norm that counts each element once, and the drift broadcast."""
 
-    def __init__(self, recipe, make_optimizer=None):
+    def __init__(self, recipe, make_optimizer=None, *, sum_in_hooks: bool = True):
+        """`sum_in_hooks`: sequence parallelism's partial sums of the replicated gradients
+        taken in grad-ready hooks, on the backward outside no_sync(); False where the
+        caller sums them itself (a pipeline runs every backward under no_sync())."""
         model, config, self.mesh = recipe.model, recipe.config, recipe.mesh
         self.replicated = recipe.replicated
         if config.zero_stage == 3:  # every parameter in a child module, for parallel/zero/stage3.py
             model.wpe = Positions(model.wpe)
         self._unhook = []
-        if model.replicated_grads_partial:  # before ZeRO's hooks: they read the sums
+        partial = sum_in_hooks and getattr(model, "replicated_grads_partial", False)
+        if partial:  # hooked before ZeRO's: they read the sums
             self._unhook = [p.register_grad_ready_hook(self._sum_over_tp) for p in self.replicated]
         try:
             super().__init__(model, self.mesh.dp_group, config, recipe.timeline, make_optimizer)

@@ -19,7 +19,6 @@ from minidp import nn
 from minidp.autograd import Tensor
 from minidp.chunks import chunk_bounds
 from minidp.parallel.pipeline.recompute import recomputed
-from minidp.parallel.tensor_parallel.gpt import TensorParallelGPT
 
 __all__ = ["GPTPart", "MLPPart", "split_model"]
 
@@ -97,7 +96,7 @@ def split_model(model: nn.Module, num_stages: int, *, recompute: bool = False) -
     """The `num_stages` parts of a user's nn.GPT (or its TensorParallelGPT) or nn.MLP, in order.
     ValueError naming `num_stages` when the model has fewer blocks (layers) than stages.
     `recompute` (GPT only): every block recomputed in backward (recompute.py)."""
-    if isinstance(model, nn.GPT | TensorParallelGPT):
+    if isinstance(model, nn.GPT) or _is_gpt(model):
         units, what = len(model.blocks), "blocks"
         part = functools.partial(GPTPart, recompute=recompute)
     elif isinstance(model, nn.MLP):
@@ -108,7 +107,8 @@ def split_model(model: nn.Module, num_stages: int, *, recompute: bool = False) -
             )
     else:
         raise TypeError(
-            f"split_model: model must be an nn.GPT, TensorParallelGPT or nn.MLP, got {type(model)}"
+            f"split_model: model must be a GPT (an nn.GPT or a TensorParallelGPT) or an "
+            f"nn.MLP, got {type(model)}"
         )
     if not isinstance(num_stages, int) or num_stages < 1:
         raise ValueError(f"num_stages must be a positive integer, got {num_stages!r}")
@@ -118,6 +118,12 @@ def split_model(model: nn.Module, num_stages: int, *, recompute: bool = False) -
     parts = [part(model, bounds[s], bounds[s + 1]) for s in range(num_stages)]
     _check_nothing_shared(parts)
     return parts
+
+
+def _is_gpt(model) -> bool:
+    """A GPT split some other way, as GPTPart reads one (a TensorParallelGPT): its blocks
+    and the modules around them, and an `embed`."""
+    return all(hasattr(model, a) for a in ("blocks", "embed", "wte", "wpe", "ln_f", "head"))
 
 
 def _check_nothing_shared(parts: list[nn.Module]) -> None:
