@@ -11,7 +11,8 @@ differences in float64, PyTorch). The composed versions stay where a reader meet
     LayerNorm       12 nodes, ~25 passes, ~10 full arrays     1 node, the standard backward
     GELU            9 temporaries forward, 13 backward        2 forward, 2 backward (in place)
     attention       split, 3 zeroed (B, T, 3C) in backward,   1 node; dq, dk, dv written into
-                    mask + softmax 4 arrays each way          one (B, T, 3C) array
+                    mask + softmax 4 arrays each way          one (B, T, 3C) array; softmax
+                                                              down S^T's columns (fast axis)
     embedding bwd   np.add.at (one row at a time)             sort the ids, np.add.reduceat
 
 Fewer arrays means fewer bytes for the allocator to find and fewer pages to fault in
@@ -26,7 +27,15 @@ import numpy as np
 
 from minidp.autograd import Tensor, op
 
-__all__ = ["fusable", "row_sums", "layer_norm", "gelu", "causal_self_attention", "embedding"]
+__all__ = [
+    "fusable",
+    "row_sums",
+    "column_sums",
+    "layer_norm",
+    "gelu",
+    "causal_self_attention",
+    "embedding",
+]
 
 
 def fusable(*tensors: Tensor) -> bool:
@@ -39,6 +48,12 @@ def row_sums(a: np.ndarray) -> np.ndarray:
     """a.sum(axis=-1), as a matrix-vector product: BLAS sums short rows ~5x faster than
     NumPy's reduction (the same sum to rounding; a different order of additions)."""
     return a @ np.ones(a.shape[-1], dtype=a.dtype)
+
+
+def column_sums(a: np.ndarray) -> np.ndarray:
+    """a.sum(axis=0) of a 2-D array, as a vector-matrix product (~3x faster here, the same
+    sum to rounding)."""
+    return np.ones(len(a), dtype=a.dtype) @ a
 
 
 def layer_norm(x: Tensor, weight: Tensor, bias: Tensor, eps: float) -> Tensor:
@@ -61,10 +76,9 @@ def layer_norm(x: Tensor, weight: Tensor, bias: Tensor, eps: float) -> Tensor:
 
     def backward(g):
         G = g.reshape(-1, C)
-        ones = np.ones(len(G), dtype=G.dtype)
         scratch = G * xhat
-        dw = ones @ scratch if weight.requires_grad else None  # column sums, BLAS again
-        db = ones @ G if bias.requires_grad else None
+        dw = column_sums(scratch) if weight.requires_grad else None
+        db = column_sums(G) if bias.requires_grad else None
         if not x.requires_grad:
             return None, dw, db
         dxhat = G * weight.data
@@ -125,42 +139,45 @@ def causal_self_attention(qkv: Tensor, n_head: int, future: np.ndarray) -> Tenso
     """Multi-head causal attention from the packed projections: (B, T, 3C) -> (B, T, C).
 
     Per head (q, k, v: (T, hs) each, views into qkv; s = 1/sqrt(hs); M the future):
-        S = q k^T s,  S[M] = -inf,  P = softmax(S),  y = P v
+        S = q k^T s,  S[M] = -inf,  P = softmax(S) (over each row),  y = P v
     backward, with dy from the head-merged g:
         dP = dy v^T,  dv = P^T dy
         dS = P (dP - rowsum(dP P)) s             (softmax's Jacobian; 0 where masked)
-        dq = dS k,    dk = (q^T dS)^T
+        dq = dS k,    dk = dS^T q
     and dq, dk, dv are written into one (B, T, 3C) array: the gradient of the packed
     projections, where the composed split made a zeroed (B, T, 3C) array for each part and
-    added them. The composed graph's operations, in its order: the same bits. Only P is
-    kept for backward (the composed graph keeps S, P and the masked copy)."""
+    added them. Only P is kept for backward (the composed graph keeps S, P, the masked copy).
+
+    One layout trick: S is held transposed, S^T = k q^T s (a matrix product computes either
+    at the same cost), so softmax's max and sums run down the columns of S^T, along
+    NumPy's fast axis (a max along the last axis is ~3x slower). The same numbers to
+    rounding as the composed graph (sums in another order)."""
     B, T, C3 = qkv.shape
     C = C3 // 3
     hs = C // n_head
     heads = qkv.data.reshape(B, T, 3, n_head, hs)  # a view
     q, k, v = (heads[:, :, i].transpose(0, 2, 1, 3) for i in range(3))  # (B, H, T, hs)
     scale = 1.0 / math.sqrt(hs)
-    mask = future[:T, :T]
-    P = q @ k.swapaxes(-1, -2)  # S, then P in place: (B, H, T, T)
-    P *= scale
-    np.copyto(P, -np.inf, where=mask)
-    P -= P.max(axis=-1, keepdims=True)  # shift: no overflow
-    np.exp(P, out=P)
-    P /= P.sum(axis=-1, keepdims=True)
-    y = (P @ v).transpose(0, 2, 1, 3).reshape(B, T, C)  # heads merged: one copy
+    Pt = k @ q.swapaxes(-1, -2)  # S^T, then P^T in place: (B, H, T keys, T queries)
+    Pt *= scale
+    np.copyto(Pt, -np.inf, where=future[:T, :T].T)  # key after query: masked
+    Pt -= Pt.max(axis=-2, keepdims=True)  # shift: no overflow
+    np.exp(Pt, out=Pt)
+    Pt /= (np.ones(T, dtype=Pt.dtype) @ Pt)[..., None, :]  # each query's sum over keys
+    y = (Pt.swapaxes(-1, -2) @ v).transpose(0, 2, 1, 3).reshape(B, T, C)  # heads merged
 
     def backward(g):
         dy = g.reshape(B, T, n_head, hs).transpose(0, 2, 1, 3)  # a view
-        dP = dy @ v.swapaxes(-1, -2)
-        dv = P.swapaxes(-1, -2) @ dy
-        dS = dP  # in place from here
-        dS -= (dP * P).sum(axis=-1, keepdims=True)
-        dS *= P  # 0 where masked: P is 0 there
-        dS *= scale
+        dPt = v @ dy.swapaxes(-1, -2)  # (dy v^T)^T
+        dv = Pt @ dy
+        dSt = dPt  # in place from here
+        dSt -= np.einsum("...kq,...kq->...q", dPt, Pt)[..., None, :]  # rowsum(dP P)
+        dSt *= Pt  # 0 where masked: P is 0 there
+        dSt *= scale
         dqkv = np.empty(qkv.shape, dtype=g.dtype)
         parts = dqkv.reshape(B, T, 3, n_head, hs)
-        parts[:, :, 0] = (dS @ k).transpose(0, 2, 1, 3)
-        parts[:, :, 1] = (q.swapaxes(-1, -2) @ dS).transpose(0, 3, 1, 2)
+        parts[:, :, 0] = (dSt.swapaxes(-1, -2) @ k).transpose(0, 2, 1, 3)
+        parts[:, :, 1] = (dSt @ q).transpose(0, 2, 1, 3)
         parts[:, :, 2] = dv.transpose(0, 2, 1, 3)
         return (dqkv,)
 

@@ -276,7 +276,7 @@ class LayerNorm(Module):
 class Embedding(Module):
     """A lookup table: row i of `weight` is the vector of token i: `weight[idx]`, whose
     backward adds g's rows into a zeroed table with np.add.at. `fused` (the default): the
-    same gradient summed by sorting the ids (fused.embedding, a speed trick, the same bits)."""
+    same gradient summed by sorting the ids (fused.embedding, a speed trick; equal to rounding)."""
 
     def __init__(
         self,

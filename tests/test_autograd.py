@@ -580,7 +580,7 @@ FUSED = [
     (
         "causal_self_attention_fused",
         lambda qkv, n_head: composed_attention(qkv, n_head, future(qkv.shape[1]), lambda a: a),
-        True,
+        False,
     ),
     ("embedding_fused", lambda w, ids: w[ids], False),  # reduceat may sum pairwise
 ]
