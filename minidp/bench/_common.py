@@ -16,6 +16,15 @@ def summary(doc: str) -> str:
     return " ".join(doc.strip().split("\n\n")[0].split())
 
 
+def add_round_options(parser, iters: int, warmup: int) -> None:
+    """--iters, --warmup and --json, as most benchmarks take them."""
+    parser.add_argument("--iters", type=int, default=iters, help=f"timed rounds (default {iters})")
+    parser.add_argument(
+        "--warmup", type=int, default=warmup, help=f"untimed rounds (default {warmup})"
+    )
+    parser.add_argument("--json", metavar="FILE", help="write JSON lines")
+
+
 def median(values) -> float:
     return float(statistics.median(values))
 
