@@ -4,26 +4,26 @@ A training step allocates the same arrays every step: activations on the way for
 gradients on the way back, all freed by the step's end. Where the memory comes from decides
 what the next step pays:
 
-    step k:   malloc -> fresh pages -> first write faults each 4 KiB page in (~2 us each)
+    step k:   malloc -> fresh pages -> first write faults each 4 KiB page in (~1.5 us each)
               free   -> glibc gives the pages back to the OS (munmap, or trims the heap's top)
     step k+1: malloc -> fresh pages again -> the same faults again
 
 glibc serves a request of at least M_MMAP_THRESHOLD bytes (128 KiB at start; it grows
 to the largest block freed so far, up to 32 MiB) with its own mmap, unmapped again on
 free; smaller ones come from the heap, whose top is handed back (trimmed) once more than
-M_TRIM_THRESHOLD bytes are free there. The tiny GPT's step
-frees a few MiB at a time, so it faulted 3,000-5,500 times a step, ~11 ms of a ~40 ms step.
-PyTorch keeps its own caches and faults almost never. Three settings (mallopt(3)) make glibc
-keep the memory instead: every block below 32 MiB from the heap, nothing trimmed below
-256 MiB free, and 16 MiB of slack each time the heap grows. After the first steps the heap
-holds what a step needs and the faults stop (docs/memory.md has the numbers).
+M_TRIM_THRESHOLD bytes are free there. The tiny GPT's step frees a few MiB at a time, so
+it faulted 4,000-6,600 times a step, ~10 ms of a ~40 ms step; PyTorch faults far less.
+Three settings (mallopt(3)) make glibc keep the memory instead: every block below 32 MiB
+from the heap, nothing trimmed below 256 MiB free, and 16 MiB of slack each time the heap
+grows. After the first steps the heap holds what a step needs and the faults stop
+(docs/memory.md has the numbers).
 
 `keep_freed_memory()` is called once at start-up by minidp's entry points (`python -m
 minidp`, its benchmarks); importing minidp as a library changes nothing. Set
 MINIDP_KEEP_MEMORY=0 to leave the allocator as it is. Where the C library is not glibc
-(macOS, musl, Windows) there is no mallopt to call and nothing is changed: macOS's malloc
-keeps freed regions in its own magazines anyway, musl's returns large blocks to the OS, and
-the faults stay (bench compare shows them).
+(macOS, musl, Windows) there is no mallopt to call and nothing is changed: whether the
+faults come back each step is then that allocator's choice, and the faults column of
+`bench compare` shows it.
 
 The cost: a process keeps up to M_TRIM_THRESHOLD bytes it no longer uses, as PyTorch's
 caching allocators do with theirs.

@@ -256,7 +256,7 @@ class LayerNorm(Module):
     """(x - mean) / sqrt(var + eps) * weight + bias, over the last axis.
 
     `fused` (the default): one op with its backward written out (fused.layer_norm, a speed
-    trick: 1 graph node where the plain way below records 12); False: the plain way, the
+    trick: 1 graph node where the plain way below records 11); False: the plain way, the
     reference it is tested against."""
 
     def __init__(self, dim: int, eps: float = 1e-5, *, dtype=np.float32, fused: bool = True):

@@ -9,7 +9,8 @@ C 64, 4 heads, float32), its composed version (the graph it replaces) and torch'
 each per round. Part 2, phases: the default GPT's step (forward with the loss, backward,
 clip and AdamW) with GPT(fused=True), GPT(fused=False) and the torch twin (torch_ref.py).
 Contenders alternate, the order rotated each round; BLAS and torch at 1 thread. Reported:
-median ms, the medians of per-round ratios to torch, and median minor page faults per call.
+median ms, the medians of per-round ratios to torch, and median minor page faults per call;
+first, what one page fault costs (`fault_cost_us`).
 The allocator setting (allocator.py) is the process's: compare runs with MINIDP_KEEP_MEMORY=0.
 """
 
@@ -171,6 +172,29 @@ def row(label: str, times: dict, faults: dict, part) -> dict:
     return r
 
 
+def fault_cost_us(mib: int = 16, rounds: int = 11) -> float:
+    """What one minor page fault costs here: writing `mib` MiB into fresh anonymous pages
+    (an mmap, 4 KiB pages) against writing them into pages already mapped, per fault."""
+    import mmap
+
+    n = mib << 20
+    mapped = np.zeros(n // 4, dtype=np.float32)
+    fresh, again, faults = [], [], []
+    for _ in range(rounds):
+        pages = mmap.mmap(-1, n)
+        array = np.frombuffer(pages, dtype=np.float32)
+        f0, t0 = minor_faults(), time.perf_counter()
+        array.fill(1)
+        fresh.append(time.perf_counter() - t0)
+        faults.append(minor_faults() - f0)
+        del array
+        pages.close()
+        t0 = time.perf_counter()
+        mapped.fill(1)
+        again.append(time.perf_counter() - t0)
+    return 1e6 * (median(fresh) - median(again)) / median(faults)
+
+
 def main(argv: list[str]) -> int:
     from threadpoolctl import threadpool_limits
 
@@ -185,6 +209,7 @@ def main(argv: list[str]) -> int:
     torch.set_num_threads(1)
     env = environment()
     print(f"bench fused | B {args.batch_size}, float32, 1 thread | {env['blas']}", flush=True)
+    print(f"a minor page fault costs {fault_cost_us():.2f} us here", flush=True)
     rows = []
     with threadpool_limits(limits=1, user_api="blas"):
         for name, calls in op_calls(torch, args.batch_size).items():
