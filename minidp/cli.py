@@ -17,6 +17,7 @@ import re
 import sys
 import types
 
+from minidp.allocator import keep_freed_memory
 from minidp.log import JobError, die, print0
 from minidp.parser import Parser  # below cli.py: the benchmarks take it from there
 from minidp.training.config import BadConfig, TrainConfig, config_fields
@@ -178,6 +179,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     command = argv.pop(0) if argv and argv[0] in SUBCOMMANDS else "train"
     check_environment()
+    keep_freed_memory()  # freed arrays stay mapped: no page faults each step (allocator.py)
     if command == "info":
         from minidp.info import main as info_main
 

@@ -11,11 +11,13 @@ from dataclasses import dataclass
 import numpy as np
 
 from minidp import functional as F
+from minidp import fused as fused_ops
 from minidp.autograd import Tensor, no_grad
 from minidp.backend import to_numpy
+from minidp.fused import fusable
 from minidp.nn import Dropout, Embedding, LayerNorm, Linear, Module
 
-__all__ = ["GPTConfig", "CausalSelfAttention", "Block", "GPT"]
+__all__ = ["GPTConfig", "attention", "composed_attention", "CausalSelfAttention", "Block", "GPT"]
 
 
 @dataclass
@@ -28,10 +30,34 @@ class GPTConfig:
     dropout: float = 0.0
 
 
+def composed_attention(qkv: Tensor, n_head: int, future: np.ndarray, attn_drop) -> Tensor:
+    """Causal self-attention from the packed projections, (B, T, 3C) -> (B, T, C), op by
+    op: split q, k, v; heads; scores S = q k^T / sqrt(hs); the future masked; softmax;
+    dropout; the weighted sum P v; heads merged. The plain way, and the reference that
+    fused.causal_self_attention is tested against."""
+    B, T, C3 = qkv.shape
+    C, H = C3 // 3, n_head
+    q, k, v = F.split(qkv, 3, axis=2)  # each (B, T, C)
+    q, k, v = (t.reshape(B, T, H, C // H).transpose(0, 2, 1, 3) for t in (q, k, v))
+    att = (q @ k.transpose(0, 1, 3, 2)) * (1.0 / math.sqrt(C // H))  # (B, H, T, T)
+    att = att.masked_fill(future[:T, :T], -np.inf).softmax(axis=-1)
+    y = attn_drop(att) @ v  # (B, H, T, hs)
+    return y.transpose(0, 2, 1, 3).reshape(B, T, C)
+
+
+def attention(qkv: Tensor, n_head: int, future, attn_drop, fused: bool = True) -> Tensor:
+    """composed_attention, or (fused, NumPy data, no attention dropout at work) the same as
+    one op with its backward written out: fused.causal_self_attention, a speed trick."""
+    dropping = attn_drop.training and attn_drop.p > 0
+    if fused and not dropping and fusable(qkv):
+        return fused_ops.causal_self_attention(qkv, n_head, future)
+    return composed_attention(qkv, n_head, future, attn_drop)
+
+
 class CausalSelfAttention(Module):
     """Multi-head attention where position t attends to positions <= t only."""
 
-    def __init__(self, cfg: GPTConfig, *, rng, dtype=np.float32):
+    def __init__(self, cfg: GPTConfig, *, rng, dtype=np.float32, fused: bool = True):
         C, std = cfg.n_embd, 0.02
         self.n_head = cfg.n_head
         self.qkv = Linear(C, 3 * C, rng=rng, dtype=dtype, std=std)
@@ -40,47 +66,48 @@ class CausalSelfAttention(Module):
         self.attn_drop = Dropout(cfg.dropout, rng=rng)
         self.resid_drop = Dropout(cfg.dropout, rng=rng)
         self.future = np.triu(np.ones((cfg.block_size, cfg.block_size), dtype=bool), k=1)
+        self.fused = fused
 
     def forward(self, x: Tensor) -> Tensor:
-        B, T, C = x.shape
-        H = self.n_head
-        q, k, v = F.split(self.qkv(x), 3, axis=2)  # each (B, T, C)
-        q, k, v = (t.reshape(B, T, H, C // H).transpose(0, 2, 1, 3) for t in (q, k, v))
-        att = (q @ k.transpose(0, 1, 3, 2)) * (1.0 / math.sqrt(C // H))  # (B, H, T, T)
-        att = att.masked_fill(self.future[:T, :T], -np.inf).softmax(axis=-1)
-        y = self.attn_drop(att) @ v  # (B, H, T, hs)
-        y = y.transpose(0, 2, 1, 3).reshape(B, T, C)
+        y = attention(self.qkv(x), self.n_head, self.future, self.attn_drop, self.fused)
         return self.resid_drop(self.proj(y))
 
 
 class Block(Module):
     """Pre-norm transformer block: x + attn(ln(x)), then x + mlp(ln(x))."""
 
-    def __init__(self, cfg: GPTConfig, *, rng, dtype=np.float32):
+    def __init__(self, cfg: GPTConfig, *, rng, dtype=np.float32, fused: bool = True):
         C, std = cfg.n_embd, 0.02
-        self.ln1 = LayerNorm(C, dtype=dtype)
-        self.attn = CausalSelfAttention(cfg, rng=rng, dtype=dtype)
-        self.ln2 = LayerNorm(C, dtype=dtype)
+        self.ln1 = LayerNorm(C, dtype=dtype, fused=fused)
+        self.attn = CausalSelfAttention(cfg, rng=rng, dtype=dtype, fused=fused)
+        self.ln2 = LayerNorm(C, dtype=dtype, fused=fused)
         self.fc = Linear(C, 4 * C, rng=rng, dtype=dtype, std=std)
         self.fc_proj = Linear(4 * C, C, rng=rng, dtype=dtype, std=std / np.sqrt(2 * cfg.n_layer))
         self.drop = Dropout(cfg.dropout, rng=rng)
+        self.fused = fused
 
     def forward(self, x: Tensor) -> Tensor:
         x = x + self.attn(self.ln1(x))
-        return x + self.drop(self.fc_proj(self.fc(self.ln2(x)).gelu()))
+        h = self.fc(self.ln2(x))
+        h = fused_ops.gelu(h) if self.fused and fusable(h) else h.gelu()
+        return x + self.drop(self.fc_proj(h))
 
 
 class GPT(Module):
-    """Token + position embeddings, n_layer blocks, a final LayerNorm and an output head."""
+    """Token + position embeddings, n_layer blocks, a final LayerNorm and an output head.
 
-    def __init__(self, cfg: GPTConfig, *, seed: int = 0, dtype=np.float32):
+    `fused` (the default): LayerNorm, attention, GELU and the embeddings' backward as the
+    fused ops of fused.py (docs/memory.md); False: every layer the plain, composed way.
+    The same model and the same results to rounding either way (tests/test_autograd.py)."""
+
+    def __init__(self, cfg: GPTConfig, *, seed: int = 0, dtype=np.float32, fused: bool = True):
         rng = np.random.default_rng(seed)
         self.config = cfg
-        self.wte = Embedding(cfg.vocab_size, cfg.n_embd, rng=rng, dtype=dtype)
-        self.wpe = Embedding(cfg.block_size, cfg.n_embd, rng=rng, dtype=dtype)
+        self.wte = Embedding(cfg.vocab_size, cfg.n_embd, rng=rng, dtype=dtype, fused=fused)
+        self.wpe = Embedding(cfg.block_size, cfg.n_embd, rng=rng, dtype=dtype, fused=fused)
         self.drop = Dropout(cfg.dropout, rng=rng)
-        self.blocks = [Block(cfg, rng=rng, dtype=dtype) for _ in range(cfg.n_layer)]
-        self.ln_f = LayerNorm(cfg.n_embd, dtype=dtype)
+        self.blocks = [Block(cfg, rng=rng, dtype=dtype, fused=fused) for _ in range(cfg.n_layer)]
+        self.ln_f = LayerNorm(cfg.n_embd, dtype=dtype, fused=fused)
         self.head = Linear(cfg.n_embd, cfg.vocab_size, bias=False, rng=rng, dtype=dtype, std=0.02)
 
     def forward(self, idx: np.ndarray) -> Tensor:

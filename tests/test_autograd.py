@@ -5,9 +5,10 @@ to draw an input (shapes from Hypothesis, broadcast-compatible pairs for binary 
 the op's domain: log and sqrt see positive inputs, relu and division stay away from 0).
 Three tests walk the table: central differences in float64, PyTorch autograd in float64 (forward
 and every input gradient), and float32 in -> float32 out and gradients. One row is an op written
-outside minidp with the public `minidp.op` only, as parallel schemes write theirs. The engine's
-own behaviour (seeds, accumulation, no_grad per thread, grad-ready hooks, errors, aliasing) and
-dropout follow.
+outside minidp with the public `minidp.op` only, as parallel schemes write theirs. The fused
+ops (fused.py) are rows too, and `FUSED` checks each against the composed graph it replaces.
+The engine's own behaviour (seeds, accumulation, no_grad per thread, grad-ready hooks,
+errors, aliasing) and dropout follow.
 """
 
 import operator
@@ -23,8 +24,20 @@ from gradcheck import SETTINGS, check_gradients, output_weight
 from hypothesis import given, settings
 
 import minidp
-from minidp import Tensor, concatenate, cross_entropy, functional, mse, no_grad, split, stack, where
-from minidp.nn import MLP, Linear, linear
+from minidp import (
+    Tensor,
+    concatenate,
+    cross_entropy,
+    functional,
+    fused,
+    mse,
+    no_grad,
+    split,
+    stack,
+    where,
+)
+from minidp.gpt import composed_attention
+from minidp.nn import MLP, LayerNorm, Linear, linear
 
 try:
     import torch
@@ -230,6 +243,28 @@ def mse_example(draw):
     return [values(draw, shape), values(draw, shape)], {}
 
 
+def layer_norm_example(draw):
+    """x (..., C), weight (C,), bias (C,): C >= 2, or every x̂ is 0."""
+    lead = draw(hnp.array_shapes(min_dims=0, max_dims=2, min_side=1, max_side=3))
+    C = draw(st.integers(2, 5))
+    return [values(draw, (*lead, C)), values(draw, (C,)), values(draw, (C,))], {}
+
+
+def attention_example(draw):
+    """Packed projections qkv (B, T, 3 H hs) and the head count H."""
+    B, T, H, hs = (draw(st.integers(1, n)) for n in (2, 4, 2, 3))
+    return [values(draw, (B, T, 3 * H * hs))], {"n_head": H}
+
+
+def embedding_example(draw):
+    """A table (V, C) and ids (batch, T) with a repeat: gradient rows must add up."""
+    V, C = draw(st.integers(1, 5)), draw(st.integers(1, 3))
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    ids = rng.integers(0, V, (draw(st.integers(1, 3)), draw(st.integers(1, 4))))
+    ids.flat[-1] = ids.flat[0]
+    return [values(draw, (V, C))], {"ids": ids}
+
+
 # ---- the same op in PyTorch, where its spelling differs ---------------------------------------
 def torch_dims(axis, ndim):
     return tuple(range(ndim)) if axis is None else axis
@@ -277,6 +312,31 @@ def torch_causal_softmax(x):
     T = x.shape[-1]
     future = torch.triu(torch.ones(T, T, dtype=torch.bool), diagonal=1)
     return x.masked_fill(future, -torch.inf).softmax(dim=-1)
+
+
+def future(T: int) -> np.ndarray:
+    return np.triu(np.ones((T, T), dtype=bool), k=1)
+
+
+def fused_attention(qkv, n_head):
+    return fused.causal_self_attention(qkv, n_head, future(qkv.shape[1]))
+
+
+def torch_attention(qkv, n_head):
+    """The same attention in PyTorch, written out."""
+    B, T, C3 = qkv.shape
+    q, k, v = (
+        t.reshape(B, T, n_head, -1).transpose(1, 2) for t in torch.split(qkv, C3 // 3, dim=2)
+    )
+    S = (q @ k.transpose(-1, -2)) / np.sqrt(q.shape[-1])
+    P = S.masked_fill(torch.as_tensor(future(T)), -torch.inf).softmax(dim=-1)
+    return (P @ v).transpose(1, 2).reshape(B, T, C3 // 3)
+
+
+def composed_layer_norm(x, weight, bias):
+    ln = LayerNorm(x.shape[-1], fused=False)
+    ln.weight, ln.bias = weight, bias
+    return ln(x)
 
 
 def mul_exp(a: Tensor, b: Tensor) -> Tensor:
@@ -447,6 +507,22 @@ OPS = [
         cross_entropy_example,
     ),
     Op("mse", mse, lambda a, b: F.mse_loss(a, b), mse_example),
+    # fused ops (fused.py): one node each, the derivative written out; FUSED below checks
+    # each against the composed graph it replaces
+    Op(
+        "layer_norm_fused",
+        lambda x, w, b: fused.layer_norm(x, w, b, 1e-5),
+        lambda x, w, b: F.layer_norm(x, (x.shape[-1],), w, b, eps=1e-5),
+        layer_norm_example,
+    ),
+    Op("gelu_fused", fused.gelu, lambda x: F.gelu(x, approximate="tanh"), unary()),
+    Op("causal_self_attention_fused", fused_attention, torch_attention, attention_example),
+    Op(
+        "embedding_fused",
+        lambda w, ids: fused.embedding(w, ids),
+        lambda w, ids: w[torch.as_tensor(ids)],
+        embedding_example,
+    ),
     # written outside minidp with the public op API
     Op("public_op_mul_exp", mul_exp, lambda a, b: a * torch.exp(b), binary()),
 ]
@@ -493,6 +569,42 @@ def test_float32_in_float32_out_and_gradients(op, data):
     (out * Tensor(output_weight(out.shape).astype(np.float32))).sum().backward()
     for t in inputs:
         assert t.grad.dtype == np.float32
+
+
+# ---- each fused op against the composed graph it replaces -------------------------------
+# (name in OPS, the composed version, whether the fused op keeps the composed graph's
+# order of operations: then the bits are equal, in float64 and in float32)
+FUSED = [
+    ("layer_norm_fused", composed_layer_norm, False),
+    ("gelu_fused", Tensor.gelu, True),
+    (
+        "causal_self_attention_fused",
+        lambda qkv, n_head: composed_attention(qkv, n_head, future(qkv.shape[1]), lambda a: a),
+        False,
+    ),
+    ("embedding_fused", lambda w, ids: w[ids], False),  # reduceat may sum pairwise
+]
+
+
+@pytest.mark.parametrize("name, composed, same_bits", FUSED, ids=[f[0] for f in FUSED])
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+@settings(SETTINGS, max_examples=10)
+@given(data=st.data())
+def test_fused_op_equals_the_composed_graph(name, composed, same_bits, dtype, data):
+    fused_op = next(op for op in OPS if op.name == name)
+    arrays, params = fused_op.example(data.draw)
+    results = []
+    for fn in (fused_op.minidp, composed):
+        inputs = [Tensor(a.astype(dtype), requires_grad=True) for a in arrays]
+        out = fn(*inputs, **params)
+        (out * Tensor(output_weight(out.shape).astype(dtype))).sum().backward()
+        results.append([out.data] + [t.grad for t in inputs])
+    for ours, reference in zip(*results):
+        if same_bits:
+            np.testing.assert_array_equal(ours, reference)
+        else:
+            tol = 1e-12 if dtype == np.float64 else 1e-5
+            np.testing.assert_allclose(ours, reference, rtol=tol, atol=tol)
 
 
 # ---- dtypes ---------------------------------------------------------------------------------

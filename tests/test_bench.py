@@ -121,6 +121,27 @@ def test_bench_autograd_runs(tmp_path):
     (row,) = records(out)
     assert row["threads"] == 1 and row["sizes"] == "784-32-10" and row["batch"] == 16
     assert finite_positive(row["minidp_ms"], row["numpy_ms"], row["minidp/numpy"])
+    assert row["minidp_faults"] >= 0  # minor page faults per step, beside the time
+
+
+@pytest.mark.torch
+@pytest.mark.timeout(120)
+def test_bench_fused_has_a_row_per_op_and_per_phase(tmp_path):
+    out = tmp_path / "fused.json"
+    result = minidp(1, "bench", "fused", *ONE_ROUND, "--batch-size", "2", "--json", str(out))
+    assert result.returncode == 0, result.stderr
+    rows = records(out)
+    assert [r["what"] for r in rows] == [
+        "layer_norm",
+        "gelu",
+        "attention",
+        "embedding",
+        "step: forward",
+        "step: backward",
+        "step: optimizer",
+        "step: whole",
+    ]
+    assert all(finite_positive(r["fused_ms"], r["torch_ms"], r["fused/torch"]) for r in rows)
 
 
 @pytest.mark.timeout(60)

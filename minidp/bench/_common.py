@@ -16,6 +16,15 @@ def summary(doc: str) -> str:
     return " ".join(doc.strip().split("\n\n")[0].split())
 
 
+def add_round_options(parser, iters: int, warmup: int) -> None:
+    """--iters, --warmup and --json, as most benchmarks take them."""
+    parser.add_argument("--iters", type=int, default=iters, help=f"timed rounds (default {iters})")
+    parser.add_argument(
+        "--warmup", type=int, default=warmup, help=f"untimed rounds (default {warmup})"
+    )
+    parser.add_argument("--json", metavar="FILE", help="write JSON lines")
+
+
 def median(values) -> float:
     return float(statistics.median(values))
 
@@ -33,19 +42,22 @@ def timed(call, mpi) -> tuple[float, int]:
     from mpi4py import MPI  # here: the serial benchmarks never start MPI
 
     mpi.Barrier()
-    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    faults = minor_faults()
     start = time.perf_counter()
     call()
     elapsed = time.perf_counter() - start
-    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
+    faults = minor_faults() - faults
     return mpi.allreduce(elapsed, op=MPI.MAX), faults
 
 
-def rotated_rounds(steps: dict, warmup: int, iters: int, mpi, on_timing=None) -> dict:
+def rotated_rounds(
+    steps: dict, warmup: int, iters: int, mpi, on_timing=None, faults: dict | None = None
+) -> dict:
     """Call every step once per round, warmup + iters rounds, the order rotated by one each
     round (A B C, B C A, C A B, ...) so that no contender always runs after the same one.
     Each call is timed as the slowest rank's (`timed`); `on_timing()` runs once before the
-    first timed round. Returns {name: [seconds, one per timed round]}."""
+    first timed round. Returns {name: [seconds, one per timed round]}; given a dict
+    `faults`, fills it alike with this rank's minor page faults per timed call."""
     names = list(steps)
     times: dict = {name: [] for name in names}
     for i in range(warmup + iters):
@@ -53,10 +65,17 @@ def rotated_rounds(steps: dict, warmup: int, iters: int, mpi, on_timing=None) ->
             on_timing()
         k = i % len(names)
         for name in names[k:] + names[:k]:
-            elapsed = timed(steps[name], mpi)[0]
+            elapsed, faulted = timed(steps[name], mpi)
             if i >= warmup:
                 times[name].append(elapsed)
+                if faults is not None:
+                    faults.setdefault(name, []).append(faulted)
     return times
+
+
+def minor_faults() -> int:
+    """This process's minor page faults so far: a first touch of a fresh 4 KiB page each."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
 def max_over_ranks(value: float, mpi) -> float:

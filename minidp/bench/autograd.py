@@ -11,12 +11,21 @@ of 256 (--sizes, --batch), float32. Contenders, alternated step by step in one p
           plain path of the fused Linear + ReLU; minidp/unfused says what fusing buys
   numpy   the same network with every matrix product written by hand: the floor for minidp
   torch   torch.nn on the CPU, when torch is installed
-Reported: median step time per contender and the median of the per-round ratios.
+Reported: median step time per contender, the median of the per-round ratios, and the
+median minor page faults per step of minidp and torch (allocator.py says why they matter).
 """
 
 import time
 
-from minidp.bench._common import environment, median, median_ratio, print_table, summary, write_json
+from minidp.bench._common import (
+    environment,
+    median,
+    median_ratio,
+    minor_faults,
+    print_table,
+    summary,
+    write_json,
+)
 from minidp.bench._mlp import (
     BATCH,
     SIZES,
@@ -57,17 +66,20 @@ def measure(
         torch.set_num_threads(threads)
         contenders["torch"] = torch_mlp_step(torch, model, x, y)
     times: dict[str, list[float]] = {name: [] for name in contenders}
+    faults: dict[str, list[int]] = {name: [] for name in contenders}
     with threadpool_limits(limits=threads, user_api="blas"):
         for i in range(warmup + iters):
             for name, step in contenders.items():
                 time.sleep(PAUSE_S)  # let the last contender's idle threads stop spinning
-                start = time.perf_counter()
+                faulted, start = minor_faults(), time.perf_counter()
                 step()
                 if i >= warmup:
                     times[name].append(time.perf_counter() - start)
+                    faults[name].append(minor_faults() - faulted)
     row = {"threads": threads, "batch": batch, "sizes": "-".join(map(str, sizes))}
     for name, ts in times.items():
         row[f"{name}_ms"] = 1e3 * median(ts)
+        row[f"{name}_faults"] = median(faults[name])
     for other in ("unfused", "numpy", "torch"):
         if other in times:
             row[f"minidp/{other}"] = median_ratio(times["minidp"], times[other])
@@ -111,6 +123,8 @@ def main(argv: list[str]) -> int:
         ("minidp/numpy", ".3f"),
         ("minidp/torch", ".3f"),
         ("numpy/torch", ".3f"),
+        ("minidp_faults", ",.0f"),
+        ("torch_faults", ",.0f"),
     ]
     print_table(rows, columns)
     print(

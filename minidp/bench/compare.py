@@ -13,11 +13,14 @@ global norm, AdamW, on the tiny GPT (or --model mlp), --dtype float32. Contender
   pytorch DDP      torch.nn.parallel.DistributedDataParallel over gloo on 127.0.0.1
 The one-process contenders run on every rank at once (each rank its own copy), so they share
 the machine as the DP ones do; each time is the slowest rank's (barrier, time, max), the
-order rotated every round, medians reported. Ratios: one-process rows against minidp numpy,
-DP rows against minidp DP. First, a check: every contender took the same steps on the same
-data, so their losses must agree (1e-4 relative), else exit code 1. "Where the time goes"
-for minidp: communication and staging milliseconds per step (the strategy's own counters),
-the rest is compute.
+order rotated every round, medians reported. Ratios, each the median of per-round ratios:
+vs_minidp against minidp numpy (one-process rows) or minidp DP (DP rows), vs_torch against
+pytorch or pytorch DDP. `faults`: rank 0's minor page faults per step (median; allocator.py
+says why they cost time). Alone (`python -m minidp bench compare`, no mpiexec) the
+one-process rows are the one-process step. First, a check: every contender took the same
+steps on the same data, so their losses must agree (1e-4 relative), else exit code 1.
+"Where the time goes" for minidp: communication and staging milliseconds per step (the
+strategy's own counters), the rest is compute.
 The torch contenders run on --device (default: cuda when a GPU is visible, else cpu).
 """
 
@@ -29,6 +32,7 @@ from minidp import backend, comm
 from minidp.bench._common import (
     environment,
     median,
+    median_ratio,
     print_table,
     rotated_rounds,
     summary,
@@ -45,6 +49,8 @@ COLUMNS = [
     ("ranks", "d"),
     ("ms_per_step", ".2f"),
     ("vs_minidp", ".2f"),
+    ("vs_torch", ".2f"),
+    ("faults", ",.0f"),
     ("comm_ms", ".2f"),
     ("stage_ms", ".2f"),
     ("items_per_s", ",.0f"),
@@ -109,20 +115,26 @@ def check_same_losses(runs: dict) -> str | None:
     return None
 
 
-def rows_of(times: dict, runs: dict, args, world_size: int) -> list[dict]:
-    """One table row per contender: medians, ratios, minidp's comm and staging times."""
+def rows_of(times: dict, faults: dict, runs: dict, args, world_size: int) -> list[dict]:
+    """One table row per contender: medians, ratios (medians of per-round ratios) against
+    minidp and against PyTorch, rank 0's minor page faults per step (median), minidp's
+    comm and staging times."""
     items = args.batch_size * (args.block_size if args.model == "gpt" else 1)
     rows = []
     for name, seconds in times.items():
         ms = 1e3 * median(seconds)
-        base = "minidp numpy" if name in SINGLE else "minidp DP"
+        base, torch = (
+            ("minidp numpy", "pytorch") if name in SINGLE else ("minidp DP", "pytorch DDP")
+        )
         run = runs[name]
         strategy = getattr(run, "strategy", None)
         row = {
             "contender": name,
             "ranks": 1 if name in SINGLE else world_size,
             "ms_per_step": ms,
-            "vs_minidp": ms / (1e3 * median(times[base])),
+            "vs_minidp": median_ratio(seconds, times[base]),
+            "vs_torch": median_ratio(seconds, times[torch]),
+            "faults": median(faults[name]),
             "items_per_s": items / (ms / 1e3),
         }
         if strategy is not None:  # seconds over every round (warm-up too): per step
@@ -170,12 +182,12 @@ def main(argv: list[str]) -> int:
     world = comm.world()
     with threadpool_limits(limits=1, user_api="blas"):  # one BLAS thread per rank, as torch
         env = {**environment(), "torch": torch.__version__, "device": device}
-        times, runs = measure(args, world, device, env)
+        times, faults, runs = measure(args, world, device, env)
     wrong = check_same_losses(runs)
     if wrong is not None:  # alike on every rank: the losses are global
         print0(wrong, rank=world.rank)
         return 1
-    rows = rows_of(times, runs, args, world.size)
+    rows = rows_of(times, faults, runs, args, world.size)
     if world.rank == 0:
         print_table(rows, COLUMNS)
         plot(rows, args.out)
@@ -183,8 +195,9 @@ def main(argv: list[str]) -> int:
     return 0
 
 
-def measure(args, world: comm.Group, device: str, env: dict) -> tuple[dict, dict]:
-    """Build the contenders, run the rotated rounds, tear torch.distributed down."""
+def measure(args, world: comm.Group, device: str, env: dict) -> tuple[dict, dict, dict]:
+    """Build the contenders, run the rotated rounds, tear torch.distributed down:
+    ({name: seconds per round}, {name: page faults per round}, {name: run})."""
     import torch
 
     print0(
@@ -193,8 +206,9 @@ def measure(args, world: comm.Group, device: str, env: dict) -> tuple[dict, dict
         rank=world.rank,
     )
     steps, runs = build(args, world, device)
+    faults: dict = {}
     try:
-        times = rotated_rounds(steps, args.warmup, args.iters, world.comm)
+        times = rotated_rounds(steps, args.warmup, args.iters, world.comm, faults=faults)
     finally:
         import torch.distributed as dist
 
@@ -203,4 +217,4 @@ def measure(args, world: comm.Group, device: str, env: dict) -> tuple[dict, dict
                 run.close()
         dist.destroy_process_group()
         backend.use("numpy")
-    return times, runs
+    return times, faults, runs

@@ -30,7 +30,6 @@ whole model back from them.
 """
 
 import copy
-import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -38,7 +37,7 @@ import numpy as np
 from minidp import comm, nn
 from minidp.autograd import Tensor
 from minidp.chunks import chunk_range
-from minidp.functional import split
+from minidp.gpt import attention
 from minidp.parallel.tensor_parallel.communications import (
     copy_to_tensor_parallel,
     gather_last,
@@ -239,13 +238,10 @@ class ParallelAttention(nn.Module):
         # the residual output: the same positions on every rank, or T/p of its own with SP
         self.resid_drop = dropout_of_rank(full.resid_drop, group if sequence_parallel else None)
         self.future = full.future
+        self.fused = getattr(full, "fused", True)  # nn's fused attention op, or composed
 
     def forward(self, x: Tensor) -> Tensor:
-        H, hs = self.n_head, self.head_size
         qkv = self.qkv(x)  # (B, T, 3 H hs): T whole, also with sequence parallelism
-        B, T, _ = qkv.shape
-        q, k, v = (t.reshape(B, T, H, hs).transpose(0, 2, 1, 3) for t in split(qkv, 3, axis=2))
-        att = (q @ k.transpose(0, 1, 3, 2)) * (1.0 / math.sqrt(hs))  # (B, H, T, T)
-        att = att.masked_fill(self.future[:T, :T], -np.inf).softmax(axis=-1)
-        y = (self.attn_drop(att) @ v).transpose(0, 2, 1, 3).reshape(B, T, H * hs)
+        # nn's attention over this rank's H heads: (B, T, H hs)
+        y = attention(qkv, self.n_head, self.future, self.attn_drop, self.fused)
         return self.resid_drop(self.proj(y))

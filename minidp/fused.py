@@ -1,0 +1,209 @@
+"""Fused ops: LayerNorm, GELU, causal self-attention and the embedding, each one graph node
+with its derivative written out beside its forward (micrograd's way, on whole arrays).
+
+The speed trick of docs/memory.md. Each op computes what a composed graph of small ops
+computes, and is checked against it (tests/test_autograd.py: the composed graph, central
+differences in float64, PyTorch). The composed versions stay where a reader meets them first
+(`nn.LayerNorm(fused=False)`, `functional.gelu`, `gpt.composed_attention`, indexing
+`weight[idx]`); `nn` and `gpt` call these by default, on NumPy data. What fusing saves:
+
+    op              composed                                  fused
+    LayerNorm       11 nodes, 5 full-size arrays forward      1 node, the standard backward
+    GELU            9 temporaries forward, 13 backward        2 forward, 2 backward (in place)
+    attention       split, 3 zeroed (B, T, 3C) in backward,   1 node; dq, dk, dv written into
+                    mask + softmax 4 arrays each way          one (B, T, 3C) array; softmax
+                                                              down S^T's columns (fast axis)
+    embedding bwd   np.add.at (one row at a time)             sort the ids, np.add.reduceat
+
+Fewer arrays means fewer bytes for the allocator to find and fewer pages to fault in
+(allocator.py); fewer passes means less memory traffic; fewer nodes, less Python.
+Where an op keeps the composed graph's exact order of operations it says so: then its bits
+are the composed graph's (the tests check which).
+"""
+
+import math
+
+import numpy as np
+
+from minidp.autograd import Tensor, op
+
+__all__ = [
+    "fusable",
+    "row_sums",
+    "column_sums",
+    "layer_norm",
+    "gelu",
+    "causal_self_attention",
+    "embedding",
+]
+
+
+def fusable(*tensors: Tensor) -> bool:
+    """The fused ops are written for NumPy arrays; on torch data (--backend torch) the
+    composed graph runs instead."""
+    return all(type(t.data) is np.ndarray for t in tensors)
+
+
+def row_sums(a: np.ndarray) -> np.ndarray:
+    """a.sum(axis=-1), as a matrix-vector product: BLAS sums short rows ~5x faster than
+    NumPy's reduction (the same sum to rounding; a different order of additions)."""
+    return a @ np.ones(a.shape[-1], dtype=a.dtype)
+
+
+def column_sums(a: np.ndarray) -> np.ndarray:
+    """a.sum(axis=0) of a 2-D array, as a vector-matrix product (~3x faster here, the same
+    sum to rounding)."""
+    return np.ones(len(a), dtype=a.dtype) @ a
+
+
+def layer_norm(x: Tensor, weight: Tensor, bias: Tensor, eps: float) -> Tensor:
+    """y = x̂ w + b, x̂ = (x - μ) / σ over the last axis (C), σ = sqrt(var + eps).
+
+    Forward as the composed graph computes it, its sums over C as matrix-vector products
+    (`row_sums`). Backward, the standard formula (x̂ depends on x through μ and σ too):
+        dx̂ = g w
+        dx  = (dx̂ - mean(dx̂) - x̂ mean(dx̂ x̂)) / σ
+        dw  = sum over rows of g x̂,   db = sum over rows of g
+    Two full-size arrays forward (x̂, y), two backward (dx, one scratch)."""
+    C = x.shape[-1]
+    X = x.data.reshape(-1, C)  # rows of C
+    xhat = X - (row_sums(X) * (1.0 / C))[:, None]  # x - μ
+    squares = xhat * xhat
+    sigma = np.sqrt(row_sums(squares) * (1.0 / C) + eps)[:, None]
+    xhat /= sigma  # in place: x - μ is needed no more
+    y = xhat * weight.data
+    y += bias.data
+
+    def backward(g):
+        G = g.reshape(-1, C)
+        scratch = G * xhat
+        dw = column_sums(scratch) if weight.requires_grad else None
+        db = column_sums(G) if bias.requires_grad else None
+        if not x.requires_grad:
+            return None, dw, db
+        dxhat = G * weight.data
+        np.multiply(dxhat, xhat, out=scratch)
+        mean_dxhat_xhat = (row_sums(scratch) * (1.0 / C))[:, None]
+        dxhat -= (row_sums(dxhat) * (1.0 / C))[:, None]
+        np.multiply(xhat, mean_dxhat_xhat, out=scratch)
+        dxhat -= scratch
+        dxhat /= sigma
+        return dxhat.reshape(x.shape), dw, db
+
+    return op(y.reshape(x.shape), (x, weight, bias), backward)
+
+
+_GELU_C = math.sqrt(2 / math.pi)  # a Python float: keeps float32 arrays float32
+
+
+def gelu(x: Tensor) -> Tensor:
+    """GELU (tanh approximation): functional.gelu's formula, written in place.
+
+        y = 0.5 x (1 + t),  t = tanh(c (x + 0.044715 x^3)),  c = sqrt(2/pi)
+        dy/dx = 0.5 (1 + t) + 0.5 x (1 - t^2) c (1 + 3 * 0.044715 x^2)
+
+    The same operations in the same order as functional.gelu (0.5 x (1 + t) is computed as
+    (x (1 + t)) 0.5: a product by 0.5 is exact), so the same bits; but two full-size
+    arrays each way, not nine forward and thirteen backward."""
+    v = x.data.reshape(-1)  # flat: a 0-d input too is an array to write into
+    t = 0.044715 * v
+    t *= v
+    t *= v
+    t += v
+    t *= _GELU_C
+    np.tanh(t, out=t)  # t = tanh(c (x + 0.044715 x^3)), kept for backward
+    y = t + 1
+    y *= v
+    y *= 0.5
+
+    def backward(g):
+        du = 3 * 0.044715 * v  # du = c (1 + 3 * 0.044715 x^2)
+        du *= v
+        du += 1
+        du *= _GELU_C
+        slope = t * t  # 0.5 x (1 - t^2) du
+        np.subtract(1, slope, out=slope)
+        slope *= v
+        slope *= 0.5
+        slope *= du
+        np.add(t, 1, out=du)  # du's array reused: + 0.5 (1 + t)
+        du *= 0.5
+        du += slope
+        du *= g.reshape(-1)
+        return (du.reshape(x.shape),)
+
+    return op(y.reshape(x.shape), (x,), backward)
+
+
+def causal_self_attention(qkv: Tensor, n_head: int, future: np.ndarray) -> Tensor:
+    """Multi-head causal attention from the packed projections: (B, T, 3C) -> (B, T, C).
+
+    Per head (q, k, v: (T, hs) each, views into qkv; s = 1/sqrt(hs); M the future):
+        S = q k^T s,  S[M] = -inf,  P = softmax(S) (over each row),  y = P v
+    backward, with dy from the head-merged g:
+        dP = dy v^T,  dv = P^T dy
+        dS = P (dP - rowsum(dP P)) s             (softmax's Jacobian; 0 where masked)
+        dq = dS k,    dk = dS^T q
+    and dq, dk, dv are written into one (B, T, 3C) array: the gradient of the packed
+    projections, where the composed split made a zeroed (B, T, 3C) array for each part and
+    added them. Only P is kept for backward (the composed graph keeps S, P, the masked copy).
+
+    One layout trick: S is held transposed, S^T = k q^T s (a matrix product computes either
+    at the same cost), so softmax's max and sums run down the columns of S^T, along
+    NumPy's fast axis (a max along the last axis is ~3x slower). The same numbers to
+    rounding as the composed graph (sums in another order)."""
+    B, T, C3 = qkv.shape
+    C = C3 // 3
+    hs = C // n_head
+    heads = qkv.data.reshape(B, T, 3, n_head, hs)  # a view
+    q, k, v = (heads[:, :, i].transpose(0, 2, 1, 3) for i in range(3))  # (B, H, T, hs)
+    scale = 1.0 / math.sqrt(hs)
+    Pt = k @ q.swapaxes(-1, -2)  # S^T, then P^T in place: (B, H, T keys, T queries)
+    Pt *= scale
+    np.copyto(Pt, -np.inf, where=future[:T, :T].T)  # key after query: masked
+    Pt -= Pt.max(axis=-2, keepdims=True)  # shift: no overflow
+    np.exp(Pt, out=Pt)
+    Pt /= (np.ones(T, dtype=Pt.dtype) @ Pt)[..., None, :]  # each query's sum over keys
+    y = (Pt.swapaxes(-1, -2) @ v).transpose(0, 2, 1, 3).reshape(B, T, C)  # heads merged
+
+    def backward(g):
+        dy = g.reshape(B, T, n_head, hs).transpose(0, 2, 1, 3)  # a view
+        dPt = v @ dy.swapaxes(-1, -2)  # (dy v^T)^T
+        dv = Pt @ dy
+        dSt = dPt  # in place from here
+        dSt -= np.einsum("...kq,...kq->...q", dPt, Pt)[..., None, :]  # rowsum(dP P)
+        dSt *= Pt  # 0 where masked: P is 0 there
+        dSt *= scale
+        dqkv = np.empty(qkv.shape, dtype=g.dtype)
+        parts = dqkv.reshape(B, T, 3, n_head, hs)
+        parts[:, :, 0] = (dSt.swapaxes(-1, -2) @ k).transpose(0, 2, 1, 3)
+        parts[:, :, 1] = (dSt @ q).transpose(0, 2, 1, 3)
+        parts[:, :, 2] = dv.transpose(0, 2, 1, 3)
+        return (dqkv,)
+
+    return op(y, (qkv,), backward)
+
+
+def embedding(weight: Tensor, idx: np.ndarray) -> Tensor:
+    """weight[idx]: rows of the table, its backward without np.add.at.
+
+    The gradient of row i is the sum of g over the positions where idx == i. np.add.at adds
+    one row at a time (the lookup with it: 2.7x torch's time here); instead: sort the ids,
+    find where each run of equal ids starts, and sum each run with np.add.reduceat. The same
+    sums to rounding (reduceat may add a run pairwise, np.add.at one row after another)."""
+    idx = np.asarray(idx)
+    shape, dtype = weight.shape, weight.dtype
+
+    def backward(g):
+        full = np.zeros(shape, dtype=dtype)
+        ids = idx.reshape(-1)
+        if ids.size == 0:
+            return (full,)
+        order = np.argsort(ids, kind="stable")  # equal ids keep their order
+        sorted_ids = ids[order]
+        starts = np.flatnonzero(np.r_[True, sorted_ids[1:] != sorted_ids[:-1]])
+        rows = g.reshape(ids.size, -1)[order]
+        full[sorted_ids[starts]] = np.add.reduceat(rows, starts, axis=0).reshape(-1, *shape[1:])
+        return (full,)
+
+    return op(weight.data[idx], (weight,), backward)
