@@ -16,7 +16,7 @@ import pytest
 from minidp import comm
 from minidp.cli import main
 from minidp.parallel import checkpoint
-from minidp.training.config import TrainConfig
+from minidp.training.config import BadConfig, TrainConfig
 from minidp.training.loop import train
 
 TINY = dict(
@@ -141,3 +141,60 @@ def test_a_checkpoint_that_cannot_resume_this_run_is_refused_in_one_line(tmp_pat
     with pytest.warns(UserWarning, match="step_000002 has no manifest.json"):
         refused(["--resume", str(tmp_path), "--steps", "4"], "has no manifest.json", capsys)
     refused(["--save-every", "2"], "--save-every needs --save-dir", capsys)
+
+
+RESHARD = dict(TINY, dtype="float64", n_head=4, n_layer=1)
+RESHARD_CASES = [
+    *[(n1, n2, {}) for n1, n2 in ((2, 4), (4, 2), (4, 1))],
+    *[
+        (n1, n2, dict(strategy="zero", zero_stage=stage))
+        for stage in (1, 2, 3)
+        for n1, n2 in ((2, 4), (4, 2), (4, 1))
+    ],
+    *[(n1, n2, dict(strategy="tp")) for n1, n2 in ((2, 1), (1, 2), (2, 4))],
+    (4, 4, dict(strategy="hybrid", dp=2, tp=2, then=dict(dp=1, tp=4))),
+    (4, 2, dict(strategy="hybrid", dp=2, tp=2, zero_stage=1, then=dict(dp=1))),
+]
+
+
+def first(n: int, world):
+    """The first n ranks of the world as a group (None on the others)."""
+    return world.split(0 if world.rank < n else None)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parallel(nprocs=[4])
+def test_a_checkpoint_reshards_onto_another_number_of_ranks_like_one_process():
+    """Saved at step 2 over n1 ranks, resumed over n2: the losses of steps 2, 3 and the
+    final param_l2 equal one process's 4 steps in float64 (1e-10); ZeRO's shards and the TP
+    slices cut anew, padding never saved. Then a layout that cannot reshard, refused."""
+    world = comm.world()
+    solo = world.split(world.rank)
+    root = shared_directory(world)
+    want = train(TrainConfig(**RESHARD, json=f"{root}/solo{world.rank}.json"), solo)
+    want_losses = losses(f"{root}/solo{world.rank}.json")
+    for case, (n1, n2, flags) in enumerate(RESHARD_CASES):
+        flags = dict(flags)
+        then = flags.pop("then", {})
+        what, path = f"{flags} {n1} -> {n2} ranks {then}", f"{root}/case{case}"
+        if (saver := first(n1, world)) is not None:
+            train(TrainConfig(**RESHARD, **flags, save_dir=path, save_every=2), saver)
+        if (loader := first(n2, world)) is not None:
+            resume = f"{path}/step_000002"
+            config = TrainConfig(**RESHARD, **flags | then, resume=resume, json=path + ".json")
+            got = train(config, loader)
+            assert abs(got["param_l2"] / want["param_l2"] - 1) < 1e-10, what
+            if loader.rank == 0:
+                for step, loss in losses(path + ".json").items():
+                    assert abs(loss / want_losses[step] - 1) < 1e-10, f"{what} step {step}"
+        comm.barrier(group=world)
+    path = f"{root}/topk"
+    if (saver := first(2, world)) is not None:
+        train(TrainConfig(**RESHARD, compress="topk:0.1", save_dir=path, save_every=2), saver)
+    with pytest.raises(BadConfig) as error:
+        train(TrainConfig(**RESHARD, compress="topk:0.1", resume=f"{path}/step_000002"), world)
+    assert (
+        "strategy/compressor/residuals/0 saved over --strategy dp over 2 ranks is each rank's "
+        "own state (not a slice of one tensor): it loads only in that layout, not over "
+        "--strategy dp over 4 ranks" in str(error.value)
+    ), str(error.value)

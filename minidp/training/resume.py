@@ -75,10 +75,9 @@ def layout_words(config, group: comm.Group) -> str:
 
 def layout_of(strategy) -> dict:
     """{array path: "replicated" or a Slice's JSON}, from strategy.state_layout()."""
-    declared = strategy.state_layout() if hasattr(strategy, "state_layout") else {}
     return {
         f"strategy/{path}": where if where == "replicated" else where.as_json()
-        for path, where in declared.items()
+        for path, where in strategy.state_layout().items()
     }
 
 
@@ -116,8 +115,9 @@ def resume(config, strategy, group: comm.Group, task) -> int:
     try:
         manifest = checkpoint.together(lambda: checkpoint.read_manifest(path), group)
         check_same_run(manifest, config, task, group)
-        layout = layout_of(strategy) if manifest["world_size"] != group.size else None
-        state = checkpoint.load(path, group, layout=layout)
+        here = layout_words(config, group)
+        layout = layout_of(strategy) if manifest["metadata"]["layout"] != here else None
+        state = checkpoint.load(path, group, layout=layout, here=here)
     except checkpoint.CheckpointError as error:
         raise BadConfig(f"--resume {config.resume}: {error}") from None
     steps = comm.allgather(np.array([state["step"]], dtype=np.int64), group=group).ravel()

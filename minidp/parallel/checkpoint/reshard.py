@@ -13,7 +13,9 @@ run per segment, a tensor-parallel weight the heads' columns it owns):
 
 For each dimension d the intersection of the index sets gives the positions in the source
 and in the destination (np.intersect1d), and out[np.ix_(p_d ...)] = src[np.ix_(q_d ...)].
-A replicated array is held whole by one shard; a rank's own state (a residual, an RNG) has
+A replicated array is held whole by one shard (and whole here, unless this rank declares a
+slice of it); a declaration may name a prefix ("optimizer/state/3/": every array under it,
+the moments made at the first step, unknown before it); a rank's own state (a residual, an RNG) has
 no slice, and a layout that needs it elsewhere is refused, naming both layouts. Padding is
 never state: what each rank saves is exactly the elements it owns.
 """
@@ -28,10 +30,12 @@ class LayoutMismatch(CheckpointError):
 
 
 class Slice:
-    """What one rank holds of a global tensor of `shape`: per dimension, runs [lo, hi)."""
+    """What one rank holds of a global tensor of `shape`: per dimension, runs [lo, hi).
+    `part` names which tensor where ranks hold slices of different ones under one name
+    (ZeRO over TP: chunks of TP shard t's flat vector): only slices of one part meet."""
 
-    def __init__(self, shape, runs):
-        self.shape = [int(n) for n in shape]
+    def __init__(self, shape, runs, part: str = ""):
+        self.shape, self.part = [int(n) for n in shape], part
         self.runs = [[[int(lo), int(hi)] for lo, hi in dim] for dim in runs]
         if len(self.runs) != len(self.shape):
             raise ValueError(f"a slice of a {len(self.shape)}-d tensor with {len(runs)} dims")
@@ -41,9 +45,9 @@ class Slice:
         return cls(shape, [[[0, n]] for n in shape])
 
     @classmethod
-    def flat(cls, numel: int, runs) -> "Slice":
+    def flat(cls, numel: int, runs, part: str = "") -> "Slice":
         """Ranges of a flat vector of `numel` elements (ZeRO's shard: one per segment)."""
-        return cls([numel], [list(runs)])
+        return cls([numel], [list(runs)], part)
 
     @classmethod
     def along(cls, shape, axis: int, index) -> "Slice":
@@ -53,7 +57,11 @@ class Slice:
         return cls(shape, runs)
 
     def as_json(self) -> dict:
-        return {"shape": self.shape, "index": self.runs}
+        return {
+            "shape": self.shape,
+            "index": self.runs,
+            **({"part": self.part} if self.part else {}),
+        }
 
 
 def to_runs(index: np.ndarray) -> list[list[int]]:
@@ -74,6 +82,13 @@ def describe_layout(manifest: dict) -> str:
     return manifest["metadata"].get("layout") or f"{manifest['world_size']} ranks"
 
 
+def declared_under(layout: dict, name: str):
+    """The declaration of the longest prefix of `name` ending in "/" (an optimizer's state
+    of one parameter, "optimizer/state/3/", before its first step has made the arrays)."""
+    prefixes = [p for p in layout if p.endswith("/") and name.startswith(p)]
+    return layout[max(prefixes, key=len)] if prefixes else None
+
+
 def assemble(name: str, manifest: dict, layout: dict, here_words: str, path: str, reads: dict):
     """This rank's array `name` cut from the shards that hold it (`reads`: shards read so far,
     by rank, filled in as needed; `here_words`: this run's layout, for a refusal). Raises
@@ -85,17 +100,24 @@ def assemble(name: str, manifest: dict, layout: dict, here_words: str, path: str
             f"{where} is each rank's own state (not a slice of one tensor): it loads only in "
             f"that layout, not over {here_words}"
         )
-    here = layout.get(name)
-    if here is None:
-        raise LayoutMismatch(f"{where}: {here_words} does not say how it holds it")
+    here = layout.get(name) or declared_under(layout, name)
     source = next(iter(reads))  # the shard read for the tree: any replica is as good
     if saved.get("replicated"):
         whole = reads[source][name]
+        if not isinstance(layout.get(name), dict):  # held whole here too
+            return whole
         holders = [(source, Slice.whole(whole.shape).as_json()["index"])]
         shape = list(whole.shape)
+    elif here is None:
+        raise LayoutMismatch(f"{where}: {here_words} does not say how it holds it")
     else:
         shape = saved["shape"]
-        holders = [(r, index) for r, index in enumerate(saved["held"]) if index is not None]
+        part = here.get("part", "") if isinstance(here, dict) else ""
+        holders = [
+            (r, held["index"])
+            for r, held in enumerate(saved["held"])
+            if held is not None and held.get("part", "") == part
+        ]
     want = Slice.whole(shape).as_json() if here == "replicated" else here
     if want["shape"] != shape:
         raise LayoutMismatch(f"{where} is {shape} globally, over {here_words} {want['shape']}")

@@ -14,9 +14,9 @@ The save, on every rank of `group`:
 
 The manifest records the world size, the step, the caller's metadata (the config, the
 mesh), each shard's checksum and size, and for each array path its dtype and either
-`replicated` (every rank holds it whole), or its global shape and the index each rank
-holds (`held`, see reshard.py), or neither: the rank's own (residuals, RNG states), which
-only the same number of ranks can load back.
+`replicated` (every rank holds it whole), or its global shape and what each rank holds
+(`held`: its index and part, see reshard.py), or neither: the rank's own (a residual),
+which only the layout it was saved in loads back.
 
 The load reads the manifest, then (every rank) the shards it needs, each checked against
 its size and SHA-256 before anything is parsed; any rank's refusal is every rank's, one line.
@@ -31,7 +31,12 @@ import warnings
 import numpy as np
 
 from minidp import comm
-from minidp.parallel.checkpoint.reshard import LayoutMismatch, assemble, describe_layout
+from minidp.parallel.checkpoint.reshard import (
+    LayoutMismatch,
+    assemble,
+    declared_under,
+    describe_layout,
+)
 from minidp.parallel.checkpoint.shards import CheckpointError, read_shard, state_of, write_shard
 
 MANIFEST = "manifest.json"
@@ -53,7 +58,7 @@ def save(state, path: str, group: comm.Group, *, step: int, layout=None, metadat
     comm.barrier(group=group)
     info, arrays = write_shard(state, path, group.rank)
     tensors = {
-        name: {"dtype": a.dtype.str, "local_shape": list(a.shape), **_place(layout, name)}
+        name: {"dtype": a.dtype.str, "ndim": a.ndim, **_place(layout, name, a.ndim)}
         for name, a in arrays.items()
     }
     mine = json.dumps({**info, "rank": group.rank, "tensors": tensors})
@@ -72,22 +77,28 @@ def save(state, path: str, group: comm.Group, *, step: int, layout=None, metadat
     comm.barrier(group=group)  # no rank returns before the checkpoint exists
 
 
-def _place(layout, name: str) -> dict:
+def _place(layout, name: str, ndim: int) -> dict:
+    """What `layout` says of array `name`; under a prefix, a 0-d array (a step count) is the
+    same on every rank: replicated."""
     where = (layout or {}).get(name)
+    if where is None and (where := declared_under(layout or {}, name)) is not None and not ndim:
+        where = "replicated"
     return {"replicated": True} if where == "replicated" else {"slice": where} if where else {}
 
 
 def _merge(per_rank: list[dict]) -> dict:
-    """{path: {dtype, and replicated, or shape and held: [index of rank r or None]}}."""
+    """{path: {dtype, ndim, and replicated, or shape and held: [{index, part} of rank r, or
+    None]}}."""
     merged = {}
     for rank, tensors in enumerate(per_rank):
         for name, t in tensors.items():
-            entry = merged.setdefault(name, {"dtype": t["dtype"]})
+            entry = merged.setdefault(name, {"dtype": t["dtype"], "ndim": t["ndim"]})
             if t.get("replicated"):
                 entry["replicated"] = True
             elif t.get("slice"):
                 entry["shape"] = t["slice"]["shape"]
-                entry.setdefault("held", [None] * len(per_rank))[rank] = t["slice"]["index"]
+                held = {k: v for k, v in t["slice"].items() if k != "shape"}  # index, part
+                entry.setdefault("held", [None] * len(per_rank))[rank] = held
             else:
                 entry["private"] = True
     return merged
@@ -140,7 +151,10 @@ def _load(path: str, manifest: dict, group: comm.Group, layout, here: str):
     own = group.rank if saved == group.size else None
     if own is not None and (
         layout is None
-        or all(_place(layout, n) == _place_of(t, own) for n, t in manifest["tensors"].items())
+        or all(
+            _place(layout, n, t["ndim"]) == _place_of(t, own)
+            for n, t in manifest["tensors"].items()
+        )
     ):
         return state_of(*read_shard(path, shards[own]))
     if not layout:
@@ -159,7 +173,7 @@ def _place_of(tensor: dict, rank: int) -> dict:
     if tensor.get("replicated"):
         return {"replicated": True}
     if "held" in tensor:
-        return {"slice": {"shape": tensor["shape"], "index": tensor["held"][rank]}}
+        return {"slice": {"shape": tensor["shape"], **tensor["held"][rank]}}
     return {}
 
 
