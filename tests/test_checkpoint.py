@@ -95,6 +95,14 @@ def test_save_load_and_every_refusal_on_every_rank():
         lambda: checkpoint.save(mine, path + "x", group, step=group.rank), "disagree on the step"
     )
     assert not os.path.exists(path + "x")
+    blocked = os.path.join(root, "blocked")  # rank 1's shard cannot take its final name
+    if group.rank == 0:
+        os.makedirs(os.path.join(blocked, "shard_00001.npz"))
+    comm.barrier(group=group)
+    refused_everywhere(
+        lambda: checkpoint.save(mine, blocked, group, step=2), "rank 1 cannot write its shard"
+    )
+    assert not os.path.exists(os.path.join(blocked, checkpoint.MANIFEST))
 
     shard = os.path.join(path, "shard_00001.npz")
     data = open(shard, "rb").read()

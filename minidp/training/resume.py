@@ -19,6 +19,7 @@ number of ranks; what it does not declare is its ranks' own and reshards nowhere
 """
 
 import os
+import time
 
 import numpy as np
 
@@ -93,15 +94,10 @@ def save_if_due(config, strategy, group: comm.Group, task, done: int) -> None:
         "layout": layout_words(config, group),
         "vocab": vocabulary(task),
     }
-    checkpoint.save(
-        loop_state(strategy, done),
-        path,
-        group,
-        step=done,
-        layout=layout_of(strategy),
-        metadata=metadata,
-    )
-    print0(f"saved {path}", rank=group.rank)
+    start = time.perf_counter()
+    state, layout = loop_state(strategy, done), layout_of(strategy)
+    checkpoint.save(state, path, group, step=done, layout=layout, metadata=metadata)
+    print0(f"saved {path} in {time.perf_counter() - start:.3f}s", rank=group.rank)
 
 
 def resume(config, strategy, group: comm.Group, task) -> int:

@@ -7,7 +7,8 @@
 The save, on every rank of `group`:
     1. agree on the step (a gather of each rank's): ranks that disagree write nothing;
     2. rank 0 removes any old manifest.json, then each rank writes its shard (temporary
-       name, fsync, rename), hashing the bytes as they go;
+       name, fsync, rename), hashing the bytes as they go (a rank that cannot write says
+       so in step 3, and every rank raises it);
     3. rank 0 gathers every shard's {file, sha256, bytes} and what each holds of each
        tensor, writes manifest.json.tmp, fsyncs it, renames it to manifest.json and fsyncs
        the directory (PyTorch DCP's `.metadata` does the same). No manifest, no checkpoint.
@@ -51,30 +52,41 @@ def save(state, path: str, group: comm.Group, *, step: int, layout=None, metadat
     steps = comm.allgather(np.array([step], dtype=np.int64), group=group).ravel()
     if (steps != steps[0]).any():
         raise CheckpointError(f"ranks disagree on the step to save: {steps.tolist()}")
-    os.makedirs(path, exist_ok=True)
     manifest_path = os.path.join(path, MANIFEST)
     if group.rank == 0 and os.path.exists(manifest_path):
         os.remove(manifest_path)  # the directory is no checkpoint until the new one commits
     comm.barrier(group=group)
-    info, arrays = write_shard(state, path, group.rank)
-    tensors = {
-        name: {"dtype": a.dtype.str, "ndim": a.ndim, **_place(layout, name, a.ndim)}
-        for name, a in arrays.items()
-    }
-    mine = json.dumps({**info, "rank": group.rank, "tensors": tensors})
-    every = comm.gather_text(mine, root=0, group=group)
-    if group.rank == 0:
-        shards = [json.loads(text) for text in every]
-        manifest = {
-            "format": FORMAT,
-            "step": int(step),
-            "world_size": group.size,
-            "metadata": metadata or {},
-            "shards": [{k: s[k] for k in ("file", "sha256", "bytes")} for s in shards],
-            "tensors": _merge([s["tensors"] for s in shards]),
+    try:  # a full disk on one rank: every rank raises it, none waits for the others
+        os.makedirs(path, exist_ok=True)
+        info, arrays = write_shard(state, path, group.rank)
+        tensors = {
+            name: {"dtype": a.dtype.str, "ndim": a.ndim, **_place(layout, name, a.ndim)}
+            for name, a in arrays.items()
         }
-        _commit(manifest, path)
-    comm.barrier(group=group)  # no rank returns before the checkpoint exists
+        mine = json.dumps({**info, "rank": group.rank, "tensors": tensors})
+    except OSError as error:
+        mine = f"rank {group.rank} cannot write its shard in {path}: {error.strerror}"
+    every = comm.gather_text(mine, root=0, group=group)
+    verdict = ""
+    if group.rank == 0:
+        verdict = next((text for text in every if not text.startswith("{")), "")
+        if not verdict:
+            shards = [json.loads(text) for text in every]
+            manifest = {
+                "format": FORMAT,
+                "step": int(step),
+                "world_size": group.size,
+                "metadata": metadata or {},
+                "shards": [{k: s[k] for k in ("file", "sha256", "bytes")} for s in shards],
+                "tensors": _merge([s["tensors"] for s in shards]),
+            }
+            try:
+                _commit(manifest, path)
+            except OSError as error:
+                verdict = f"cannot write {manifest_path}: {error.strerror}"
+    verdict = comm.broadcast_text(verdict, root=0, group=group)  # none returns before the commit
+    if verdict:
+        raise CheckpointError(verdict)
 
 
 def _place(layout, name: str, ndim: int) -> dict:
