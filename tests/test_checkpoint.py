@@ -5,6 +5,7 @@ flat (ZeRO-like) and a tensor-parallel (column) slice over 4, 2 and 1 ranks in o
 
 import json
 import os
+import shutil
 import tempfile
 import warnings
 
@@ -73,6 +74,13 @@ def shared_directory(group) -> str:
     return comm.broadcast_text(path, root=0, group=group)
 
 
+def remove(root: str, group) -> None:
+    """Collective: rank 0 removes `root` once every rank is done with it."""
+    comm.barrier(group=group)
+    if group.rank == 0:
+        shutil.rmtree(root)
+
+
 def refused_everywhere(work, words: str, kind=CheckpointError) -> None:
     with pytest.raises(kind) as error:
         work()
@@ -132,6 +140,7 @@ def test_save_load_and_every_refusal_on_every_rank():
         assert checkpoint.latest(root) == path
     assert "step_000004 has no manifest.json" in str(caught[0].message)
     refused_everywhere(lambda: checkpoint.load(later, group), "has no manifest.json")
+    remove(root, group)
 
 
 @pytest.mark.parallel(nprocs=[4])
@@ -182,3 +191,4 @@ def test_a_sliced_tensor_reshards_over_4_2_and_1_ranks():
         "only in that layout, not over 2 ranks",
         LayoutMismatch,
     )
+    remove(root, world)

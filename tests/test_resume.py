@@ -8,10 +8,10 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 
 import numpy as np
 import pytest
+from test_checkpoint import remove, shared_directory  # a directory every rank names
 
 from minidp import comm
 from minidp.cli import main
@@ -26,11 +26,6 @@ TINY = dict(
 SMALL = ["--n-layer", "2", "--n-embd", "16", "--n-head", "2", "--block-size", "8",
          "--batch-size", "8", "--eval-batches", "1", "--sample-tokens", "0"]  # fmt: skip
 PRUNE = dict(prune=0.5, prune_start=1, prune_end=3, prune_every=1)
-
-
-def shared_directory(group) -> str:
-    path = tempfile.mkdtemp(prefix="minidp-resume-") if group.rank == 0 else ""
-    return comm.broadcast_text(path, root=0, group=group)
 
 
 def losses(path: str) -> dict[int, float]:
@@ -63,6 +58,7 @@ def check_resumes_bit_exact(group, what: str, **flags) -> None:
         want = losses(a + ".json")
         assert losses(b + ".json") == {2: want[2], 3: want[3]}, what
     shards_equal(f"{a}/step_000004", f"{b}/step_000004", group.rank, what)
+    remove(root, group)
 
 
 CASES_2 = {
@@ -198,3 +194,4 @@ def test_a_checkpoint_reshards_onto_another_number_of_ranks_like_one_process():
         "own state (not a slice of one tensor): it loads only in that layout, not over "
         "--strategy dp over 4 ranks" in str(error.value)
     ), str(error.value)
+    remove(root, world)
