@@ -113,6 +113,16 @@ def test_bench_dp_tricks_has_one_on_off_row_per_trick(tmp_path):
 
 
 @pytest.mark.timeout(60)
+def test_bench_checkpoint_times_a_save_against_np_save(tmp_path):
+    out = tmp_path / "checkpoint.json"
+    args = ("--sizes", "gpt default", *ONE_ROUND, "--dir", str(tmp_path), "--json", str(out))
+    result = minidp(2, "bench", "checkpoint", *args)
+    assert result.returncode == 0, result.stderr
+    (row,) = records(out)
+    assert row["state"] == "gpt default" and row["ranks"] == 2 and row["MB_per_rank"] > 1
+    assert finite_positive(row["save_ms"], row["np.save+fsync_ms"], row["ratio"])
+
+
 def test_bench_autograd_runs(tmp_path):
     out = tmp_path / "autograd.json"
     args = ("--threads", "1", "--no-torch", *ONE_ROUND, *TINY_MLP)

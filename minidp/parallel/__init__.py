@@ -13,6 +13,8 @@ other ranks only through minidp.comm and taking plain arguments (never the comma
     compression/       base.py (error feedback) -> cast, sparse, quant, lowrank -> table.py;
                        update.py and velocity.py (the optimizer-side placements)
     pruning.py         the DDP hook that reduces only the kept gradients (masks: minidp.prune)
+    checkpoint/        tree.py (a state as arrays and JSON, no pickle) -> shards.py -> store.py
+                       (save, load, latest; the manifest last) -> reshard.py (another layout)
     mesh.py            the rank grid and one group per axis; across_ranks.py, same_model.py
 
 The `--strategy` recipes that assemble these pieces from flags live in minidp.strategies.

@@ -24,6 +24,7 @@ import numpy as np
 from minidp import comm, optim
 from minidp.memory import nbytes, optimizer_bytes
 from minidp.parallel.across_ranks import bytes_sent, global_l2, replica_spread
+from minidp.parallel.checkpoint import Slice
 from minidp.parallel.compression.table import compression_line, compression_record, make_compressor
 from minidp.parallel.compression.update import CompressedUpdate, LocalGradients
 from minidp.parallel.compression.velocity import MomentumCorrectedSGD, MomentumCorrection
@@ -199,6 +200,18 @@ class DDPAxis:
             state["prune"] = self.pruning.pruner.state_dict()
         return state
 
+    def state_layout(self, model) -> dict:
+        """How state_dict(model)'s arrays are cut, for resharding (minidp.parallel.checkpoint):
+        each parameter and its optimizer state as the parameter is placed (a TP slice, else
+        replicated), the pruning masks replicated. Not declared, so each rank's own: the
+        compressors' residuals and factors and DGC's velocity (they reshard nowhere)."""
+        places = {f"model/{n}": place(p) for n, p in model.named_parameters(remove_duplicate=False)}
+        for i, p in enumerate(self.optimizer.params):  # its moments, made at the first step
+            places[f"optimizer/state/{i}/"] = place(p)
+        if self.pruning is not None:
+            places |= {f"prune/masks/{n}": "replicated" for n, _ in self.pruning.pruner.named}
+        return places
+
     def load_state_dict(self, model, state: dict) -> None:
         model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
@@ -211,6 +224,16 @@ class DDPAxis:
 
     def close(self) -> None:
         self.ddp.close()
+
+
+def place(p) -> Slice | str:
+    """A parameter's place in the whole model: its TP `placement`'s slice, else replicated."""
+    placement = getattr(p, "placement", None)
+    if placement is None or placement.axis is None:
+        return "replicated"
+    shape = list(p.shape)
+    shape[placement.axis] = placement.length
+    return Slice.along(shape, placement.axis, placement.index)
 
 
 class DataParallel(Recipe):
@@ -258,6 +281,9 @@ class DataParallel(Recipe):
 
     def state_dict(self) -> dict:
         return self.dp.state_dict(self.model)
+
+    def state_layout(self) -> dict:
+        return self.dp.state_layout(self.model)
 
     def load_state_dict(self, state: dict) -> None:
         self.dp.load_state_dict(self.model, state)

@@ -13,6 +13,7 @@ of how; it asks the strategy, for every step, to do the step:
     strategy.param_l2(), strategy.max_param_diff()                  # collective, every rank
     strategy.bytes_sent_by_axis(), strategy.memory_bytes()          # this rank's
     state = strategy.state_dict(); strategy.load_state_dict(state)  # all that resumes it
+    strategy.state_layout()          # how that state is cut, where it can be resharded
     strategy.close()
 
 What a strategy must say, and why the loop cannot work it out itself:
@@ -32,7 +33,10 @@ What a strategy must say, and why the loop cannot work it out itself:
   running totals since the strategy was built (the loop's StepMeter reads differences).
 - `memory_bytes()`: this rank's bytes by category, counted from the arrays (memory.py).
 - `state_dict()` / `load_state_dict()`: everything training needs to resume (model,
-  optimizer, the scheme's own state), for this rank's shard.
+  optimizer, the scheme's own state), for this rank's shard; `state_layout()`: {array path
+  of that state: "replicated" or a checkpoint.Slice of the whole tensor} for what another
+  number of ranks may load (minidp.parallel.checkpoint reshards it); {} by default: each
+  rank's own, loaded only in the layout it was saved in.
 - `gather_model()`: collective, called once after training: leave the trained weights in
   `task.model` on every rank, whole (gathered from shards or fetched from servers), so the
   loop's validation loss and sample, which run on the group's rank 0, see them. Data
@@ -101,6 +105,9 @@ class Strategy:
 
     def load_state_dict(self, state: dict) -> None:
         raise NotImplementedError
+
+    def state_layout(self) -> dict:
+        return {}
 
     def gather_model(self) -> None:
         """Collective: make `task.model` hold the whole trained model on every rank."""

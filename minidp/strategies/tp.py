@@ -222,6 +222,9 @@ class OnTheMesh(Recipe):
     def state_dict(self) -> dict:
         return self.dp.state_dict(self.model) if self.dp else self.zero.state_dict()
 
+    def state_layout(self) -> dict:
+        return self.dp.state_layout(self.model) if self.dp else self.zero.state_layout()
+
     def load_state_dict(self, state: dict) -> None:
         if self.dp:
             self.dp.load_state_dict(self.model, state)

@@ -140,6 +140,9 @@ class ZeRO(Recipe):
     def state_dict(self) -> dict:
         return self.zero.state_dict()
 
+    def state_layout(self) -> dict:
+        return self.zero.state_layout()
+
     def load_state_dict(self, state: dict) -> None:
         self.zero.load_state_dict(state)
 

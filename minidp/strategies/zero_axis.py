@@ -17,6 +17,7 @@ import numpy as np
 
 from minidp import comm, optim
 from minidp.memory import optimizer_bytes
+from minidp.parallel.checkpoint import Slice
 from minidp.parallel.data_parallel.buckets import bucket_groups
 from minidp.parallel.data_parallel.comm_thread import overlap_helps
 from minidp.parallel.data_parallel.ddp import DistributedDataParallel
@@ -199,6 +200,18 @@ class ZeROAxis:
 
     def state_dict(self) -> dict:
         return {"stage": self.stage, "shard": self.shard(), **self.optimizer.state_dict()}
+
+    part = ""  # which flat vector this axis shards, where ranks shard different ones
+
+    def state_layout(self) -> dict:
+        """How state_dict()'s arrays are cut, for resharding (minidp.parallel.checkpoint): the
+        shard is this rank's ranges of the flat vector of Ψ elements, each piece's optimizer
+        state its chunk of segment s; a segment's cut depends on N, its extent does not."""
+        layout, part = self.layout, self.part
+        places = {"shard": Slice.flat(layout.numel, layout.ranges(), part)}
+        for s, (lo, hi) in enumerate(layout.chunks):  # each piece's moments (first step on)
+            places[f"state/{s}/"] = Slice.flat(layout.lengths[s], [(lo, hi)], part)
+        return places
 
     def load_state_dict(self, state: dict) -> None:
         """Collective: this rank's chunks back, and (stages 1, 2) the whole model rebuilt."""

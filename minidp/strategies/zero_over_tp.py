@@ -113,6 +113,7 @@ class ZeROOverTP(ZeROAxis):
         except BaseException:
             self._remove_hooks()
             raise
+        self.part = f"tp {self.mesh.tp_group.rank} of {self.mesh.tp_group.size}"  # checkpoints
         sharded = {id(p) for p in recipe.sharded}
         self.kinds = split_chunks(self.layout, lambda p: id(p) in sharded)
 

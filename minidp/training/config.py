@@ -96,6 +96,10 @@ class TrainConfig(Flags):
     threads: int = flag(0, "BLAS threads per rank (0: cores / ranks on this machine)")
     trace: str | None = flag(None, "write a Chrome-trace timeline")
     log_dir: str | None = flag(None, "one log file per rank here")
+    # checkpoints (minidp.parallel.checkpoint; docs/checkpoints.md): DIR/step_000050, ...
+    save_dir: str | None = flag(None, "write checkpoints here (DIR/step_NNNNNN)")
+    save_every: int = flag(0, "save every N steps (0: once, at the end)", with_="save_dir")
+    resume: str | None = flag(None, "resume from DIR's newest complete checkpoint, or DIR/step_N")
 
     # Each scheme's own flags go in its section below, with the strategies they belong to.
 

@@ -72,6 +72,7 @@ def check_config(config) -> None:
         raise BadConfig(f"--zero-stage must be 1, 2 or 3 (0: off), got {config.zero_stage}")
     check_pipeline(config, config.pp)
     check_log_dir(config)
+    check_checkpoints(config)
 
 
 def check_ranges(config) -> None:
@@ -129,13 +130,30 @@ def check_outputs(config) -> None:
         )
 
 
+def check_checkpoints(config) -> None:
+    """--save-dir must take a new directory; --save-every needs it; --resume must exist."""
+    if config.save_every < 0:
+        raise BadConfig(f"--save-every must be >= 0 (0: at the end), got {config.save_every}")
+    if config.is_set("save_every") and config.save_dir is None:
+        raise BadConfig("--save-every needs --save-dir DIR: where would it save?")
+    if config.save_dir is not None:
+        check_can_create("--save-dir", config.save_dir)
+    if config.resume is not None and not os.path.isdir(config.resume):
+        raise BadConfig(f"--resume {config.resume}: no such directory")
+
+
 def check_log_dir(config) -> None:
     """--log-dir: the nearest directory that exists must take a new file."""
     if config.log_dir is not None:
-        existing = os.path.abspath(config.log_dir)
-        while not os.path.exists(existing):  # the directories it would create
-            existing = os.path.dirname(existing)
-        check_can_write("--log-dir", existing)
+        check_can_create("--log-dir", config.log_dir)
+
+
+def check_can_create(flag: str, directory: str) -> None:
+    """BadConfig unless `directory` can be made: the nearest one that exists takes a file."""
+    existing = os.path.abspath(directory)
+    while not os.path.exists(existing):  # the directories it would create
+        existing = os.path.dirname(existing)
+    check_can_write(flag, existing)
 
 
 def check_can_write(flag: str, directory: str) -> None:

@@ -23,6 +23,7 @@ from minidp.log import RankLog, print0
 from minidp.memory import CATEGORIES
 from minidp.strategies import STRATEGIES
 from minidp.trace import Timeline
+from minidp.training import resume
 from minidp.training.config import BadConfig, TrainConfig
 from minidp.training.meter import StepMeter, Window
 from minidp.training.tasks import Task
@@ -73,11 +74,12 @@ def _train(config: TrainConfig, group: comm.Group) -> dict:
         say(f"MPI: {mpi_library()} | {strategy.describe()}")
         say(config.header())
 
+        start = resume.resume(config, strategy, group, task)  # 0, or the checkpoint's step
         log = RankLog(config.log_dir, group.rank)
         meter = StepMeter(strategy)
         records = []
         try:
-            for step in range(config.steps):
+            for step in range(start, config.steps):
                 lr = optim.warmup_cosine(
                     step, config.lr, config.warmup, config.steps, config.min_lr_ratio
                 )
@@ -96,6 +98,7 @@ def _train(config: TrainConfig, group: comm.Group) -> dict:
                 meter.count()
                 if step % config.log_every == 0 or step == config.steps - 1:
                     records.append(log_line(step, loss, lr, meter.window(), task, config, say))
+                resume.save_if_due(config, strategy, group, task, step + 1)
         finally:
             log.close()
         # what training sent and held, read before the reports below add their own

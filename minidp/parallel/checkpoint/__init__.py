@@ -1,0 +1,37 @@
+"""Checkpoints: each rank writes its own shard, rank 0 commits a manifest last.
+
+    from minidp.parallel import checkpoint
+    checkpoint.save(state, "run/step_000900", group, step=900)   # collective
+    state = checkpoint.load(checkpoint.latest("run"), group)     # the newest complete one
+
+`state` is this rank's tree of dicts, lists, NumPy arrays and plain scalars (a strategy's
+state_dict()). Read in this order: tree.py (a tree as named arrays and a JSON skeleton: no
+pickle anywhere), shards.py (one rank's .npz, hashed as written, checked before it is
+read), store.py (save, load, latest, the manifest as commit marker), reshard.py (a
+checkpoint saved over one layout cut into another's slices).
+"""
+
+from minidp.parallel.checkpoint.reshard import LayoutMismatch, Slice
+from minidp.parallel.checkpoint.shards import CheckpointError
+from minidp.parallel.checkpoint.store import (
+    MANIFEST,
+    latest,
+    load,
+    read_manifest,
+    save,
+    step_directory,
+    together,
+)
+
+__all__ = [
+    "MANIFEST",
+    "CheckpointError",
+    "LayoutMismatch",
+    "Slice",
+    "latest",
+    "load",
+    "read_manifest",
+    "save",
+    "step_directory",
+    "together",
+]

@@ -1,0 +1,225 @@
+"""save / load / latest: a checkpoint directory, one shard per rank and a manifest written last.
+
+    step_000900/
+        shard_00000.npz ... shard_00003.npz     each rank's own state (shards.py)
+        manifest.json                           written last, by rank 0: the commit marker
+
+The save, on every rank of `group`:
+    1. agree on the step (a gather of each rank's): ranks that disagree write nothing;
+    2. rank 0 removes any old manifest.json, then each rank writes its shard (temporary
+       name, fsync, rename), hashing the bytes as they go (a rank that cannot write says
+       so in step 3, and every rank raises it);
+    3. rank 0 gathers every shard's {file, sha256, bytes} and what each holds of each
+       tensor, writes manifest.json.tmp, fsyncs it, renames it to manifest.json and fsyncs
+       the directory (PyTorch DCP's `.metadata` does the same). No manifest, no checkpoint.
+
+The manifest records the world size, the step, the caller's metadata (the config, the
+mesh), each shard's checksum and size, and for each array path its dtype and either
+`replicated` (every rank holds it whole), or its global shape and what each rank holds
+(`held`: its index and part, see reshard.py), or neither: the rank's own (a residual),
+which only the layout it was saved in loads back.
+
+The load reads the manifest, then (every rank) the shards it needs, each checked against
+its size and SHA-256 before anything is parsed; any rank's refusal is every rank's, one line.
+With the layout it was saved in, a rank reads its own shard; with another, `layout` says
+what this rank holds now and reshard.py cuts it from the shards that hold it.
+"""
+
+import json
+import os
+import warnings
+
+import numpy as np
+
+from minidp import comm
+from minidp.parallel.checkpoint.reshard import (
+    LayoutMismatch,
+    assemble,
+    declared_under,
+    describe_layout,
+)
+from minidp.parallel.checkpoint.shards import CheckpointError, read_shard, state_of, write_shard
+
+MANIFEST = "manifest.json"
+FORMAT = "minidp-checkpoint/1"
+
+
+def save(state, path: str, group: comm.Group, *, step: int, layout=None, metadata=None) -> None:
+    """Collective: write this rank's `state` (a tree of dicts, lists, arrays and scalars)
+    to `path`/shard_NNNNN.npz, then rank 0 commits the manifest. `layout`: {array path:
+    "replicated" or reshard.Slice.as_json()} for what can be resharded; `metadata`: any JSON
+    the manifest keeps (the config, the mesh)."""
+    steps = comm.allgather(np.array([step], dtype=np.int64), group=group).ravel()
+    if (steps != steps[0]).any():
+        raise CheckpointError(f"ranks disagree on the step to save: {steps.tolist()}")
+    manifest_path = os.path.join(path, MANIFEST)
+    if group.rank == 0 and os.path.exists(manifest_path):
+        os.remove(manifest_path)  # the directory is no checkpoint until the new one commits
+    comm.barrier(group=group)
+    try:  # a full disk on one rank: every rank raises it, none waits for the others
+        os.makedirs(path, exist_ok=True)
+        info, arrays = write_shard(state, path, group.rank)
+        tensors = {
+            name: {"dtype": a.dtype.str, "ndim": a.ndim, **_place(layout, name, a.ndim)}
+            for name, a in arrays.items()
+        }
+        mine = json.dumps({**info, "rank": group.rank, "tensors": tensors})
+    except OSError as error:
+        mine = f"rank {group.rank} cannot write its shard in {path}: {error.strerror}"
+    every = comm.gather_text(mine, root=0, group=group)
+    verdict = ""
+    if group.rank == 0:
+        verdict = next((text for text in every if not text.startswith("{")), "")
+        if not verdict:
+            shards = [json.loads(text) for text in every]
+            manifest = {
+                "format": FORMAT,
+                "step": int(step),
+                "world_size": group.size,
+                "metadata": metadata or {},
+                "shards": [{k: s[k] for k in ("file", "sha256", "bytes")} for s in shards],
+                "tensors": _merge([s["tensors"] for s in shards]),
+            }
+            try:
+                _commit(manifest, path)
+            except OSError as error:
+                verdict = f"cannot write {manifest_path}: {error.strerror}"
+    verdict = comm.broadcast_text(verdict, root=0, group=group)  # none returns before the commit
+    if verdict:
+        raise CheckpointError(verdict)
+
+
+def _place(layout, name: str, ndim: int) -> dict:
+    """What `layout` says of array `name`; under a prefix, a 0-d array (a step count) is the
+    same on every rank: replicated."""
+    where = (layout or {}).get(name)
+    if where is None and (where := declared_under(layout or {}, name)) is not None and not ndim:
+        where = "replicated"
+    return {"replicated": True} if where == "replicated" else {"slice": where} if where else {}
+
+
+def _merge(per_rank: list[dict]) -> dict:
+    """{path: {dtype, ndim, and replicated, or shape and held: [{index, part} of rank r, or
+    None]}}."""
+    merged = {}
+    for rank, tensors in enumerate(per_rank):
+        for name, t in tensors.items():
+            entry = merged.setdefault(name, {"dtype": t["dtype"], "ndim": t["ndim"]})
+            if t.get("replicated"):
+                entry["replicated"] = True
+            elif t.get("slice"):
+                entry["shape"] = t["slice"]["shape"]
+                held = {k: v for k, v in t["slice"].items() if k != "shape"}  # index, part
+                entry.setdefault("held", [None] * len(per_rank))[rank] = held
+            else:
+                entry["private"] = True
+    return merged
+
+
+def _commit(manifest: dict, path: str) -> None:
+    """Write manifest.json atomically and durably: temporary name, fsync, rename, fsync dir."""
+    final = os.path.join(path, MANIFEST)
+    with open(final + ".tmp", "w") as f:
+        json.dump(manifest, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(final + ".tmp", final)
+    directory = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(directory)
+    finally:
+        os.close(directory)
+
+
+def read_manifest(path: str) -> dict:
+    """The manifest of the checkpoint at `path` (local: every rank reads it itself)."""
+    try:
+        with open(os.path.join(path, MANIFEST)) as f:
+            manifest = json.load(f)
+    except FileNotFoundError:
+        raise CheckpointError(
+            f"{path} has no {MANIFEST}: not a checkpoint, or one whose save never finished"
+        ) from None
+    except (OSError, ValueError) as error:
+        raise CheckpointError(f"{path}/{MANIFEST} cannot be read: {error}") from None
+    if manifest.get("format") != FORMAT:
+        raise CheckpointError(f"{path}/{MANIFEST} is not {FORMAT}: {manifest.get('format')}")
+    return manifest
+
+
+def load(path: str, group: comm.Group, layout=None, here: str = ""):
+    """Collective: this rank's state from the checkpoint at `path`. Saved over as many ranks
+    with the same layout, each rank reads its own shard; otherwise `layout` ({array path:
+    "replicated" or a Slice's JSON}, what this rank holds now) says what to cut from the
+    shards (reshard.py), and what cannot be resharded is refused naming both layouts
+    (`here`: this run's, in words; "N ranks" unless given)."""
+    manifest = together(lambda: read_manifest(path), group)
+    here = here or f"{group.size} ranks"
+    return together(lambda: _load(path, manifest, group, layout, here), group)
+
+
+def _load(path: str, manifest: dict, group: comm.Group, layout, here: str):
+    shards, saved = manifest["shards"], manifest["world_size"]
+    own = group.rank if saved == group.size else None
+    if own is not None and (
+        layout is None
+        or all(
+            _place(layout, n, t["ndim"]) == _place_of(t, own)
+            for n, t in manifest["tensors"].items()
+        )
+    ):
+        return state_of(*read_shard(path, shards[own]))
+    if not layout:
+        raise LayoutMismatch(
+            f"{path} was saved over {describe_layout(manifest)}; {here} says nothing of how "
+            "its state is cut: cannot reshard"
+        )
+    arrays, skeleton = read_shard(path, shards[group.rank % saved])  # the scalars, the tree
+    reads = {group.rank % saved: dict(arrays)}
+    for name in list(arrays):
+        arrays[name] = assemble(name, manifest, layout, here, path, reads)
+    return state_of(arrays, skeleton)
+
+
+def _place_of(tensor: dict, rank: int) -> dict:
+    if tensor.get("replicated"):
+        return {"replicated": True}
+    if "held" in tensor:
+        return {"slice": {"shape": tensor["shape"], **tensor["held"][rank]}}
+    return {}
+
+
+def together(work, group: comm.Group):
+    """Run `work` on every rank; if it raises CheckpointError on any, raise it on every
+    rank (the first rank's line), so no rank goes on to load while another refused."""
+    try:
+        result, line = work(), ""
+    except CheckpointError as error:
+        result, line = None, f"{type(error).__name__}\t{error}"
+    lines = comm.gather_text(line, root=0, group=group)
+    first = next((text for text in lines if text), "") if group.rank == 0 else ""
+    first = comm.broadcast_text(first, root=0, group=group)
+    if first:
+        kind, message = first.split("\t", 1)
+        raise (LayoutMismatch if kind == LayoutMismatch.__name__ else CheckpointError)(message)
+    return result
+
+
+def latest(directory: str) -> str | None:
+    """The newest complete checkpoint (step_NNNNNN with a manifest) in `directory`, or None;
+    a step directory without a manifest is skipped with a warning (its save never finished)."""
+    if not os.path.isdir(directory):
+        return None
+    steps = sorted(
+        (name for name in os.listdir(directory) if name.startswith("step_")), reverse=True
+    )
+    for name in steps:
+        candidate = os.path.join(directory, name)
+        if os.path.exists(os.path.join(candidate, MANIFEST)):
+            return candidate
+        warnings.warn(f"{candidate} has no {MANIFEST} (an unfinished save): skipped", stacklevel=2)
+    return None
+
+
+def step_directory(directory: str, step: int) -> str:
+    return os.path.join(directory, f"step_{step:06d}")

@@ -1,0 +1,164 @@
+"""The loop's checkpoints: what resumes a run bit for bit, saved and restored.
+
+    python -m minidp --steps 900 --save-dir run --save-every 300   # run/step_000300, ...
+    python -m minidp --steps 900 --resume run                      # from run/step_000900's
+    python -m minidp --steps 900 --resume run/step_000300          # ... or from that one
+
+What a checkpoint holds, per rank (the format: minidp.parallel.checkpoint):
+    step       the steps done; the next one runs at this index. It is the whole position of
+               the loop: the learning rate is warmup_cosine(step) and the sampler's batch at
+               step t is a pure function of (seed, t) (data.DistributedSampler reshuffles
+               per epoch from (seed, epoch)), so neither holds state of its own
+    rng        the state of every np.random.Generator the strategy reaches (the task's, the
+               model's dropout, TP's per-rank dropout streams), by its attribute path
+    strategy   strategy.state_dict(): model, optimizer, and the scheme's own state
+               (compression residuals, pruning masks, ZeRO's shards, the servers' shards)
+
+A strategy that says how its arrays are cut (`state_layout()`) can be resumed over another
+number of ranks; what it does not declare is its ranks' own and reshards nowhere.
+"""
+
+import os
+import time
+
+import numpy as np
+
+from minidp import comm
+from minidp.autograd import Tensor
+from minidp.log import print0
+from minidp.parallel import checkpoint
+from minidp.parallel.checkpoint.reshard import describe_layout
+from minidp.training.config import BadConfig
+
+MODEL_FIELDS = ("model", "n_layer", "n_head", "n_embd", "block_size", "hidden", "dtype")
+"""What makes another model: a checkpoint saved with another value is refused."""
+
+
+def generators(root) -> dict[str, np.random.Generator]:
+    """Every np.random.Generator reachable from `root` through minidp objects' attributes,
+    lists, tuples and dicts, by its first path ("task.model.blocks.0.attn.attn_drop.rng"),
+    each once (the GPT's dropouts share one). Tensors are not entered: they hold none."""
+    found, seen = {}, set()
+
+    def walk(x, path: str) -> None:
+        if id(x) in seen or isinstance(x, Tensor | np.ndarray):
+            return
+        seen.add(id(x))
+        if isinstance(x, np.random.Generator):
+            found[path] = x
+        elif isinstance(x, dict):
+            for k, v in x.items():
+                walk(v, f"{path}.{k}")
+        elif isinstance(x, list | tuple):
+            for i, v in enumerate(x):
+                walk(v, f"{path}.{i}")
+        elif type(x).__module__.startswith("minidp") and hasattr(x, "__dict__"):
+            for k, v in vars(x).items():
+                walk(v, f"{path}.{k}" if path else k)
+
+    walk(root, "")
+    return found
+
+
+def loop_state(strategy, step: int) -> dict:
+    rngs = {path: g.bit_generator.state for path, g in generators(strategy).items()}
+    return {"step": step, "rng": rngs, "strategy": strategy.state_dict()}
+
+
+def layout_words(config, group: comm.Group) -> str:
+    """The layout a checkpoint was saved in, as a refusal names it."""
+    words = f"--strategy {config.strategy} over {group.size} ranks"
+    mesh = [f"--{k} {getattr(config, k)}" for k in ("dp", "tp", "pp") if getattr(config, k)]
+    if config.strategy in ("zero", "hybrid") and config.zero_stage:
+        mesh.append(f"--zero-stage {config.zero_stage}")
+    return words + (f" ({', '.join(mesh)})" if mesh else "")
+
+
+def layout_of(strategy) -> dict:
+    """{array path: "replicated" or a Slice's JSON}, from strategy.state_layout()."""
+    return {
+        f"strategy/{path}": where if where == "replicated" else where.as_json()
+        for path, where in strategy.state_layout().items()
+    }
+
+
+def save_if_due(config, strategy, group: comm.Group, task, done: int) -> None:
+    """Collective: after `done` steps, save to --save-dir if --save-every says so (and at
+    the end)."""
+    every = config.save_every
+    if config.save_dir is None or not (done == config.steps or (every and done % every == 0)):
+        return
+    path = checkpoint.step_directory(config.save_dir, done)
+    metadata = {
+        "config": vars(config),
+        "layout": layout_words(config, group),
+        "vocab": vocabulary(task),
+    }
+    start = time.perf_counter()
+    state, layout = loop_state(strategy, done), layout_of(strategy)
+    checkpoint.save(state, path, group, step=done, layout=layout, metadata=metadata)
+    print0(f"saved {path} in {time.perf_counter() - start:.3f}s", rank=group.rank)
+
+
+def resume(config, strategy, group: comm.Group, task) -> int:
+    """Collective: load --resume into `strategy` and the RNGs; return the step to start at
+    (0 without --resume). Every refusal is one line on every rank, before anything loads."""
+    if config.resume is None:
+        return 0
+    path = config.resume
+    if not os.path.exists(os.path.join(path, checkpoint.MANIFEST)):
+        path = checkpoint.latest(config.resume) or path  # DIR: its newest complete one
+    try:
+        manifest = checkpoint.together(lambda: checkpoint.read_manifest(path), group)
+        check_same_run(manifest, config, task, group)
+        here = layout_words(config, group)
+        layout = layout_of(strategy) if manifest["metadata"]["layout"] != here else None
+        state = checkpoint.load(path, group, layout=layout, here=here)
+    except checkpoint.CheckpointError as error:
+        raise BadConfig(f"--resume {config.resume}: {error}") from None
+    steps = comm.allgather(np.array([state["step"]], dtype=np.int64), group=group).ravel()
+    if (steps != steps[0]).any():
+        raise BadConfig(f"--resume {path}: its shards disagree on the step: {steps.tolist()}")
+    strategy.load_state_dict(state["strategy"])
+    found = generators(strategy)
+    for where, rng_state in state["rng"].items():
+        if where in found:
+            found[where].bit_generator.state = rng_state
+    print0(f"resumed from {path} at step {state['step']}", rank=group.rank)
+    return int(state["step"])
+
+
+def vocabulary(task) -> str | None:
+    """The GPT's symbols in token order (None for the MLP): another text, another model."""
+    tokenizer = getattr(task, "tokenizer", None)
+    return None if tokenizer is None else "".join(tokenizer.decode(range(tokenizer.vocab_size)))
+
+
+def check_same_run(manifest: dict, config, task, group: comm.Group) -> None:
+    """Refuse another model, vocabulary, strategy or a step past --steps (every rank
+    reads the same manifest: the same decision everywhere)."""
+    saved = manifest["metadata"].get("config", {})
+    for name in MODEL_FIELDS:
+        if name in saved and saved[name] != getattr(config, name):
+            raise checkpoint.CheckpointError(
+                f"saved with --{name.replace('_', '-')} {saved[name]}, this run has "
+                f"{getattr(config, name)}: another model"
+            )
+    vocab = manifest["metadata"].get("vocab")
+    if vocab != vocabulary(task):
+        raise checkpoint.CheckpointError(
+            f"saved with a vocabulary of {len(vocab or '')} symbols, this run's has "
+            f"{len(vocabulary(task) or '')} (another text)"
+        )
+    here = layout_words(config, group)
+    if saved.get("strategy") != config.strategy:
+        raise checkpoint.LayoutMismatch(f"saved as {describe_layout(manifest)}, this is {here}")
+    if manifest["world_size"] != group.size and config.dropout > 0:
+        raise checkpoint.LayoutMismatch(
+            f"saved as {describe_layout(manifest)}, this is {here}: the dropout streams "
+            "are each rank's own and reshard nowhere (--dropout 0 does)"
+        )
+    if manifest["step"] >= config.steps:
+        raise checkpoint.CheckpointError(
+            f"the checkpoint is at step {manifest['step']}, --steps {config.steps} leaves nothing"
+        )

@@ -1,0 +1,194 @@
+"""The checkpoint format (minidp.parallel.checkpoint): a state tree as arrays and a JSON
+skeleton, no pickle; each rank's shard checked against the manifest before it is read; the
+manifest as commit marker; a refusal on one rank is a refusal on every rank; resharding a
+flat (ZeRO-like) and a tensor-parallel (column) slice over 4, 2 and 1 ranks in one launch."""
+
+import json
+import os
+import shutil
+import tempfile
+import warnings
+
+import numpy as np
+import pytest
+
+from minidp import comm
+from minidp.parallel import checkpoint
+from minidp.parallel.checkpoint import CheckpointError, LayoutMismatch, Slice
+from minidp.parallel.checkpoint.reshard import to_runs
+from minidp.parallel.checkpoint.tree import flatten, unflatten
+
+STATE = {
+    "model": {"wte.weight": np.arange(6.0).reshape(2, 3), "scale": np.float32(1.5)},
+    "optimizer": {"state": [{"m": np.ones(3, np.float32)}], "step_count": 3, "lr": 0.1 / 3},
+    "rounds": {0: 2, (1, "a"): 3},  # int and tuple keys, as the compressors' buckets
+    "rng": {"state": 2**127 + 5, "name": "PCG64", "none": None, "pair": (1, 2.5)},
+}
+
+
+def same(a, b) -> None:
+    """Trees equal leaf for leaf, arrays bit for bit with their dtype."""
+    assert type(a) is type(b), (a, b)
+    if isinstance(a, dict):
+        assert list(a) == list(b)
+        for k in a:
+            same(a[k], b[k])
+    elif isinstance(a, list | tuple):
+        assert len(a) == len(b)
+        for x, y in zip(a, b):
+            same(x, y)
+    elif isinstance(a, np.ndarray | np.generic):
+        assert a.dtype == b.dtype and np.array_equal(a, b)
+    else:
+        assert a == b
+
+
+def test_a_tree_is_named_arrays_and_a_json_skeleton():
+    arrays, skeleton = flatten(STATE)
+    assert list(arrays) == ["model/wte.weight", "model/scale", "optimizer/state/0/m"]
+    same(unflatten(arrays, json.loads(json.dumps(skeleton))), STATE)
+
+
+@pytest.mark.parametrize(
+    "bad, words",
+    [
+        ({"x": np.array([object()])}, "x: an array of Python objects is not data"),
+        ({"x": {1.5: 2}}, "a dict key 1.5 (float)"),
+        ({"x": {"y": set()}}, "x/y: a set is not data"),
+    ],
+)
+def test_what_is_not_data_is_refused(bad, words):
+    with pytest.raises((TypeError, ValueError)) as error:
+        flatten(bad)
+    assert words in str(error.value)
+
+
+def test_runs_compress_an_index():
+    assert to_runs(np.array([2, 3, 4, 9, 10])) == [[2, 5], [9, 11]]
+    assert Slice.along((4, 6), 1, [0, 1, 4]).as_json()["index"] == [[[0, 4]], [[0, 2], [4, 5]]]
+
+
+def shared_directory(group) -> str:
+    """A fresh directory every rank of `group` names (made by rank 0)."""
+    path = tempfile.mkdtemp(prefix="minidp-ckpt-") if group.rank == 0 else ""
+    return comm.broadcast_text(path, root=0, group=group)
+
+
+def remove(root: str, group) -> None:
+    """Collective: rank 0 removes `root` once every rank is done with it."""
+    comm.barrier(group=group)
+    if group.rank == 0:
+        shutil.rmtree(root)
+
+
+def refused_everywhere(work, words: str, kind=CheckpointError) -> None:
+    with pytest.raises(kind) as error:
+        work()
+    assert words in str(error.value) and "\n" not in str(error.value), str(error.value)
+
+
+@pytest.mark.parallel(nprocs=[2])
+def test_save_load_and_every_refusal_on_every_rank():
+    group = comm.world()
+    root = shared_directory(group)
+    path = checkpoint.step_directory(root, 2)
+    mine = {**STATE, "rank": group.rank, "own": np.full(3, group.rank)}
+    checkpoint.save(mine, path, group, step=2, metadata={"layout": "two ranks"})
+    assert checkpoint.latest(root) == path
+    same(checkpoint.load(path, group), mine)
+    manifest = checkpoint.read_manifest(path)
+    assert manifest["world_size"] == 2 and manifest["tensors"]["own"].get("private")
+
+    refused_everywhere(  # ranks that disagree on the step write nothing
+        lambda: checkpoint.save(mine, path + "x", group, step=group.rank), "disagree on the step"
+    )
+    assert not os.path.exists(path + "x")
+    blocked = os.path.join(root, "blocked")  # rank 1's shard cannot take its final name
+    if group.rank == 0:
+        os.makedirs(os.path.join(blocked, "shard_00001.npz"))
+    comm.barrier(group=group)
+    refused_everywhere(
+        lambda: checkpoint.save(mine, blocked, group, step=2), "rank 1 cannot write its shard"
+    )
+    assert not os.path.exists(os.path.join(blocked, checkpoint.MANIFEST))
+
+    shard = os.path.join(path, "shard_00001.npz")
+    data = open(shard, "rb").read()
+    info = manifest["shards"][1]
+    if group.rank == 0:  # one bit flipped in rank 1's shard: rank 1 finds it, all refuse
+        with open(shard, "r+b") as f:
+            f.seek(len(data) // 2)
+            f.write(bytes([data[len(data) // 2] ^ 1]))
+    comm.barrier(group=group)
+    expected = f"expected {info['bytes']} bytes with sha256 {info['sha256']}"
+    refused_everywhere(
+        lambda: checkpoint.load(path, group), f"corrupt: its sha256 differs, {expected}"
+    )
+    comm.barrier(group=group)
+    if group.rank == 0:
+        with open(shard, "wb") as f:
+            f.write(data[:100])
+    comm.barrier(group=group)
+    refused_everywhere(lambda: checkpoint.load(path, group), f"{shard} is truncated")
+
+    later = checkpoint.step_directory(root, 4)  # a save that never committed
+    if group.rank == 0:
+        os.makedirs(later)
+    comm.barrier(group=group)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert checkpoint.latest(root) == path
+    assert "step_000004 has no manifest.json" in str(caught[0].message)
+    refused_everywhere(lambda: checkpoint.load(later, group), "has no manifest.json")
+    remove(root, group)
+
+
+@pytest.mark.parallel(nprocs=[4])
+def test_a_sliced_tensor_reshards_over_4_2_and_1_ranks():
+    """A flat vector cut as ZeRO cuts it (two segments, each chunked over the ranks) and a
+    (4, 6) weight cut by columns as TP cuts it, saved over 4 ranks and over 2, loaded over
+    2, 1 and 4; a rank's own array refused when the layout changes, naming both."""
+    world = comm.world()
+    flat, weight = np.arange(11.0), np.arange(24.0).reshape(4, 6)
+    segments = [(0, 7), (7, 11)]
+
+    def layout(group):
+        ranks = [comm.chunk_range(hi - lo, group.size, group.rank) for lo, hi in segments]
+        flat_runs = [(lo + a, lo + b) for (lo, _), (a, b) in zip(segments, ranks)]
+        columns = np.arange(6).reshape(2, 3)[:, slice(*comm.chunk_range(3, group.size, group.rank))]
+        places = {"flat": Slice.flat(11, flat_runs), "w": Slice.along((4, 6), 1, columns.ravel())}
+        state = {
+            "flat": np.concatenate([flat[a:b] for a, b in flat_runs]),
+            "w": weight[:, columns.ravel()],
+            "step_count": 7,
+        }
+        return state, {k: v.as_json() for k, v in places.items()} | {"bias": "replicated"}
+
+    root = shared_directory(world)
+    for saved_size, loaded_sizes in ((4, (2, 1)), (2, (4, 1))):
+        path = os.path.join(root, f"saved_over_{saved_size}")
+        saver = world.split(world.rank // saved_size)
+        state, places = layout(saver)
+        if world.rank < saved_size:
+            checkpoint.save({**state, "bias": np.ones(2)}, path, saver, step=7, layout=places)
+        comm.barrier(group=world)
+        for size in loaded_sizes:
+            group = world.split(world.rank // size) if size < 4 else world
+            want, places = layout(group)
+            got = checkpoint.load(path, group, layout=places)
+            same(got, {**want, "bias": np.ones(2)})
+            if size == 1:
+                with pytest.raises(LayoutMismatch, match="cannot reshard"):
+                    checkpoint.load(path, group)
+    path = os.path.join(root, "own")
+    checkpoint.save(
+        {"own": np.full(2, world.rank)}, path, world, step=1, metadata={"layout": "dp 4"}
+    )
+    half = world.split(world.rank // 2)
+    refused_everywhere(
+        lambda: checkpoint.load(path, half, layout={"x": "replicated"}),
+        "own saved over dp 4 is each rank's own state (not a slice of one tensor): it loads "
+        "only in that layout, not over 2 ranks",
+        LayoutMismatch,
+    )
+    remove(root, world)
