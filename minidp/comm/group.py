@@ -12,6 +12,9 @@ A Group wraps one MPI communicator and adds what the algorithms need:
     seconds             wall time this rank spent inside the group's collectives, in total
     checks, timeout     cross-rank fingerprints and the wait deadline (checks.py); the
                         deadline follows `checks` unless `timeout` was set explicitly
+    exchanging_since,   when the running collective's data exchange began (perf_counter;
+    waiting_on          None outside one) and the peer its blocking wait is on, for the
+                        watchdog (watchdog.py) that holds the deadline there
 
 Groups are made from other groups, and every rank of the parent must take part:
 
@@ -41,6 +44,7 @@ from minidp.comm.checks import (
     timeout_from_env,
 )
 from minidp.comm.errors import CollectiveError
+from minidp.comm.watchdog import watch
 
 _FROM_ENV = object()
 
@@ -82,6 +86,9 @@ class Group:
         self._lock = threading.Lock()
         self._fingerprints: Fingerprints | None = None  # made at the first checked call
         self.shared = None  # shm.SharedMemory: segments every rank reads, made on first use
+        self.exchanging_since: float | None = None  # the watchdog's clock (watchdog.py)
+        self.waiting_on: int | list | None = None  # the peer(s) of the blocking wait
+        watch(self)
 
     def __repr__(self) -> str:
         return f"Group(rank={self.rank}, size={self.size}, world_ranks={self.world_ranks})"
@@ -242,6 +249,7 @@ class _Running:
                 # and runs on MPI's blocking calls (the fast path of p2p.py).
                 g.deadline = None
             g._doing = (name, self.algo, "data exchange")
+            g.exchanging_since = time.perf_counter()  # past timeout: the watchdog aborts
             g.current = g._counts.setdefault(name, [0, 0, 0, 0])
             g.current[0] += 1
         except BaseException as error:
@@ -257,7 +265,7 @@ class _Running:
                 if request != MPI.REQUEST_NULL:
                     request.Cancel()  # best effort: a message already matched still lands
                     g.abandoned.append(request)  # MPI may still write its buffer
-        g.deadline = None
+        g.deadline = g.exchanging_since = None
         g.current = g._outside
         g.seconds += time.perf_counter() - self.start
         if g.receiving:

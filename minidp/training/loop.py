@@ -13,7 +13,6 @@ group's rank 0 prints, writes the JSON records and the sample; every rank may ke
 """
 
 import functools
-import json
 
 import numpy as np
 
@@ -25,6 +24,7 @@ from minidp.strategies import STRATEGIES
 from minidp.trace import Timeline
 from minidp.training.config import BadConfig, TrainConfig
 from minidp.training.meter import StepMeter, Window
+from minidp.training.records import Records
 from minidp.training.tasks import Task
 
 
@@ -75,7 +75,7 @@ def _train(config: TrainConfig, group: comm.Group) -> dict:
 
         log = RankLog(config.log_dir, group.rank)
         meter = StepMeter(strategy)
-        records = []
+        records = Records(config.json if group.rank == 0 else None)  # replaced now
         try:
             for step in range(config.steps):
                 lr = optim.warmup_cosine(
@@ -95,7 +95,10 @@ def _train(config: TrainConfig, group: comm.Group) -> dict:
                 )
                 meter.count()
                 if step % config.log_every == 0 or step == config.steps - 1:
-                    records.append(log_line(step, loss, lr, meter.window(), task, config, say))
+                    records.write(log_line(step, loss, lr, meter.window(), task, config, say))
+        except BaseException:
+            records.close()  # what was logged stays, each line whole
+            raise
         finally:
             log.close()
         # what training sent and held, read before the reports below add their own
@@ -122,6 +125,8 @@ def _train(config: TrainConfig, group: comm.Group) -> dict:
             **strategy.record(),
             "config": vars(config),  # every field, those of other strategies too
         }
+    records.write(final)  # the last line
+    records.close()
     report(final, config, say)
     if line := strategy.summary():
         say(line)
@@ -129,10 +134,6 @@ def _train(config: TrainConfig, group: comm.Group) -> dict:
         sample = task.sample()
         if sample is not None:
             say("sample:\n" + sample)
-        if config.json:
-            with open(config.json, "w") as f:
-                for record in [*records, final]:
-                    f.write(json.dumps(record) + "\n")
     if config.trace:
         timeline.save(config.trace, group)
         say(f"timeline: {config.trace} (open in ui.perfetto.dev)")
