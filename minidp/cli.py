@@ -199,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
         train(config)
     except BadConfig as error:  # found on every rank alike: one line, every rank exits
         raise die(str(error)) from None
-    except TrainingDiverged as error:  # judged on the global loss: every rank alike
+    except TrainingDiverged as error:  # judged on global values: every rank alike
         raise die(str(error), code=1) from None
     except BaseException as error:
         end_job(error)

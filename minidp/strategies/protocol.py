@@ -61,10 +61,13 @@ from minidp.trace import Timeline
 
 
 class StepResult(NamedTuple):
-    """What one step reports: the global batch's loss and this rank's own part of it."""
+    """What one step reports: the global batch's loss, this rank's own part of it, and
+    whether the optimizer stepped (False: the loss or the global gradient norm was not
+    finite, found alike on every rank, and no rank stepped)."""
 
     loss: float
     local_loss: float
+    stepped: bool = True
 
 
 class Strategy:
@@ -176,10 +179,11 @@ class Recipe(Strategy):
     def held(self) -> dict[str, list]:
         raise NotImplementedError
 
-    def clip(self) -> None:
-        """Scale the gradients by --grad-clip / the global norm (the skeleton's `clip`)."""
+    def clip(self) -> float:
+        """Scale the gradients by --grad-clip / the global norm (the skeleton's `clip`);
+        return that norm (the same on every rank)."""
         norm = self.norm("grad")
-        optim.clip_grad_norm(self.clip_params, self.config.grad_clip, total_norm=norm)
+        return optim.clip_grad_norm(self.clip_params, self.config.grad_clip, total_norm=norm)
 
     def param_l2(self) -> float:
         return self.norm("data")

@@ -40,6 +40,7 @@ DATA_PARALLEL = ("dp", "tp", "hybrid", "zero")
 """The strategies whose ranks hold replicas (or shards) reduced by allreduce: they read the
 data-parallel flags (allreduce, buckets, overlap, micro-batches); the parameter server not."""
 PP = ("pp", "hybrid")  # the strategies that read the pipeline's flags
+STEPPED = ("dp", "tp", "zero", "pp", "hybrid")  # those that run strategies/step.py
 
 
 @dataclass
@@ -96,6 +97,12 @@ class TrainConfig(Flags):
     threads: int = flag(0, "BLAS threads per rank (0: cores / ranks on this machine)")
     trace: str | None = flag(None, "write a Chrome-trace timeline")
     log_dir: str | None = flag(None, "one log file per rank here")
+    skip_nonfinite: bool = flag(
+        False,
+        "a step whose loss or global gradient norm (computed where --grad-clip clips) is "
+        "not finite is skipped by every rank, logged and counted, instead of ending the run",
+        strategies=STEPPED,
+    )
 
     # Each scheme's own flags go in its section below, with the strategies they belong to.
 

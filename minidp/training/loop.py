@@ -24,12 +24,10 @@ from minidp.strategies import STRATEGIES
 from minidp.trace import Timeline
 from minidp.training.config import BadConfig, TrainConfig
 from minidp.training.meter import StepMeter, Window
+from minidp.training.nonfinite import TrainingDiverged as TrainingDiverged  # re-exported
+from minidp.training.nonfinite import nonfinite_step
 from minidp.training.records import Records
 from minidp.training.tasks import Task
-
-
-class TrainingDiverged(RuntimeError):
-    """The loss became NaN or infinite."""
 
 
 def blas_threads_per_rank(requested: int) -> int:
@@ -76,18 +74,17 @@ def _train(config: TrainConfig, group: comm.Group) -> dict:
         log = RankLog(config.log_dir, group.rank)
         meter = StepMeter(strategy)
         records = Records(config.json if group.rank == 0 else None)  # replaced now
+        skipped = []  # steps with a non-finite loss or gradient (--skip-nonfinite)
         try:
             for step in range(config.steps):
                 lr = optim.warmup_cosine(
                     step, config.lr, config.warmup, config.steps, config.min_lr_ratio
                 )
                 local = sampler.local_indices(step) if sampler is not None else None
-                loss, local_loss = strategy.step(local, lr)
-                if not np.isfinite(loss):
-                    raise TrainingDiverged(
-                        f"loss is {loss} at step {step}: try a lower --lr "
-                        f"(now {config.lr}) or --dtype float64"
-                    )
+                result = strategy.step(local, lr)
+                loss, local_loss = result.loss, result.local_loss
+                if not (result.stepped and np.isfinite(loss)):  # alike on every rank
+                    skipped.append(nonfinite_step(step, result, config, group, say, log))
                 n_local = 0 if local is None else len(local)
                 log.write(
                     f"step {step} local_examples {n_local} local_loss {local_loss:.6f} "
@@ -122,6 +119,7 @@ def _train(config: TrainConfig, group: comm.Group) -> dict:
             "memory_bytes_per_rank": per_rank,
             "model": config.model,
             "dtype": config.dtype,
+            "skipped_steps": skipped,
             **strategy.record(),
             "config": vars(config),  # every field, those of other strategies too
         }
