@@ -50,7 +50,7 @@ pieces (tp.py): no scheme's class derives from another's. The parameter server
 """
 
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -92,6 +92,12 @@ class Strategy:
 
     def max_param_diff(self) -> float:
         raise NotImplementedError
+
+    def replicas(self) -> list[tuple[comm.Group, list[tuple[str, Any]]]]:
+        """Collective-free: [(group, [(name, array), ...])], each group's ranks holding the
+        same bits of those arrays (the drift detector, training/drift.py, compares them);
+        [] where no rank holds a copy of another's (shards only)."""
+        return []
 
     def bytes_sent_by_axis(self) -> dict[str, int]:
         raise NotImplementedError

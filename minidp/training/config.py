@@ -103,6 +103,12 @@ class TrainConfig(Flags):
         "not finite is skipped by every rank, logged and counted, instead of ending the run",
         strategies=STEPPED,
     )
+    check_every: int = flag(
+        0,
+        "every N steps, compare a hash of the parameters among the ranks that should hold "
+        "the same bits, and stop naming the first that differ (0: never; training/drift.py)",
+        strategies=("dp", "tp", "zero", "hybrid"),
+    )
 
     # Each scheme's own flags go in its section below, with the strategies they belong to.
 

@@ -23,6 +23,7 @@ from minidp.memory import CATEGORIES
 from minidp.strategies import STRATEGIES
 from minidp.trace import Timeline
 from minidp.training.config import BadConfig, TrainConfig
+from minidp.training.drift import check_replicas
 from minidp.training.meter import StepMeter, Window
 from minidp.training.nonfinite import TrainingDiverged as TrainingDiverged  # re-exported
 from minidp.training.nonfinite import nonfinite_step
@@ -91,6 +92,8 @@ def _train(config: TrainConfig, group: comm.Group) -> dict:
                     f"global_loss {loss:.6f}"
                 )
                 meter.count()
+                if config.check_every and (step + 1) % config.check_every == 0:
+                    check_replicas(strategy, step)  # collective; stops naming a drift
                 if step % config.log_every == 0 or step == config.steps - 1:
                     records.write(log_line(step, loss, lr, meter.window(), task, config, say))
         except BaseException:
