@@ -172,3 +172,48 @@ def test_a_finished_run_ends_its_records_with_the_final_one(tmp_path):
     lines = [json.loads(line) for line in records.read_text().splitlines()]
     assert [r.get("step") for r in lines[:-1]] == [0, 1, 2] and "final_loss" in lines[-1]
     assert not [name for name in os.listdir(tmp_path) if name.endswith(".tmp")]
+
+
+PS = ["--strategy", "ps", "--model", "mlp", "--hidden", "16", "--batch-size", "8"]
+PS += ["--ps-timeout", "2", "--eval-batches", "1", "--log-every", "1"]
+
+
+def ps_job(tmp_path, consistency: str, steps: int) -> subprocess.Popen:
+    args = [*PS, "--consistency", consistency, "--steps", str(steps)]
+    return launch(3, *args, "--log-dir", str(tmp_path), "--json", str(tmp_path / "r.json"))
+
+
+@pytest.mark.timeout(60)
+def test_a_stopped_worker_under_asp_is_dropped_and_the_job_finishes(tmp_path):
+    began = time.time()
+    job = ps_job(tmp_path, "asp", 2500)  # ~3 s of training on 2 cores, more than the drop
+    wait_for_step(tmp_path / "rank1.log", 20, job)
+    os.kill(rank_pids(job)[1], signal.SIGSTOP)  # worker 1 (rank 2 serves)
+    out, err, seconds = finish(job, 50)
+    assert job.returncode == 0, err
+    assert "worker 1 sent nothing for 2 s; dropped, training goes on with 1 workers" in err
+    assert "dropped worker(s) 1 never ended" in out
+    records = [json.loads(line) for line in (tmp_path / "r.json").read_text().splitlines()]
+    final = records[-1]
+    assert final["dropped_workers"] == [1] and final["workers_not_ended"] == [1]
+    dropped_at = final["dropped_at_clock"]["1"]
+    after = {r["loss"] for r in records[:-1] if r["step"] > dropped_at + 5}
+    assert len(after) > 10, "the logged loss stays frozen after the drop"
+    leaked_shm(began)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("who", ["worker", "server"])
+def test_a_stopped_worker_under_bsp_or_a_stopped_server_ends_the_job_naming_it(who, tmp_path):
+    began = time.time()
+    job = ps_job(tmp_path, "bsp", 100000)
+    wait_for_step(tmp_path / "rank0.log", 5, job)
+    os.kill(rank_pids(job)[1 if who == "worker" else 2], signal.SIGSTOP)
+    _, err, seconds = finish(job, 30)
+    assert job.returncode != 0 and seconds < 2 * 2 + 5, (seconds, err)
+    named = {
+        "worker": "worker 1 (rank 1) sent nothing to server rank 2 for 2 s",
+        "server": "no reply from server rank(s) [2] within 4 s",
+    }[who]
+    assert named in err, err
+    leaked_shm(began)

@@ -24,6 +24,8 @@ Groups are made from other groups, and every rank of the parent must take part:
     group.subgroup([0, 2, 4])    the listed ranks, in that order (None on the others)
     group.dup()                  the same ranks on a fresh communicator, fresh counters and
                                  scratch: give one to each thread that runs collectives
+    group.members([0, 2])        the listed ranks, made by them alone (the others may be
+                                 dead: the parameter server's live ranks after a drop)
 
 Threads: a group runs one collective at a time. Two threads calling collectives on the same
 group would interleave their messages, so the second raises RuntimeError at once; give each
@@ -125,6 +127,15 @@ class Group:
             raise ValueError(f"ranks must be distinct and in [0, {self.size}), got {ranks}")
         member = self.rank in ranks
         return self.split(0 if member else None, ranks.index(self.rank) if member else 0)
+
+    def members(self, ranks: list[int]) -> "Group":
+        """The listed ranks (of this group) as a new group, made by those ranks alone
+        (MPI_Comm_create_group): the others take no part, so a rank that is dead or stopped
+        cannot hold it up. Every listed rank must call it with the same list."""
+        ranks = [int(r) for r in ranks]
+        if self.rank not in ranks:
+            raise ValueError(f"rank {self.rank} is not one of the members {ranks}")
+        return self._wrap(self.comm.Create_group(self.comm.Get_group().Incl(ranks)))
 
     def dup(self) -> "Group":
         """Same ranks, own communicator, scratch and counters (e.g. for a comm thread)."""

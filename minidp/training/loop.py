@@ -103,7 +103,8 @@ def _train(config: TrainConfig, group: comm.Group) -> dict:
             log.close()
         # what training sent and held, read before the reports below add their own
         total, by_axis, memory = meter.total(), meter.bytes_by_axis(), strategy.memory_bytes()
-        per_rank = memory_per_rank(memory, group)  # collective: shards differ by rank
+        # collective among the ranks still in the job (a dropped ps worker is not)
+        per_rank = memory_per_rank(memory, strategy.group)  # shards differ by rank
         strategy.gather_model()  # the whole trained model in task.model, for what follows
         final = {
             "final_loss": loss,
@@ -136,7 +137,7 @@ def _train(config: TrainConfig, group: comm.Group) -> dict:
         if sample is not None:
             say("sample:\n" + sample)
     if config.trace:
-        timeline.save(config.trace, group)
+        timeline.save(config.trace, strategy.group)
         say(f"timeline: {config.trace} (open in ui.perfetto.dev)")
     return final
 
