@@ -186,7 +186,7 @@ def ps_job(tmp_path, consistency: str, steps: int) -> subprocess.Popen:
 @pytest.mark.timeout(60)
 def test_a_stopped_worker_under_asp_is_dropped_and_the_job_finishes(tmp_path):
     began = time.time()
-    job = ps_job(tmp_path, "asp", 2500)  # ~3 s of training on 2 cores, more than the drop
+    job = ps_job(tmp_path, "asp", 4000)  # ~6 s here: well past the drop, 2 s after the stop
     wait_for_step(tmp_path / "rank1.log", 20, job)
     os.kill(rank_pids(job)[1], signal.SIGSTOP)  # worker 1 (rank 2 serves)
     out, err, seconds = finish(job, 50)
