@@ -198,15 +198,31 @@ def main(argv: list[str] | None = None) -> int:
     from minidp.training.loop import TrainingDiverged, train
 
     try:
-        train(config)
+        final = train(config)
     except BadConfig as error:  # found on every rank alike: one line, every rank exits
         raise die(str(error)) from None
-    except TrainingDiverged as error:  # judged on the global loss: every rank alike
+    except TrainingDiverged as error:  # judged on global values: every rank alike
         raise die(str(error), code=1) from None
     except BaseException as error:
         end_job(error)
         raise
+    if final.get("workers_not_ended"):
+        end_without(final["workers_not_ended"])
     return 0
+
+
+def end_without(workers: list[int]) -> None:
+    """The job's record is written, but a dropped parameter-server worker never ended (dead
+    or stopped): it would hold MPI_Finalize forever, so world rank 0 ends the job with
+    MPI_Abort(0) (exit code 0: the run itself finished). The other ranks wait in Finalize."""
+    from mpi4py import MPI
+
+    if MPI.COMM_WORLD.Get_rank() == 0:
+        print0(
+            f"minidp: dropped worker(s) {', '.join(map(str, workers))} never ended; ending the "
+            "job (MPI_Abort, code 0) now that everything is written"
+        )
+        MPI.COMM_WORLD.Abort(0)
 
 
 def check_environment() -> None:

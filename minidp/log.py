@@ -56,13 +56,14 @@ class JobError(RuntimeError):
 
 
 class RankLog:
-    """One log file per rank (`--log-dir DIR` -> DIR/rank0.log, DIR/rank1.log, ...)."""
+    """One log file per rank (`--log-dir DIR` -> DIR/rank0.log, DIR/rank1.log, ...), line
+    buffered: each line reaches the file as it is written, so a killed rank keeps its log."""
 
     def __init__(self, directory: str | None, rank: int):
         self.file = None
         if directory:
             os.makedirs(directory, exist_ok=True)
-            self.file = open(os.path.join(directory, f"rank{rank}.log"), "w")
+            self.file = open(os.path.join(directory, f"rank{rank}.log"), "w", buffering=1)
 
     def write(self, line: str) -> None:
         if self.file:

@@ -29,6 +29,7 @@ def _native(dtype: np.dtype) -> bool:
 def _run(group, name: str, *args) -> None:
     """comm.<name>(*args), or its non-blocking twin polled against the deadline."""
     if group.deadline is None and not group.patient:
+        group.waiting_on = None  # every other rank (watchdog.py)
         try:
             getattr(group.comm, name)(*args)
         except MPI.Exception as error:

@@ -33,7 +33,8 @@ truncation error, or, worst, a silently wrong answer. Three guards, all on by de
    fingerprint exchange, the rendezvous: once every rank has shown the same fingerprint and
    none has given up, all are inside the same call with the same arguments, so the data
    moves on MPI's blocking calls (p2p.py's fast path; polling with a deadline cost 7-9% of
-   the main job's time here). With checks
+   the main job's time here), and the watchdog (watchdog.py) holds the deadline there: a
+   data exchange still running past it prints one line and aborts the job. With checks
    off and a deadline set, it covers every wait of the call. Without a deadline a wait can
    last forever (MPI's own blocking call).
 

@@ -12,6 +12,9 @@ A Group wraps one MPI communicator and adds what the algorithms need:
     seconds             wall time this rank spent inside the group's collectives, in total
     checks, timeout     cross-rank fingerprints and the wait deadline (checks.py); the
                         deadline follows `checks` unless `timeout` was set explicitly
+    exchanging_since,   when the running collective's data exchange began (perf_counter;
+    waiting_on          None outside one) and the peer its blocking wait is on, for the
+                        watchdog (watchdog.py) that holds the deadline there
 
 Groups are made from other groups, and every rank of the parent must take part:
 
@@ -21,6 +24,8 @@ Groups are made from other groups, and every rank of the parent must take part:
     group.subgroup([0, 2, 4])    the listed ranks, in that order (None on the others)
     group.dup()                  the same ranks on a fresh communicator, fresh counters and
                                  scratch: give one to each thread that runs collectives
+    group.members([0, 2])        the listed ranks, made by them alone (the others may be
+                                 dead: the parameter server's live ranks after a drop)
 
 Threads: a group runs one collective at a time. Two threads calling collectives on the same
 group would interleave their messages, so the second raises RuntimeError at once; give each
@@ -41,6 +46,7 @@ from minidp.comm.checks import (
     timeout_from_env,
 )
 from minidp.comm.errors import CollectiveError
+from minidp.comm.watchdog import watch
 
 _FROM_ENV = object()
 
@@ -82,6 +88,9 @@ class Group:
         self._lock = threading.Lock()
         self._fingerprints: Fingerprints | None = None  # made at the first checked call
         self.shared = None  # shm.SharedMemory: segments every rank reads, made on first use
+        self.exchanging_since: float | None = None  # the watchdog's clock (watchdog.py)
+        self.waiting_on: int | list | None = None  # the peer(s) of the blocking wait
+        watch(self)
 
     def __repr__(self) -> str:
         return f"Group(rank={self.rank}, size={self.size}, world_ranks={self.world_ranks})"
@@ -118,6 +127,15 @@ class Group:
             raise ValueError(f"ranks must be distinct and in [0, {self.size}), got {ranks}")
         member = self.rank in ranks
         return self.split(0 if member else None, ranks.index(self.rank) if member else 0)
+
+    def members(self, ranks: list[int]) -> "Group":
+        """The listed ranks (of this group) as a new group, made by those ranks alone
+        (MPI_Comm_create_group): the others take no part, so a rank that is dead or stopped
+        cannot hold it up. Every listed rank must call it with the same list."""
+        ranks = [int(r) for r in ranks]
+        if self.rank not in ranks:
+            raise ValueError(f"rank {self.rank} is not one of the members {ranks}")
+        return self._wrap(self.comm.Create_group(self.comm.Get_group().Incl(ranks)))
 
     def dup(self) -> "Group":
         """Same ranks, own communicator, scratch and counters (e.g. for a comm thread)."""
@@ -242,6 +260,7 @@ class _Running:
                 # and runs on MPI's blocking calls (the fast path of p2p.py).
                 g.deadline = None
             g._doing = (name, self.algo, "data exchange")
+            g.exchanging_since = time.perf_counter()  # past timeout: the watchdog aborts
             g.current = g._counts.setdefault(name, [0, 0, 0, 0])
             g.current[0] += 1
         except BaseException as error:
@@ -257,7 +276,7 @@ class _Running:
                 if request != MPI.REQUEST_NULL:
                     request.Cancel()  # best effort: a message already matched still lands
                     g.abandoned.append(request)  # MPI may still write its buffer
-        g.deadline = None
+        g.deadline = g.exchanging_since = None
         g.current = g._outside
         g.seconds += time.perf_counter() - self.start
         if g.receiving:

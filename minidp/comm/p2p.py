@@ -82,6 +82,7 @@ def waitall(group, requests: list, peers: list[int]) -> None:
     statuses = statuses_for(group, len(requests))
     try:
         if group.deadline is None and not group.patient:
+            group.waiting_on = peers  # for the watchdog (watchdog.py)
             MPI.Request.Waitall(requests, statuses)
         else:
             poll(group, requests, peers, statuses)
@@ -147,6 +148,7 @@ def sendrecv(group, send_buf: np.ndarray, dest: int, recv_buf: np.ndarray, sourc
         counts[2] += recv_buf.nbytes
         counts[3] += 1
         status = group.statuses[0]
+        group.waiting_on = source  # for the watchdog (watchdog.py)
         try:
             group.comm.Sendrecv(
                 [send_buf, BYTE], dest, DATA_TAG, [recv_buf, BYTE], source, DATA_TAG, status

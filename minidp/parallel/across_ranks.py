@@ -1,12 +1,14 @@
 """What ranks compute together about a model they share or shard: its global norm (and
-clipping by it, each shard counted once), how far replicas have drifted apart, the global
-batch's loss, the bytes a group has sent, and the stand-in a released parameter keeps.
+clipping by it, each shard counted once), how far replicas have drifted apart (and the first
+parameter whose bits differ among them), the global batch's loss, the bytes a group has
+sent, and the stand-in a released parameter keeps.
 
 Every piece and recipe uses these; none of them holds state. Each is a collective over the
 group it is given, unless it says otherwise.
 """
 
 import math
+import zlib
 
 import numpy as np
 
@@ -59,3 +61,28 @@ def bytes_sent(*groups: comm.Group) -> int:
 def global_loss(local_loss: float, share: float, group: comm.Group) -> float:
     """The global batch's mean loss: the sum over ranks of (n_r / B) * this rank's mean."""
     return float(comm.allreduce(np.array([local_loss * share]), group=group)[0])
+
+
+def first_difference(named_arrays: list[tuple[str, object]], group: comm.Group) -> str | None:
+    """Among ranks of `group` that should hold the same bits of these (name, array) pairs:
+    None if they do, else a line naming the first parameter whose bits differ and the ranks
+    that differ from the most of them (from rank 0 on a tie).
+
+    Each rank hashes each array (CRC-32 of its bytes) and the hashes are allgathered: one
+    message of 8 bytes per parameter, never the parameters themselves. Every rank reads the
+    same table, so every rank returns the same answer."""
+    if not named_arrays or group.size == 1:
+        return None
+    mine = [zlib.crc32(np.ascontiguousarray(to_numpy(a)).view(np.uint8)) for _, a in named_arrays]
+    table = comm.allgather(np.array(mine, np.int64), group=group).reshape(group.size, -1)
+    for j in np.flatnonzero((table != table[0]).any(axis=0)):
+        column = table[:, j].tolist()
+        most = max(column, key=lambda h: (column.count(h), h == column[0]))
+        ranks = [r for r, h in enumerate(column) if h != most]
+        agree = [r for r, h in enumerate(column) if h == most]
+        return (
+            f"parameter {named_arrays[j][0]!r} on rank(s) {', '.join(map(str, ranks))} "
+            f"differs from rank(s) {', '.join(map(str, agree))} (world ranks "
+            f"{', '.join(str(group.world_ranks[r]) for r in ranks)})"
+        )
+    return None

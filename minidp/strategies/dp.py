@@ -265,6 +265,10 @@ class DataParallel(Recipe):
     def max_param_diff(self) -> float:
         return replica_spread([p.data for p in self.ddp.parameters()], self.group)
 
+    def replicas(self) -> list:
+        """Every rank a whole replica."""
+        return [(self.group, [(n, p.data) for n, p in self.model.named_parameters()])]
+
     def held(self) -> dict[str, list]:
         held = self.dp.held()
         held["buffers"].insert(0, self.group.scratch.nbytes)

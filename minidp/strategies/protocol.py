@@ -54,7 +54,7 @@ pieces (tp.py): no scheme's class derives from another's. The parameter server
 """
 
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -65,10 +65,13 @@ from minidp.trace import Timeline
 
 
 class StepResult(NamedTuple):
-    """What one step reports: the global batch's loss and this rank's own part of it."""
+    """What one step reports: the global batch's loss, this rank's own part of it, and
+    whether the optimizer stepped (False: the loss or the global gradient norm was not
+    finite, found alike on every rank, and no rank stepped)."""
 
     loss: float
     local_loss: float
+    stepped: bool = True
 
 
 class Strategy:
@@ -93,6 +96,12 @@ class Strategy:
 
     def max_param_diff(self) -> float:
         raise NotImplementedError
+
+    def replicas(self) -> list[tuple[comm.Group, list[tuple[str, Any]]]]:
+        """Collective-free: [(group, [(name, array), ...])], each group's ranks holding the
+        same bits of those arrays (the drift detector, training/drift.py, compares them);
+        [] where no rank holds a copy of another's (shards only)."""
+        return []
 
     def bytes_sent_by_axis(self) -> dict[str, int]:
         raise NotImplementedError
@@ -183,10 +192,11 @@ class Recipe(Strategy):
     def held(self) -> dict[str, list]:
         raise NotImplementedError
 
-    def clip(self) -> None:
-        """Scale the gradients by --grad-clip / the global norm (the skeleton's `clip`)."""
+    def clip(self) -> float:
+        """Scale the gradients by --grad-clip / the global norm (the skeleton's `clip`);
+        return that norm (the same on every rank)."""
         norm = self.norm("grad")
-        optim.clip_grad_norm(self.clip_params, self.config.grad_clip, total_norm=norm)
+        return optim.clip_grad_norm(self.clip_params, self.config.grad_clip, total_norm=norm)
 
     def param_l2(self) -> float:
         return self.norm("data")

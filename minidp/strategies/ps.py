@@ -53,6 +53,7 @@ from minidp.chunks import chunk_range
 from minidp.log import print0
 from minidp.memory import activation_bytes, nbytes, optimizer_bytes
 from minidp.parallel.across_ranks import bytes_sent, clip_global_norm, global_l2, stand_in
+from minidp.parallel.param_server.membership import NONE_DROPPED, account, live_group
 from minidp.parallel.param_server.pieces import ParameterServerWorker, flatten, load_flat
 from minidp.parallel.param_server.server import ShardServer
 from minidp.strategies.protocol import StepResult, Strategy
@@ -81,7 +82,8 @@ class ParameterServer(Strategy):
         self.histogram = np.zeros(config.steps + 1, dtype=np.int64)  # staleness 0..steps
         self.mismatch, self.traffic, self.clock = 0.0, None, 0
         self.steps_run = 0  # by this object: its counters' steps, after a resume too
-        self.duplicates, self.dropped = 0, []  # gathered by gather_model
+        self.drops = dict(NONE_DROPPED)  # gather_model's account: who was dropped, when
+        self.live_ranks = list(range(P))  # after the last clock: those still in the job
         self.staleness = self.histogram  # this rank's until gather_model sums them
         self.activations_peak, self._measure = 0, True
         if self.is_server:
@@ -109,7 +111,12 @@ class ParameterServer(Strategy):
         if self.is_server:
             loss = self.server.serve_until(self.clock, last)
             self.clock += 1
+            self.keep_live_ranks(last)
             return StepResult(loss, 0.0)
+        if self.worker.stopped:  # a server dropped this worker: it trains no more
+            self.clock += 1
+            self.keep_live_ranks(last)
+            return StepResult(self.last_loss, 0.0)
         task, span, config = self.task, self.timeline.span, self.config
         if self.slow:
             time.sleep(self.slow)
@@ -130,16 +137,37 @@ class ParameterServer(Strategy):
         self.comm_seconds += time.perf_counter() - start
         self.exposed_seconds = self.comm_seconds
         self.clock += 1
+        self.last_loss = step_loss
+        self.keep_live_ranks(last)
         return StepResult(step_loss, local_loss)
+
+    def keep_live_ranks(self, last: bool) -> None:
+        """After the last clock: self.group made of the ranks still in the job (a dropped
+        worker is not: membership.py), for every collective that follows."""
+        if last:
+            self.group, self.live_ranks = live_group(
+                self.group, self.ps, self.n_workers, server=getattr(self, "server", None),
+                stopped=not self.is_server and self.worker.stopped,
+                server_group=self.server_group, timeout=2 * self.config.ps_timeout,
+            )  # fmt: skip
 
     # ---- after training -------------------------------------------------------------------
     def gather_model(self) -> None:
-        """Collective: every shard broadcast from its server; the traffic and histogram."""
+        """Collective over the live ranks: every shard broadcast from its server; the traffic
+        and histogram. A dropped worker keeps what it last pulled."""
+        stopped, W = not self.is_server and self.worker.stopped, self.n_workers
+        server, timeout = getattr(self, "server", None), self.config.ps_timeout
+        self.drops = account(
+            self.group, self.ps, W, self.live_ranks, server=server, stopped=stopped, timeout=timeout
+        )
+        if stopped:
+            return
         full = np.empty(self.shards[-1][1], dtype=self.params[0].data.dtype)
         for s, (lo, hi) in enumerate(self.shards):
-            if self.group.rank == self.servers[s]:
+            root = self.live_ranks.index(self.servers[s])
+            if self.group.rank == root:
                 full[lo:hi] = self.server.param.data
-            comm.broadcast(full[lo:hi], root=self.servers[s], group=self.group)
+            comm.broadcast(full[lo:hi], root=root, group=self.group)
         if self.is_server:  # fresh arrays in place of the stand-ins
             for p in self.params:
                 p.data = np.empty(p.shape, p.dtype)
@@ -150,15 +178,9 @@ class ParameterServer(Strategy):
         counters = self.ps.counters.get("p2p", {"bytes_sent": 0, "bytes_recv": 0})
         mine = np.array([counters["bytes_sent"], counters["bytes_recv"]], dtype=np.int64)
         self.traffic = comm.allgather(mine, group=self.group)
-        lost = np.zeros(self.n_workers + 1, dtype=np.int64)  # [resends dropped, dropped?...]
-        if self.is_server:
-            lost[0] = self.server.duplicates
-            lost[1 + np.array(self.server.dropped, dtype=np.int64)] = 1
-        lost = comm.allreduce(lost, group=self.group)
-        self.duplicates, self.dropped = int(lost[0]), [int(w) for w in np.flatnonzero(lost[1:])]
         say = functools.partial(print0, rank=self.group.rank)
         say("staleness histogram (clocks: updates): " + staleness_line(self.staleness))
-        for r, (out, into) in enumerate(self.traffic):
+        for r, (out, into) in zip(self.live_ranks, self.traffic):
             role = "server" if r in self.servers else "worker"
             n = max(1, self.steps_run)
             say(f"  {role} rank {r}: {into / n:,.0f} B in, {out / n:,.0f} B out per step")
@@ -217,15 +239,14 @@ class ParameterServer(Strategy):
                 "bytes_out_per_step": int(t[0]) / max(1, self.steps_run),
                 "bytes_in_per_step": int(t[1]) / max(1, self.steps_run),
             }
-            for r, t in enumerate(self.traffic if self.traffic is not None else [])
+            for r, t in zip(self.live_ranks, self.traffic if self.traffic is not None else [])
         ]
         return {
             "consistency": self.config.consistency,
             "servers": len(self.servers),
             "staleness_histogram": counts,
             "ps_traffic": traffic,
-            "duplicates_dropped": self.duplicates,  # over every server
-            "dropped_workers": self.dropped,
+            **self.drops,  # resends dropped; workers dropped, when, and those that never ended
         }
 
     # ---- resuming -------------------------------------------------------------------------

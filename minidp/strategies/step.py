@@ -9,8 +9,8 @@ A recipe (protocol.py) builds its pieces and hands them to `Step`; the step does
         backward                                    # the synchronizer's hooks reduce
     sync.finish_gradient_sync(); after-sync hooks   # "gradient sync wait"
     global loss = allreduce_dp(n_r / B * local loss)
-    if finite:  clip; optimizer.step()              # "optimizer"
-                after-step hooks                    # ZeRO's "parameter allgather", ...
+    if finite:  norm = clip()                       # "optimizer"
+                if finite norm: optimizer.step(); after-step hooks  # ZeRO's allgather, ...
 
 The pieces, each anything with the methods named:
 - `loss(indices)`: the mean loss over these examples of the global dataset (a Tensor).
@@ -20,7 +20,9 @@ The pieces, each anything with the methods named:
   whose backwards never reduce (`reduces_in_backward = False`), a third.
 - `optimizer`: `lr` and `step()`; minidp.optim's, or a wrapper that syncs inside its step
   (parallel/compression/update.py, parallel/compression/velocity.py).
-- `clip()`: scale the gradients by the global norm, each shard counted once (None: none).
+- `clip()`: scale the gradients by the global norm, each shard counted once, and return
+  that norm (the same on every rank), or None where the norm is each rank's own (None: no
+  clipping).
 - hooks: `before` the step, `after_sync` (TP's replicated gradients), `after_step` (ZeRO's
   parameter allgather, the hybrid's drift broadcast): plain callables.
 
@@ -29,8 +31,10 @@ the optimizer wrapper syncs inside its step: the trace then shows an empty "grad
 wait" here and the real one inside "optimizer".
 
 Replicas stay identical, so the global loss (one scalar allreduce over the data-parallel
-group) is the same on every rank, and every rank skips a non-finite step alike: no message
-is left unmatched.
+group) and the global gradient norm are the same on every rank, and every rank skips a step
+where either is not finite alike (a NaN in one rank's gradient that its loss does not show
+spreads through the sync, and the global norm sees it): no message is left unmatched, and
+the parameters stay as they were and identical.
 """
 
 import contextlib
@@ -97,14 +101,17 @@ class Step:
             for hook in self.after_sync:
                 hook()
         step_loss = global_loss(local_loss, len(local) / self.batch_size, self.dp_group)
-        if np.isfinite(step_loss):  # alike on every rank: no step, no message
+        stepped = bool(np.isfinite(step_loss))  # alike on every rank: no step, no message
+        if stepped:
             with span("optimizer"):
-                if self.clip is not None:
-                    self.clip()
-                self.optimizer.step()
-            for hook in self.after_step:
-                hook()
-        return StepResult(step_loss, local_loss)
+                norm = self.clip() if self.clip is not None else None
+                stepped = norm is None or bool(np.isfinite(norm))  # global: alike too
+                if stepped:
+                    self.optimizer.step()
+            if stepped:
+                for hook in self.after_step:
+                    hook()
+        return StepResult(step_loss, local_loss, stepped)
 
     def forward_backward(self, local: np.ndarray) -> float:
         """Forward and backward of each of the K micro-batches of this rank's examples, all

@@ -183,6 +183,15 @@ class OnTheMesh(Recipe):
         replicated = optim.sum_of_squares(getattr(p, kind) for p in self.replicated)
         return math.sqrt(float(total[0]) + replicated)
 
+    def replicas(self) -> list:
+        """The TP shards alike over the DP axis, the replicated parameters on every rank
+        (under ZeRO the DP axis holds shards: only the replicated ones)."""
+        name = {id(p): n for n, p in self.model.named_parameters()}
+        replicated = [(self.group, [(name[id(p)], p.data) for p in self.replicated])]
+        if self.zero is not None:
+            return replicated
+        return [(self.dp_group, [(name[id(p)], p.data) for p in self.sharded]), *replicated]
+
     def max_param_diff(self) -> float:
         if self.zero is not None:  # as ZeRO: the whole model after gather_model
             return replica_spread([p.data for p in self.task.model.parameters()], self.group)

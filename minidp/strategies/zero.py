@@ -122,6 +122,12 @@ class ZeRO(Recipe):
         """Spread among the ranks of the whole model (after gather_model, at stage 3)."""
         return replica_spread([p.data for p in self.task.model.parameters()], self.group)
 
+    def replicas(self) -> list:
+        """Stages 1 and 2: every rank the whole model, updated by allgather; stage 3: shards."""
+        if self.stage == 3:
+            return []
+        return [(self.group, [(n, p.data) for n, p in self.model.named_parameters()])]
+
     def gather_model(self) -> None:
         if self.gathered is not None:
             self.gathered.materialize()

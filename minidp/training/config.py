@@ -40,6 +40,7 @@ DATA_PARALLEL = ("dp", "tp", "hybrid", "zero")
 """The strategies whose ranks hold replicas (or shards) reduced by allreduce: they read the
 data-parallel flags (allreduce, buckets, overlap, micro-batches); the parameter server not."""
 PP = ("pp", "hybrid")  # the strategies that read the pipeline's flags
+STEPPED = ("dp", "tp", "zero", "pp", "hybrid")  # those that run strategies/step.py
 
 
 @dataclass
@@ -100,6 +101,20 @@ class TrainConfig(Flags):
     save_dir: str | None = flag(None, "write checkpoints here (DIR/step_NNNNNN)")
     save_every: int = flag(0, "save every N steps (0: once, at the end)", with_="save_dir")
     resume: str | None = flag(None, "resume from DIR's newest complete checkpoint, or DIR/step_N")
+
+    # faults (docs/faults.md)
+    skip_nonfinite: bool = flag(
+        False,
+        "a step whose loss or global gradient norm (computed where --grad-clip clips) is "
+        "not finite is skipped by every rank, logged and counted, instead of ending the run",
+        strategies=STEPPED,
+    )
+    check_every: int = flag(
+        0,
+        "every N steps, compare a hash of the parameters among the ranks that should hold "
+        "the same bits, and stop naming the first that differ (0: never; training/drift.py)",
+        strategies=("dp", "tp", "zero", "hybrid"),
+    )
 
     # Each scheme's own flags go in its section below, with the strategies they belong to.
 

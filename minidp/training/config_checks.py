@@ -73,6 +73,14 @@ def check_config(config) -> None:
     check_pipeline(config, config.pp)
     check_log_dir(config)
     check_checkpoints(config)
+    if config.check_every and (
+        config.pp > 1 or (config.strategy, config.zero_stage) == ("zero", 3)
+    ):
+        raise BadConfig(
+            "--check-every compares the copies ranks hold of one parameter: under "
+            f"--strategy {config.strategy} with --{'pp' if config.pp > 1 else 'zero-stage'} "
+            f"{config.pp if config.pp > 1 else 3} no rank holds a copy of another's"
+        )
 
 
 def check_ranges(config) -> None:
@@ -92,7 +100,7 @@ def check_ranges(config) -> None:
     if not 0.0 <= config.min_lr_ratio <= 1.0:
         raise BadConfig(f"--min-lr-ratio must be in [0, 1], got {config.min_lr_ratio}")
     resolved = config.resolved()
-    for name in ("threads", "warmup", "sample_tokens", "grad_clip", "weight_decay"):
+    for name in ("threads", "warmup", "sample_tokens", "grad_clip", "weight_decay", "check_every"):
         value = getattr(resolved, name)
         if not (0 <= value < math.inf):
             raise BadConfig(f"{flag_name(name)} must be >= 0 and finite, got {value}")

@@ -13,7 +13,6 @@ group's rank 0 prints, writes the JSON records and the sample; every rank may ke
 """
 
 import functools
-import json
 
 import numpy as np
 
@@ -25,12 +24,12 @@ from minidp.strategies import STRATEGIES
 from minidp.trace import Timeline
 from minidp.training import resume
 from minidp.training.config import BadConfig, TrainConfig
+from minidp.training.drift import check_replicas
 from minidp.training.meter import StepMeter, Window
+from minidp.training.nonfinite import TrainingDiverged as TrainingDiverged  # re-exported
+from minidp.training.nonfinite import nonfinite_step
+from minidp.training.records import Records
 from minidp.training.tasks import Task
-
-
-class TrainingDiverged(RuntimeError):
-    """The loss became NaN or infinite."""
 
 
 def blas_threads_per_rank(requested: int) -> int:
@@ -77,33 +76,38 @@ def _train(config: TrainConfig, group: comm.Group) -> dict:
         start = resume.resume(config, strategy, group, task)  # 0, or the checkpoint's step
         log = RankLog(config.log_dir, group.rank)
         meter = StepMeter(strategy)
-        records = []
+        records = Records(config.json if group.rank == 0 else None)  # replaced now
+        skipped = []  # steps with a non-finite loss or gradient (--skip-nonfinite)
         try:
             for step in range(start, config.steps):
                 lr = optim.warmup_cosine(
                     step, config.lr, config.warmup, config.steps, config.min_lr_ratio
                 )
                 local = sampler.local_indices(step) if sampler is not None else None
-                loss, local_loss = strategy.step(local, lr)
-                if not np.isfinite(loss):
-                    raise TrainingDiverged(
-                        f"loss is {loss} at step {step}: try a lower --lr "
-                        f"(now {config.lr}) or --dtype float64"
-                    )
+                result = strategy.step(local, lr)
+                loss, local_loss = result.loss, result.local_loss
+                if not (result.stepped and np.isfinite(loss)):  # alike on every rank
+                    skipped.append(nonfinite_step(step, result, config, group, say, log))
                 n_local = 0 if local is None else len(local)
                 log.write(
                     f"step {step} local_examples {n_local} local_loss {local_loss:.6f} "
                     f"global_loss {loss:.6f}"
                 )
                 meter.count()
+                if config.check_every and (step + 1) % config.check_every == 0:
+                    check_replicas(strategy, step)  # collective; stops naming a drift
                 if step % config.log_every == 0 or step == config.steps - 1:
-                    records.append(log_line(step, loss, lr, meter.window(), task, config, say))
+                    records.write(log_line(step, loss, lr, meter.window(), task, config, say))
                 resume.save_if_due(config, strategy, group, task, step + 1)
+        except BaseException:
+            records.close()  # what was logged stays, each line whole
+            raise
         finally:
             log.close()
         # what training sent and held, read before the reports below add their own
         total, by_axis, memory = meter.total(), meter.bytes_by_axis(), strategy.memory_bytes()
-        per_rank = memory_per_rank(memory, group)  # collective: shards differ by rank
+        # collective among the ranks still in the job (a dropped ps worker is not)
+        per_rank = memory_per_rank(memory, strategy.group)  # shards differ by rank
         strategy.gather_model()  # the whole trained model in task.model, for what follows
         final = {
             "final_loss": loss,
@@ -122,9 +126,12 @@ def _train(config: TrainConfig, group: comm.Group) -> dict:
             "memory_bytes_per_rank": per_rank,
             "model": config.model,
             "dtype": config.dtype,
+            "skipped_steps": skipped,
             **strategy.record(),
             "config": vars(config),  # every field, those of other strategies too
         }
+    records.write(final)  # the last line
+    records.close()
     report(final, config, say)
     if line := strategy.summary():
         say(line)
@@ -132,12 +139,8 @@ def _train(config: TrainConfig, group: comm.Group) -> dict:
         sample = task.sample()
         if sample is not None:
             say("sample:\n" + sample)
-        if config.json:
-            with open(config.json, "w") as f:
-                for record in [*records, final]:
-                    f.write(json.dumps(record) + "\n")
     if config.trace:
-        timeline.save(config.trace, group)
+        timeline.save(config.trace, strategy.group)
         say(f"timeline: {config.trace} (open in ui.perfetto.dev)")
     return final
 

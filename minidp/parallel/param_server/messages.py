@@ -12,7 +12,12 @@ eight float64 fields, then the payload, each on its own tag:
                                        worker's local loss, its share n_r / B and lr
     worker ──PULL header──► server     "send me [lo, hi) once I may compute clock c"
     server ──REPLY header─► worker     version = clocks complete on that server; loss = the
-           ──REPLY_DATA───►            global loss of the newest complete clock; the shard
+           ──REPLY_DATA───►            global loss of the newest complete clock; the shard;
+                                       share = DROPPED when this server has dropped the worker
+                                       (it stops: no more pushes, no more pulls)
+    server ──MEMBERS──────► worker     after the last clock, from the first server to each
+                                       live worker: 1 for each worker the servers dropped
+    worker ──BYE──────────► server     a dropped worker that still runs, as it ends
 
 Two messages from one sender on one tag never overtake each other (MPI's order), and the
 server receives a header's payload from that sender at once, so a payload is never taken
@@ -29,7 +34,8 @@ import numpy as np
 from minidp.comm import p2p
 from minidp.comm.errors import CollectiveTimeout
 
-PUSH, PUSH_DATA, PULL, REPLY, REPLY_DATA = 7101, 7102, 7103, 7104, 7105
+PUSH, PUSH_DATA, PULL, REPLY, REPLY_DATA, MEMBERS, BYE = range(7101, 7108)
+DROPPED = -1.0  # a reply's share: this server dropped the worker
 FIELDS = ("worker", "clock", "lo", "hi", "version", "loss", "share", "lr")
 
 
@@ -126,6 +132,66 @@ def next_header(group, buf: np.ndarray, timeout: float):
 def recv_push_data(group, buf: np.ndarray, worker_rank: int) -> None:
     """The payload of the PUSH header just received from `worker_rank`."""
     p2p.waitall(group, [p2p.irecv(group, buf, worker_rank, PUSH_DATA)], [worker_rank])
+
+
+def tell_members(group, dropped: np.ndarray) -> None:
+    """The first server, after the last clock: the dropped-worker mask (int64, 1 = dropped)
+    to every worker, waiting only for the sends to live ones (a dropped one may be dead:
+    its send is left to MPI, the request kept)."""
+    requests = [p2p.isend(group, dropped, w, MEMBERS) for w in range(len(dropped))]
+    live = [w for w in range(len(dropped)) if not dropped[w]]
+    p2p.waitall(group, [requests[w] for w in live], live)
+    group.abandoned += [requests[w] for w in range(len(dropped)) if dropped[w]]
+
+
+def dropped_by_servers(group, first_server: int) -> bool:
+    """Whether the servers have said (MEMBERS, already here) that this worker was dropped."""
+    arrival = p2p.probe(group, first_server, MEMBERS, timeout=0)
+    if arrival is None:
+        return False
+    dropped = np.empty(arrival.nbytes // 8, np.int64)
+    p2p.recv_any(group, dropped, first_server, MEMBERS)
+    return bool(dropped[group.rank])
+
+
+def hear_members(group, dropped: np.ndarray, first_server: int, timeout: float) -> None:
+    """A live worker, after its last pull: the mask the first server sends, into `dropped`."""
+    try:
+        p2p.waitall_within(
+            group, [p2p.irecv(group, dropped, first_server, MEMBERS)], [first_server], timeout
+        )
+    except CollectiveTimeout:
+        raise ServerLost(
+            f"worker rank {group.rank}: server rank {first_server} did not say which workers "
+            f"are still in the job within {timeout:g} s after the last clock"
+        ) from None
+
+
+def say_bye(group, first_server: int, timeout: float) -> None:
+    """A dropped worker, as it ends: BYE to the first server (which may have stopped
+    listening: then the send is left to MPI)."""
+    request = p2p.isend(group, np.zeros(1, np.int64), first_server, BYE)
+    try:
+        p2p.waitall_within(group, [request], [first_server], timeout)
+    except CollectiveTimeout:
+        group.abandoned.append(request)
+
+
+def hear_byes(group, workers: list[int], timeout: float) -> list[int]:
+    """The first server: wait up to `timeout` for each of `workers` (dropped ones) to say
+    BYE; return those that did not (dead, stopped, or slower than that)."""
+    bufs = [np.zeros(1, np.int64) for _ in workers]
+    requests = [p2p.irecv(group, b, w, BYE) for b, w in zip(bufs, workers)]
+    try:
+        p2p.waitall_within(group, requests, list(workers), timeout)
+        return []
+    except CollectiveTimeout:
+        silent = [w for w, r in zip(workers, requests) if not r.Test()]
+        for request, _ in group.receiving.values():  # no BYE may land later
+            request.Cancel()
+            group.abandoned.append(request)
+        group.receiving.clear()
+        return silent
 
 
 def reply(group, worker_rank: int, header: Header, shard: np.ndarray) -> list:

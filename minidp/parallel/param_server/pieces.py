@@ -73,12 +73,14 @@ class ParameterServerWorker:
         self.shards = [chunk_range(self.flat.size, len(servers), s) for s in range(len(servers))]
         self.versions = [0] * len(servers)  # the clock of the parameters each server last sent
         self.clock = 0
+        self.stopped = False  # a server dropped this worker (too slow): it pushes no more
 
     def push_pull(self, lr: float, loss, share: float) -> float:
         """After backward: push every parameter's .grad (None: zeros) with this worker's
         `loss` (a float or a Tensor) and `share` (its n_w / B of the global batch), lr the
         servers' learning rate for this clock; pull the new parameters into the model.
-        Returns the global loss (before any clock is complete: this worker's own)."""
+        Returns the global loss (before any clock is complete: this worker's own). After
+        it, `stopped` is True when a server has dropped this worker: it pushes no more."""
         if not 0 < share <= 1:
             raise ValueError(f"share must be in (0, 1]: this worker's n_w / B, got {share}")
         if not math.isfinite(lr):
@@ -92,14 +94,22 @@ class ParameterServerWorker:
         ps, servers = self.ps, self.servers
         header = Header(ps.rank, self.clock, 0, 0, 0, local_loss, share, lr)
         sent = messages.push(ps, servers, self.shards, self.grad, header, self.versions)
-        replies = messages.pull(
-            ps, servers, self.shards, self.flat, ps.rank, self.clock + 1, 2 * self.timeout
-        )
+        try:
+            replies = messages.pull(
+                ps, servers, self.shards, self.flat, ps.rank, self.clock + 1, 2 * self.timeout
+            )
+        except messages.ServerLost:  # or the servers finished without this dropped worker
+            if not messages.dropped_by_servers(ps, servers[0]):
+                raise
+            ps.abandoned += sent[0]  # its pushes, never received: MPI may still read them
+            self.stopped = True
+            return local_loss
         for server, r in zip(servers, replies):
             if r.version < 0:  # a server's word that a worker went silent (BSP)
                 message = lost_message(-1 - r.version, server, self.timeout)
                 raise WorkerLost(message, reported_elsewhere=True)  # the server says it
         p2p.waitall(ps, sent[0], [None] * len(sent[0]))
+        self.stopped = any(r.share == messages.DROPPED for r in replies)
         self.versions = [r.version for r in replies]
         load_flat(self.params, self.flat)
         self.clock += 1

@@ -10,7 +10,8 @@ The server answers messages as they come (messages.py says what each carries):
                                  (the worker clipped g_w itself: the whole gradient is there)
     PULL (w, c)                  answered once  complete >= c - K  (BSP: K = 0; ASP: K = ∞;
                                  the last pull, c = steps, waits for every push: K = 0;
-                                 a dropped worker's other pulls are answered at once)
+                                 a dropped worker's pulls are answered at once, telling
+                                 it to stop)
 
 where complete = min over live workers of the clocks they pushed: every update of a clock
 below it is in. Ho et al. (NeurIPS 2013, "More effective distributed ML via a stale
@@ -29,7 +30,9 @@ advance once per push, so they see W times as many steps.
 A push whose (worker, clock) is already in is a resend: received and dropped (ps-lite's
 dedup). A live worker that is silent for `timeout` seconds while the server waits for it
 is an error under BSP (the server tells every waiting worker, so each rank raises naming
-it) and is dropped with a warning under ASP / SSP, training going on without it. Every
+it) and is dropped with a warning under ASP / SSP, training going on without it: its pushes
+are ignored and, if it still lives, its next reply tells it to stop. The server looks for
+silence at least once a second even while other workers keep it busy. Every
 server sees the silence; the first (rank n_workers) says it, once, and the others keep
 quiet (their WorkerLost is `reported_elsewhere`), so `S` servers print one line, not S.
 """
@@ -45,7 +48,7 @@ from minidp.comm import p2p
 from minidp.log import JobError
 from minidp.parallel.across_ranks import clip_global_norm
 from minidp.parallel.param_server import messages
-from minidp.parallel.param_server.messages import PULL, PUSH, Header
+from minidp.parallel.param_server.messages import DROPPED, PULL, PUSH, Header
 
 
 def consistency_bound(consistency: str) -> float:
@@ -97,6 +100,8 @@ class ShardServer:
         self.outbox: list = []  # replies in flight: [requests, buffers]
         self.answered = [0] * n_workers  # the clock of each worker's last answered pull
         self.duplicates, self.dropped = 0, []
+        self.dropped_at: dict[int, int] = {}  # dropped worker -> clocks complete then
+        self.looked = time.monotonic()  # the last look for silent workers
         self.header = messages.empty_header()
         self.scratch = np.empty_like(self.param.data)
 
@@ -106,7 +111,7 @@ class ShardServer:
         the final shard); return that clock's global loss."""
         while self.complete <= clock:
             self.serve_one()
-        if last:  # every worker, a dropped one too, gets the final shard
+        if last:  # every live worker gets the final shard (a dropped one has stopped)
             self.serve_pulls(self.steps)
             for requests, _ in self.outbox:
                 p2p.waitall(self.ps, requests, [None] * len(requests))
@@ -114,12 +119,14 @@ class ShardServer:
         return self.losses[clock]
 
     def serve_pulls(self, clock: int) -> None:
-        """Serve until every worker's pull for `clock` (or a later one) is answered."""
-        while min(self.answered) < clock:
+        """Serve until every live worker's pull for `clock` (or a later one) is answered."""
+        while min((self.answered[w] for w in self.live), default=clock) < clock:
             self.serve_one()
 
     def serve_one(self) -> None:
-        wait = min(1.0, self.timeout)  # wake now and then to look for silence
+        wait = min(1.0, self.timeout)  # look for silence this often, busy or not: the
+        if time.monotonic() - self.looked > wait:  # others' pushes must not hide a silent one
+            self.look_for_silence()
         got = messages.next_header(self.ps, self.header, wait)
         if got is None:
             self.look_for_silence()
@@ -205,13 +212,15 @@ class ShardServer:
 
     def send_reply(self, h: Header, version: int) -> None:
         loss = self.losses[self.complete - 1] if self.complete else math.nan
-        reply = Header(h.worker, h.clock, self.lo, self.hi, version, loss)
+        stop = DROPPED if h.worker in self.dropped else 0.0  # told to stop
+        reply = Header(h.worker, h.clock, self.lo, self.hi, version, loss, stop)
         self.outbox.append(messages.reply(self.ps, h.worker, reply, self.param.data))
 
     # ---- silence ----------------------------------------------------------------------------
     def look_for_silence(self) -> None:
         """A live worker we wait for (no pull pending, not finished) silent past the timeout."""
         now, timeout = time.monotonic(), self.timeout
+        self.looked = now
         speaks = self.ps.rank == len(self.done)  # the first server (rank n_workers) says it
         asking = {h.worker for h in self.pending}
         for w in list(self.live):
@@ -227,6 +236,7 @@ class ShardServer:
                 raise WorkerLost(message, reported_elsewhere=not speaks)
             self.live.remove(w)
             self.dropped.append(w)
+            self.dropped_at[w] = self.complete
             if speaks:
                 print(
                     f"minidp: warning: server rank {self.ps.rank}: worker {w} sent nothing for "

@@ -1,0 +1,50 @@
+"""A step whose loss or gradient is not finite: end the run naming it, or skip it.
+
+The step skeleton (strategies/step.py) finds a non-finite global loss or global gradient
+norm alike on every rank and then steps no optimizer (`StepResult.stepped` False). Here the
+loop decides what follows, every rank alike:
+
+    without --skip-nonfinite    TrainingDiverged naming the step and the rank(s) where it
+                                appeared (every rank exits with one line, code 1)
+    with --skip-nonfinite       every rank goes on with the parameters as they were; the
+                                step is logged and counted (the final record's
+                                "skipped_steps")
+
+Where it appeared: the rare path spends one small allgather on each rank's own loss. A
+rank whose own loss is not finite is named; when every own loss is finite, the NaN arose in
+a gradient, and after the gradient sync every rank holds it, so the message says that.
+"""
+
+import numpy as np
+
+from minidp import comm
+
+
+class TrainingDiverged(RuntimeError):
+    """The loss or the gradient norm became NaN or infinite."""
+
+
+def nonfinite_step(step: int, result, config, group: comm.Group, say, log) -> int:
+    """Collective over `group` (every rank calls it at the same step): raise TrainingDiverged,
+    or with --skip-nonfinite log the skipped step and return it."""
+    finite_loss = np.isfinite(result.loss)
+    what = "the gradient norm is not finite" if finite_loss else f"loss is {result.loss}"
+    where = ""
+    if config.strategy != "ps":  # the parameter server's ranks do not step in lockstep
+        mine = np.array([0 if np.isfinite(result.local_loss) else 1], np.int64)
+        ranks = np.flatnonzero(comm.allgather(mine, group=group)).tolist()
+        named = f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
+        where = (
+            f" (it appeared on {named}: a non-finite loss of its own)"
+            if ranks
+            else " (every rank's own loss was finite: it appeared in a gradient)"
+        )
+    if not config.skip_nonfinite:
+        raise TrainingDiverged(
+            f"{what} at step {step}{where}: try a lower --lr (now {config.lr}), "
+            "--dtype float64, or --skip-nonfinite"
+        )
+    message = f"step {step}: {what}{where}; every rank skipped it (--skip-nonfinite)"
+    say(message)
+    log.write(message)
+    return step

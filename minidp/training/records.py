@@ -1,0 +1,52 @@
+"""The run's JSON-lines records (`--json FILE`), written so that a crash never loses them.
+
+    records = Records(path)        # FILE replaced at once by an empty file (atomically)
+    records.write({"step": 0, ...}) # one whole line, written and flushed as it is made
+    records.write(final)           # the final record is the last line
+    records.close()
+
+What a reader of FILE can count on, whatever happened to the run:
+- it belongs to this run from the start: an empty file is written under a temporary name in
+  the same directory and renamed over FILE (rename is atomic on POSIX), so a run killed
+  early leaves an empty file, never the previous run's records looking current;
+- every line is whole JSON: each record is one `os.write` of its line; a write that fails
+  midway (a full disk) is cut back to the last whole line before the error is raised;
+- what was logged before a crash is there: nothing is held in memory until the end.
+
+Written by one rank (the loop's rank 0); `Records(None)` writes nothing.
+"""
+
+import json
+import os
+
+
+class Records:
+    """One JSON-lines file, replaced at start and appended to a whole line at a time."""
+
+    def __init__(self, path: str | None):
+        self.fd: int | None = None
+        if path:
+            directory, name = os.path.split(os.path.abspath(path))
+            temporary = os.path.join(directory, f".{name}.{os.getpid()}.tmp")
+            self.fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            os.replace(temporary, path)  # the descriptor now writes the file named `path`
+            self.end = 0  # bytes of whole lines written
+
+    def write(self, record: dict) -> None:
+        """Append `record` as one line, flushed to the file at once."""
+        if self.fd is None:
+            return
+        line = (json.dumps(record) + "\n").encode()
+        try:
+            written = 0
+            while written < len(line):  # os.write may write less than asked
+                written += os.write(self.fd, line[written:])
+        except OSError:
+            os.ftruncate(self.fd, self.end)  # never leave half a line
+            raise
+        self.end += len(line)
+
+    def close(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
