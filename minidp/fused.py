@@ -197,6 +197,7 @@ def embedding(weight: Tensor, idx: np.ndarray) -> Tensor:
     def backward(g):
         full = np.zeros(shape, dtype=dtype)
         ids = idx.reshape(-1)
+        ids = np.where(ids < 0, ids + shape[0], ids)  # -1 is row V - 1, as the lookup reads it
         if ids.size == 0:
             return (full,)
         order = np.argsort(ids, kind="stable")  # equal ids keep their order

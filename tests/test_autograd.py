@@ -1005,3 +1005,17 @@ def test_softmax_and_log_softmax_are_stable_for_huge_inputs():
     x = Tensor(np.array([[1e4, 0.0, -1e4]], dtype=np.float32))
     np.testing.assert_allclose(x.softmax().data, [[1, 0, 0]])
     np.testing.assert_allclose(x.log_softmax().data, [[0, -1e4, -2e4]])
+
+
+def test_fused_embedding_reads_negative_ids_as_the_lookup_does():
+    """-1 is row V - 1 in the lookup, so its gradient adds into that row's, as weight[ids]'s."""
+    from minidp.fused import embedding
+
+    rng = np.random.default_rng(0)
+    ids = np.array([[0, -1, 4, 4]])
+    g = rng.standard_normal((1, 4, 3))
+    fused, composed = (Tensor(rng.standard_normal((5, 3)), requires_grad=True) for _ in "ab")
+    composed.data = fused.data.copy()
+    (embedding(fused, ids) * Tensor(g)).sum().backward()
+    (composed[ids] * Tensor(g)).sum().backward()
+    np.testing.assert_allclose(fused.grad, composed.grad, rtol=1e-12, atol=1e-12)

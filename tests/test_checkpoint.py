@@ -192,3 +192,12 @@ def test_a_sliced_tensor_reshards_over_4_2_and_1_ranks():
         LayoutMismatch,
     )
     remove(root, world)
+
+
+def test_latest_orders_steps_by_number(tmp_path):
+    from minidp.parallel.checkpoint.store import MANIFEST, latest
+
+    for step in (999999, 1000000):
+        (tmp_path / f"step_{step:06d}").mkdir()
+        (tmp_path / f"step_{step:06d}" / MANIFEST).write_text("{}")
+    assert latest(str(tmp_path)).endswith("step_1000000")

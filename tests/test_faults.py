@@ -217,3 +217,18 @@ def test_a_stopped_worker_under_bsp_or_a_stopped_server_ends_the_job_naming_it(w
     }[who]
     assert named in err, err
     leaked_shm(began)
+
+
+def test_a_resumed_run_keeps_the_records_before_its_step(tmp_path):
+    """--resume with the same --json: the step records before the checkpoint's step stay,
+    the later ones, the old final record and a cut line go."""
+    from minidp.training.records import Records
+
+    path = tmp_path / "run.json"
+    old = [json.dumps({"step": s, "loss": 1.0}) for s in (0, 2, 4)] + ['{"final_loss": 1}']
+    path.write_text("\n".join(old) + '\n{"step": 6, "lo')
+    records = Records(str(path), keep_before=4)
+    records.write({"step": 4, "loss": 0.5})
+    records.close()
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [r["step"] for r in lines] == [0, 2, 4] and lines[-1]["loss"] == 0.5

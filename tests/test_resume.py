@@ -190,8 +190,9 @@ def test_a_checkpoint_reshards_onto_another_number_of_ranks_like_one_process():
     with pytest.raises(BadConfig) as error:
         train(TrainConfig(**RESHARD, compress="topk:0.1", resume=f"{path}/step_000002"), world)
     assert (
-        "strategy/compressor/residuals/0 saved over --strategy dp over 2 ranks is each rank's "
-        "own state (not a slice of one tensor): it loads only in that layout, not over "
-        "--strategy dp over 4 ranks" in str(error.value)
+        "strategy/compressor/residuals/0 saved over --strategy dp over 2 ranks (--compress "
+        "topk:0.1, --compress-on gradient) is each rank's own state (not a slice of one "
+        "tensor): it loads only in that layout, not over --strategy dp over 4 ranks"
+        in str(error.value)
     ), str(error.value)
     remove(root, world)

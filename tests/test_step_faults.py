@@ -124,3 +124,18 @@ def test_a_nudged_replica_is_named_with_its_parameter(strategy, tmp_path):
 def test_replicas_in_step_pass_the_drift_check(tmp_path):
     job = poisoned_run(tmp_path, "none", "--check-every", "1")
     assert job.returncode == 0, job.stderr
+
+
+def test_skipping_ends_when_training_does_not_recover():
+    """The SKIPS_IN_A_ROW-th skip in a row ends the run; a finite step in between resets it."""
+    from types import SimpleNamespace
+
+    from minidp.training.nonfinite import SKIPS_IN_A_ROW, TrainingDiverged, nonfinite_step
+
+    config = SimpleNamespace(skip_nonfinite=True, strategy="ps", lr=1e-3)  # ps: no message
+    result = SimpleNamespace(loss=float("nan"), local_loss=float("nan"))
+    log = SimpleNamespace(write=lambda line: None)
+    n = SKIPS_IN_A_ROW
+    assert nonfinite_step(n, result, config, None, print, log, list(range(1, n - 1))) == n
+    with pytest.raises(TrainingDiverged, match=f"the {n}th step skipped in a row"):
+        nonfinite_step(n, result, config, None, print, log, list(range(1, n)))

@@ -48,8 +48,8 @@ def watch(group) -> None:
     """Watch `group` from now on (group.py calls it for every group it makes); the first
     call starts the thread."""
     global _thread
-    _groups.add(group)
-    with _started:
+    with _started:  # the thread copies _groups under the same lock
+        _groups.add(group)
         if _thread is None:
             _thread = threading.Thread(target=_run, name="minidp-watchdog", daemon=True)
             _thread.start()
@@ -86,10 +86,16 @@ def _run() -> None:
     while True:
         time.sleep(POLL_S)
         now = time.perf_counter()
-        for group in list(_groups):
-            seconds = overdue(group, now)
-            if seconds is not None:
-                _abort(report(group, seconds))
+        with _started:  # a WeakSet changed while copied would raise
+            groups = list(_groups)
+        for group in groups:
+            try:
+                seconds = overdue(group, now)
+                line = None if seconds is None else report(group, seconds)
+            except Exception:  # a group freed or changing meanwhile: look again next time
+                continue
+            if line is not None:
+                _abort(line)
 
 
 def _abort(line: str) -> None:

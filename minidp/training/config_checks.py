@@ -139,13 +139,21 @@ def check_outputs(config) -> None:
 
 
 def check_checkpoints(config) -> None:
-    """--save-dir must take a new directory; --save-every needs it; --resume must exist."""
+    """--save-dir must be writable (an existing one is written into: --resume DIR then
+    finds its newest checkpoint, whichever run wrote it); --save-every needs it; --resume
+    must exist; the parameter server saves under BSP only."""
     if config.save_every < 0:
         raise BadConfig(f"--save-every must be >= 0 (0: at the end), got {config.save_every}")
     if config.is_set("save_every") and config.save_dir is None:
         raise BadConfig("--save-every needs --save-dir DIR: where would it save?")
     if config.save_dir is not None:
         check_can_create("--save-dir", config.save_dir)
+        if config.strategy == "ps" and config.consistency != "bsp":
+            raise BadConfig(
+                f"--save-dir with --consistency {config.consistency}: a save is collective "
+                "over every rank, and a worker the servers dropped would never join it; "
+                "save under --consistency bsp"
+            )
     if config.resume is not None and not os.path.isdir(config.resume):
         raise BadConfig(f"--resume {config.resume}: no such directory")
 

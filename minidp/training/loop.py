@@ -76,7 +76,7 @@ def _train(config: TrainConfig, group: comm.Group) -> dict:
         start = resume.resume(config, strategy, group, task)  # 0, or the checkpoint's step
         log = RankLog(config.log_dir, group.rank)
         meter = StepMeter(strategy)
-        records = Records(config.json if group.rank == 0 else None)  # replaced now
+        records = Records(config.json if group.rank == 0 else None, keep_before=start)
         skipped = []  # steps with a non-finite loss or gradient (--skip-nonfinite)
         try:
             for step in range(start, config.steps):
@@ -87,7 +87,7 @@ def _train(config: TrainConfig, group: comm.Group) -> dict:
                 result = strategy.step(local, lr)
                 loss, local_loss = result.loss, result.local_loss
                 if not (result.stepped and np.isfinite(loss)):  # alike on every rank
-                    skipped.append(nonfinite_step(step, result, config, group, say, log))
+                    skipped.append(nonfinite_step(step, result, config, group, say, log, skipped))
                 n_local = 0 if local is None else len(local)
                 log.write(
                     f"step {step} local_examples {n_local} local_loss {local_loss:.6f} "

@@ -24,9 +24,15 @@ class TrainingDiverged(RuntimeError):
     """The loss or the gradient norm became NaN or infinite."""
 
 
-def nonfinite_step(step: int, result, config, group: comm.Group, say, log) -> int:
+SKIPS_IN_A_ROW = 10  # then the run is stuck, not unlucky: it ends as without the flag
+
+
+def nonfinite_step(
+    step: int, result, config, group: comm.Group, say, log, skipped: list[int] = ()
+) -> int:
     """Collective over `group` (every rank calls it at the same step): raise TrainingDiverged,
-    or with --skip-nonfinite log the skipped step and return it."""
+    or with --skip-nonfinite log the skipped step and return it. `skipped`: the steps
+    skipped so far; the SKIPS_IN_A_ROW-th skip in a row ends the run too."""
     finite_loss = np.isfinite(result.loss)
     what = "the gradient norm is not finite" if finite_loss else f"loss is {result.loss}"
     where = ""
@@ -38,6 +44,12 @@ def nonfinite_step(step: int, result, config, group: comm.Group, say, log) -> in
             f" (it appeared on {named}: a non-finite loss of its own)"
             if ranks
             else " (every rank's own loss was finite: it appeared in a gradient)"
+        )
+    in_a_row = list(range(step - SKIPS_IN_A_ROW + 1, step))
+    if config.skip_nonfinite and list(skipped[-len(in_a_row) :]) == in_a_row:
+        raise TrainingDiverged(
+            f"{what} at step {step}{where}, the {SKIPS_IN_A_ROW}th step skipped in a row: "
+            "training is not recovering; try a lower --lr or --dtype float64"
         )
     if not config.skip_nonfinite:
         raise TrainingDiverged(

@@ -13,7 +13,8 @@ What a reader of FILE can count on, whatever happened to the run:
   midway (a full disk) is cut back to the last whole line before the error is raised;
 - what was logged before a crash is there: nothing is held in memory until the end.
 
-Written by one rank (the loop's rank 0); `Records(None)` writes nothing.
+Written by one rank (the loop's rank 0); `Records(None)` writes nothing. A resumed run
+(`--resume`) keeps the step records FILE holds from before its checkpoint's step.
 """
 
 import json
@@ -23,14 +24,18 @@ import os
 class Records:
     """One JSON-lines file, replaced at start and appended to a whole line at a time."""
 
-    def __init__(self, path: str | None):
+    def __init__(self, path: str | None, keep_before: int = 0):
+        """`keep_before`: a resumed run's first step; FILE's step records before it (the
+        run that saved the checkpoint wrote them) are kept, at the top of the new file."""
         self.fd: int | None = None
         if path:
+            kept = _steps_before(path, keep_before) if keep_before else b""
             directory, name = os.path.split(os.path.abspath(path))
             temporary = os.path.join(directory, f".{name}.{os.getpid()}.tmp")
             self.fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            os.write(self.fd, kept)
             os.replace(temporary, path)  # the descriptor now writes the file named `path`
-            self.end = 0  # bytes of whole lines written
+            self.end = len(kept)  # bytes of whole lines written
 
     def write(self, record: dict) -> None:
         """Append `record` as one line, flushed to the file at once."""
@@ -50,3 +55,21 @@ class Records:
         if self.fd is not None:
             os.close(self.fd)
             self.fd = None
+
+
+def _steps_before(path: str, start: int) -> bytes:
+    """The whole lines of `path` that are step records of steps before `start` (b"" when
+    there is no such file): what a resumed run keeps of the records before its checkpoint."""
+    if not os.path.exists(path):
+        return b""
+    kept = []
+    with open(path, "rb") as f:
+        for line in f:
+            try:
+                record = json.loads(line)
+            except ValueError:  # a cut line: not a record
+                continue
+            if isinstance(record, dict) and "final_loss" not in record:
+                if isinstance(record.get("step"), int) and record["step"] < start:
+                    kept.append(line if line.endswith(b"\n") else line + b"\n")
+    return b"".join(kept)

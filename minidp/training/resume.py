@@ -8,7 +8,10 @@ What a checkpoint holds, per rank (the format: minidp.parallel.checkpoint):
     step       the steps done; the next one runs at this index. It is the whole position of
                the loop: the learning rate is warmup_cosine(step) and the sampler's batch at
                step t is a pure function of (seed, t) (data.DistributedSampler reshuffles
-               per epoch from (seed, epoch)), so neither holds state of its own
+               per epoch from (seed, epoch)), so neither holds state of its own, given the
+               same flags: another --seed or --batch-size is refused (another order of the
+               data); another --steps, --lr or --warmup is taken as asked, and moves the
+               learning rate from the resumed step on
     rng        the state of every np.random.Generator the strategy reaches (the task's, the
                model's dropout, TP's per-rank dropout streams), by its attribute path
     strategy   strategy.state_dict(): model, optimizer, and the scheme's own state
@@ -69,8 +72,12 @@ def layout_words(config, group: comm.Group) -> str:
     """The layout a checkpoint was saved in, as a refusal names it."""
     words = f"--strategy {config.strategy} over {group.size} ranks"
     mesh = [f"--{k} {getattr(config, k)}" for k in ("dp", "tp", "pp") if getattr(config, k)]
-    if config.strategy in ("zero", "hybrid") and config.zero_stage:
-        mesh.append(f"--zero-stage {config.zero_stage}")
+    if config.strategy in ("zero", "hybrid") and config.zero_stage:  # its segments too
+        mesh += [f"--zero-stage {config.zero_stage}", f"--bucket-mb {config.bucket_mb}"]
+    if config.strategy == "pp" or config.pp > 1:  # which layers a rank holds
+        mesh += [f"--schedule {config.schedule}", f"--virtual {config.virtual}"]
+    if config.compress != "none":  # residuals and factors are each rank's own
+        mesh += [f"--compress {config.compress}", f"--compress-on {config.compress_on}"]
     return words + (f" ({', '.join(mesh)})" if mesh else "")
 
 
@@ -150,9 +157,21 @@ def check_same_run(manifest: dict, config, task, group: comm.Group) -> None:
             f"saved with a vocabulary of {len(vocab or '')} symbols, this run's has "
             f"{len(vocabulary(task) or '')} (another text)"
         )
+    for name in ("seed", "batch_size"):  # the sampler's order: the step is its position
+        if name in saved and saved[name] != getattr(config, name):
+            raise checkpoint.CheckpointError(
+                f"saved with --{name.replace('_', '-')} {saved[name]}, this run has "
+                f"{getattr(config, name)}: another order of the data"
+            )
     here = layout_words(config, group)
     if saved.get("strategy") != config.strategy:
         raise checkpoint.LayoutMismatch(f"saved as {describe_layout(manifest)}, this is {here}")
+    zero = config.strategy in ("zero", "hybrid") and 0 < config.zero_stage < 3
+    if zero and saved.get("bucket_mb", config.bucket_mb) != config.bucket_mb:
+        raise checkpoint.LayoutMismatch(  # its segments: the optimizer state's coordinates
+            f"saved as {describe_layout(manifest)}, this is {here}: ZeRO's segments follow "
+            "--bucket-mb, and its optimizer state is cut by them"
+        )
     if manifest["world_size"] != group.size and config.dropout > 0:
         raise checkpoint.LayoutMismatch(
             f"saved as {describe_layout(manifest)}, this is {here}: the dropout streams "

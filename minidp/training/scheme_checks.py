@@ -97,6 +97,11 @@ def check_compress(config) -> None:
     a sparsifier."""
     if config.compress_warmup < 0:
         raise BadConfig(f"--compress-warmup must be >= 0, got {config.compress_warmup}")
+    if config.skip_nonfinite and (config.compress != "none" or config.compress_on != "gradient"):
+        raise BadConfig(
+            "--skip-nonfinite with --compress: a skipped step's NaN would stay in the "
+            "compressor's residuals (or velocity) and poison every later step; pick one"
+        )
     if config.compress_on == "velocity":
         if config.optimizer != "momentum":
             raise BadConfig(

@@ -190,12 +190,15 @@ def _place_of(tensor: dict, rank: int) -> dict:
 
 
 def together(work, group: comm.Group):
-    """Run `work` on every rank; if it raises CheckpointError on any, raise it on every
-    rank (the first rank's line), so no rank goes on to load while another refused."""
+    """Run `work` on every rank; if it raises on any (a CheckpointError, or any other
+    Exception, turned into one), raise it on every rank (the first rank's line), so no rank
+    goes on to load while another refused."""
     try:
         result, line = work(), ""
     except CheckpointError as error:
         result, line = None, f"{type(error).__name__}\t{error}"
+    except Exception as error:  # any other failure is a refusal too, on every rank
+        result, line = None, f"CheckpointError\t{type(error).__name__}: {error}"
     lines = comm.gather_text(line, root=0, group=group)
     first = next((text for text in lines if text), "") if group.rank == 0 else ""
     first = comm.broadcast_text(first, root=0, group=group)
@@ -210,8 +213,10 @@ def latest(directory: str) -> str | None:
     a step directory without a manifest is skipped with a warning (its save never finished)."""
     if not os.path.isdir(directory):
         return None
-    steps = sorted(
-        (name for name in os.listdir(directory) if name.startswith("step_")), reverse=True
+    steps = sorted(  # by number: step_1000000 is newer than step_999999
+        (n for n in os.listdir(directory) if n.startswith("step_") and n[5:].isdigit()),
+        key=lambda name: int(name[5:]),
+        reverse=True,
     )
     for name in steps:
         candidate = os.path.join(directory, name)
