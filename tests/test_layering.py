@@ -4,6 +4,7 @@
              optim  data  log  prune/  parser  plots  backend        no MPI
              (torch_ref, backend_torch: torch, not MPI)
     comm     comm/  trace                                          on MPI (mpi4py)
+             cost/ (no MPI until it resolves algo="auto" through comm/auto.py)
     pieces   parallel/
     face     training/  strategies/  cli  bench/  (training/config imports without MPI)
 
@@ -43,6 +44,7 @@ NO_MPI_MODULES = (
     "minidp.functional",
     "minidp.prune.magnitude",
     "minidp.prune.functions",
+    "minidp.cost",
 )
 BLOCK_MPI4PY = """
 import sys
@@ -90,6 +92,7 @@ LAYERS = {  # a package or module of minidp -> its layer, lowest first
     "engine": 0,
     "comm": 1,
     "trace": 1,
+    "cost": 1,
     "parallel": 2,
     "training": 3,
     "strategies": 3,
