@@ -2,9 +2,9 @@
 
 One launch of 7 ranks splits into groups of p = 2..7 (as many side by side as fit); each
 group runs every (collective, algorithm) of names.ALGORITHMS, "auto" included, on lengths
-0, 1, p - 1 and 1000 of float64 (rooted ones at the last rank), plus 16 MiB for the ring
-and Rabenseifner's allreduce, and each rank checks that its own counters grew by exactly
-cost.sent()'s messages and bytes. Then, without MPI, the time formulas against the
+0, 1, p - 1 and 1000 of float64 (rooted ones at root 0 and the last rank), plus 16 MiB
+for the ring and Rabenseifner's allreduce, and each rank checks that its own counters grew
+by exactly cost.sent()'s messages and bytes. Then, without MPI, the time formulas against the
 docstrings' closed forms.
 """
 
@@ -42,15 +42,18 @@ def run(collective: str, algo: str, group, n: int, root: int) -> None:
 
 
 def cases(p: int):
-    """(collective, algorithm, n): rows of n // p for the collectives that take rows."""
+    """(collective, algorithm, n, root): n is p rows of 0, 1, p - 1 or 1000 for the
+    collectives that take rows; the rooted ones run at root 0 and at the last rank."""
     rows = ("gather", "scatter", "alltoall")
     for collective, algos in ALGORITHMS.items():
         lengths = [0] if collective == "barrier" else [0, 1, p - 1, 1000]
+        roots = [0, p - 1] if collective in ("broadcast", "reduce", "gather", "scatter") else [0]
         for algo in ("auto", *algos):
             for n in lengths:
-                yield collective, algo, n * p if collective in rows else n
+                for root in roots:
+                    yield collective, algo, n * p if collective in rows else n, root
     for algo in ("ring", "rabenseifner"):
-        yield "allreduce", algo, BIG
+        yield "allreduce", algo, BIG, 0
 
 
 @pytest.mark.parallel(nprocs=[7])
@@ -65,8 +68,7 @@ def test_sent_is_what_the_counters_count():
         if group is None:
             continue
         joined.append(p)
-        for collective, algo, n in cases(p):
-            root = p - 1
+        for collective, algo, n, root in cases(p):
             before = dict(group.counters.get(collective, {}))
             run(collective, algo, group, n, root)
             after = group.counters[collective]
@@ -77,7 +79,9 @@ def test_sent_is_what_the_counters_count():
             want = cost.sent(collective, algo, p, group.rank, n, 8, root)
             checked += 1
             if got != want:
-                wrong.append(f"{collective} {algo} p={p} rank={group.rank} n={n}: {got} {want}")
+                wrong.append(
+                    f"{collective} {algo} p={p} root={root} rank={group.rank} n={n}: {got} {want}"
+                )
         group.free()
     assert not wrong, "\n".join(wrong)
     assert joined and checked == sum(len(list(cases(p))) for p in joined)
