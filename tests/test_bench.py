@@ -155,6 +155,29 @@ def test_bench_fused_has_a_row_per_op_and_per_phase(tmp_path):
 
 
 @pytest.mark.timeout(60)
+def test_bench_calibrate_saves_alpha_beta_gamma_and_a_row_per_algorithm_and_size(tmp_path):
+    from minidp.bench.calibrate import PLAN
+
+    fit, rows = tmp_path / "calibration.json", tmp_path / "check.json"
+    tiny = ("--ping-sizes", "0,1K,4K", "--reduce-sizes", "4K,16K", "--sizes", "4K,8K")
+    args = ("bench", "calibrate", *tiny, "--iters", "1", "--warmup", "0")
+    result = minidp(2, *args, "--out", str(fit), "--json", str(rows))
+    assert result.returncode == 0, result.stderr
+    model = json.load(open(fit))
+    assert all(np.isfinite(model[k]) and model[k] >= 0 for k in ("alpha", "beta", "gamma"))
+    assert [p["bytes"] for p in model["ping_pong"]["points"]] == [0, 1024, 4096]
+    want = [
+        (op, algo, size) for op, algos in PLAN.items() for size in (4096, 8192) for algo in algos
+    ]
+    got = records(rows)
+    assert [(r["op"], r["algo"], r["bytes"]) for r in got] == want
+    assert all(r["nprocs"] == 2 and finite_positive(r["measured_us"], r["ratio"]) for r in got)
+    again = minidp(2, *args, "--calibration", str(fit), "--json", str(rows))  # read, not fitted
+    assert again.returncode == 0, again.stderr
+    assert f"from {fit}" in again.stdout and len(records(rows)) == len(want)
+
+
+@pytest.mark.timeout(60)
 def test_bench_deferral_runs(tmp_path):
     out = tmp_path / "deferral.json"
     args = ("--cases", "mlp-small", "--micro-batches", "4", *ONE_ROUND)
