@@ -14,7 +14,7 @@ and a reduction at γ per byte. Three measurements give the three numbers:
            np.add(received, chunk, out=target) on float32, 64 KiB to 16 MiB on rank 0;
            the slope of the same fit is γ, seconds per byte of one operand
 
-Fit quality: the largest |fit / measured - 1| over the sizes, and R² of the line.
+Fit quality: the largest |fit / measured - 1| over the sizes, and R² of the line in seconds.
 
 Then the check: every algorithm of allreduce, reduce_scatter and allgather in PLAN, at each
 --sizes and at the world size it is launched with, timed as `bench collectives` times it
@@ -56,7 +56,8 @@ WITHIN = 0.25  # the issue's goal: predicted within 25% of measured
 def fit_line(sizes: list[int], times: list[float]) -> dict:
     """t(n) = a + n·b by least squares on relative residuals (weights 1/t), a, b >= 0 (if
     the free fit gives a negative one, it is fixed at 0 and the other refitted), with the
-    fit's quality: R² (of the weighted fit) and the largest |fit/measured - 1|."""
+    fit's quality: R² (in seconds, where the large sizes weigh most) and the largest
+    |fit/measured - 1| (where every size weighs alike)."""
     n, t = np.asarray(sizes, float), np.asarray(times, float)
     w = 1 / t
     A = np.stack([np.ones_like(n), n], axis=1) * w[:, None]
@@ -66,8 +67,7 @@ def fit_line(sizes: list[int], times: list[float]) -> dict:
     elif a < 0:  # through the origin
         a, b = 0.0, float(np.sum(w * w * n * t) / np.sum(w * w * n * n))
     fitted = a + b * n
-    residual = np.sum(((fitted - t) * w) ** 2)
-    spread = np.sum((t * w - np.mean(t * w)) ** 2)
+    residual, spread = np.sum((fitted - t) ** 2), np.sum((t - np.mean(t)) ** 2)
     return {
         "intercept": float(a),
         "slope": float(b),
@@ -77,24 +77,27 @@ def fit_line(sizes: list[int], times: list[float]) -> dict:
     }
 
 
-def ping_pong(mpi, sizes: list[int], warmup: int, iters: int) -> list[float]:
+def ping_pong(mpi, sizes: list[int], warmup: int, iters: int, exchange=False) -> list[float]:
     """One-way seconds per size between ranks 0 and 1 (round trip / 2, the median of iters),
-    measured on rank 0; every other rank waits. Returns the list on every rank."""
+    measured on rank 0; every other rank waits. Returns the list on every rank. exchange:
+    instead, both send at once (one Sendrecv each, as a ring's step), the time of one."""
     r, times = mpi.Get_rank(), []
     for nbytes in sizes:
-        buf = np.zeros(nbytes, np.uint8)
+        buf, back = np.zeros(nbytes, np.uint8), np.zeros(nbytes, np.uint8)
         rounds = []
         mpi.Barrier()
         for i in range(warmup + iters):
             start = time.perf_counter()
-            if r == 0:
+            if exchange and r < 2:
+                mpi.Sendrecv([buf, MPI.BYTE], 1 - r, 0, [back, MPI.BYTE], 1 - r, 0)
+            elif r == 0:
                 mpi.Send([buf, MPI.BYTE], 1, 0)
                 mpi.Recv([buf, MPI.BYTE], 1, 0)
             elif r == 1:
                 mpi.Recv([buf, MPI.BYTE], 0, 0)
                 mpi.Send([buf, MPI.BYTE], 0, 0)
             if i >= warmup:
-                rounds.append((time.perf_counter() - start) / 2)
+                rounds.append((time.perf_counter() - start) / (1 if exchange else 2))
         times.append(median(rounds) if r == 0 else 0.0)
     return mpi.bcast(times, root=0)
 
@@ -125,6 +128,7 @@ def calibrate(mpi, args) -> dict:
     if mpi.Get_size() < 2:
         raise die("bench calibrate: the ping-pong needs 2 ranks (mpiexec -n 2)")
     link = fit_line(ping, ping_pong(mpi, ping, args.warmup, args.iters))
+    both = fit_line(ping, ping_pong(mpi, ping, args.warmup, args.iters, exchange=True))
     add = fit_line(
         [max(s // 4, 1) * 4 for s in reduce], reduction(mpi, reduce, args.warmup, args.iters)
     )
@@ -134,6 +138,7 @@ def calibrate(mpi, args) -> dict:
         "gamma": add["slope"],
         "ping_pong": link,
         "reduction": add,
+        "exchange": both,  # not used by the check: printed beside α, β for comparison
         "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "machine": f"{platform.node()}, {os.cpu_count()} cores",
         "nprocs": mpi.Get_size(),
@@ -187,6 +192,12 @@ def print_fit(model: dict) -> None:
             f"# {name}: {len(f['points'])} sizes, R² {f['r2']:.4f}, "
             f"largest |fit/measured - 1| {f['max_rel_error']:.2f}"
         )
+    x = model["exchange"]
+    print0(
+        f"# exchange (Sendrecv both ways at once): {x['intercept'] * 1e6:.2f} us + "
+        f"{x['slope'] * 1e12:.1f} ps/B, R² {x['r2']:.4f}, largest |fit/measured - 1| "
+        f"{x['max_rel_error']:.2f}"
+    )
     a, b, g = model["alpha"], model["beta"], model["gamma"]
     print0(
         f"alpha = {a * 1e6:.2f} us   beta = {b * 1e12:.1f} ps/B ({1 / b / 1e9 if b else 0:.2f} "
