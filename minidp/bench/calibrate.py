@@ -20,7 +20,9 @@ Then the check: every algorithm of allreduce, reduce_scatter and allgather in PL
 --sizes and at the world size it is launched with, timed as `bench collectives` times it
 (checks off, buffers allocated once, Barrier then the slowest rank's time, the algorithms of
 one collective alternated in rotated rounds, medians), beside cost.time(...) with the fitted
-α, β, γ; ratio = predicted / measured, `ok` when within 25%. With --calibration FILE the fit
+α, β, γ; ratio = predicted / measured, `ok` when within 25%; ratio_exchange: the same with
+α and β fitted to the exchange (Sendrecv both ways at once, a ring's or a butterfly's step)
+instead of the ping-pong. With --calibration FILE the fit
 is read from FILE instead of measured (run it at P = 2, check at P = 3, 4: ranks beyond two
 would otherwise share the cores with the ping-pong).
 """
@@ -162,12 +164,18 @@ def check(group, model: dict, sizes: list[int], warmup: int, iters: int) -> list
                     alpha=model["alpha"], beta=model["beta"], gamma=model["gamma"],
                 )  # fmt: skip
                 ratio = predicted / measured
+                x = model["exchange"]  # the same, α and β from the exchange instead
+                both_ways = cost.time(
+                    op, algo, p, n, dtype.itemsize,
+                    alpha=x["intercept"], beta=x["slope"], gamma=model["gamma"],
+                )  # fmt: skip
                 rows.append(
                     {
                         "op": op, "algo": algo, "bytes": n * dtype.itemsize,
                         "size": human(n * dtype.itemsize), "nprocs": p,
                         "measured_us": measured * 1e6, "predicted_us": predicted * 1e6,
                         "ratio": ratio, "ok": "yes" if abs(ratio - 1) <= WITHIN else "no",
+                        "ratio_exchange": both_ways / measured,
                     }
                 )  # fmt: skip
     return rows
@@ -182,6 +190,7 @@ COLUMNS = [
     ("predicted_us", ".1f"),
     ("ratio", ".2f"),
     ("ok", ""),
+    ("ratio_exchange", ".2f"),
 ]
 
 
