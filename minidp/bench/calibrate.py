@@ -8,11 +8,11 @@ and a reduction at γ per byte. Three measurements give the three numbers:
 
     α, β   ping-pong between ranks 0 and 1 (MPI Send and Recv of raw bytes, as p2p.py
            ships them), n = 0 B to 16 MiB: one-way time t(n) = round trip / 2, the median
-           of --iters; then the least squares line t(n) = α + nβ, on relative residuals
-           (each size counts alike, so 16 MiB does not drown the 0 B latency), α, β >= 0
+           of --iters; α is the 0 B time, β the least squares slope (in seconds, so
+           the large sizes lead) of t(n) = α + nβ
     γ      the reduction every algorithm runs after a receive, comm.reduce_ops.combine:
            np.add(received, chunk, out=target) on float32, 64 KiB to 16 MiB on rank 0;
-           the slope of the same fit is γ, seconds per byte of one operand
+           the least squares slope (free intercept) is γ, seconds per byte of an operand
 
 Fit quality: the largest |fit / measured - 1| over the sizes, and R² of the line in seconds.
 
@@ -22,9 +22,9 @@ Then the check: every algorithm of allreduce, reduce_scatter and allgather in PL
 one collective alternated in rotated rounds, medians), beside cost.time(...) with the fitted
 α, β, γ; ratio = predicted / measured, `ok` when within 25%; ratio_exchange: the same with
 α and β fitted to the exchange (Sendrecv both ways at once, a ring's or a butterfly's step)
-instead of the ping-pong. With --calibration FILE the fit
-is read from FILE instead of measured (run it at P = 2, check at P = 3, 4: ranks beyond two
-would otherwise share the cores with the ping-pong).
+instead of the ping-pong. With --calibration FILE the fit is read from FILE instead of
+measured (fit at P = 2, check at P = 3, 4: ranks beyond two would share the cores with the
+ping-pong).
 """
 
 import datetime
@@ -56,18 +56,20 @@ WITHIN = 0.25  # the issue's goal: predicted within 25% of measured
 
 
 def fit_line(sizes: list[int], times: list[float]) -> dict:
-    """t(n) = a + n·b by least squares on relative residuals (weights 1/t), a, b >= 0 (if
-    the free fit gives a negative one, it is fixed at 0 and the other refitted), with the
-    fit's quality: R² (in seconds, where the large sizes weigh most) and the largest
-    |fit/measured - 1| (where every size weighs alike)."""
+    """t(n) = a + n·b by least squares in seconds, a, b >= 0. Given a 0 B point, a is its
+    time (the latency, which the free fit, led by the largest sizes, would miss) and b the
+    least squares slope through it; else both are free (a negative one fixed at 0, the other
+    refitted). With the fit's quality: R² and the largest |fit/measured - 1|."""
     n, t = np.asarray(sizes, float), np.asarray(times, float)
-    w = 1 / t
-    A = np.stack([np.ones_like(n), n], axis=1) * w[:, None]
-    a, b = np.linalg.lstsq(A, t * w, rcond=None)[0]
-    if b < 0:  # the line through the weighted mean, flat
-        a, b = float(np.sum(w * w * t) / np.sum(w * w)), 0.0
-    elif a < 0:  # through the origin
-        a, b = 0.0, float(np.sum(w * w * n * t) / np.sum(w * w * n * n))
+    if 0 in sizes:
+        a = float(t[n == 0].min())
+        b = max(float(n @ (t - a) / (n @ n)), 0.0) if n.any() else 0.0
+    else:
+        a, b = np.linalg.lstsq(np.stack([np.ones_like(n), n], axis=1), t, rcond=None)[0]
+        if b < 0:
+            a, b = float(t.mean()), 0.0
+        elif a < 0:
+            a, b = 0.0, float(n @ t / (n @ n))
     fitted = a + b * n
     residual, spread = np.sum((fitted - t) ** 2), np.sum((t - np.mean(t)) ** 2)
     return {
