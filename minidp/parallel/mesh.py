@@ -3,8 +3,8 @@
 Every scheme that splits the work more than one way (data x tensor, ZeRO over the data axis)
 needs the same facts about each rank: where it sits on each axis and which ranks share its
 work along each axis. They are computed here, once, from one grid. The grid has a third
-axis, pp, with each rank's neighbours along it; no pipeline scheme is built yet, and the
-strategies build the mesh with pp = 1:
+axis, pp, the pipeline's stages in order (strategies/pp.py builds the whole dp x tp x pp
+mesh; tp, and hybrid without --pp, build it with pp = 1):
 
     grid = arange(world).reshape(dp, pp, tp)          tp fastest: a TP group is made of
                                                       neighbouring ranks (on one node, where

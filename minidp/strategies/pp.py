@@ -38,7 +38,7 @@ from minidp.parallel.tensor_parallel.gpt import TensorParallelGPT, whole_arrays
 from minidp.strategies.dp import DDPAxis
 from minidp.strategies.pp_step import PipelineStep
 from minidp.strategies.protocol import Recipe, exposed_clock
-from minidp.strategies.tp import Hybrid, make_alike, mesh_sizes
+from minidp.strategies.tp import Hybrid, MeshRecipe, make_alike, mesh_sizes
 from minidp.strategies.zero import check_zero
 from minidp.strategies.zero_over_tp import ZeROOverTP, check_drift
 from minidp.training.config import BadConfig
@@ -104,7 +104,7 @@ class RankStages(nn.Module):
             yield from part._every_named_parameter(prefix)
 
 
-class Pipeline(Recipe):
+class Pipeline(MeshRecipe):
     """`--strategy pp`, the mesh (dp, tp, pp) = (1, 1, world), or `--strategy hybrid --dp D
     --tp T --pp P [--zero-stage 1]`; see the module doc."""
 
@@ -245,11 +245,6 @@ class Pipeline(Recipe):
         """After gather_model: the whole model's copies (0.0: every rank holds its bits)."""
         return replica_spread([p.data for p in self.task.model.parameters()], self.group)
 
-    def held(self) -> dict[str, list]:
-        held = (self.dp or self.zero).held()
-        held["buffers"] += [g.scratch.nbytes for g in (self.group, *self.mesh.groups().values())]
-        return held
-
     def describe(self) -> str:
         s, c = self.schedule, self.config
         axis = (self.dp or self.zero).describe()
@@ -281,19 +276,6 @@ class Pipeline(Recipe):
             f"pipeline bubble: measured {record['bubble_fraction']:.3f}, "
             f"formula {record['bubble_fraction_formula']:.3f}"
         )
-
-    def state_dict(self) -> dict:
-        return self.dp.state_dict(self.model) if self.dp else self.zero.state_dict()
-
-    def load_state_dict(self, state: dict) -> None:
-        if self.dp:
-            self.dp.load_state_dict(self.model, state)
-        else:
-            self.zero.load_state_dict(state)
-
-    def close(self) -> None:
-        (self.dp or self.zero).close()
-        self.mesh.close()
 
 
 def hybrid(task, config, group: comm.Group, timeline=None, optimizer=None) -> Recipe:

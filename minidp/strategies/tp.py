@@ -114,7 +114,33 @@ def make_alike(replicated: list, mesh: Mesh, partial: bool, compressed: bool = F
         offset += g.size
 
 
-class OnTheMesh(Recipe):
+class MeshRecipe(Recipe):
+    """What a recipe on a Mesh with one data-parallel axis (`self.dp`, a DDPAxis, or
+    `self.zero`, a ZeROAxis) around `self.model` delegates to that axis: the arrays it holds
+    (with the mesh's groups' scratch), its state, and closing it and the mesh. The tp and
+    hybrid recipes (OnTheMesh) and the pipeline's (pp.py) share it."""
+
+    def held(self) -> dict[str, list]:
+        held = (self.dp or self.zero).held()
+        groups = (self.group, *self.mesh.groups().values())
+        held["buffers"] += [g.scratch.nbytes for g in groups]
+        return held
+
+    def state_dict(self) -> dict:
+        return self.dp.state_dict(self.model) if self.dp else self.zero.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        if self.dp:
+            self.dp.load_state_dict(self.model, state)
+        else:
+            self.zero.load_state_dict(state)
+
+    def close(self) -> None:
+        (self.dp or self.zero).close()
+        self.mesh.close()
+
+
+class OnTheMesh(MeshRecipe):
     """What the tp and hybrid recipes share: the mesh, the TP GPT on its TP group, and the
     reports (the mesh in the header and the record, bytes per mesh axis, the whole model
     gathered back). A recipe's __init__ checks its flags, then builds its data-parallel axis
@@ -205,12 +231,6 @@ class OnTheMesh(Recipe):
             self.zero.gathered.materialize()
         self.model.gather_into(self.task.model)
 
-    def held(self) -> dict[str, list]:
-        held = (self.dp or self.zero).held()
-        mesh = self.mesh
-        held["buffers"] += [g.scratch.nbytes for g in (self.group, *mesh.groups().values())]
-        return held
-
     def describe(self) -> str:
         sp = "on" if self.model.sequence_parallel else "off"
         axis = (self.dp or self.zero).describe()
@@ -228,21 +248,8 @@ class OnTheMesh(Recipe):
     def summary(self) -> str:
         return self.dp.summary(self.run.steps_done) if self.dp else ""
 
-    def state_dict(self) -> dict:
-        return self.dp.state_dict(self.model) if self.dp else self.zero.state_dict()
-
     def state_layout(self) -> dict:
         return self.dp.state_layout(self.model) if self.dp else self.zero.state_layout()
-
-    def load_state_dict(self, state: dict) -> None:
-        if self.dp:
-            self.dp.load_state_dict(self.model, state)
-        else:
-            self.zero.load_state_dict(state)
-
-    def close(self) -> None:
-        (self.dp or self.zero).close()
-        self.mesh.close()
 
 
 class TensorParallel(OnTheMesh):
