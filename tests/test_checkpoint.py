@@ -105,14 +105,14 @@ def test_save_load_and_every_refusal_on_every_rank():
     assert not os.path.exists(path + "x")
     blocked = os.path.join(root, "blocked")  # rank 1's shard cannot take its final name
     if group.rank == 0:
-        os.makedirs(os.path.join(blocked, "shard_00001.npz"))
+        os.makedirs(os.path.join(blocked, "shard_00001.safetensors"))
     comm.barrier(group=group)
     refused_everywhere(
         lambda: checkpoint.save(mine, blocked, group, step=2), "rank 1 cannot write its shard"
     )
     assert not os.path.exists(os.path.join(blocked, checkpoint.MANIFEST))
 
-    shard = os.path.join(path, "shard_00001.npz")
+    shard = os.path.join(path, "shard_00001.safetensors")
     data = open(shard, "rb").read()
     info = manifest["shards"][1]
     if group.rank == 0:  # one bit flipped in rank 1's shard: rank 1 finds it, all refuse

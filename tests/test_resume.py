@@ -16,6 +16,7 @@ from test_checkpoint import remove, shared_directory  # a directory every rank n
 from minidp import comm
 from minidp.cli import main
 from minidp.parallel import checkpoint
+from minidp.parallel.checkpoint.shards import parse, shard_name
 from minidp.training.config import BadConfig, TrainConfig
 from minidp.training.loop import train
 
@@ -34,11 +35,12 @@ def losses(path: str) -> dict[int, float]:
 
 
 def shards_equal(a: str, b: str, rank: int, what: str) -> None:
-    name = f"shard_{rank:05d}.npz"
-    with np.load(os.path.join(a, name)) as x, np.load(os.path.join(b, name)) as y:
-        assert x.files == y.files, what
-        for key in x.files:
-            assert np.array_equal(x[key], y[key], equal_nan=True), f"{what}: {key}"
+    name = shard_name(rank)
+    with open(os.path.join(a, name), "rb") as x, open(os.path.join(b, name), "rb") as y:
+        x, y = parse(bytearray(x.read()))[0], parse(bytearray(y.read()))[0]
+    assert list(x) == list(y), what
+    for key in x:
+        assert np.array_equal(x[key], y[key], equal_nan=True), f"{what}: {key}"
 
 
 def check_resumes_bit_exact(group, what: str, **flags) -> None:
@@ -130,7 +132,7 @@ def test_a_checkpoint_that_cannot_resume_this_run_is_refused_in_one_line(tmp_pat
     refused(["--resume", str(path), "--steps", "4", "--strategy", "zero", "--zero-stage", "1"],
             "saved as --strategy dp over 1 ranks, this is --strategy zero", capsys)  # fmt: skip
     refused(["--resume", str(path)], "at step 2, --steps 2 leaves nothing", capsys)
-    shard = path / "shard_00000.npz"
+    shard = path / "shard_00000.safetensors"
     shard.write_bytes(shard.read_bytes()[:-10])
     refused(["--resume", str(path), "--steps", "4"], f"{shard} is truncated or grown", capsys)
     (path / checkpoint.MANIFEST).unlink()

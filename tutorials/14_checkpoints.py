@@ -14,7 +14,7 @@
 # mpiexec -n 4 python tutorials/14_checkpoints.py
 #
 # A run killed at step 9,000 should go on from step 9,000, not from 0, and go on exactly as
-# if nothing had happened. `minidp.parallel.checkpoint` writes one `.npz` shard per rank
+# if nothing had happened. `minidp.parallel.checkpoint` writes one safetensors shard per rank
 # (data, never pickle) and, last, a manifest that is the commit marker; loading checks each
 # shard's SHA-256 first. We save a data-parallel run and resume it bit for bit, reshard a
 # ZeRO run from 4 ranks to 2, and watch a flipped bit refused.
@@ -111,7 +111,7 @@ comm.barrier(group=world)
 # no rank goes on with half a model.
 
 # %%
-shard = os.path.join(path, "shard_00001.npz")
+shard = os.path.join(path, "shard_00001.safetensors")
 if rank == 0:
     with open(shard, "r+b") as f:
         f.seek(100)
@@ -123,7 +123,7 @@ try:
     checkpoint.load(path, world)
     raise AssertionError("a corrupt shard was loaded")
 except checkpoint.CheckpointError as error:
-    assert "shard_00001.npz is corrupt" in str(error)
+    assert "shard_00001.safetensors is corrupt" in str(error)
     print0(f"refused on every rank: {error}")
 try:  # the same through the command line's loop: one line naming the flag
     train(TrainConfig(**tiny, resume=f"{root}/nothing-here"), world)

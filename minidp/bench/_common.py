@@ -51,13 +51,20 @@ def timed(call, mpi) -> tuple[float, int]:
 
 
 def rotated_rounds(
-    steps: dict, warmup: int, iters: int, mpi, on_timing=None, faults: dict | None = None
+    steps: dict,
+    warmup: int,
+    iters: int,
+    mpi,
+    on_timing=None,
+    faults: dict | None = None,
+    after: dict | None = None,
 ) -> dict:
     """Call every step once per round, warmup + iters rounds, the order rotated by one each
     round (A B C, B C A, C A B, ...) so that no contender always runs after the same one.
     Each call is timed as the slowest rank's (`timed`); `on_timing()` runs once before the
-    first timed round. Returns {name: [seconds, one per timed round]}; given a dict
-    `faults`, fills it alike with this rank's minor page faults per timed call."""
+    first timed round; `after[name]()`, if given, runs untimed after each call of `name`
+    (to clean up). Returns {name: [seconds, one per timed round]}; given a dict `faults`,
+    fills it alike with this rank's minor page faults per timed call."""
     names = list(steps)
     times: dict = {name: [] for name in names}
     for i in range(warmup + iters):
@@ -66,6 +73,8 @@ def rotated_rounds(
         k = i % len(names)
         for name in names[k:] + names[:k]:
             elapsed, faulted = timed(steps[name], mpi)
+            if after and name in after:
+                after[name]()
             if i >= warmup:
                 times[name].append(elapsed)
                 if faults is not None:

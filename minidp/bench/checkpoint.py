@@ -10,14 +10,14 @@ step, so the optimizer's moments exist):
                   weights), --strategy zero --zero-stage 3: each rank's 1/P of the weights
                   and moments (~300 MB / P)
 Contenders, rotated each round, each timed as the slowest rank's (Barrier, time, MAX):
-    save            minidp.parallel.checkpoint.save: the .npz shard hashed as written, fsync,
-                    rename, the gathers, the manifest (fsync, rename, fsync of the directory)
+    save            minidp.parallel.checkpoint.save into a new step directory (as the loop
+                    saves): the shard hashed as written, fsync, rename, the gathers, the
+                    manifest (fsync, rename, fsync of the directory and of the one above);
+                    the directory is removed after each, untimed
     np.save+fsync   each rank writes one uint8 array of its shard's size with np.save, then
                     fsync: the same bytes, as durable; the rate a save should reach (>= 0.8x)
     np.save         the same without fsync: what the page cache alone costs
-    np.savez+fsync  the state's own arrays with np.savez (the zip's CRC-32, no SHA-256)
-    sha256, crc32   hashing the shard's bytes alone: the two checksums a save computes (the
-                    manifest's SHA-256 and the zip's CRC-32), what no faster disk removes
+    sha256          hashing the shard's bytes alone (what the save's thread does beside)
 The ratio column is the median over rounds of t(np.save+fsync) / t(save): 1 = as fast.
 
 The main job (--main-job, no MPI here: it launches them): `mpiexec -n R python -m minidp`
@@ -36,7 +36,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import zlib
 
 import numpy as np
 
@@ -108,7 +107,7 @@ def save_speed(args) -> int:
     if world.rank == 0:
         print_table(rows, [("state", ""), ("ranks", "d"), ("MB_per_rank", ".2f"),
                            ("save_ms", ".1f"), ("np.save+fsync_ms", ".1f"), ("np.save_ms", ".1f"),
-                           ("np.savez+fsync_ms", ".1f"), ("sha256_ms", ".1f"), ("crc32_ms", ".1f"),
+                           ("sha256_ms", ".1f"),
                            ("save_GB_per_s", ".2f"), ("ratio", ".2f"),
                            ("ratio_no_fsync", ".2f")])  # fmt: skip
         write_json(args.json, [{**r, **environment()} for r in rows])
@@ -118,25 +117,28 @@ def save_speed(args) -> int:
 
 
 def one_size(size: str, args, world, root: str) -> dict:
-    """The three contenders on the state `size` names, rotated; one table row."""
+    """The contenders on the state `size` names, rotated; one table row."""
     from minidp.bench._common import rotated_rounds
     from minidp.parallel import checkpoint
-    from minidp.parallel.checkpoint.tree import flatten
+    from minidp.parallel.checkpoint.shards import shard_name
 
     state, layout = state_after_one_step(SIZES[size], world)
-    path = os.path.join(root, size.replace(" ", "_"))
+    base = os.path.join(root, size.replace(" ", "_"))
+    saved = iter(range(10**9))
+    path = checkpoint.step_directory(base, next(saved))
     checkpoint.save(state, path, world, step=1, layout=layout)  # its size, once
-    shard = os.path.join(path, f"shard_{world.rank:05d}.npz")
+    shard = os.path.join(path, shard_name(world.rank))
     raw = np.frombuffer(os.urandom(os.path.getsize(shard)), dtype=np.uint8)
     plain = os.path.join(root, f"plain_{world.rank:05d}.npy")
 
-    arrays = flatten(state)[0]
+    def save() -> None:  # into a new step directory, as the loop does
+        nonlocal path
+        path = checkpoint.step_directory(base, next(saved))
+        checkpoint.save(state, path, world, step=1, layout=layout)
 
-    def np_savez() -> None:
-        with open(plain + ".npz", "wb") as f:
-            np.savez(f, **arrays)
-            f.flush()
-            os.fsync(f.fileno())
+    def remove_saved() -> None:  # untimed: the directory just written
+        if world.rank == 0:
+            shutil.rmtree(path)
 
     def np_save(sync: bool) -> None:
         with open(plain, "wb") as f:
@@ -146,16 +148,13 @@ def one_size(size: str, args, world, root: str) -> dict:
                 os.fsync(f.fileno())
 
     steps = {
-        "save": lambda: checkpoint.save(state, path, world, step=1, layout=layout),
+        "save": save,
         "np.save+fsync": lambda: np_save(True),
         "np.save": lambda: np_save(False),
-        "np.savez+fsync": np_savez,
         "sha256": lambda: hashlib.sha256(raw).hexdigest(),
-        "crc32": lambda: zlib.crc32(raw),
     }
-    times = rotated_rounds(steps, args.warmup, args.iters, world.comm)
+    times = rotated_rounds(steps, args.warmup, args.iters, world.comm, after={"save": remove_saved})
     os.remove(plain)
-    os.remove(plain + ".npz")
     total = world.comm.allreduce(raw.nbytes)
     return {
         "state": size, "ranks": world.size, "MB_per_rank": raw.nbytes / 1e6,

@@ -85,8 +85,11 @@ def describe_layout(manifest: dict) -> str:
 def declared_under(layout: dict, name: str):
     """The declaration of the longest prefix of `name` ending in "/" (an optimizer's state
     of one parameter, "optimizer/state/3/", before its first step has made the arrays)."""
-    prefixes = [p for p in layout if p.endswith("/") and name.startswith(p)]
-    return layout[max(prefixes, key=len)] if prefixes else None
+    parts = name.split("/")
+    for end in range(len(parts) - 1, 0, -1):  # "a/b/c": "a/b/", then "a/"
+        if (prefix := "/".join(parts[:end]) + "/") in layout:
+            return layout[prefix]
+    return None
 
 
 def assemble(name: str, manifest: dict, layout: dict, here_words: str, path: str, reads: dict):

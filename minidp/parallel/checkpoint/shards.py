@@ -1,100 +1,136 @@
-"""One rank's shard on disk: an .npz of its arrays and its skeleton, hashed as it is written.
+"""One rank's shard on disk: its arrays in the safetensors layout, hashed as they are written.
 
-    shard_00003.npz     the arrays of rank 3's state (tree.flatten), and "__skeleton__", the
-                        tree's JSON as uint8: np.load(..., allow_pickle=False) reads it all
+    shard_00003.safetensors
+        8 bytes     N, the length of the header (unsigned, little-endian)
+        N bytes     the header, JSON (space-padded so the data starts at a multiple of 8):
+                    {"model/wte.weight": {"dtype": "F32", "shape": [65, 32],
+                                          "data_offsets": [0, 8320]}, ...,
+                     "__metadata__": {"skeleton": "<the tree's JSON (tree.py)>"}}
+        data        each array's bytes, C order, little-endian, at its [begin, end) from here
 
-The file is written under a temporary name, fsynced and renamed: a crash leaves no file at
-the final name that is not whole. Its SHA-256 and size are taken from the bytes as they go
-to disk (a stream zipfile cannot seek back into, so it writes data descriptors), so hashing
-costs no second read, and the arrays' bytes go out as they lie in memory, uncopied. The
-manifest records both, and `read_shard` checks them before it parses anything: a truncated
-or altered file is refused by name with the checksum expected.
+This is the layout Hugging Face's safetensors defines, written by hand: no container, no
+per-file checksum of its own, no pickle; `safetensors.numpy.load_file` reads a shard. The
+arrays are laid out widest dtype first, so each one starts at a multiple of its itemsize.
+
+Writing costs what the disk costs. The header and the arrays' own memory go to the file
+uncopied, in one os.writev; a thread hashes the same buffers meanwhile (hashlib releases
+the GIL on large ones) while the main thread writes and fsyncs (a shard under 4 MiB is
+hashed in line: a thread's start costs more than it hides). The SHA-256 the manifest
+records is that of the file's bytes, computed without reading the file back. The file is
+written under a temporary name, fsynced and renamed: a crash leaves no file at the final
+name that is not whole, and a failed write leaves no temporary one either.
+
+Reading checks the size and SHA-256 against the manifest before it parses anything, then
+checks the header (every dtype from the table below, every shape and range inside the
+file) and takes the arrays as views of the bytes read (np.frombuffer): data, never code.
 """
 
 import hashlib
-import io
 import json
 import os
-import queue
+import struct
 import threading
-import zipfile
 
 import numpy as np
 
 from minidp.parallel.checkpoint.tree import flatten, unflatten
 
-SKELETON = "__skeleton__"
+DTYPES = {  # safetensors' names: the only dtypes a shard holds
+    "BOOL": np.bool_, "U8": np.uint8, "I8": np.int8, "U16": np.uint16, "I16": np.int16,
+    "F16": np.float16, "U32": np.uint32, "I32": np.int32, "F32": np.float32,
+    "U64": np.uint64, "I64": np.int64, "F64": np.float64,
+}  # fmt: skip
+CODES = {np.dtype(t): code for code, t in DTYPES.items()}
+METADATA = "__metadata__"
+THREAD_BYTES = 4 << 20  # below this a shard is hashed in line: a thread's start costs more
 
 
 class CheckpointError(ValueError):
     """A checkpoint that cannot be written or loaded as asked: one line saying why."""
 
 
-class _HashingStream:
-    """A write-only stream that writes to `f` and hashes what passes, in a thread of its own:
-    hashlib and the write both release the GIL, so SHA-256 runs beside the disk (and the
-    zip's CRC-32) on a spare core. The buffers are the arrays' own memory, not copies,
-    alive until `digest()` has joined the thread."""
-
-    def __init__(self, f):
-        self.f, self.sha256, self.size = f, hashlib.sha256(), 0
-        self.pending: queue.SimpleQueue = queue.SimpleQueue()
-        self.thread = threading.Thread(target=self._hash, daemon=True)
-        self.thread.start()
-
-    def _hash(self) -> None:
-        while (data := self.pending.get()) is not None:
-            self.sha256.update(data)
-
-    def write(self, data) -> int:
-        self.pending.put(data)
-        self.size += len(data)
-        return self.f.write(data)
-
-    def flush(self) -> None:
-        self.f.flush()
-
-    def digest(self) -> str:
-        self.pending.put(None)
-        self.thread.join()
-        return self.sha256.hexdigest()
-
-
-def write_npy(member, array: np.ndarray) -> None:
-    """np.lib.format.write_array without its copy: the header, then the array's own bytes."""
-    array = array if array.flags.c_contiguous else array.copy(order="C")  # 0-d stays 0-d
-    header = np.lib.format.header_data_from_array_1_0(array)
-    try:
-        np.lib.format.write_array_header_1_0(member, header)
-    except ValueError:  # a header past 64 KiB (a very long shape): format 2.0
-        np.lib.format.write_array_header_2_0(member, header)
-    member.write(memoryview(array.reshape(-1)).cast("B") if array.size else b"")
-
-
 def shard_name(rank: int) -> str:
-    return f"shard_{rank:05d}.npz"
+    return f"shard_{rank:05d}.safetensors"
+
+
+def header_and_data(arrays: dict[str, np.ndarray], skeleton: dict) -> tuple[bytes, list]:
+    """(the 8-byte length and the header, the arrays' bytes in file order as memoryviews)."""
+    header, data, offset = {}, [], 0
+    for name in sorted(arrays, key=lambda n: -arrays[n].dtype.itemsize):  # stable: widest first
+        array = arrays[name]
+        header[name] = {
+            "dtype": CODES[array.dtype],
+            "shape": list(array.shape),
+            "data_offsets": [offset, offset + array.nbytes],
+        }
+        data.append(memoryview(array.reshape(-1).view(np.uint8)))
+        offset += array.nbytes
+    header[METADATA] = {"skeleton": json.dumps(skeleton)}
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)  # the data starts at a multiple of 8 (8 + len(text))
+    return struct.pack("<Q", len(text)) + text, data
+
+
+def as_stored(name: str, array: np.ndarray) -> np.ndarray:
+    """`array` as a shard stores it: C order, little-endian, a dtype of the table."""
+    array = np.asarray(array)  # a NumPy scalar: a 0-d array (np.ascontiguousarray: 1-d)
+    array = array if array.flags.c_contiguous else array.copy(order="C")
+    if array.dtype.byteorder == ">":
+        array = array.astype(array.dtype.newbyteorder("<"))
+    if array.dtype not in CODES:
+        raise CheckpointError(
+            f"{name}: a {array.dtype} array; a checkpoint holds {', '.join(map(str, CODES))}"
+        )
+    return array
 
 
 def write_shard(state, directory: str, rank: int) -> tuple[dict, dict[str, np.ndarray]]:
-    """Write rank's state as directory/shard_NNNNN.npz; return ({file, sha256, bytes}, the
-    arrays by path) for the manifest."""
+    """Write rank's state as directory/shard_NNNNN.safetensors; return ({file, sha256,
+    bytes}, the arrays by path) for the manifest."""
     arrays, skeleton = flatten(state)
-    if SKELETON in arrays:
-        raise CheckpointError(f"a state may not hold a leaf named {SKELETON!r}")
-    text = np.frombuffer(json.dumps(skeleton).encode(), dtype=np.uint8)
+    arrays = {name: as_stored(name, array) for name, array in arrays.items()}
+    head, data = header_and_data(arrays, skeleton)
+    pieces = [memoryview(head), *data]
     final = os.path.join(directory, shard_name(rank))
     temporary = final + ".tmp"
-    with open(temporary, "wb") as f:
-        stream = _HashingStream(f)
-        with zipfile.ZipFile(stream, "w") as npz:  # what np.savez writes, without pickle
-            for name, array in [*arrays.items(), (SKELETON, text)]:
-                with npz.open(name + ".npy", "w", force_zip64=True) as member:
-                    write_npy(member, np.asarray(array))
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(temporary, final)
-    info = {"file": shard_name(rank), "sha256": stream.digest(), "bytes": stream.size}
-    return info, arrays
+    sha256, size = hashlib.sha256(), sum(piece.nbytes for piece in pieces)
+
+    def hash_all() -> None:
+        for piece in pieces:
+            sha256.update(piece)
+
+    hasher = threading.Thread(target=hash_all) if size >= THREAD_BYTES else None
+    if hasher:
+        hasher.start()
+    try:  # the thread has a fixed amount of work: joined below, whatever the write does
+        with open(temporary, "wb", buffering=0) as f:
+            write_all(f.fileno(), pieces)
+            if not hasher:
+                hash_all()
+            os.fsync(f.fileno())
+        os.replace(temporary, final)
+    except BaseException:
+        if os.path.exists(temporary):
+            os.remove(temporary)
+        raise
+    finally:
+        if hasher:
+            hasher.join()
+    return {"file": shard_name(rank), "sha256": sha256.hexdigest(), "bytes": size}, arrays
+
+
+def write_all(fd: int, pieces: list[memoryview]) -> None:
+    """Write the pieces one after another, uncopied: os.writev, a system call for up to
+    IOV_MAX of them, again from where the kernel stopped if it took fewer bytes."""
+    pieces = [piece for piece in pieces if piece.nbytes]
+    first = 0
+    while first < len(pieces):
+        written = os.writev(fd, pieces[first : first + os.sysconf("SC_IOV_MAX")])
+        while first < len(pieces) and written >= pieces[first].nbytes:
+            written -= pieces[first].nbytes
+            first += 1
+        if written:  # a piece cut short: its rest next
+            pieces[first] = pieces[first][written:]
 
 
 def read_shard(directory: str, info: dict) -> tuple[dict[str, np.ndarray], dict]:
@@ -103,16 +139,43 @@ def read_shard(directory: str, info: dict) -> tuple[dict[str, np.ndarray], dict]
     expected = f"expected {info['bytes']} bytes with sha256 {info['sha256']}"
     try:
         with open(path, "rb") as f:
-            data = f.read()
+            size = os.fstat(f.fileno()).st_size
+            if size != info["bytes"]:
+                raise CheckpointError(f"{path} is truncated or grown: {size} bytes, {expected}")
+            data = bytearray(size)  # writable: the arrays are views of it
+            size = f.readinto(data)
     except OSError as error:
         raise CheckpointError(f"{path}: cannot read it ({error.strerror}); {expected}") from None
-    if len(data) != info["bytes"]:
-        raise CheckpointError(f"{path} is truncated or grown: {len(data)} bytes, {expected}")
+    if size != info["bytes"]:
+        raise CheckpointError(f"{path} is truncated or grown: {size} bytes, {expected}")
     if hashlib.sha256(data).hexdigest() != info["sha256"]:
         raise CheckpointError(f"{path} is corrupt: its sha256 differs, {expected}")
-    with np.load(io.BytesIO(data), allow_pickle=False) as npz:
-        arrays = {name: npz[name] for name in npz.files}
-    skeleton = json.loads(arrays.pop(SKELETON).tobytes().decode())
+    try:
+        return parse(data)
+    except (ValueError, KeyError, TypeError, AttributeError) as error:
+        raise CheckpointError(f"{path}: a malformed header ({error}); {expected}") from None
+
+
+def parse(data: bytearray) -> tuple[dict[str, np.ndarray], dict]:
+    """The arrays and skeleton of a shard's bytes; ValueError if the header does not hold."""
+    if len(data) < 8:
+        raise ValueError("shorter than its 8-byte length")
+    (length,) = struct.unpack_from("<Q", data)
+    if length > len(data) - 8:
+        raise ValueError(f"a header of {length} bytes in a file of {len(data)}")
+    header = json.loads(bytes(data[8 : 8 + length]))
+    skeleton = json.loads(header.pop(METADATA)["skeleton"])
+    start, arrays = 8 + length, {}
+    for name, entry in header.items():
+        dtype = np.dtype(DTYPES[entry["dtype"]])
+        shape = tuple(entry["shape"])
+        begin, end = entry["data_offsets"]
+        if not all(isinstance(n, int) and n >= 0 for n in (*shape, begin, end)):
+            raise ValueError(f"{name}: shape {shape}, offsets {begin}, {end}")
+        if end - begin != int(np.prod(shape)) * dtype.itemsize or start + end > len(data):
+            raise ValueError(f"{name}: {entry} does not fit {len(data) - start} bytes of data")
+        raw = np.frombuffer(data, np.uint8, end - begin, start + begin)
+        arrays[name] = raw.view(dtype).reshape(shape)
     return arrays, skeleton
 
 

@@ -1,17 +1,19 @@
 """save / load / latest: a checkpoint directory, one shard per rank and a manifest written last.
 
     step_000900/
-        shard_00000.npz ... shard_00003.npz     each rank's own state (shards.py)
+        shard_00000.safetensors ...             each rank's own state (shards.py)
         manifest.json                           written last, by rank 0: the commit marker
 
 The save, on every rank of `group`:
     1. agree on the step (a gather of each rank's): ranks that disagree write nothing;
-    2. rank 0 removes any old manifest.json, then each rank writes its shard (temporary
-       name, fsync, rename), hashing the bytes as they go (a rank that cannot write says
-       so in step 3, and every rank raises it);
+    2. saving again into a checkpoint, rank 0 removes its manifest.json and fsyncs the
+       directory (the rest wait); then each rank writes its shard (temporary name, fsync,
+       rename), hashing the bytes as they go (a rank that cannot write says so in step 3,
+       and every rank raises it);
     3. rank 0 gathers every shard's {file, sha256, bytes} and what each holds of each
        tensor, writes manifest.json.tmp, fsyncs it, renames it to manifest.json and fsyncs
-       the directory (PyTorch DCP's `.metadata` does the same). No manifest, no checkpoint.
+       the directory and the one above it (PyTorch DCP's `.metadata` does the same). No
+       manifest, no checkpoint.
 
 The manifest records the world size, the step, the caller's metadata (the config, the
 mesh), each shard's checksum and size, and for each array path its dtype and either
@@ -46,16 +48,19 @@ FORMAT = "minidp-checkpoint/1"
 
 def save(state, path: str, group: comm.Group, *, step: int, layout=None, metadata=None) -> None:
     """Collective: write this rank's `state` (a tree of dicts, lists, arrays and scalars)
-    to `path`/shard_NNNNN.npz, then rank 0 commits the manifest. `layout`: {array path:
+    to `path`/shard_NNNNN.safetensors, then rank 0 commits the manifest. `layout`: {array path:
     "replicated" or reshard.Slice.as_json()} for what can be resharded; `metadata`: any JSON
     the manifest keeps (the config, the mesh)."""
-    steps = comm.allgather(np.array([step], dtype=np.int64), group=group).ravel()
+    manifest_path = os.path.join(path, MANIFEST)
+    mine = np.array([step, os.path.exists(manifest_path)], dtype=np.int64)
+    steps, old = comm.allgather(mine, group=group).reshape(-1, 2).T
     if (steps != steps[0]).any():
         raise CheckpointError(f"ranks disagree on the step to save: {steps.tolist()}")
-    manifest_path = os.path.join(path, MANIFEST)
-    if group.rank == 0 and os.path.exists(manifest_path):
-        os.remove(manifest_path)  # the directory is no checkpoint until the new one commits
-    comm.barrier(group=group)
+    if old.any():  # saving again into a checkpoint: it is none until the new one commits,
+        if group.rank == 0 and os.path.exists(manifest_path):
+            os.remove(manifest_path)
+            fsync_directory(path)  # even after a crash: gone for good before a shard changes
+        comm.barrier(group=group)
     try:  # a full disk on one rank: every rank raises it, none waits for the others
         os.makedirs(path, exist_ok=True)
         info, arrays = write_shard(state, path, group.rank)
@@ -117,13 +122,21 @@ def _merge(per_rank: list[dict]) -> dict:
 
 
 def _commit(manifest: dict, path: str) -> None:
-    """Write manifest.json atomically and durably: temporary name, fsync, rename, fsync dir."""
+    """Write manifest.json atomically and durably: temporary name, fsync, rename, fsync the
+    directory and the one above it (where a new step directory was made)."""
     final = os.path.join(path, MANIFEST)
     with open(final + ".tmp", "w") as f:
-        json.dump(manifest, f, indent=1)
+        f.write(json.dumps(manifest))  # one line: json's C encoder (indent= is Python's)
         f.flush()
         os.fsync(f.fileno())
     os.replace(final + ".tmp", final)
+    fsync_directory(path)  # the manifest's name and the shards' (renamed in it) on disk
+    fsync_directory(os.path.dirname(os.path.abspath(path)))  # and the directory's own
+
+
+def fsync_directory(path: str) -> None:
+    """Make the names in directory `path` durable (a rename or removal in it is not until
+    then)."""
     directory = os.open(path, os.O_RDONLY)
     try:
         os.fsync(directory)
