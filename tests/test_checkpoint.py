@@ -131,13 +131,20 @@ def test_save_load_and_every_refusal_on_every_rank():
     comm.barrier(group=group)
     refused_everywhere(lambda: checkpoint.load(path, group), f"{shard} is truncated")
 
+    other = checkpoint.step_directory(root, 3)  # rank 1 sees another "newest" checkpoint
+    checkpoint.save(mine, other, group, step=3)
+    refused_everywhere(
+        lambda: checkpoint.load(path if group.rank == 0 else other, group),
+        "ranks disagree on the step to load, by rank [2, 3]",
+    )
+
     later = checkpoint.step_directory(root, 4)  # a save that never committed
     if group.rank == 0:
         os.makedirs(later)
     comm.barrier(group=group)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        assert checkpoint.latest(root) == path
+        assert checkpoint.latest(root) == other
     assert "step_000004 has no manifest.json" in str(caught[0].message)
     refused_everywhere(lambda: checkpoint.load(later, group), "has no manifest.json")
     remove(root, group)
@@ -201,3 +208,33 @@ def test_latest_orders_steps_by_number(tmp_path):
         (tmp_path / f"step_{step:06d}").mkdir()
         (tmp_path / f"step_{step:06d}" / MANIFEST).write_text("{}")
     assert latest(str(tmp_path)).endswith("step_1000000")
+
+
+def test_a_shard_is_the_safetensors_layout_and_a_malformed_header_is_refused(tmp_path):
+    """8 bytes of header length, a JSON header (dtype, shape, data_offsets; the skeleton in
+    __metadata__), the raw bytes; a header that lies about its data is refused by name even
+    when the manifest's checksum matches it (a file made by hand)."""
+    import hashlib
+    import struct
+
+    from minidp.parallel.checkpoint.shards import read_shard, write_shard
+
+    info, _ = write_shard(STATE, str(tmp_path), 0)
+    data = (tmp_path / info["file"]).read_bytes()
+    assert hashlib.sha256(data).hexdigest() == info["sha256"] and len(data) == info["bytes"]
+    (length,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8 : 8 + length])
+    assert (8 + length) % 8 == 0 and header["model/wte.weight"] == {
+        "dtype": "F64", "shape": [2, 3], "data_offsets": [0, 48]
+    }  # fmt: skip
+    assert header["model/scale"]["shape"] == [] and "skeleton" in header["__metadata__"]
+    same(unflatten(*read_shard(str(tmp_path), info)), STATE)
+    for lie, told in (("[2, 3]", "[2, 9]"), ('"F64"', '"X64"')):  # the same length
+        bad = data.replace(lie.encode(), told.encode())
+        (tmp_path / "bad").write_bytes(bad)
+        sha = hashlib.sha256(bad).hexdigest()
+        with pytest.raises(CheckpointError) as error:
+            read_shard(str(tmp_path), {"file": "bad", "bytes": len(bad), "sha256": sha})
+        words = str(error.value)
+        assert f"{tmp_path / 'bad'}: a malformed header (" in words and "\n" not in words
+        assert words.endswith(f"expected {len(bad)} bytes with sha256 {sha}"), words

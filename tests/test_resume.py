@@ -56,6 +56,8 @@ def check_resumes_bit_exact(group, what: str, **flags) -> None:
         again = train(resumed, group)
     assert again["param_l2"] == whole["param_l2"], what
     assert again["final_loss"] == whole["final_loss"], what
+    for counted in ("bytes_sent_per_rank", "bytes_sent_by_axis", "skipped_steps"):
+        assert again[counted] == whole[counted], f"{what}: {counted}"  # carried over
     if group.rank == 0:
         want = losses(a + ".json")
         assert losses(b + ".json") == {2: want[2], 3: want[3]}, what

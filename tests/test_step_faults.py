@@ -83,12 +83,22 @@ def poisoned_run(tmp_path, where: str, *args: str, nprocs: int = 2) -> subproces
 def test_skip_nonfinite_skips_the_step_on_every_rank_alike(where, tmp_path):
     records = tmp_path / "records.json"
     logs = tmp_path / "logs"
+    saves = ["--save-dir", str(tmp_path / "run"), "--save-every", "4"]
     job = poisoned_run(
-        tmp_path, where, "--skip-nonfinite", "--json", str(records), "--log-dir", str(logs)
-    )
+        tmp_path, where, "--skip-nonfinite", "--json", str(records), "--log-dir", str(logs),
+        *(saves if where == "input" else []),
+    )  # fmt: skip
     assert job.returncode == 0, job.stderr
     final = [json.loads(line) for line in records.read_text().splitlines()][-1]
     assert final["skipped_steps"] == [3] and final["max_param_diff"] == 0.0
+    if where == "input":  # resumed after the skip, in a job with no poison: still counted
+        again = tmp_path / "again.json"
+        resume = ["--resume", str(tmp_path / "run" / "step_000004"), "--json", str(again)]
+        command = ["mpiexec", "-n", "2", sys.executable, "-m", "minidp", *MLP, *resume]
+        assert subprocess.run(command, capture_output=True, timeout=90).returncode == 0
+        resumed = [json.loads(line) for line in again.read_text().splitlines()][-1]
+        assert resumed["skipped_steps"] == [3]
+        assert resumed["param_l2"] == final["param_l2"]
     for rank in (0, 1):
         assert f"rank {rank} skipped a step, parameters unchanged: True" in job.stdout
         assert "step 3: " in (logs / f"rank{rank}.log").read_text()

@@ -73,7 +73,9 @@ def _train(config: TrainConfig, group: comm.Group) -> dict:
         say(f"MPI: {mpi_library()} | {strategy.describe()}")
         say(config.header())
 
-        start = resume.resume(config, strategy, group, task)  # 0, or the checkpoint's step
+        start, before = resume.resume(config, strategy, group, task)  # 0, {} or the saved
+        # the saves talk on a group of their own: what they send is not training's traffic
+        saves = group.dup() if config.save_dir is not None else None
         log = RankLog(config.log_dir, group.rank)
         meter = StepMeter(strategy)
         records = Records(config.json if group.rank == 0 else None, keep_before=start)
@@ -98,14 +100,17 @@ def _train(config: TrainConfig, group: comm.Group) -> dict:
                     check_replicas(strategy, step)  # collective; stops naming a drift
                 if step % config.log_every == 0 or step == config.steps - 1:
                     records.write(log_line(step, loss, lr, meter.window(), task, config, say))
-                resume.save_if_due(config, strategy, group, task, step + 1)
+                counters = functools.partial(resume.so_far, meter, skipped, before)
+                resume.save_if_due(config, strategy, saves, task, step + 1, counters)
         except BaseException:
             records.close()  # what was logged stays, each line whole
             raise
         finally:
             log.close()
+        if saves is not None:
+            saves.free()
         # what training sent and held, read before the reports below add their own
-        total, by_axis, memory = meter.total(), meter.bytes_by_axis(), strategy.memory_bytes()
+        counts, memory = resume.so_far(meter, skipped, before), strategy.memory_bytes()
         # collective among the ranks still in the job (a dropped ps worker is not)
         per_rank = memory_per_rank(memory, strategy.group)  # shards differ by rank
         strategy.gather_model()  # the whole trained model in task.model, for what follows
@@ -117,16 +122,16 @@ def _train(config: TrainConfig, group: comm.Group) -> dict:
             "strategy": config.strategy,
             "param_l2": strategy.param_l2(),
             "max_param_diff": strategy.max_param_diff(),
-            "time_s": total.seconds,
-            "comm_s": total.comm_s,
-            "exposed_comm_s": total.exposed_s,
-            "bytes_sent_per_rank": total.bytes_sent,
-            "bytes_sent_by_axis": by_axis,
+            "time_s": counts["time_s"],  # with the launches before a resume (resume.so_far)
+            "comm_s": counts["comm_s"],
+            "exposed_comm_s": counts["exposed_comm_s"],
+            "bytes_sent_per_rank": counts["bytes_sent_per_rank"],
+            "bytes_sent_by_axis": counts["bytes_sent_by_axis"],
             "memory_bytes": memory,
             "memory_bytes_per_rank": per_rank,
             "model": config.model,
             "dtype": config.dtype,
-            "skipped_steps": skipped,
+            "skipped_steps": counts["skipped_steps"],
             **strategy.record(),
             "config": vars(config),  # every field, those of other strategies too
         }

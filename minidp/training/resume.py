@@ -16,6 +16,9 @@ What a checkpoint holds, per rank (the format: minidp.parallel.checkpoint):
                model's dropout, TP's per-rank dropout streams), by its attribute path
     strategy   strategy.state_dict(): model, optimizer, and the scheme's own state
                (compression residuals, pruning masks, ZeRO's shards, the servers' shards)
+    counters   what the final record sums over the run (so_far): its time, communication
+               and bytes sent so far, the steps skipped; a resumed run's record goes on
+               from them, so it reports the whole run, as an uninterrupted one does
 
 A strategy that says how its arrays are cut (`state_layout()`) can be resumed over another
 number of ranks; what it does not declare is its ranks' own and reshards nowhere.
@@ -68,6 +71,22 @@ def loop_state(strategy, step: int) -> dict:
     return {"step": step, "rng": rngs, "strategy": strategy.state_dict()}
 
 
+def so_far(meter, skipped: list[int], before: dict) -> dict:
+    """The final record's running counts over the whole run: those carried in the
+    checkpoint this launch resumed from (`before`, {} without one) plus this launch's
+    (the meter's, from the first step on). time_s is thus the loop's time in every launch
+    together, start-up and loading not counted."""
+    total, axes = meter.total(), before.get("bytes_sent_by_axis", {})
+    return {
+        "time_s": before.get("time_s", 0.0) + total.seconds,
+        "comm_s": before.get("comm_s", 0.0) + total.comm_s,
+        "exposed_comm_s": before.get("exposed_comm_s", 0.0) + total.exposed_s,
+        "bytes_sent_per_rank": before.get("bytes_sent_per_rank", 0) + total.bytes_sent,
+        "bytes_sent_by_axis": {a: axes.get(a, 0) + b for a, b in meter.bytes_by_axis().items()},
+        "skipped_steps": [*before.get("skipped_steps", []), *skipped],
+    }
+
+
 def layout_words(config, group: comm.Group) -> str:
     """The layout a checkpoint was saved in, as a refusal names it."""
     words = f"--strategy {config.strategy} over {group.size} ranks"
@@ -89,9 +108,9 @@ def layout_of(strategy) -> dict:
     }
 
 
-def save_if_due(config, strategy, group: comm.Group, task, done: int) -> None:
+def save_if_due(config, strategy, group: comm.Group, task, done: int, counters=dict) -> None:
     """Collective: after `done` steps, save to --save-dir if --save-every says so (and at
-    the end)."""
+    the end), with `counters()` (so_far's) to carry into a resumed run's final record."""
     every = config.save_every
     if config.save_dir is None or not (done == config.steps or (every and done % every == 0)):
         return
@@ -103,20 +122,22 @@ def save_if_due(config, strategy, group: comm.Group, task, done: int) -> None:
     }
     start = time.perf_counter()
     state, layout = loop_state(strategy, done), layout_of(strategy)
+    state["counters"] = counters()  # after state_dict(), whose traffic a run that goes on counts
     checkpoint.save(state, path, group, step=done, layout=layout, metadata=metadata)
     print0(f"saved {path} in {time.perf_counter() - start:.3f}s", rank=group.rank)
 
 
-def resume(config, strategy, group: comm.Group, task) -> int:
+def resume(config, strategy, group: comm.Group, task) -> tuple[int, dict]:
     """Collective: load --resume into `strategy` and the RNGs; return the step to start at
-    (0 without --resume). Every refusal is one line on every rank, before anything loads."""
+    and the counts carried for the final record (so_far's; 0 and {} without --resume).
+    Every refusal is one line on every rank, before anything loads."""
     if config.resume is None:
-        return 0
+        return 0, {}
     path = config.resume
     if not os.path.exists(os.path.join(path, checkpoint.MANIFEST)):
         path = checkpoint.latest(config.resume) or path  # DIR: its newest complete one
     try:
-        manifest = checkpoint.together(lambda: checkpoint.read_manifest(path), group)
+        manifest = checkpoint.agreed_manifest(path, group)
         check_same_run(manifest, config, task, group)
         here = layout_words(config, group)
         layout = layout_of(strategy) if manifest["metadata"]["layout"] != here else None
@@ -132,7 +153,7 @@ def resume(config, strategy, group: comm.Group, task) -> int:
         if where in found:
             found[where].bit_generator.state = rng_state
     print0(f"resumed from {path} at step {state['step']}", rank=group.rank)
-    return int(state["step"])
+    return int(state["step"]), state.get("counters", {})
 
 
 def vocabulary(task) -> str | None:

@@ -6,7 +6,7 @@
 
 `state` is this rank's tree of dicts, lists, NumPy arrays and plain scalars (a strategy's
 state_dict()). Read in this order: tree.py (a tree as named arrays and a JSON skeleton: no
-pickle anywhere), shards.py (one rank's .npz, hashed as written, checked before it is
+pickle anywhere), shards.py (one rank's safetensors file, hashed as written, checked before it is
 read), store.py (save, load, latest, the manifest as commit marker), reshard.py (a
 checkpoint saved over one layout cut into another's slices).
 """
@@ -15,6 +15,7 @@ from minidp.parallel.checkpoint.reshard import LayoutMismatch, Slice
 from minidp.parallel.checkpoint.shards import CheckpointError
 from minidp.parallel.checkpoint.store import (
     MANIFEST,
+    agreed_manifest,
     latest,
     load,
     read_manifest,
@@ -28,6 +29,7 @@ __all__ = [
     "CheckpointError",
     "LayoutMismatch",
     "Slice",
+    "agreed_manifest",
     "latest",
     "load",
     "read_manifest",

@@ -164,6 +164,8 @@ def parse(data: bytearray) -> tuple[dict[str, np.ndarray], dict]:
     if length > len(data) - 8:
         raise ValueError(f"a header of {length} bytes in a file of {len(data)}")
     header = json.loads(bytes(data[8 : 8 + length]))
+    if not isinstance(header, dict) or not isinstance(header.get(METADATA), dict):
+        raise ValueError(f"no JSON object with a {METADATA} (a minidp shard's skeleton)")
     skeleton = json.loads(header.pop(METADATA)["skeleton"])
     start, arrays = 8 + length, {}
     for name, entry in header.items():

@@ -166,9 +166,23 @@ def load(path: str, group: comm.Group, layout=None, here: str = ""):
     "replicated" or a Slice's JSON}, what this rank holds now) says what to cut from the
     shards (reshard.py), and what cannot be resharded is refused naming both layouts
     (`here`: this run's, in words; "N ranks" unless given)."""
-    manifest = together(lambda: read_manifest(path), group)
+    manifest = agreed_manifest(path, group)
     here = here or f"{group.size} ranks"
     return together(lambda: _load(path, manifest, group, layout, here), group)
+
+
+def agreed_manifest(path: str, group: comm.Group) -> dict:
+    """Collective: the manifest at `path` (each rank's own `path`), refused on every rank if
+    any rank cannot read its own, or if they are of different steps (ranks that each found
+    "the newest" checkpoint on a filesystem that showed them different ones)."""
+    manifest = together(lambda: read_manifest(path), group)
+    steps = comm.allgather(np.array([manifest["step"]], dtype=np.int64), group=group).ravel()
+    if (steps != steps[0]).any():
+        raise CheckpointError(
+            f"ranks disagree on the step to load, by rank {steps.tolist()} "
+            f"(here {path}, step {manifest['step']})"
+        )
+    return manifest
 
 
 def _load(path: str, manifest: dict, group: comm.Group, layout, here: str):
