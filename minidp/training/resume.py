@@ -75,15 +75,17 @@ def so_far(meter, skipped: list[int], before: dict) -> dict:
     """The final record's running counts over the whole run: those carried in the
     checkpoint this launch resumed from (`before`, {} without one) plus this launch's
     (the meter's, from the first step on). time_s is thus the loop's time in every launch
-    together, start-up and loading not counted."""
+    together, start-up and loading not counted. Plain Python numbers: a checkpoint keeps
+    them in its JSON skeleton, which reshards with any layout."""
     total, axes = meter.total(), before.get("bytes_sent_by_axis", {})
+    by_axis = meter.bytes_by_axis().items()
     return {
-        "time_s": before.get("time_s", 0.0) + total.seconds,
-        "comm_s": before.get("comm_s", 0.0) + total.comm_s,
-        "exposed_comm_s": before.get("exposed_comm_s", 0.0) + total.exposed_s,
-        "bytes_sent_per_rank": before.get("bytes_sent_per_rank", 0) + total.bytes_sent,
-        "bytes_sent_by_axis": {a: axes.get(a, 0) + b for a, b in meter.bytes_by_axis().items()},
-        "skipped_steps": [*before.get("skipped_steps", []), *skipped],
+        "time_s": float(before.get("time_s", 0.0) + total.seconds),
+        "comm_s": float(before.get("comm_s", 0.0) + total.comm_s),
+        "exposed_comm_s": float(before.get("exposed_comm_s", 0.0) + total.exposed_s),
+        "bytes_sent_per_rank": int(before.get("bytes_sent_per_rank", 0) + total.bytes_sent),
+        "bytes_sent_by_axis": {a: int(axes.get(a, 0) + b) for a, b in by_axis},
+        "skipped_steps": [int(s) for s in [*before.get("skipped_steps", []), *skipped]],
     }
 
 

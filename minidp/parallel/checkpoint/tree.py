@@ -11,7 +11,7 @@ data, never code, so it is stored as two things that need no pickle to read back
                        ["optimizer", {"dict": [["state", {"list": [...]}],
                                                ["step_count", {"value": 3}]]}]]}
 
-Each array's name is its path, the keys joined by "/" (what a reader finds in the .npz). A
+Each array's name is its path, the keys joined by "/" (its name in the shard's header). A
 NumPy scalar is kept as a 0-d array, so a float32 comes back a float32, bit for bit; a
 Python float goes through JSON, whose repr round-trips a float64 exactly. Dict keys may be
 strings, ints or tuples of them (the compressors key their buckets by int): the skeleton
