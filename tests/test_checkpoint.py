@@ -238,3 +238,22 @@ def test_a_shard_is_the_safetensors_layout_and_a_malformed_header_is_refused(tmp
         words = str(error.value)
         assert f"{tmp_path / 'bad'}: a malformed header (" in words and "\n" not in words
         assert words.endswith(f"expected {len(bad)} bytes with sha256 {sha}"), words
+
+
+def test_a_failed_write_leaves_no_thread_and_no_temporary_file(tmp_path):
+    """A shard big enough to be hashed in a thread (32 MiB): when its temporary name is
+    taken, the write fails at once while the thread hashes, and the thread is joined; when
+    its final name is taken, the temporary file is removed."""
+    import threading
+
+    from minidp.parallel.checkpoint.shards import shard_name, write_shard
+
+    state = {"x": np.ones(4 << 20)}
+    for taken in (shard_name(0) + ".tmp", shard_name(0)):
+        (tmp_path / taken).mkdir()
+        before = threading.active_count()
+        with pytest.raises(OSError):
+            write_shard(state, str(tmp_path), 0)
+        assert threading.active_count() == before, taken
+        assert [p.name for p in tmp_path.iterdir()] == [taken]
+        (tmp_path / taken).rmdir()

@@ -25,6 +25,7 @@ checks the header (every dtype from the table below, every shape and range insid
 file) and takes the arrays as views of the bytes read (np.frombuffer): data, never code.
 """
 
+import contextlib
 import hashlib
 import json
 import os
@@ -110,7 +111,7 @@ def write_shard(state, directory: str, rank: int) -> tuple[dict, dict[str, np.nd
             os.fsync(f.fileno())
         os.replace(temporary, final)
     except BaseException:
-        if os.path.exists(temporary):
+        with contextlib.suppress(OSError):  # none made, or not ours (a directory): as it is
             os.remove(temporary)
         raise
     finally:
