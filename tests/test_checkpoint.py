@@ -111,6 +111,11 @@ def test_save_load_and_every_refusal_on_every_rank():
         lambda: checkpoint.save(mine, blocked, group, step=2), "rank 1 cannot write its shard"
     )
     assert not os.path.exists(os.path.join(blocked, checkpoint.MANIFEST))
+    odd = {**mine, "own": np.zeros(2, complex)} if group.rank == 1 else mine
+    refused_everywhere(  # a dtype a shard does not hold, on one rank: every rank refuses
+        lambda: checkpoint.save(odd, path + "c", group, step=2),
+        "rank 1 cannot save its state: own: a complex128 array; a checkpoint holds bool",
+    )
 
     shard = os.path.join(path, "shard_00001.safetensors")
     data = open(shard, "rb").read()

@@ -8,8 +8,8 @@ The save, on every rank of `group`:
     1. agree on the step (a gather of each rank's): ranks that disagree write nothing;
     2. saving again into a checkpoint, rank 0 removes its manifest.json and fsyncs the
        directory (the rest wait); then each rank writes its shard (temporary name, fsync,
-       rename), hashing the bytes as they go (a rank that cannot write says so in step 3,
-       and every rank raises it);
+       rename), hashing the bytes as they go (a rank that cannot write, or whose state
+       holds what a shard cannot, says so in step 3, and every rank raises it);
     3. rank 0 gathers every shard's {file, sha256, bytes} and what each holds of each
        tensor, writes manifest.json.tmp, fsyncs it, renames it to manifest.json and fsyncs
        the directory and the one above it (PyTorch DCP's `.metadata` does the same). No
@@ -71,6 +71,8 @@ def save(state, path: str, group: comm.Group, *, step: int, layout=None, metadat
         mine = json.dumps({**info, "rank": group.rank, "tensors": tensors})
     except OSError as error:
         mine = f"rank {group.rank} cannot write its shard in {path}: {error.strerror}"
+    except (TypeError, ValueError) as error:  # what is not data: a set, a complex array
+        mine = f"rank {group.rank} cannot save its state: {error}"
     every = comm.gather_text(mine, root=0, group=group)
     verdict = ""
     if group.rank == 0:
