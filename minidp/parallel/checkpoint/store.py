@@ -43,7 +43,7 @@ from minidp.parallel.checkpoint.reshard import (
 from minidp.parallel.checkpoint.shards import CheckpointError, read_shard, state_of, write_shard
 
 MANIFEST = "manifest.json"
-FORMAT = "minidp-checkpoint/1"
+FORMAT = "minidp-checkpoint/2"  # 2: safetensors shards (1: .npz, not read)
 
 
 def save(state, path: str, group: comm.Group, *, step: int, layout=None, metadata=None) -> None:
@@ -158,7 +158,9 @@ def read_manifest(path: str) -> dict:
     except (OSError, ValueError) as error:
         raise CheckpointError(f"{path}/{MANIFEST} cannot be read: {error}") from None
     if manifest.get("format") != FORMAT:
-        raise CheckpointError(f"{path}/{MANIFEST} is not {FORMAT}: {manifest.get('format')}")
+        raise CheckpointError(
+            f"{path}/{MANIFEST} is {manifest.get('format')}, this minidp reads {FORMAT}"
+        )
     return manifest
 
 
