@@ -576,7 +576,7 @@ def test_float32_in_float32_out_and_gradients(op, data):
 # order of operations: then the bits are equal, in float64 and in float32)
 FUSED = [
     ("layer_norm_fused", composed_layer_norm, False),
-    ("gelu_fused", Tensor.gelu, True),
+    ("gelu_fused", Tensor.gelu, False),  # constants grouped otherwise: to rounding
     (
         "causal_self_attention_fused",
         lambda qkv, n_head: composed_attention(qkv, n_head, future(qkv.shape[1]), lambda a: a),
