@@ -30,6 +30,7 @@ from minidp.autograd import Tensor, op
 __all__ = [
     "fusable",
     "row_sums",
+    "row_dots",
     "column_sums",
     "layer_norm",
     "gelu",
@@ -50,6 +51,11 @@ def row_sums(a: np.ndarray) -> np.ndarray:
     return a @ np.ones(a.shape[-1], dtype=a.dtype)
 
 
+def row_dots(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """(a * b).sum(axis=-1) without the array a * b: np.vecdot (NumPy 2), else einsum."""
+    return np.vecdot(a, b) if hasattr(np, "vecdot") else np.einsum("...i,...i->...", a, b)
+
+
 def column_sums(a: np.ndarray) -> np.ndarray:
     """a.sum(axis=0) of a 2-D array, as a vector-matrix product (~3x faster here, the same
     sum to rounding)."""
@@ -59,17 +65,19 @@ def column_sums(a: np.ndarray) -> np.ndarray:
 def layer_norm(x: Tensor, weight: Tensor, bias: Tensor, eps: float) -> Tensor:
     """y = x̂ w + b, x̂ = (x - μ) / σ over the last axis (C), σ = sqrt(var + eps).
 
-    Forward as the composed graph computes it, its sums over C as matrix-vector products
-    (`row_sums`). Backward, the standard formula (x̂ depends on x through μ and σ too):
+    Forward as the composed graph computes it, the mean as a matrix-vector product
+    (`row_sums`), the sum of squares as `row_dots` (one pass, no array of squares).
+    Backward, the standard formula (x̂ depends on x through μ and σ too):
         dx̂ = g w
         dx  = (dx̂ - mean(dx̂) - x̂ mean(dx̂ x̂)) / σ
         dw  = sum over rows of g x̂,   db = sum over rows of g
-    Two full-size arrays forward (x̂, y), two backward (dx, one scratch)."""
+    where mean(dx̂) = (g · w) / C and mean(dx̂ x̂) = ((g x̂) · w) / C are matrix-vector
+    products with w (g x̂ is dw's array already). Two full-size arrays forward (x̂, y), two
+    backward (dx, one scratch); six passes over them backward."""
     C = x.shape[-1]
     X = x.data.reshape(-1, C)  # rows of C
     xhat = X - (row_sums(X) * (1.0 / C))[:, None]  # x - μ
-    squares = xhat * xhat
-    sigma = np.sqrt(row_sums(squares) * (1.0 / C) + eps)[:, None]
+    sigma = np.sqrt(row_dots(xhat, xhat) * (1.0 / C) + eps)[:, None]  # no array of squares
     xhat /= sigma  # in place: x - μ is needed no more
     y = xhat * weight.data
     y += bias.data
@@ -81,14 +89,15 @@ def layer_norm(x: Tensor, weight: Tensor, bias: Tensor, eps: float) -> Tensor:
         db = column_sums(G) if bias.requires_grad else None
         if not x.requires_grad:
             return None, dw, db
-        dxhat = G * weight.data
-        np.multiply(dxhat, xhat, out=scratch)
-        mean_dxhat_xhat = (row_sums(scratch) * (1.0 / C))[:, None]
-        dxhat -= (row_sums(dxhat) * (1.0 / C))[:, None]
+        # the row means of dx̂ = g w and of dx̂ x̂ as products with w: no pass to make them
+        mean_dxhat = ((G @ weight.data) * (1.0 / C))[:, None]
+        mean_dxhat_xhat = ((scratch @ weight.data) * (1.0 / C))[:, None]
+        dx = G * weight.data  # dx̂
+        dx -= mean_dxhat
         np.multiply(xhat, mean_dxhat_xhat, out=scratch)
-        dxhat -= scratch
-        dxhat /= sigma
-        return dxhat.reshape(x.shape), dw, db
+        dx -= scratch
+        dx /= sigma
+        return dx.reshape(x.shape), dw, db
 
     return op(y.reshape(x.shape), (x, weight, bias), backward)
 
