@@ -116,9 +116,10 @@ class Block(Module):
 class GPT(Module):
     """Token + position embeddings, n_layer blocks, a final LayerNorm and an output head.
 
-    `fused` (the default): LayerNorm with the Linear after it, attention, GELU and the
-    embeddings' backward as the fused ops of fused.py (docs/memory.md); False: every layer
-    the plain, composed way.
+    `fused` (the default): LayerNorm (in a block, with the Linear after it), attention, GELU
+    and the embeddings' backward as the fused ops of fused.py (docs/memory.md); False: every
+    layer the plain, composed way. ln_f and the head stay two ops: ZeRO-3 and FSDP gather
+    each child of the model around its own forward.
     The same model and the same results to rounding either way (tests/test_autograd.py)."""
 
     def __init__(self, cfg: GPTConfig, *, seed: int = 0, dtype=np.float32, fused: bool = True):
@@ -130,14 +131,13 @@ class GPT(Module):
         self.blocks = [Block(cfg, rng=rng, dtype=dtype, fused=fused) for _ in range(cfg.n_layer)]
         self.ln_f = LayerNorm(cfg.n_embd, dtype=dtype, fused=fused)
         self.head = Linear(cfg.n_embd, cfg.vocab_size, bias=False, rng=rng, dtype=dtype, std=0.02)
-        self.fused = fused
 
     def forward(self, idx: np.ndarray) -> Tensor:
         """idx: (B, T) token ids -> logits (B, T, vocab_size)."""
         x = self.embed(idx)
         for block in self.blocks:
             x = block(x)
-        return norm_linear(self.ln_f, self.head, x, self.fused)
+        return self.head(self.ln_f(x))  # two units for ZeRO-3 and FSDP: not fused
 
     def embed(self, idx: np.ndarray) -> Tensor:
         """idx: (B, T) token ids -> the blocks' input (B, T, n_embd): token + position."""

@@ -561,9 +561,8 @@ def test_embedding_with_repeated_ids_matches_torch():
 
 @pytest.mark.parametrize("dtype, tol", [(np.float64, 1e-12), (np.float32, 2e-5)])
 def test_the_fused_gpt_computes_what_the_composed_gpt_does(dtype, tol):
-    """GPT(fused=True), every fused op of fused.py at work (LayerNorm folded into the Linear
-    after it, the head's without a bias too), against GPT(fused=False): logits and every
-    gradient, to rounding."""
+    """GPT(fused=True), every fused op of fused.py at work (a block's LayerNorms folded into
+    the Linear after each), against GPT(fused=False): logits and every gradient, to rounding."""
     cfg = GPTConfig(vocab_size=11, block_size=8, n_layer=2, n_head=2, n_embd=8)
     idx = np.random.default_rng(0).integers(0, 11, (3, 8))
     results = []

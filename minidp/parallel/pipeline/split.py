@@ -18,7 +18,6 @@ import functools
 from minidp import nn
 from minidp.autograd import Tensor
 from minidp.chunks import chunk_bounds
-from minidp.gpt import norm_linear
 from minidp.parallel.pipeline.recompute import recomputed
 
 __all__ = ["GPTPart", "MLPPart", "split_model"]
@@ -60,14 +59,13 @@ class GPTPart(nn.Module):
         self.blocks = gpt.blocks[lo:hi]
         if self.last:
             self.ln_f, self.head = gpt.ln_f, gpt.head
-            self.fused = getattr(gpt, "fused", True)
 
     def forward(self, x) -> Tensor:
         if self.first:
             x = self.embed(x)
         for block in self.blocks:
             x = recomputed(block, x) if self.recompute else block(x)
-        return norm_linear(self.ln_f, self.head, x, self.fused) if self.last else x
+        return self.head(self.ln_f(x)) if self.last else x
 
     def _every_named_parameter(self, prefix: str):
         return _renumbered(super()._every_named_parameter(prefix), prefix + "blocks", self.offset)
