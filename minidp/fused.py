@@ -210,6 +210,8 @@ def causal_self_attention(qkv: Tensor, n_head: int, future: np.ndarray) -> Tenso
     and dq, dk, dv are written into one (B, T, 3C) array: the gradient of the packed
     projections, where the composed split made a zeroed (B, T, 3C) array for each part and
     added them. Only P is kept for backward (the composed graph keeps S, P, the masked copy).
+    The scale s is applied to q (and to dq), a quarter of S's size at the default shapes,
+    not to S and dS: for hs = 16, s = 1/4, exact, so the same bits as scaling S.
 
     One layout trick: S is held transposed, S^T = k q^T s (a matrix product computes either
     at the same cost), so softmax's max and sums run down the columns of S^T, along
@@ -221,8 +223,8 @@ def causal_self_attention(qkv: Tensor, n_head: int, future: np.ndarray) -> Tenso
     heads = qkv.data.reshape(B, T, 3, n_head, hs)  # a view
     q, k, v = (heads[:, :, i].transpose(0, 2, 1, 3) for i in range(3))  # (B, H, T, hs)
     scale = 1.0 / math.sqrt(hs)
-    Pt = k @ q.swapaxes(-1, -2)  # S^T, then P^T in place: (B, H, T keys, T queries)
-    Pt *= scale
+    qs = q * scale  # s folded into q: a pass over (B, T, C), not over S's (B, H, T, T)
+    Pt = k @ qs.swapaxes(-1, -2)  # S^T, then P^T in place: (B, H, T keys, T queries)
     np.copyto(Pt, -np.inf, where=future[:T, :T].T)  # key after query: masked
     Pt -= Pt.max(axis=-2, keepdims=True)  # shift: no overflow
     np.exp(Pt, out=Pt)
@@ -235,12 +237,12 @@ def causal_self_attention(qkv: Tensor, n_head: int, future: np.ndarray) -> Tenso
         dv = Pt @ dy
         dSt = dPt  # in place from here
         dSt -= np.einsum("...kq,...kq->...q", dPt, Pt)[..., None, :]  # rowsum(dP P)
-        dSt *= Pt  # 0 where masked: P is 0 there
-        dSt *= scale
+        dSt *= Pt  # 0 where masked: P is 0 there; dS / s: s goes on dq and dk below
         dqkv = np.empty(qkv.shape, dtype=g.dtype)
         parts = dqkv.reshape(B, T, 3, n_head, hs)
-        parts[:, :, 0] = (dSt.swapaxes(-1, -2) @ k).transpose(0, 2, 1, 3)
-        parts[:, :, 1] = (dSt @ q).transpose(0, 2, 1, 3)
+        dq = (dSt.swapaxes(-1, -2) @ k).transpose(0, 2, 1, 3)
+        np.multiply(dq, scale, out=parts[:, :, 0])  # s dS k, written into its place
+        parts[:, :, 1] = (dSt @ qs).transpose(0, 2, 1, 3)  # dS^T q s
         parts[:, :, 2] = dv.transpose(0, 2, 1, 3)
         return (dqkv,)
 
