@@ -1,16 +1,18 @@
-"""Fused ops: LayerNorm, GELU, causal self-attention and the embedding, each one graph node
-with its derivative written out beside its forward (micrograd's way, on whole arrays).
+"""Fused ops: LayerNorm (alone, or with the Linear after it), GELU, causal self-attention and
+the embedding, each one graph node with its derivative written out beside its forward
+(micrograd's way, on whole arrays).
 
 The speed trick of docs/memory.md. Each op computes what a composed graph of small ops
 computes, and is checked against it (tests/test_autograd.py: the composed graph, central
 differences in float64, PyTorch). The composed versions stay where a reader meets them first
-(`nn.LayerNorm(fused=False)`, `functional.gelu`, `gpt.composed_attention`, indexing
-`weight[idx]`); `nn` and `gpt` call these by default, on NumPy data. What fusing saves:
+(`nn.LayerNorm(fused=False)` then `nn.linear`, `functional.gelu`, `gpt.composed_attention`,
+indexing `weight[idx]`); `nn` and `gpt` call these by default, on NumPy data. What fusing
+saves:
 
     op              composed                                  fused
     LayerNorm       11 nodes, 5 full-size arrays forward      1 node, the standard backward
-    LayerNorm,      the two ops above, u = LayerNorm(x)       1 node, the scale and shift
-      then Linear   kept and multiplied                       folded into the weight
+    LayerNorm       2 ops; u = x̂ w + b made (2 passes),      1 node; w and b folded into
+      + Linear      then u W; dx̂ = du w (1 more pass)        the (C, D) weight: no u
     GELU            9 temporaries forward, 13 backward        2 each way, 8 and 10 passes
     attention       split, 3 zeroed (B, T, 3C) in backward,   1 node; dq, dk, dv written into
                     mask + softmax 4 arrays each way          one (B, T, 3C) array; softmax
