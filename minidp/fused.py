@@ -11,8 +11,8 @@ saves:
 
     op              composed                                  fused
     LayerNorm       11 nodes, 5 full-size arrays forward      1 node, the standard backward
-    LayerNorm       2 ops; u = x̂ w + b made (2 passes),      1 node; w and b folded into
-      + Linear      then u W; dx̂ = du w (1 more pass)        the (C, D) weight: no u
+    LayerNorm       2 ops; u = x̂ w + b made (2 passes),       1 node; w and b folded into
+      + Linear      then u W; dx̂ = du w (1 more pass)         the (C, D) weight: no u
     GELU            9 temporaries forward, 13 backward        2 each way, 8 and 10 passes
     attention       split, 3 zeroed (B, T, 3C) in backward,   1 node; dq, dk, dv written into
                     mask + softmax 4 arrays each way          one (B, T, 3C) array; softmax
