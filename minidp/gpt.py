@@ -17,7 +17,15 @@ from minidp.backend import to_numpy
 from minidp.fused import fusable
 from minidp.nn import Dropout, Embedding, LayerNorm, Linear, Module
 
-__all__ = ["GPTConfig", "attention", "composed_attention", "CausalSelfAttention", "Block", "GPT"]
+__all__ = [
+    "GPTConfig",
+    "attention",
+    "composed_attention",
+    "norm_linear",
+    "CausalSelfAttention",
+    "Block",
+    "GPT",
+]
 
 
 @dataclass
@@ -54,6 +62,15 @@ def attention(qkv: Tensor, n_head: int, future, attn_drop, fused: bool = True) -
     return composed_attention(qkv, n_head, future, attn_drop)
 
 
+def norm_linear(norm: LayerNorm, linear: Linear, x: Tensor, fused: bool = True) -> Tensor:
+    """linear(norm(x)), or (fused, NumPy data) the same as one op, the LayerNorm's scale and
+    shift folded into the Linear's weight: fused.layer_norm_linear, a speed trick."""
+    if fused and norm.fused and fusable(x, norm.weight, linear.weight):
+        w = linear.weight
+        return fused_ops.layer_norm_linear(x, norm.weight, norm.bias, norm.eps, w, linear.bias)
+    return linear(norm(x))
+
+
 class CausalSelfAttention(Module):
     """Multi-head attention where position t attends to positions <= t only."""
 
@@ -68,8 +85,11 @@ class CausalSelfAttention(Module):
         self.future = np.triu(np.ones((cfg.block_size, cfg.block_size), dtype=bool), k=1)
         self.fused = fused
 
-    def forward(self, x: Tensor) -> Tensor:
-        y = attention(self.qkv(x), self.n_head, self.future, self.attn_drop, self.fused)
+    def forward(self, x: Tensor, norm: LayerNorm | None = None) -> Tensor:
+        """Attention over x; with `norm`, over norm(x) (its LayerNorm fused with q/k/v's
+        projection: norm_linear)."""
+        qkv = self.qkv(x) if norm is None else norm_linear(norm, self.qkv, x, self.fused)
+        y = attention(qkv, self.n_head, self.future, self.attn_drop, self.fused)
         return self.resid_drop(self.proj(y))
 
 
@@ -87,8 +107,8 @@ class Block(Module):
         self.fused = fused
 
     def forward(self, x: Tensor) -> Tensor:
-        x = x + self.attn(self.ln1(x))
-        h = self.fc(self.ln2(x))
+        x = x + self.attn(x, norm=self.ln1)
+        h = norm_linear(self.ln2, self.fc, x, self.fused)
         h = fused_ops.gelu(h) if self.fused and fusable(h) else h.gelu()
         return x + self.drop(self.fc_proj(h))
 
@@ -96,8 +116,10 @@ class Block(Module):
 class GPT(Module):
     """Token + position embeddings, n_layer blocks, a final LayerNorm and an output head.
 
-    `fused` (the default): LayerNorm, attention, GELU and the embeddings' backward as the
-    fused ops of fused.py (docs/memory.md); False: every layer the plain, composed way.
+    `fused` (the default): LayerNorm (in a block, with the Linear after it), attention, GELU
+    and the embeddings' backward as the fused ops of fused.py (docs/memory.md); False: every
+    layer the plain, composed way. ln_f and the head stay two ops: ZeRO-3 and FSDP gather
+    each child of the model around its own forward.
     The same model and the same results to rounding either way (tests/test_autograd.py)."""
 
     def __init__(self, cfg: GPTConfig, *, seed: int = 0, dtype=np.float32, fused: bool = True):
@@ -115,7 +137,7 @@ class GPT(Module):
         x = self.embed(idx)
         for block in self.blocks:
             x = block(x)
-        return self.head(self.ln_f(x))
+        return self.head(self.ln_f(x))  # two units for ZeRO-3 and FSDP: not fused
 
     def embed(self, idx: np.ndarray) -> Tensor:
         """idx: (B, T) token ids -> the blocks' input (B, T, n_embd): token + position."""

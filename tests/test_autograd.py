@@ -250,6 +250,19 @@ def layer_norm_example(draw):
     return [values(draw, (*lead, C)), values(draw, (C,)), values(draw, (C,))], {}
 
 
+def layer_norm_linear_example(draw):
+    """x (..., C), LayerNorm's weight and bias (C,), then a Linear's weight (C, D), bias (D,)."""
+    (x, w, b), _ = layer_norm_example(draw)
+    D = draw(st.integers(1, 4))
+    return [x, w, b, values(draw, (x.shape[-1], D)), values(draw, (D,))], {}
+
+
+def layer_norm_linear_no_bias_example(draw):
+    """As layer_norm_linear_example, the Linear without a bias (a GPT's head)."""
+    arrays, params = layer_norm_linear_example(draw)
+    return arrays[:4], params
+
+
 def attention_example(draw):
     """Packed projections qkv (B, T, 3 H hs) and the head count H."""
     B, T, H, hs = (draw(st.integers(1, n)) for n in (2, 4, 2, 3))
@@ -337,6 +350,10 @@ def composed_layer_norm(x, weight, bias):
     ln = LayerNorm(x.shape[-1], fused=False)
     ln.weight, ln.bias = weight, bias
     return ln(x)
+
+
+def composed_layer_norm_linear(x, weight, bias, W, b=None):
+    return linear(composed_layer_norm(x, weight, bias), W, b)
 
 
 def mul_exp(a: Tensor, b: Tensor) -> Tensor:
@@ -515,6 +532,18 @@ OPS = [
         lambda x, w, b: F.layer_norm(x, (x.shape[-1],), w, b, eps=1e-5),
         layer_norm_example,
     ),
+    Op(
+        "layer_norm_linear_fused",
+        lambda x, w, b, W, bW: fused.layer_norm_linear(x, w, b, 1e-5, W, bW),
+        lambda x, w, b, W, bW: F.layer_norm(x, (x.shape[-1],), w, b, eps=1e-5) @ W + bW,
+        layer_norm_linear_example,
+    ),
+    Op(
+        "layer_norm_linear_no_bias_fused",
+        lambda x, w, b, W: fused.layer_norm_linear(x, w, b, 1e-5, W),
+        lambda x, w, b, W: F.layer_norm(x, (x.shape[-1],), w, b, eps=1e-5) @ W,
+        layer_norm_linear_no_bias_example,
+    ),
     Op("gelu_fused", fused.gelu, lambda x: F.gelu(x, approximate="tanh"), unary()),
     Op("causal_self_attention_fused", fused_attention, torch_attention, attention_example),
     Op(
@@ -576,7 +605,9 @@ def test_float32_in_float32_out_and_gradients(op, data):
 # order of operations: then the bits are equal, in float64 and in float32)
 FUSED = [
     ("layer_norm_fused", composed_layer_norm, False),
-    ("gelu_fused", Tensor.gelu, True),
+    ("layer_norm_linear_fused", composed_layer_norm_linear, False),
+    ("layer_norm_linear_no_bias_fused", composed_layer_norm_linear, False),
+    ("gelu_fused", Tensor.gelu, False),  # constants grouped otherwise: to rounding
     (
         "causal_self_attention_fused",
         lambda qkv, n_head: composed_attention(qkv, n_head, future(qkv.shape[1]), lambda a: a),

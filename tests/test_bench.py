@@ -143,6 +143,7 @@ def test_bench_fused_has_a_row_per_op_and_per_phase(tmp_path):
     rows = records(out)
     assert [r["what"] for r in rows] == [
         "layer_norm",
+        "layer_norm_linear",
         "gelu",
         "attention",
         "embedding",

@@ -557,3 +557,21 @@ def test_embedding_with_repeated_ids_matches_torch():
     np.testing.assert_allclose(emb.weight.grad, tW.grad.numpy(), **TIGHT)
     np.testing.assert_allclose(emb.weight.grad[1], w[0, 0] + w[0, 2] + w[1, 0], rtol=1e-14)
     np.testing.assert_array_equal(emb.weight.grad[[2, 3, 5]], 0)
+
+
+@pytest.mark.parametrize("dtype, tol", [(np.float64, 1e-12), (np.float32, 2e-5)])
+def test_the_fused_gpt_computes_what_the_composed_gpt_does(dtype, tol):
+    """GPT(fused=True), every fused op of fused.py at work (a block's LayerNorms folded into
+    the Linear after each), against GPT(fused=False): logits and every gradient, to rounding."""
+    cfg = GPTConfig(vocab_size=11, block_size=8, n_layer=2, n_head=2, n_embd=8)
+    idx = np.random.default_rng(0).integers(0, 11, (3, 8))
+    results = []
+    for fused in (True, False):
+        model = GPT(cfg, seed=3, dtype=dtype, fused=fused)
+        for p in model.parameters():  # LayerNorms away from w = 1, b = 0
+            p.data += 0.1 * np.random.default_rng(p.size).standard_normal(p.shape).astype(dtype)
+        logits = model(idx)
+        cross_entropy(logits, idx).backward()
+        results.append([logits.data] + [p.grad for p in model.parameters()])
+    for ours, composed in zip(*results, strict=True):
+        np.testing.assert_allclose(ours, composed, rtol=tol, atol=tol)

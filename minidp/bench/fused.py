@@ -3,11 +3,12 @@ against PyTorch eager, side by side in one process, with page faults.
 
     python -m minidp bench fused [--iters 30] [--batch-size 16] [--json FILE]
 
-Part 1, ops: forward and backward of each fused op of fused.py (LayerNorm, GELU, causal
-self-attention from the packed q/k/v, the embedding) at the default GPT's shapes (B 16, T 64,
-C 64, 4 heads, float32), its composed version (the graph it replaces) and torch's, one call
-each per round. Part 2, phases: the default GPT's step (forward with the loss, backward,
-clip and AdamW) with GPT(fused=True), GPT(fused=False) and the torch twin (torch_ref.py).
+Part 1, ops: forward and backward of each fused op of fused.py (LayerNorm, LayerNorm then
+the MLP's first Linear, GELU, causal self-attention from the packed q/k/v, the embedding) at
+the default GPT's shapes (B 16, T 64, C 64, 4 heads, float32), its composed version (the
+graph it replaces) and torch's, one call each per round. Part 2, phases: the default GPT's
+step (forward with the loss, backward, clip and AdamW) with GPT(fused=True),
+GPT(fused=False) and the torch twin (torch_ref.py).
 Contenders alternate, the order rotated each round; BLAS and torch at 1 thread. Reported:
 median ms, the medians of per-round ratios to torch, and median minor page faults per call;
 first, what one page fault costs (`fault_cost_us`).
@@ -43,6 +44,7 @@ def op_calls(torch, B: int, T=64, C=64, H=4, V=96) -> dict:
     F = torch.nn.functional
     rng = np.random.default_rng(0)
     x, w, b = (rng.standard_normal(s).astype(np.float32) for s in ((B, T, C), C, C))
+    W, bW = (0.02 * rng.standard_normal(s).astype(np.float32) for s in ((C, 4 * C), 4 * C))
     h = rng.standard_normal((B, T, 4 * C)).astype(np.float32)
     qkv = rng.standard_normal((B, T, 3 * C)).astype(np.float32)
     table, ids = rng.standard_normal((V, C)).astype(np.float32), rng.integers(0, V, (B, T))
@@ -82,6 +84,12 @@ def op_calls(torch, B: int, T=64, C=64, H=4, V=96) -> dict:
             composed_ln,
             lambda x, w, b: F.layer_norm(x, (C,), w, b, eps=1e-5),
             [x, w, b],
+        ),
+        "layer_norm_linear": (
+            lambda x, w, b, W, bW: fused.layer_norm_linear(x, w, b, 1e-5, W, bW),
+            lambda x, w, b, W, bW: nn.linear(composed_ln(x, w, b), W, bW),
+            lambda x, w, b, W, bW: F.linear(F.layer_norm(x, (C,), w, b, eps=1e-5), W.T, bW),
+            [x, w, b, W, bW],
         ),
         "gelu": (fused.gelu, Tensor.gelu, lambda t: F.gelu(t, approximate="tanh"), [h]),
         "attention": (
