@@ -226,12 +226,14 @@ def end_without(workers: list[int]) -> None:
 
 
 def check_environment() -> None:
-    """The variables minidp reads (MINIDP_TIMEOUT), checked before any rank uses them: one
-    line and exit code 2 for a bad value, on every rank alike."""
+    """The variables minidp reads (MINIDP_TIMEOUT, MINIDP_NET_*), checked before any rank
+    uses them: one line and exit code 2 for a bad value, on every rank alike."""
     from minidp.comm.checks import timeout_from_env
+    from minidp.comm.netem import from_env
 
     try:
         timeout_from_env(checks=True)
+        from_env()
     except ValueError as error:
         raise die(str(error)) from None
 
