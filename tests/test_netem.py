@@ -188,3 +188,35 @@ def test_the_command_line_says_a_bad_variable_in_one_line():
         "minidp: error: MINIDP_NET_STRAGGLER='slow': give RANK:MS pairs, e.g. 1:5 or 1:5,3:2 "
         "(ranks >= 0, milliseconds >= 0)"
     ]
+
+
+def test_bench_netem_predicts_with_the_machines_alpha_beta_plus_the_emulated_ones(tmp_path):
+    from minidp import cost
+
+    fit = {"points": [], "r2": 1.0, "max_rel_error": 0.0, "intercept": 3e-6, "slope": 2e-10}
+    model = {"alpha": 2e-6, "beta": 1e-10, "gamma": 3e-10, "date": "today", "nprocs": 2}
+    model.update(ping_pong=fit, reduction=fit, exchange=fit)
+    calibration, rows = tmp_path / "calibration.json", tmp_path / "rows.json"
+    calibration.write_text(json.dumps(model))
+    environ = {k: v for k, v in os.environ.items() if k not in netem.VARIABLES}
+    job = subprocess.run(
+        ["mpiexec", "-n", "2", sys.executable, "-m", "minidp", "bench", "netem"]
+        + ["--calibration", str(calibration), "--sizes", "4K", "--iters", "1", "--warmup", "0"]
+        + ["--algos", "ring,tree", "--json", str(rows)],
+        env={**environ, "MINIDP_NET_LATENCY_US": "10", "MINIDP_NET_GBITS": "100"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert job.returncode == 0, job.stderr
+    assert "emulated network: α 10 us, 100 Gb/s" in job.stdout
+    got = [json.loads(line) for line in rows.read_text().splitlines()]
+    assert [(r["op"], r["algo"], r["bytes"]) for r in got] == [
+        ("allreduce", "ring", 4096),
+        ("allreduce", "tree", 4096),
+    ]
+    alpha, beta = 2e-6 + 10e-6, 1e-10 + 8 / 100e9
+    for row in got:
+        want = cost.time("allreduce", row["algo"], 2, 1024, 4, alpha=alpha, beta=beta, gamma=3e-10)
+        assert row["predicted_us"] == pytest.approx(want * 1e6)
+        assert row["measured_us"] > 0
