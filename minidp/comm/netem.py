@@ -24,10 +24,12 @@ link), no full-duplex limit (a rank sends and receives at once, as in a sendrecv
 topology (every pair is one hop), no jitter, no loss. The wait is a sleep that releases the
 GIL, so computation beside it (DDP's overlap) goes on, as it would beside a real transfer;
 sleep wakes ~70 µs late, so a wait sleeps that much less and spins the rest. (Spinning
-the whole wait instead, as MPI's blocking calls do, measured 1.6-2.4x slower at 4 ranks on
+the whole wait instead, as MPI's blocking calls do, measured 1.5-2.4x slower at 4 ranks on
 2 cores: a spinning rank takes the core the rank it waits for needs.) On a machine with
 fewer cores than ranks, a rank that sleeps may wait for a time slice before it runs again:
-the emulated network is then slower than asked; `bench netem` shows by how much.
+the emulated network is then slower than asked; `bench netem` shows by how much. A wait
+lies inside its collective's data exchange, so it counts toward the watchdog's deadline
+(MINIDP_TIMEOUT, watchdog.py) as a slow transfer would.
 
 Where: only `Isend` and `Sendrecv`, the calls comm/p2p.py sends data with, through
 `group.wire`, a `Link` when emulation is on and the communicator itself when it is off, so
