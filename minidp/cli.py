@@ -1,10 +1,11 @@
-"""The command line: `python -m minidp [train|bench|info|schedule] ...`.
+"""The command line: `python -m minidp [train|bench|info|schedule|plot] ...`.
 
     python -m minidp                      # train the tiny GPT on one process (train is the default)
     mpiexec -n 4 python -m minidp         # the same job, data parallel over 4 ranks
     python -m minidp bench autograd       # a benchmark (minidp/bench/<name>.py)
     python -m minidp info                 # versions, BLAS, MPI library, world size
     python -m minidp schedule --pp 4 --micro-batches 8 --schedule 1f1b   # a pipeline schedule
+    python -m minidp plot dp.jsonl zero.jsonl --png loss.png   # loss curves of --json files
 
 Flags of `train` are generated from TrainConfig (training/config.py). A bad flag or value is one
 clear line on stderr, never a traceback.
@@ -22,7 +23,7 @@ from minidp.log import JobError, die, print0
 from minidp.parser import Parser  # below cli.py: the benchmarks take it from there
 from minidp.training.config import BadConfig, TrainConfig, config_fields
 
-SUBCOMMANDS = ("train", "bench", "info", "schedule")
+SUBCOMMANDS = ("train", "bench", "info", "schedule", "plot")
 
 
 def _field_type(annotation):
@@ -186,6 +187,10 @@ def main(argv: list[str] | None = None) -> int:
         return info_main(argv)
     if command == "schedule":
         return schedule_command(argv)
+    if command == "plot":
+        from minidp.loss_curves import main as plot_main
+
+        return plot_main(argv)
     if command == "bench":
         try:
             return run_bench(argv)
@@ -226,12 +231,14 @@ def end_without(workers: list[int]) -> None:
 
 
 def check_environment() -> None:
-    """The variables minidp reads (MINIDP_TIMEOUT), checked before any rank uses them: one
-    line and exit code 2 for a bad value, on every rank alike."""
+    """The variables minidp reads (MINIDP_TIMEOUT, MINIDP_NET_*), checked before any rank
+    uses them: one line and exit code 2 for a bad value, on every rank alike."""
     from minidp.comm.checks import timeout_from_env
+    from minidp.comm.netem import from_env
 
     try:
         timeout_from_env(checks=True)
+        from_env()
     except ValueError as error:
         raise die(str(error)) from None
 

@@ -150,11 +150,13 @@ def calibrate(mpi, args) -> dict:
     }
 
 
-def check(group, model: dict, sizes: list[int], warmup: int, iters: int) -> list[dict]:
-    """One row per (collective, algorithm, size): the median measured time of the real
-    collective (the slowest rank's) beside cost.time's prediction with model's α, β, γ."""
+def check(
+    group, model: dict, sizes: list[int], warmup: int, iters: int, plan: dict = PLAN
+) -> list[dict]:
+    """One row per (collective, algorithm, size) of `plan`: the median measured time of the
+    real collective (the slowest rank's) beside cost.time's prediction with model's α, β, γ."""
     rows, dtype, p = [], np.dtype(np.float32), group.size
-    for op, algos in PLAN.items():
+    for op, algos in plan.items():
         for nbytes in sizes:
             steps = {algo: contenders(op, algo, nbytes, dtype, group)[0] for algo in algos}
             times = rotated_rounds(steps, warmup, iters, group.comm)

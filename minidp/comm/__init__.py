@@ -18,7 +18,8 @@ this order, every module of it:
                     shm_memory.py (the shared windows it reads: made, pooled, found)
   around them       group.py (Group: the communicator, counters, deadline), buffers.py
                     (scratch a Group reuses), checks.py (cross-rank fingerprints),
-                    watchdog.py (the deadline of the data exchange: a thread that aborts)
+                    watchdog.py (the deadline of the data exchange: a thread that aborts),
+                    netem.py (an emulated slower network: MINIDP_NET_*, off by default)
   the public calls  auto.py (algo="auto" by size), args.py (local argument checks),
                     collectives.py and rooted.py (the functions and their contract),
                     text.py (strings over collectives)

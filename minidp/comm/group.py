@@ -3,6 +3,8 @@
 A Group wraps one MPI communicator and adds what the algorithms need:
 
     rank, size          this process's place in the group, and the group's size
+    wire                what p2p.py sends data through: the communicator, or a netem.Link
+                        when MINIDP_NET_* asks for an emulated network (netem.py)
     left, right         ring neighbours: (rank - 1) % size and (rank + 1) % size
     world_ranks         world rank of each group rank (for error messages and logs)
     scratch             reusable work buffers (buffers.py), owned by this group alone
@@ -46,6 +48,7 @@ from minidp.comm.checks import (
     timeout_from_env,
 )
 from minidp.comm.errors import CollectiveError
+from minidp.comm.netem import wire
 from minidp.comm.watchdog import watch
 
 _FROM_ENV = object()
@@ -67,6 +70,7 @@ class Group:
         self.world_ranks = tuple(
             comm.Get_group().Translate_ranks(list(range(self.size)), MPI.COMM_WORLD.Get_group())
         )
+        self.wire = wire(comm, self)  # comm itself unless the network is emulated (netem.py)
         self.checks = checks_from_env() if checks is None else checks
         self._timeout = timeout  # _FROM_ENV: follow self.checks (the timeout property)
         self._timeout_for = (timeout_from_env(False), timeout_from_env(True))  # [checks]

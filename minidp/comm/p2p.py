@@ -16,7 +16,8 @@ says which; `waitall_within` waits outside any collective with a deadline of its
 They use mpi4py's buffer (uppercase) API and ship every array as raw bytes (`MPI.BYTE`):
 the reduction happens in NumPy on the receiving side, so MPI never needs to know the dtype
 (float16 has no standard MPI datatype). Each call adds its bytes to the group's counters under
-the collective in progress.
+the collective in progress. Data is sent through `group.wire`: the communicator itself, or a
+netem.Link that makes each send wait α + n·β first when MINIDP_NET_* emulates a network.
 
 Sizes: every receive checks the bytes that arrived (its MPI status, `Get_count`, a few
 hundred nanoseconds) against the bytes it posted. Fewer is an error on the receiving rank,
@@ -65,7 +66,7 @@ def _msg(buf: np.ndarray) -> list:
 
 def isend(group, buf: np.ndarray, dest: int, tag: int = DATA_TAG) -> MPI.Request:
     group.traffic(buf.nbytes, 0, 1)
-    return group.comm.Isend(_msg(buf), dest, tag)
+    return group.wire.Isend(_msg(buf), dest, tag)
 
 
 def irecv(group, buf: np.ndarray, source: int, tag: int = DATA_TAG) -> MPI.Request:
@@ -150,7 +151,7 @@ def sendrecv(group, send_buf: np.ndarray, dest: int, recv_buf: np.ndarray, sourc
         status = group.statuses[0]
         group.waiting_on = source  # for the watchdog (watchdog.py)
         try:
-            group.comm.Sendrecv(
+            group.wire.Sendrecv(
                 [send_buf, BYTE], dest, DATA_TAG, [recv_buf, BYTE], source, DATA_TAG, status
             )
         except MPI.Exception as error:

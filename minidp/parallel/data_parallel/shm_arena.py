@@ -18,18 +18,20 @@ its ranks' pool for the next DDP. The bits are the plain path's (test_ddp_tricks
 import numpy as np
 
 from minidp import comm
+from minidp.comm.netem import network
 
 
 def shared_arena(params: list, algo: str, group: comm.Group) -> np.ndarray | None:
     """One array for all buckets in memory every rank reads, when they are reduced by loads
-    (algo "shm", or "auto" with every rank on one machine and room in /dev/shm); else None
+    (algo "shm", or "auto" with every rank on one machine, room in /dev/shm and no emulated
+    network, comm/netem.py); else None
     (plain buckets). Collective: every rank gets the same answer."""
     if algo not in ("auto", "shm") or group.size == 1:
         return None
     if not isinstance(params[0].data, np.ndarray):  # torch tensors stage through the host
         return None
-    if algo == "auto" and not comm.on_one_machine(group):
-        return None  # the same answer on every rank
+    if algo == "auto" and (network() is not None or not comm.on_one_machine(group)):
+        return None  # the same answer on every rank; an emulated network is not loads
     count = sum(p.size for p in params)
     return comm.shared_zeros(count, params[0].dtype, group, if_room=algo == "auto")
 
