@@ -5,6 +5,7 @@
     python -m minidp bench autograd       # a benchmark (minidp/bench/<name>.py)
     python -m minidp info                 # versions, BLAS, MPI library, world size
     python -m minidp schedule --pp 4 --micro-batches 8 --schedule 1f1b   # a pipeline schedule
+    python -m minidp predict --strategy zero --zero-stage 2 --world 4     # a step's cost
 
 Flags of `train` are generated from TrainConfig (training/config.py). A bad flag or value is one
 clear line on stderr, never a traceback.
@@ -22,7 +23,7 @@ from minidp.log import JobError, die, print0
 from minidp.parser import Parser  # below cli.py: the benchmarks take it from there
 from minidp.training.config import BadConfig, TrainConfig, config_fields
 
-SUBCOMMANDS = ("train", "bench", "info", "schedule")
+SUBCOMMANDS = ("train", "bench", "info", "schedule", "predict")
 
 
 def _field_type(annotation):
@@ -186,6 +187,10 @@ def main(argv: list[str] | None = None) -> int:
         return info_main(argv)
     if command == "schedule":
         return schedule_command(argv)
+    if command == "predict":  # a run's step cost, before running it (training/predict.py)
+        from minidp.training.predict import main as predict_main
+
+        return predict_main(argv)
     if command == "bench":
         try:
             return run_bench(argv)
