@@ -41,7 +41,7 @@ from typing import NamedTuple
 
 from minidp import cost
 from minidp.chunks import chunk_bounds
-from minidp.cost.calls import Shapes, data_parallel, tensor_parallel
+from minidp.cost.calls import Shapes, buckets, data_parallel, tensor_parallel
 
 
 class Layout(NamedTuple):
@@ -135,10 +135,16 @@ def bytes_by_axis(layout: Layout, shapes: Shapes, itemsize: int, batch_size: int
     return sent
 
 
-def memory(layout: Layout, shapes: Shapes, itemsize: int, activations: int) -> dict:
-    """This rank's model states (zero.py's table on its shard) and activations (bytes)."""
+def memory(layout: Layout, shapes: Shapes, itemsize: int, activations: int, rank=0) -> dict:
+    """Mesh rank `rank`'s model states (zero.py's table on its TP shard: a ZeRO rank's Ψ/N_d
+    is its chunk of every segment) and activations, in bytes."""
     psi, n, stage = sum(shapes.params), layout.dp, layout.zero_stage
-    shard = -(-psi // n)  # the largest rank's chunks, within one element per segment
+    d = rank // layout.tp
+    if stage == 3:
+        segments = shapes.units
+    else:
+        segments = buckets(shapes.params, max(1, int(layout.bucket_mb * 2**20)), itemsize)
+    shard = sum(chunk_bounds(s, n)[d + 1] - chunk_bounds(s, n)[d] for s in segments)
     return {
         "parameters": itemsize * (shard if stage == 3 else psi),
         "gradients": itemsize * (shard if stage >= 2 else psi),
