@@ -80,7 +80,7 @@ def test_memory_rows_are_the_step_models(p):
     rows = {r["scheme"]: r for r in scale.memory_table(SMALL, p, 1, tp=2, pp=2)}
     acts = scale.activations(SMALL, 1)
     for stage, name in enumerate(("dp", "zero-1", "zero-2", "zero-3")):
-        layout = Layout("zero" if stage else "dp", dp=p, zero_stage=stage)
+        layout = Layout("zero" if stage else "dp", dp=p, zero_stage=stage, bucket_mb=25.0)
         expected = memory(layout, SMALL.shapes(), 4, acts)
         assert {k: rows[name][k] for k in expected} == expected
 

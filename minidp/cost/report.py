@@ -51,6 +51,10 @@ def crossover_table(rows: list[dict]) -> str:
         ["p \\ bytes"] + [size(n) for n in sizes],
         [[p] + [cell(cells[p, n]) for n in sizes] for p in groups],
     )
+    text += "\n\nthe table auto should use (the winner from each size on):\n" + "\n".join(
+        f"p {p}: " + ", ".join(f"{SHORT[w]} from {size(n)}" for n, w in switches(rows, p))
+        for p in groups
+    )
     off = [r for r in rows if r["auto_slowdown"] > 1 + 1e-9]
     worst = max(off, key=lambda r: r["auto_slowdown"], default=None)
     if worst:
@@ -60,6 +64,15 @@ def crossover_table(rows: list[dict]) -> str:
             f"{worst['auto_slowdown']:.2f}x {worst['winner']}'s time"
         )
     return text
+
+
+def switches(rows: list[dict], p: int) -> list[tuple[int, str]]:
+    """(bytes, winner) where the winner on p ranks changes, smallest size first."""
+    out: list[tuple[int, str]] = []
+    for r in sorted((r for r in rows if r["p"] == p), key=lambda r: r["bytes"]):
+        if not out or out[-1][1] != r["winner"]:
+            out.append((r["bytes"], r["winner"]))
+    return out
 
 
 def scaling_table(rows: list[dict]) -> str:

@@ -244,7 +244,9 @@ def activations(model: GPT, seqs: int, tp: int = 1, pp: int = 1, itemsize: int =
     return int(per_layer * model.layers / pp / tp * itemsize)
 
 
-def memory_table(model: GPT, world: int, seqs: int, tp: int, pp: int, itemsize=4) -> list:
+def memory_table(
+    model: GPT, world: int, seqs: int, tp: int, pp: int, itemsize=4, bucket_mb: float = 25.0
+) -> list:
     """Bytes per rank of each scheme on `world` ranks (step.memory; pp: a stage of 1/pp of
     the layers, its share of the embeddings, holding pp micro-batches' activations as
     1F1B's first stage does). seqs: sequences per data-parallel rank (one micro-batch
@@ -252,7 +254,7 @@ def memory_table(model: GPT, world: int, seqs: int, tp: int, pp: int, itemsize=4
     shapes, rows = model.shapes(), []
     acts = activations(model, seqs, itemsize=itemsize)
     for name, stage in (("dp", 0), ("zero-1", 1), ("zero-2", 2), ("zero-3", 3)):
-        layout = Layout("zero" if stage else "dp", dp=world, zero_stage=stage)
+        layout = Layout("zero" if stage else "dp", dp=world, zero_stage=stage, bucket_mb=bucket_mb)
         rows.append(
             {"scheme": name, "layout": f"dp {world}", **memory(layout, shapes, itemsize, acts)}
         )
@@ -281,7 +283,12 @@ def memory_table(model: GPT, world: int, seqs: int, tp: int, pp: int, itemsize=4
         {
             "scheme": "hybrid zero-1",
             "layout": f"dp {dp} x tp {tp} x pp {pp}",
-            **memory(Layout("zero", dp=dp, tp=tp, zero_stage=1), hybrid, itemsize, acts),
+            **memory(
+                Layout("zero", dp=dp, tp=tp, zero_stage=1, bucket_mb=bucket_mb),
+                hybrid,
+                itemsize,
+                acts,
+            ),
         }
     )
     for row in rows:

@@ -206,7 +206,9 @@ def pipeline(args, model, compute, net) -> list[dict]:
 
 
 def memory(args, model, compute, net) -> list[dict]:
-    rows = scale.memory_table(model, args.nprocs, compute.examples, args.tp, args.pp)
+    rows = scale.memory_table(
+        model, args.nprocs, compute.examples, args.tp, args.pp, bucket_mb=args.bucket_mb
+    )
     print0(
         f"\n## memory per rank ({args.nprocs} ranks, {compute.examples} sequence(s) a "
         "micro-batch; fp32, AdamW)"
