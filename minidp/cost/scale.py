@@ -176,7 +176,8 @@ def breakeven(name, param, n: int, p: int, net, compress_bytes_per_s: float, bac
     (step.py's overlap: exposed = max(0, exchange - backward); 0: no overlap), and the
     compressor's own compute, encoding the n values and decoding the bytes it receives at
     compress_bytes_per_s, adds to the step (it runs where backward runs). 0: it never pays
-    (it sends no fewer bytes); inf: it pays at any bandwidth."""
+    (it sends no fewer bytes, or its compute costs more than it saves even at 0.8 Mb/s);
+    inf: it pays at any bandwidth."""
     a0, b0 = exchange_terms("none", None, n, p, net)
     a1, b1 = exchange_terms(name, param, n, p, net)  # b1: the bytes on its critical path
     work = (4 * n + b1) / compress_bytes_per_s
@@ -267,7 +268,7 @@ def memory_table(
             **memory(Layout("tp", tp=tp), tp_shapes, itemsize, tp_acts),
         }
     )
-    stage = tp_shapes._replace(params=[sum(model.shapes().params) // pp])
+    stage = shapes._replace(params=[sum(shapes.params) // pp])  # one segment: 1/pp
     pp_acts = activations(model, seqs * pp, pp=pp, itemsize=itemsize)
     rows.append(
         {
@@ -300,17 +301,17 @@ def memory_table(
 
 __all__ = [
     "ALLREDUCE",
-    "GPT",
-    "flops_compute",
-    "gpt_of",
-    "memory_table",
-    "scaling",
-    "seconds",
     "COMPRESSORS",
+    "GPT",
     "activations",
     "breakeven",
     "compressor_calls",
     "crossover",
     "exchange_terms",
+    "flops_compute",
+    "gpt_of",
+    "memory_table",
+    "scaling",
+    "seconds",
     "zero_traffic",
 ]
