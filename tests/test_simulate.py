@@ -134,7 +134,8 @@ def test_the_trace_has_the_training_traces_fields(tmp_path):
 
 def test_the_command_runs(tmp_path, capsys):
     record = tmp_path / "sim.json"
-    assert main(["--nprocs", "64", "--json", str(record), "--trace", str(tmp_path / "t.json")]) == 0
+    argv = ["--nprocs", "64", "--json", str(record), "--trace", str(tmp_path / "t.json")]
+    assert main(argv) == 0
     out = capsys.readouterr().out
     for title in ("allreduce", "data parallelism", "compression", "ZeRO", "pipeline", "memory"):
         assert f"## {title}" in out

@@ -222,12 +222,20 @@ def one_step(args, model, compute, net) -> dict:
     layout = step_layout(args, overlap=not args.no_overlap)
     shapes = model.shapes(layout.tp)
     batch = compute.examples * layout.dp
-    pred = predict(layout, shapes, compute, net, batch_size=batch)
-    print0(f"\n## one step: {layout}")
+    acts = scale.activations(model, compute.examples, layout.tp)
+    pred = predict(layout, shapes, compute, net, batch_size=batch, activations=acts)
+    stage = f" stage {layout.zero_stage}" if layout.zero_stage else ""
+    overlap = "overlapped" if layout.overlap else "after backward"
+    print0(
+        f"\n## one step: {layout.strategy}{stage}, dp {layout.dp} x tp {layout.tp}, the DP "
+        f"axis {overlap}, {layout.bucket_mb:g} MiB buckets (cost/step.py)"
+    )
+    sent = ", ".join(f"{axis} {n:,}" for axis, n in pred.bytes_by_axis.items() if n)
+    memory = sum(pred.memory_bytes.values()) / 1e9
     print0(
         f"step {pred.step_s:.4f} s = compute {pred.compute_s:.4f} + exposed communication "
-        f"{pred.exposed_comm_s:.4f} (of {pred.comm_s:.4f}); bytes sent by axis "
-        f"{ {k: f'{v:,}' for k, v in pred.bytes_by_axis.items()} }"
+        f"{pred.exposed_comm_s:.4f} (of {pred.comm_s:.4f}); bytes sent by rank 0: "
+        f"{sent or 0}; memory {memory:.3g} GB a rank"
     )
     if args.trace:
         spans = chrome.step_spans(layout, shapes, compute, net, batch_size=batch)
