@@ -103,12 +103,13 @@ def scaling_table(rows: list[dict]) -> str:
 
 
 def breakeven_table(rows: list[dict], now: float) -> str:
-    """Ranks down, compressors across: the breakeven in Gb/s; + where it pays at `now`."""
+    """Ranks down, compressors across: the breakeven in Gb/s, the compression ratio (bytes
+    on the plain allreduce's critical path / on the compressor's); + where it pays at `now`."""
 
     def cell(r: dict) -> str:
         b = 8 * r["bandwidth"] / 1e9
         text = "never" if b == 0 else "always" if b == float("inf") else f"{b:.3g}"
-        return text + (" +" if b > now else "")
+        return f"{text} ({r['ratio']:.3g}x)" + (" +" if b > now else "")
 
     names = list(dict.fromkeys(r["compress"] for r in rows))
     ranks = sorted({r["p"] for r in rows})

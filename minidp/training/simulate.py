@@ -178,8 +178,8 @@ def compression(args, model, compute, net) -> list[dict]:
         for name, param in scale.COMPRESSORS
     ]
     print0(
-        f"\n## compression pays below this bandwidth, Gb/s (now {now:g}; + where it pays "
-        f"now), with overlap, its compute at {args.compress_gbs:g} GB/s"
+        f"\n## compression pays below this bandwidth, Gb/s (its bytes ratio; + where it pays "
+        f"at this {now:g} Gb/s), with overlap, its compute at {args.compress_gbs:g} GB/s"
     )
     print0(report.breakeven_table(rows, now))
     return rows
