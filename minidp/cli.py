@@ -1,4 +1,4 @@
-"""The command line: `python -m minidp [train|bench|info|schedule|plot] ...`.
+"""The command line: `python -m minidp [train|bench|info|schedule|plot|predict|simulate] ...`.
 
     python -m minidp                      # train the tiny GPT on one process (train is the default)
     mpiexec -n 4 python -m minidp         # the same job, data parallel over 4 ranks
@@ -6,6 +6,8 @@
     python -m minidp info                 # versions, BLAS, MPI library, world size
     python -m minidp schedule --pp 4 --micro-batches 8 --schedule 1f1b   # a pipeline schedule
     python -m minidp plot dp.jsonl zero.jsonl --png loss.png   # loss curves of --json files
+    python -m minidp predict --strategy zero --zero-stage 2 --world 4     # a step's cost
+    python -m minidp simulate --nprocs 1024 --model-params 1.3e9   # 1,024 ranks, modelled
 
 Flags of `train` are generated from TrainConfig (training/config.py). A bad flag or value is one
 clear line on stderr, never a traceback.
@@ -23,7 +25,7 @@ from minidp.log import JobError, die, print0
 from minidp.parser import Parser  # below cli.py: the benchmarks take it from there
 from minidp.training.config import BadConfig, TrainConfig, config_fields
 
-SUBCOMMANDS = ("train", "bench", "info", "schedule", "plot")
+SUBCOMMANDS = ("train", "bench", "info", "schedule", "plot", "predict", "simulate")
 
 
 def _field_type(annotation):
@@ -191,6 +193,14 @@ def main(argv: list[str] | None = None) -> int:
         from minidp.loss_curves import main as plot_main
 
         return plot_main(argv)
+    if command == "predict":  # a run's step cost, before running it (training/predict.py)
+        from minidp.training.predict import main as predict_main
+
+        return predict_main(argv)
+    if command == "simulate":  # 1,024 ranks from the cost model (training/simulate.py)
+        from minidp.training.simulate import main as simulate_main
+
+        return simulate_main(argv)
     if command == "bench":
         try:
             return run_bench(argv)

@@ -22,7 +22,7 @@ from minidp.log import RankLog, print0
 from minidp.memory import CATEGORIES
 from minidp.strategies import STRATEGIES
 from minidp.trace import Timeline
-from minidp.training import resume
+from minidp.training import predict, resume
 from minidp.training.config import BadConfig, TrainConfig
 from minidp.training.drift import check_replicas
 from minidp.training.meter import StepMeter, Window
@@ -133,6 +133,7 @@ def _train(config: TrainConfig, group: comm.Group) -> dict:
             "dtype": config.dtype,
             "skipped_steps": counts["skipped_steps"],
             **strategy.record(),
+            **predicted(config, group.size, total),
             "config": vars(config),  # every field, those of other strategies too
         }
     records.write(final)  # the last line
@@ -169,6 +170,14 @@ def log_line(step: int, loss: float, lr: float, w: Window, task: Task, config, s
         "exposed_comm_s_per_step": w.exposed_s / n,
         "bytes_sent_per_step": w.bytes_sent / n,
     }
+
+
+def predicted(config, world: int, total: Window) -> dict:
+    """With --json: the step model's prediction beside the measured mean step (every rank
+    measures its compute at once; training/predict.py)."""
+    if not config.json or not total.steps:
+        return {}
+    return predict.for_run(config, world, total.seconds / total.steps, total.steps)
 
 
 def memory_per_rank(memory: dict, group: comm.Group) -> dict[str, list[int]]:

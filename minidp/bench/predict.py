@@ -1,0 +1,130 @@
+"""Predicted against measured step time, for dp, zero 1-3, tp and hybrid at P = 2 and 4.
+
+    python -m minidp bench predict [--rounds 3] [--steps 31] [--procs 2,4] [--json FILE]
+
+No MPI here: it launches the runs (`mpiexec -n P python -m minidp ... --json`). Each round,
+for every layout in turn (so that the machine's other load falls on all of them alike):
+
+    predicted   training/predict.py's `run_prediction`, as `python -m minidp predict` makes
+                it: compute measured on this one process (the run's threads per rank), then
+                stretched by P / cores when the P ranks outnumber the cores
+    measured    the run's step time: the median over its log windows (--log-every 5) after
+                the first (step 0 warms up), from the records' tokens per second
+    in_run      the prediction the run's own --json record carries (each rank measures its
+                compute at the end, all at once: the core sharing is in the measurement)
+
+ratio = predicted / measured per round; the table shows the medians over rounds, `ok` when
+within 25%. α, β, γ: runs/calibration.json (`mpiexec -n 2 python -m minidp bench calibrate`).
+"""
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+from minidp.bench._common import median, print_table, write_json
+from minidp.log import die
+from minidp.parser import Parser
+
+LAYOUTS = {  # name -> (train flags, the P it runs at)
+    "dp": (["--strategy", "dp"], (2, 4)),
+    "zero1": (["--strategy", "zero", "--zero-stage", "1"], (2, 4)),
+    "zero2": (["--strategy", "zero", "--zero-stage", "2"], (2, 4)),
+    "zero3": (["--strategy", "zero", "--zero-stage", "3"], (2, 4)),
+    "tp": (["--strategy", "tp"], (2, 4)),
+    "hybrid": (["--strategy", "hybrid", "--dp", "2", "--tp", "2"], (4,)),
+}
+COLUMNS = [
+    ("layout", ""),
+    ("P", "d"),
+    ("predicted_ms", ".1f"),
+    ("compute_ms", ".1f"),
+    ("comm_ms", ".2f"),
+    ("measured_ms", ".1f"),
+    ("ratio", ".2f"),
+    ("ok", ""),
+    ("in_run_ratio", ".2f"),
+]
+WITHIN = 0.25
+
+
+def measured_step_s(path: str) -> tuple[float, dict]:
+    """(median step seconds over the log windows after the first, the final record)."""
+    with open(path) as f:
+        records = [json.loads(line) for line in f]
+    final = records[-1]
+    steps = [r for r in records[:-1] if "tokens_per_s" in r]
+    batch = final["config"]["batch_size"] * final["config"]["block_size"]
+    return median([batch / r["tokens_per_s"] for r in steps[1:]]), final
+
+
+def run_once(P: int, flags: list[str], steps: int, path: str) -> None:
+    command = ["mpiexec", "-n", str(P), sys.executable, "-m", "minidp", *flags]
+    command += ["--steps", str(steps), "--log-every", "5", "--eval-batches", "1"]
+    command += ["--sample-tokens", "0", "--json", path]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    if done.returncode != 0:
+        raise die(f"bench predict: {' '.join(command)} failed:\n{done.stderr[-2000:]}", code=1)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from minidp.cli import parse_train_args
+    from minidp.training.predict import load_network, run_prediction
+
+    parser = Parser(prog="minidp bench predict", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=3, help="rounds (default 3)")
+    parser.add_argument("--steps", type=int, default=31, help="steps per run (default 31)")
+    parser.add_argument("--procs", default="2,4", help="world sizes (default 2,4)")
+    parser.add_argument("--layouts", default=",".join(LAYOUTS), help="which layouts")
+    parser.add_argument("--calibration", metavar="FILE", help="α β γ (default: runs/...)")
+    parser.add_argument("--json", metavar="FILE", help="write the rows as JSON lines")
+    args = parser.parse_args(argv)
+    procs = [int(p) for p in args.procs.split(",")]
+    names = args.layouts.split(",")
+    if unknown := [n for n in names if n not in LAYOUTS]:
+        raise die(f"--layouts: unknown {', '.join(unknown)}; choose from {', '.join(LAYOUTS)}")
+    if args.rounds < 1 or args.steps < 11:
+        raise die("--rounds must be >= 1 and --steps >= 11 (two log windows after step 0)")
+    cores = os.cpu_count() or 1
+    network, source = load_network(args.calibration, cores)
+    cases = [(n, P) for n in names for P in procs if P in LAYOUTS[n][1]]
+    seen = {case: [] for case in cases}
+    with tempfile.TemporaryDirectory() as tmp:
+        for r in range(args.rounds):
+            for name, P in cases[r % len(cases) :] + cases[: r % len(cases)]:  # rotated
+                flags = LAYOUTS[name][0]
+                config = parse_train_args(flags)
+                threads = max(1, cores // P)
+                prediction, _ = run_prediction(
+                    config, P, cores=cores, network=network, threads=threads
+                )
+                path = os.path.join(tmp, f"{name}_{P}.jsonl")
+                run_once(P, flags, args.steps, path)
+                measured, final = measured_step_s(path)
+                seen[(name, P)].append((prediction, measured, final.get("predicted_step_s")))
+    rows = []
+    for (name, P), runs in seen.items():
+        ratio = median([p.step_s / m for p, m, _ in runs])
+        rows.append(
+            {
+                "layout": name,
+                "P": P,
+                "predicted_ms": 1e3 * median([p.step_s for p, _, _ in runs]),
+                "compute_ms": 1e3 * median([p.compute_s for p, _, _ in runs]),
+                "comm_ms": 1e3 * median([p.exposed_comm_s for p, _, _ in runs]),
+                "measured_ms": 1e3 * median([m for _, m, _ in runs]),
+                "ratio": ratio,
+                "ok": "yes" if abs(ratio - 1) <= WITHIN else "no",
+                "in_run_ratio": median([i / m for _, m, i in runs if i]) if runs[0][2] else None,
+            }
+        )
+    print(
+        f"# {args.rounds} rounds, {args.steps} steps per run, {cores} cores; α β γ: {source}; "
+        "ratio = predicted / measured (median of rounds)"
+    )
+    print_table(rows, COLUMNS)
+    ok = sum(r["ok"] == "yes" for r in rows)
+    print(f"# within {WITHIN:.0%}: {ok} of {len(rows)} rows")
+    write_json(args.json, rows)
+    return 0

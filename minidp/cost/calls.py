@@ -1,0 +1,149 @@
+"""Every collective one training step runs, per strategy, as the code runs it: a list of `Call`s.
+
+A Call is one collective on one mesh axis: (axis, collective, algo, n elements, itemsize,
+phase). The phase says where in the step it runs, which decides what can hide it:
+
+    forward    inside the forward (TP's g, ZeRO-3's gathers): on the critical path
+    backward   during backward (DDP's buckets, ZeRO's reduce-scatters, TP's f): hidden
+               behind backward only when the strategy overlaps (a communication thread)
+    after      after backward (the global loss, the clip's norm, ZeRO's allgather)
+
+What each strategy runs in one step of K micro-batches (strategies/*.py, step.py):
+
+    every      the global loss: allreduce of 1 float64 over DP (auto)
+    DDP's      (dp, zero 1) the reached flags: max-allreduce of 1 int32 per parameter tensor
+    dp         each DDP bucket allreduced once, after the last micro-batch (--allreduce;
+               auto on one machine: "shm", the buckets lie in a shared arena)
+    zero 1     each bucket reduce-scattered (DDP's hook); the clip's norm: allreduce of 1
+               float64 over DP; each bucket's chunks allgathered after the optimizer
+    zero 2     the same segments (the buckets' cut), reduce-scattered by ShardedGradients
+    zero 3     per micro-batch, each layer (unit) allgathered before its forward and again
+               before its backward, its gradients reduce-scattered; the clip's norm; no
+               allgather after the step
+    tp         per micro-batch of N = b·T tokens (b examples), on the TP group: g forward
+               (allreduce N·C) in the embedding and twice per block; f backward (N·C)
+               twice per block and in the head; the vocab-parallel loss: allreduce max of
+               N, allreduce sum of 2N; the clip's norm over TP (1 float64); with DP > 2
+               the replicated parameters' gradients broadcast from TP rank 0
+    hybrid     tp's calls, and dp's (or zero's) over the DP axis on this rank's TP shard
+
+Sizes come from `Shapes`: this rank's parameter tensors in the model's order (a TP shard
+for tp and hybrid), the ZeRO-3 units, the GPT's tokens and channels. `gpt_shapes` makes
+them for minidp's GPT from its configuration, without building it (pure Python).
+"""
+
+from typing import NamedTuple
+
+from minidp.chunks import chunk_bounds
+
+
+class Call(NamedTuple):
+    axis: str  # "dp", "tp" or "pp"
+    collective: str
+    algo: str
+    n: int  # elements (the gathered whole for allgather, the whole vector for reduce_scatter)
+    itemsize: int
+    phase: str  # "forward", "backward" or "after"
+
+
+class Shapes(NamedTuple):
+    """One rank's model as the collectives see it."""
+
+    params: list[int]  # sizes of its parameter tensors, in model.parameters() order
+    units: list[int]  # ZeRO-3: elements of each unit (layer), in forward order
+    replicated: int = 0  # TP: elements of the parameters every TP rank holds whole
+    n_layer: int = 0  # TP: blocks (each block: 2 allreduces forward, 2 backward)
+    n_embd: int = 0  # TP: channels C of the activations g and f reduce
+    block_size: int = 0  # TP: tokens T per example
+
+
+def gpt_shapes(n_layer: int, n_embd: int, vocab: int, block_size: int, tp: int = 1, rank=0):
+    """Shapes of minidp's GPT (nn.GPT, untied head) on TP rank `rank` of `tp` (tp 1: whole).
+
+    Order as the model lists them: the one-process GPT wte, wpe, blocks, ln_f, head; the TP
+    GPT wpe first, then wte's rows (parallel/tensor_parallel/gpt.py). Columns of qkv, fc and
+    rows of proj, fc_proj are split evenly (tp divides heads and 4C), the vocabulary by
+    chunk_bounds (it may not divide)."""
+    C, V = n_embd, vocab
+    bounds = chunk_bounds(V, tp)
+    v = bounds[rank + 1] - bounds[rank]
+    block = [C, C, C * 3 * C // tp, 3 * C // tp, C * C // tp, C]  # ln1, qkv, proj (w, b)
+    block += [C, C, C * 4 * C // tp, 4 * C // tp, 4 * C * C // tp, C]  # ln2, fc, fc_proj
+    blocks = block * n_layer
+    embeddings = [v * C, block_size * C] if tp == 1 else [block_size * C, v * C]
+    params = [*embeddings, *blocks, C, C, C * v]
+    units = [v * C, block_size * C, *[sum(block)] * n_layer, 2 * C, C * v]
+    replicated = block_size * C + n_layer * 6 * C + 2 * C if tp > 1 else 0
+    return Shapes(params, units, replicated, n_layer, C, block_size)
+
+
+def buckets(params: list[int], cap_bytes: float, itemsize: int) -> list[int]:
+    """Elements of each DDP bucket (buckets.bucket_groups): parameters in reverse order,
+    a new bucket when the next would pass the cap (never an empty one)."""
+    sizes, filled = [], 0
+    for n in reversed(params):
+        if sizes and filled + n * itemsize > cap_bytes:
+            sizes.append(0)
+            filled = 0
+        if not sizes:
+            sizes.append(0)
+        sizes[-1] += n
+        filled += n * itemsize
+    return sizes
+
+
+LOSS = Call("dp", "allreduce", "auto", 1, 8, "after")  # the global loss, a float64 scalar
+NORM = Call("dp", "allreduce", "auto", 1, 8, "after")  # ZeRO's clip: my chunks' squares
+
+
+def data_parallel(layout, shapes: Shapes, itemsize: int) -> list[Call]:
+    """The DP axis's calls (dp, zero 1-3; the hybrid's DP axis) for one step."""
+    algo, stage, K = layout.algo, layout.zero_stage, layout.grad_accum
+    cap = max(1, int(layout.bucket_mb * 2**20))
+    segments = buckets(shapes.params, cap, itemsize)
+    calls = [LOSS]
+    if stage < 2:  # DDP's reached flags: one int32 per parameter, max-allreduced
+        calls.append(Call("dp", "allreduce", "auto", len(shapes.params), 4, "after"))
+    if stage == 0:
+        bucket_algo = "shm" if algo == "auto" and layout.shm else algo
+        ratio = layout.compress_ratio
+        for n in segments:  # a compressor sends about ratio of the bucket (not exact)
+            calls.append(
+                Call("dp", "allreduce", bucket_algo, round(n * ratio), itemsize, "backward")
+            )
+        return calls
+    calls.append(NORM)
+    if stage in (1, 2):
+        calls += [Call("dp", "reduce_scatter", algo, n, itemsize, "backward") for n in segments]
+        calls += [Call("dp", "allgather", algo, n, itemsize, "after") for n in segments]
+        return calls
+    for _ in range(K):  # stage 3: every micro-batch gathers and reduce-scatters every unit
+        calls += [Call("dp", "allgather", algo, n, itemsize, "forward") for n in shapes.units]
+        calls += [Call("dp", "allgather", algo, n, itemsize, "backward") for n in shapes.units]
+        calls += [Call("dp", "reduce_scatter", algo, n, itemsize, "backward") for n in shapes.units]
+    return calls
+
+
+def tensor_parallel(layout, shapes: Shapes, itemsize: int, examples: int) -> list[Call]:
+    """The TP axis's calls for one step: `examples` this rank computes on, in K micro-batches
+    (each the chunk_range of its slice, so sizes may differ by one example)."""
+    if layout.tp == 1:
+        return []
+    K, T, C = layout.grad_accum, shapes.block_size, shapes.n_embd
+    calls = []
+    bounds = chunk_bounds(examples, K)
+    for k in range(K):
+        N = (bounds[k + 1] - bounds[k]) * T
+        calls += [Call("tp", "allreduce", "auto", N * C, itemsize, "forward")] * (
+            1 + 2 * shapes.n_layer
+        )
+        calls += [Call("tp", "allreduce", "auto", N, itemsize, "forward")]  # max over vocab
+        calls += [Call("tp", "allreduce", "auto", 2 * N, itemsize, "forward")]  # sums, picked
+        calls += [Call("tp", "allreduce", "auto", N * C, itemsize, "backward")] * (
+            1 + 2 * shapes.n_layer
+        )
+    if layout.zero_stage == 0:
+        calls.append(Call("tp", "allreduce", "auto", 1, 8, "after"))  # the clip's norm
+        if layout.dp > 2 or layout.compress_ratio != 1.0:  # make_alike: TP rank 0's
+            calls.append(Call("tp", "broadcast", "auto", shapes.replicated, itemsize, "after"))
+    return calls

@@ -1,0 +1,195 @@
+"""A training step's predicted cost: time, compute and communication, bytes by axis, memory.
+
+    from minidp.cost.step import Layout, Compute, Network, predict
+    from minidp.cost.calls import gpt_shapes
+    layout = Layout("hybrid", dp=2, tp=2)
+    shapes = gpt_shapes(n_layer=2, n_embd=64, vocab=96, block_size=64, tp=2)
+    compute = Compute(forward_s=0.010, backward_s=0.020, optimizer_s=0.002, examples=16,
+                      params=116_480)
+    p = predict(layout, shapes, compute, Network(alpha=1.4e-6, beta=5.9e-10, gamma=6.8e-10),
+                batch_size=16)
+    p.step_s, p.compute_s, p.comm_s, p.exposed_comm_s, p.bytes_by_axis, p.memory_bytes
+
+Pure Python: no MPI, no model built (algo "auto" is resolved by minidp.comm.auto's table).
+
+The model of one step on one rank, in four terms:
+
+    compute     forward + backward: the measured one-process times of `examples` examples,
+                scaled to this rank's examples (B / dp) and divided by tp (each TP rank
+                computes 1/tp of every matmul; LayerNorms and the residual are repeated:
+                an optimistic split); optimizer: its measured time scaled to the parameters
+                this rank steps (a TP shard, a ZeRO chunk)
+    comm        every collective of calls.py priced by minidp.cost.time with α, β, γ; "shm"
+                (DDP's buckets in shared memory) has no α-β formula: its loads priced at β
+                and its three synchronizations as three 2-rank barriers' worth of α per round
+    overlap     backward-phase calls hide behind backward only when the strategy overlaps
+                (Layout.overlap, DDP's and ZeRO 1-2's communication thread); exposed =
+                max(0, backward comm - backward) + every other call
+    cores       ranks that outnumber the machine's cores share them: compute and
+                communication both stretched by ranks / cores (Network.cores; 0: no limit)
+
+    step = compute + exposed communication
+
+Bytes by axis are exact for dp, zero 1-3, tp and hybrid (without --compress or
+--sequence-parallel): minidp.cost.sent of every call, summed per axis, as the run's
+`bytes_sent_by_axis` counts them for rank `rank` (tests/test_cost_step.py checks against
+real runs). Memory per rank: the parameters, gradients and AdamW moments this rank holds
+(zero.py's table on this rank's TP shard) and the activations estimate of memory.py.
+"""
+
+from typing import NamedTuple
+
+from minidp import cost
+from minidp.chunks import chunk_bounds
+from minidp.cost.calls import Shapes, buckets, data_parallel, tensor_parallel
+
+
+class Layout(NamedTuple):
+    """The strategy and the mesh, as the train flags say them."""
+
+    strategy: str  # dp, zero, tp, hybrid
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    zero_stage: int = 0
+    grad_accum: int = 1  # micro-batches per step (K)
+    overlap: bool = False  # the DP axis reduces during backward (a communication thread)
+    algo: str = "auto"  # --allreduce
+    bucket_mb: float = 0.25
+    shm: bool = True  # every rank on one machine: DDP's "auto" reduces buckets by loads
+    compress_ratio: float = 1.0  # bytes sent / dense bytes of the DP buckets (an estimate)
+
+
+class Compute(NamedTuple):
+    """Measured on one process: the whole model on `examples` examples, one step."""
+
+    forward_s: float
+    backward_s: float
+    optimizer_s: float
+    examples: int  # the batch those times are for
+    params: int  # parameters the optimizer stepped
+
+
+class Network(NamedTuple):
+    alpha: float  # seconds per message
+    beta: float  # seconds per byte sent
+    gamma: float = 0.0  # seconds per byte reduced
+    cores: int = 0  # cores the ranks share (0: each rank a core of its own)
+
+
+class Prediction(NamedTuple):
+    step_s: float
+    compute_s: float
+    comm_s: float  # every collective, hidden or not
+    exposed_comm_s: float  # what adds to the step
+    bytes_by_axis: dict  # {"dp", "tp", "pp": bytes this rank sends per step}
+    memory_bytes: dict  # {"parameters", "gradients", "optimizer", "activations_peak"}
+    forward_s: float
+    backward_s: float
+    optimizer_s: float
+
+
+def call_time(call, p: int, net: Network) -> float:
+    """Seconds of one call on p ranks."""
+    if p == 1:
+        return 0.0
+    if call.algo == "shm":
+        loaded = cost.sent("allreduce", "shm", p, 0, call.n, call.itemsize).bytes
+        rounds = (p - 1).bit_length()
+        return 3 * 2 * rounds * net.alpha + loaded * net.beta + call.n * call.itemsize * net.gamma
+    t = cost.time(call.collective, call.algo, p, call.n, call.itemsize, **_abg(net))
+    return 0.0 if t is None else t
+
+
+def _abg(net: Network) -> dict:
+    return {"alpha": net.alpha, "beta": net.beta, "gamma": net.gamma}
+
+
+def step_calls(layout: Layout, shapes: Shapes, itemsize: int, batch_size: int, dp_rank=0):
+    """Every Call of one step on DP rank `dp_rank` (its examples: chunk_bounds of B)."""
+    if layout.strategy not in ("dp", "zero", "tp", "hybrid") or layout.pp != 1:
+        raise ValueError(
+            f"the step model covers dp, zero, tp and hybrid without pp; got "
+            f"{layout.strategy} with pp {layout.pp}"
+        )
+    bounds = chunk_bounds(batch_size, layout.dp)
+    examples = bounds[dp_rank + 1] - bounds[dp_rank]
+    return data_parallel(layout, shapes, itemsize) + tensor_parallel(
+        layout, shapes, itemsize, examples
+    )
+
+
+def bytes_by_axis(layout: Layout, shapes: Shapes, itemsize: int, batch_size: int, rank=0):
+    """{"dp", "tp", "pp": bytes} mesh rank `rank` (d·tp + t) sends in one step: exact."""
+    d, t = divmod(rank, layout.tp)
+    sizes = {"dp": layout.dp, "tp": layout.tp, "pp": layout.pp}
+    coordinate = {"dp": d, "tp": t, "pp": 0}
+    sent = dict.fromkeys(("dp", "tp", "pp"), 0)
+    for call in step_calls(layout, shapes, itemsize, batch_size, d):
+        p = sizes[call.axis]
+        if p > 1:
+            c = cost.sent(
+                call.collective, call.algo, p, coordinate[call.axis], call.n, call.itemsize
+            )
+            sent[call.axis] += c.bytes
+    return sent
+
+
+def memory(layout: Layout, shapes: Shapes, itemsize: int, activations: int, rank=0) -> dict:
+    """Mesh rank `rank`'s model states (zero.py's table on its TP shard: a ZeRO rank's Ψ/N_d
+    is its chunk of every segment) and activations, in bytes."""
+    psi, n, stage = sum(shapes.params), layout.dp, layout.zero_stage
+    d = rank // layout.tp
+    if stage == 3:
+        segments = shapes.units
+    else:
+        segments = buckets(shapes.params, max(1, int(layout.bucket_mb * 2**20)), itemsize)
+    shard = sum(chunk_bounds(s, n)[d + 1] - chunk_bounds(s, n)[d] for s in segments)
+    return {
+        "parameters": itemsize * (shard if stage == 3 else psi),
+        "gradients": itemsize * (shard if stage >= 2 else psi),
+        "optimizer": 2 * itemsize * (shard if stage >= 1 else psi),  # AdamW: m and v
+        "activations_peak": activations,
+    }
+
+
+def predict(
+    layout: Layout,
+    shapes: Shapes,
+    compute: Compute,
+    net: Network,
+    *,
+    batch_size: int,
+    itemsize: int = 4,
+    activations: int = 0,
+) -> Prediction:
+    """The predicted step of `layout` on rank 0 (the module docstring says each term)."""
+    sizes = {"dp": layout.dp, "tp": layout.tp, "pp": layout.pp}
+    world = layout.dp * layout.tp * layout.pp
+    stretch = max(1.0, world / net.cores) if net.cores else 1.0
+    examples = chunk_bounds(batch_size, layout.dp)[1]
+    scale = examples / compute.examples / layout.tp
+    forward, backward = compute.forward_s * scale, compute.backward_s * scale
+    stepped = sum(shapes.params) / (layout.dp if layout.zero_stage else 1)
+    optimizer = compute.optimizer_s * stepped / compute.params
+    comm = hideable = 0.0  # hideable: the DP axis's reductions during backward
+    for call in step_calls(layout, shapes, itemsize, batch_size):
+        seconds = call_time(call, sizes[call.axis], net)
+        comm += seconds
+        if call.axis == "dp" and call.phase == "backward":
+            hideable += seconds
+    overlaps = layout.overlap and layout.zero_stage < 3  # stage 3 gathers inline
+    hidden = min(hideable, backward) if overlaps else 0.0
+    compute_s = (forward + backward + optimizer) * stretch
+    exposed = (comm - hidden) * stretch
+    return Prediction(
+        step_s=compute_s + exposed,
+        compute_s=compute_s,
+        comm_s=comm * stretch,
+        exposed_comm_s=exposed,
+        bytes_by_axis=bytes_by_axis(layout, shapes, itemsize, batch_size),
+        memory_bytes=memory(layout, shapes, itemsize, activations),
+        forward_s=forward * stretch,
+        backward_s=backward * stretch,
+        optimizer_s=optimizer * stretch,
+    )

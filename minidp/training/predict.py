@@ -1,0 +1,245 @@
+"""`python -m minidp predict [train flags] --world N`: a run's step cost, before running it.
+
+    python -m minidp predict --strategy hybrid --dp 2 --tp 2 --world 4
+    python -m minidp predict --strategy zero --zero-stage 3 --world 4 --calibration FILE
+
+The step model is minidp/cost/step.py (pure Python); this module feeds it from a TrainConfig:
+
+    layout      the flags (--strategy, --dp, --tp, --zero-stage, --grad-accum, --allreduce,
+                --bucket-mb, --overlap) on N ranks (--world; default: the MPI world size)
+    shapes      the GPT's (cost.calls.gpt_shapes: no model built for the sizes)
+    compute     measured here, one process: the whole model's forward, backward and
+                optimizer step on this rank's examples (B / dp), one step untimed
+                then the median of 5, with the BLAS threads the run would
+                have (cores / N). The run's ranks share the machine's cores: the model
+                stretches compute and communication by N / cores when N > cores
+    network     α, β, γ from `python -m minidp bench calibrate` (runs/calibration.json, or
+                --calibration FILE); without one, built-in defaults, said so in the output
+
+`--json` of a training run calls `run_prediction` at its end: every rank measures its own
+compute at once, so the sharing of cores is in the measurement (no stretch), and the final
+record gets the prediction beside what the run measured (`prediction_record`).
+"""
+
+import json
+import os
+import statistics
+import time
+
+import numpy as np
+
+from minidp import optim
+from minidp.cost.calls import gpt_shapes
+from minidp.cost.step import Compute, Layout, Network, predict
+from minidp.training.config import BadConfig
+from minidp.training.tasks import Task
+
+CALIBRATION = "runs/calibration.json"
+DEFAULT_NETWORK = {"alpha": 2e-6, "beta": 6e-10, "gamma": 7e-10}  # this VM's order, 2026-12
+COVERED = ("dp", "zero", "tp", "hybrid")
+
+
+def layout_of(config, world: int) -> Layout:
+    """The Layout the flags describe on `world` ranks; BadConfig (one line) if none."""
+    from minidp.strategies.tp import mesh_sizes
+
+    if config.strategy not in COVERED or (config.strategy == "hybrid" and config.pp > 1):
+        raise BadConfig(
+            f"predict covers --strategy {', '.join(COVERED)} (without --pp); got {config.strategy}"
+        )
+    if config.model != "gpt":
+        raise BadConfig("predict models the GPT; --model is " + config.model)
+    if config.compress != "none" or config.sequence_parallel:
+        raise BadConfig("predict does not model --compress or --sequence-parallel yet")
+    dp, tp = (world, 1) if config.strategy in ("dp", "zero") else mesh_sizes(config, world)
+    if dp * tp != world:
+        raise BadConfig(f"--world {world}: the mesh dp x tp = {dp} x {tp} = {dp * tp}")
+    if config.batch_size // dp < config.grad_accum:
+        raise BadConfig(f"--batch-size {config.batch_size} over {dp} ranks: too few examples")
+    overlap = {"on": True, "off": False}.get(config.overlap)
+    if overlap is None:  # auto: comm_thread.overlap_helps' rule, for N ranks on these cores
+        overlap = dp > 1 and (os.cpu_count() or 1) / world >= 2
+    return Layout(
+        config.strategy,
+        dp=dp,
+        tp=tp,
+        zero_stage=config.zero_stage,
+        grad_accum=config.grad_accum,
+        overlap=overlap,
+        algo=config.allreduce,
+        bucket_mb=config.bucket_mb,
+    )
+
+
+def measure_compute(task: Task, config, examples: int, warmup: int = 1, steps: int = 5):
+    """Compute (forward, backward, optimizer seconds, medians of `steps` after `warmup`)
+    of the whole model on `examples` examples, on this process."""
+    model = task.model
+    params = model.parameters()
+    optimizer = optim.make_optimizer(config.optimizer, params, config.lr, config.weight_decay)
+    kept = [p.data.copy() for p in params]  # the measurement leaves the model as it was
+    indices = np.arange(examples)
+    times = []
+    for _ in range(warmup + steps):
+        for p in params:
+            p.grad = None
+        t0 = time.perf_counter()
+        loss = task.loss(*task.batch(indices))
+        t1 = time.perf_counter()
+        loss.backward()
+        t2 = time.perf_counter()
+        optimizer.step()
+        times.append((t1 - t0, t2 - t1, time.perf_counter() - t2))
+    for p, data in zip(params, kept):
+        p.data[...] = data
+        p.grad = None
+    f, b, o = (statistics.median(t[i] for t in times[warmup:]) for i in range(3))
+    return Compute(f, b, o, examples, sum(p.size for p in params))
+
+
+def load_network(path: str | None, cores: int) -> tuple[Network, str]:
+    """(Network, where α β γ came from): FILE, runs/calibration.json, or the defaults."""
+    chosen = path or CALIBRATION
+    if os.path.exists(chosen):
+        with open(chosen) as f:
+            fit = json.load(f)
+        source = f"{chosen} ({fit.get('date', '?')}, P = {fit.get('nprocs', '?')})"
+    elif path:
+        raise BadConfig(f"--calibration {path}: no such file")
+    else:
+        fit = DEFAULT_NETWORK
+        source = "built-in defaults (run `mpiexec -n 2 python -m minidp bench calibrate`)"
+    return Network(fit["alpha"], fit["beta"], fit["gamma"], cores), source
+
+
+def run_prediction(config, world: int, *, cores: int, network: Network, threads: int):
+    """(Prediction, Layout) for `config` on `world` ranks; compute measured here."""
+    from threadpoolctl import threadpool_limits
+
+    layout = layout_of(config, world)
+    task = Task(config, np.dtype(config.dtype))
+    examples = -(-config.batch_size // layout.dp)  # rank 0's: chunk_bounds' first chunk
+    with threadpool_limits(limits=threads, user_api="blas"):
+        compute = measure_compute(task, config, examples)
+    itemsize = np.dtype(config.dtype).itemsize
+    vocab = task.model.config.vocab_size
+    shapes = gpt_shapes(config.n_layer, config.n_embd, vocab, config.block_size, layout.tp)
+    activations = activation_estimate(config, examples // config.grad_accum, layout.tp)
+    net = network._replace(cores=cores)
+    prediction = predict(
+        layout,
+        shapes,
+        compute,
+        net,
+        batch_size=config.batch_size,
+        itemsize=itemsize,
+        activations=activations,
+    )
+    return prediction, layout
+
+
+def activation_estimate(config, examples: int, tp: int) -> int:
+    """memory.estimated_bytes' activation term for one micro-batch of `examples`, per TP rank
+    (attention scores and MLP split over TP; an estimate, within 2x)."""
+    itemsize = 8 if config.dtype == "float64" else 4
+    T, C, H, L = config.block_size, config.n_embd, config.n_head, config.n_layer
+    per_example = L * (3 * H * T * T + 20 * T * C) // tp + 3 * T * 128
+    return examples * per_example * itemsize + T * T
+
+
+def for_run(config, world: int, measured_step_s: float, steps: int) -> dict:
+    """The final record's prediction of a training run (every rank calls it at once, after
+    its last step: each measures its compute while the others do, sharing the cores as the
+    run did, so no stretch); {} for a strategy the model does not cover."""
+    from minidp.info import cores_per_rank
+
+    try:
+        layout_of(config, world)
+        network, _ = load_network(None, 0)
+    except BadConfig:
+        return {}
+    threads = config.threads or max(1, int(cores_per_rank()))
+    prediction, _ = run_prediction(config, world, cores=0, network=network, threads=threads)
+    record = prediction_record(prediction, measured_step_s)
+    by_axis = prediction.bytes_by_axis  # beside the run's bytes_sent_by_axis: the run's steps
+    record["predicted_bytes_by_axis"] = {axis: b * steps for axis, b in by_axis.items()}
+    return record
+
+
+def prediction_record(prediction, measured_step_s: float | None = None) -> dict:
+    """The JSON record's fields: the prediction per step (and the measured step, if given)."""
+    record = {
+        "predicted_step_s": prediction.step_s,
+        "predicted_compute_s": prediction.compute_s,
+        "predicted_comm_s": prediction.comm_s,
+        "predicted_exposed_comm_s": prediction.exposed_comm_s,
+        "predicted_bytes_by_axis_per_step": prediction.bytes_by_axis,
+        "predicted_memory_bytes": prediction.memory_bytes,
+    }
+    if measured_step_s is not None:
+        record["measured_step_s"] = measured_step_s
+        record["predicted_over_measured"] = prediction.step_s / measured_step_s
+    return record
+
+
+def describe(prediction, layout: Layout, world: int, source: str, cores: int) -> str:
+    """The lines `predict` prints."""
+    p = prediction
+    mesh = f"dp {layout.dp} x tp {layout.tp}" + (
+        f", ZeRO stage {layout.zero_stage}" if layout.zero_stage else ""
+    )
+    stretch = f", {world} ranks on {cores} cores" if world > cores else ""
+    ms = 1e3
+    return "\n".join(
+        [
+            f"predicted step: {layout.strategy} on {world} ranks ({mesh}{stretch})",
+            f"α, β, γ: {source}",
+            f"step {p.step_s * ms:.2f} ms = compute {p.compute_s * ms:.2f} ms (forward "
+            f"{p.forward_s * ms:.2f}, backward {p.backward_s * ms:.2f}, optimizer "
+            f"{p.optimizer_s * ms:.2f}) + exposed comm {p.exposed_comm_s * ms:.2f} ms "
+            f"(of {p.comm_s * ms:.2f} ms, overlap {'on' if layout.overlap else 'off'})",
+            "bytes sent per rank per step: "
+            + ", ".join(f"{axis} {b:,}" for axis, b in p.bytes_by_axis.items()),
+            "memory per rank, bytes: "
+            + ", ".join(f"{name} {b:,}" for name, b in p.memory_bytes.items()),
+        ]
+    )
+
+
+def main(argv: list[str]) -> int:
+    """`python -m minidp predict [train flags] [--world N] [--calibration FILE]`."""
+    from minidp.cli import train_parser
+    from minidp.log import die, print0
+
+    parser = train_parser()
+    parser.prog = "minidp predict"
+    parser.description = __doc__.split("\n\n")[0]
+    parser.add_argument("--world", type=int, default=0, help="ranks (default: the MPI world's)")
+    parser.add_argument("--calibration", metavar="FILE", help=f"α β γ (default: {CALIBRATION})")
+    args = vars(parser.parse_args(argv))
+    world, calibration = args.pop("world"), args.pop("calibration")
+    from minidp.training.config import TrainConfig
+
+    config = TrainConfig(**args)
+    try:
+        config.validate()
+        if world < 0:
+            raise BadConfig(f"--world must be a number of ranks >= 1, got {world}")
+        if world == 0:
+            from mpi4py import MPI
+
+            world = MPI.COMM_WORLD.Get_size()
+        cores = os.cpu_count() or 1
+        network, source = load_network(calibration, cores)
+        threads = config.threads or max(1, cores // world)
+        prediction, layout = run_prediction(
+            config, world, cores=cores, network=network, threads=threads
+        )
+    except BadConfig as error:
+        raise die(str(error)) from None
+    print0(describe(prediction, layout, world, source, cores))
+    if config.json:
+        with open(config.json, "w") as f:
+            record = {"world_size": world, "strategy": config.strategy}
+            f.write(json.dumps({**record, **prediction_record(prediction)}) + "\n")
+    return 0

@@ -1,0 +1,110 @@
+"""The step model's exact parts (minidp/cost/step.py): the bytes each rank sends per mesh axis,
+against what real runs count, and the model states per rank; `predict`'s output and errors."""
+
+import numpy as np
+import pytest
+
+from minidp import comm
+from minidp.cli import main
+from minidp.cost.calls import gpt_shapes
+from minidp.cost.step import Compute, Layout, Network, bytes_by_axis, memory, predict
+from minidp.training.config import TrainConfig
+from minidp.training.loop import train
+from minidp.training.tasks import Task
+
+TINY = dict(
+    n_layer=1, n_embd=16, n_head=4, block_size=8, batch_size=10, bucket_mb=0.002,
+    steps=2, log_every=100, eval_batches=1, sample_tokens=0, overlap="on",
+)  # fmt: skip
+CASES = [  # (ranks, flags): uneven batches (10 over 3 and 4), many buckets, accumulation
+    (2, dict(strategy="dp", grad_accum=2)),
+    (3, dict(strategy="dp", allreduce="ring", dtype="float64")),
+    (3, dict(strategy="zero", zero_stage=1)),
+    (4, dict(strategy="zero", zero_stage=2, allreduce="ring")),
+    (3, dict(strategy="zero", zero_stage=3, grad_accum=2)),
+    (4, dict(strategy="tp", tp=4)),
+    (4, dict(strategy="hybrid", dp=2, tp=2)),
+]
+
+
+def layout_of(config, size: int) -> Layout:
+    tp = config.tp or (1 if config.strategy in ("dp", "zero") else size // (config.dp or 1))
+    return Layout(
+        config.strategy,
+        dp=size // tp,
+        tp=tp,
+        zero_stage=config.zero_stage,
+        grad_accum=config.grad_accum,
+        algo=config.allreduce,
+        bucket_mb=config.bucket_mb,
+    )
+
+
+@pytest.mark.parallel(nprocs=[4])
+def test_bytes_by_axis_and_model_states_are_what_real_runs_count():
+    world = comm.world()
+    for ranks, flags in CASES:
+        group = world.subgroup(list(range(ranks)))
+        if group is None:
+            continue
+        config = TrainConfig(**{**TINY, **flags})
+        final = train(config, group)
+        layout = layout_of(config, ranks)
+        vocab = Task(config, np.dtype(config.dtype)).model.config.vocab_size
+        shapes = gpt_shapes(1, 16, vocab, 8, layout.tp, group.rank % layout.tp)
+        itemsize = np.dtype(config.dtype).itemsize
+        sent = bytes_by_axis(layout, shapes, itemsize, 10, group.rank)
+        counted = {axis: b // config.steps for axis, b in final["bytes_sent_by_axis"].items()}
+        assert counted == sent, (ranks, flags)
+        states = memory(layout, shapes, itemsize, 0, group.rank)
+        held = final["memory_bytes"]
+        assert held["parameters"] == states["parameters"], (ranks, flags)
+        assert held["gradients"] == states["gradients"], (ranks, flags)
+        steps_kept = held["optimizer"] - states["optimizer"]  # AdamW's step count per tensor
+        assert 0 < steps_kept <= 8 * len(shapes.params) + 8 * len(shapes.units), (ranks, flags)
+        group.free()
+
+
+def test_more_ranks_send_less_per_rank_with_zero_3_and_step_time_adds_up():
+    shapes = gpt_shapes(2, 64, 96, 64)
+    compute = Compute(0.01, 0.02, 0.001, examples=16, params=sum(shapes.params))
+    net = Network(alpha=2e-6, beta=1e-9, gamma=1e-9)
+    p2, p4 = (predict(Layout("zero", dp=n, zero_stage=3), shapes, compute, net, batch_size=16)
+              for n in (2, 4))  # fmt: skip
+    assert p4.memory_bytes["parameters"] < p2.memory_bytes["parameters"]
+    for p in (p2, p4):
+        assert p.step_s == pytest.approx(p.compute_s + p.exposed_comm_s)
+        assert p.comm_s == p.exposed_comm_s > 0  # stage 3: nothing hidden
+    hidden = predict(Layout("dp", dp=2, overlap=True), shapes, compute, net, batch_size=16)
+    assert hidden.exposed_comm_s < hidden.comm_s
+
+
+def test_predict_prints_the_step_bytes_and_memory(capsys, tmp_path):
+    path = tmp_path / "p.jsonl"
+    args = ["predict", "--strategy", "hybrid", "--dp", "2", "--tp", "2", "--world", "4"]
+    with pytest.raises(SystemExit):
+        main([*args, "--n-layer", "1", "--calibration", "missing.json"])
+    assert "--calibration missing.json: no such file" in capsys.readouterr().err
+    assert main([*args, "--n-layer", "1", "--json", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("predicted step: hybrid on 4 ranks (dp 2 x tp 2")
+    for part in ("α, β, γ: ", "= compute ", "bytes sent per rank per step: dp ", "memory per rank"):
+        assert part in out
+    assert '"predicted_bytes_by_axis_per_step"' in path.read_text()
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--strategy", "pp", "--world", "2"], "predict covers --strategy dp, zero, tp, hybrid"),
+        (["--world", "-1"], "--world must be a number of ranks >= 1"),
+        (["--strategy", "hybrid", "--dp", "3", "--world", "4"], "--world 4: the mesh dp x tp"),
+        (["--compress", "fp16", "--world", "2"], "does not model --compress"),
+    ],
+)
+def test_bad_predict_input_is_one_line(args, message, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["predict", *args])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1
