@@ -41,14 +41,18 @@ def layout_of(config, size: int) -> Layout:
 
 
 @pytest.mark.parallel(nprocs=[4])
-def test_bytes_by_axis_and_model_states_are_what_real_runs_count():
+def test_bytes_by_axis_and_model_states_are_what_real_runs_count(tmp_path):
     world = comm.world()
     for ranks, flags in CASES:
         group = world.subgroup(list(range(ranks)))
         if group is None:
             continue
-        config = TrainConfig(**{**TINY, **flags})
+        json = str(tmp_path / "run.jsonl") if flags["strategy"] == "hybrid" else None
+        config = TrainConfig(**{**TINY, **flags, "json": json})
         final = train(config, group)
+        if json:  # --json: the prediction beside the measurement, on every rank
+            assert final["predicted_bytes_by_axis"] == final["bytes_sent_by_axis"]
+            assert final["predicted_step_s"] > 0 and final["measured_step_s"] > 0
         layout = layout_of(config, ranks)
         vocab = Task(config, np.dtype(config.dtype)).model.config.vocab_size
         shapes = gpt_shapes(1, 16, vocab, 8, layout.tp, group.rank % layout.tp)

@@ -25,6 +25,9 @@ The model of one step on one rank, in four terms:
     overlap     backward-phase calls hide behind backward only when the strategy overlaps
                 (Layout.overlap, DDP's and ZeRO 1-2's communication thread); exposed =
                 max(0, backward comm - backward) + every other call
+    per call    minidp's own cost of a collective beyond its messages (the Python layer, the
+                checks' fingerprint exchange, a peer not yet scheduled on shared cores):
+                Network.per_call, measured by the run (training/predict.py), 0 by default
     cores       ranks that outnumber the machine's cores share them: compute and
                 communication both stretched by ranks / cores (Network.cores; 0: no limit)
 
@@ -75,6 +78,7 @@ class Network(NamedTuple):
     beta: float  # seconds per byte sent
     gamma: float = 0.0  # seconds per byte reduced
     cores: int = 0  # cores the ranks share (0: each rank a core of its own)
+    per_call: float = 0.0  # seconds each collective call adds beyond α β γ (measured)
 
 
 class Prediction(NamedTuple):
@@ -90,15 +94,16 @@ class Prediction(NamedTuple):
 
 
 def call_time(call, p: int, net: Network) -> float:
-    """Seconds of one call on p ranks."""
+    """Seconds of one call on p ranks: its α-β-γ time, and the per-call cost."""
     if p == 1:
         return 0.0
     if call.algo == "shm":
         loaded = cost.sent("allreduce", "shm", p, 0, call.n, call.itemsize).bytes
         rounds = (p - 1).bit_length()
-        return 3 * 2 * rounds * net.alpha + loaded * net.beta + call.n * call.itemsize * net.gamma
-    t = cost.time(call.collective, call.algo, p, call.n, call.itemsize, **_abg(net))
-    return 0.0 if t is None else t
+        t = 3 * 2 * rounds * net.alpha + loaded * net.beta + call.n * call.itemsize * net.gamma
+    else:
+        t = cost.time(call.collective, call.algo, p, call.n, call.itemsize, **_abg(net)) or 0.0
+    return t + net.per_call
 
 
 def _abg(net: Network) -> dict:

@@ -9,15 +9,17 @@ The step model is minidp/cost/step.py (pure Python); this module feeds it from a
                 --bucket-mb, --overlap) on N ranks (--world; default: the MPI world size)
     shapes      the GPT's (cost.calls.gpt_shapes: no model built for the sizes)
     compute     measured here, one process: the whole model's forward, backward and
-                optimizer step on this rank's examples (B / dp), one step untimed
-                then the median of 5, with the BLAS threads the run would
+                optimizer step on this rank's examples (B / dp), two steps untimed
+                then the median of 7, with the BLAS threads the run would
                 have (cores / N). The run's ranks share the machine's cores: the model
                 stretches compute and communication by N / cores when N > cores
     network     α, β, γ from `python -m minidp bench calibrate` (runs/calibration.json, or
-                --calibration FILE); without one, built-in defaults, said so in the output
+                --calibration FILE); without one, built-in defaults, said so in the output;
+                the per-call cost from the file's "per_call" if it has one (else 0)
 
 `--json` of a training run calls `run_prediction` at its end: every rank measures its own
-compute at once, so the sharing of cores is in the measurement (no stretch), and the final
+compute at once, so the sharing of cores is in the measurement (no stretch), times 40
+1-element allreduces on the run's group for the per-call cost (cost.step.Network), and the final
 record gets the prediction beside what the run measured (`prediction_record`).
 """
 
@@ -71,9 +73,9 @@ def layout_of(config, world: int) -> Layout:
     )
 
 
-def measure_compute(task: Task, config, examples: int, warmup: int = 1, steps: int = 5):
-    """Compute (forward, backward, optimizer seconds, medians of `steps` after `warmup`)
-    of the whole model on `examples` examples, on this process."""
+def measure_compute(task: Task, config, examples: int, warmup: int = 2, steps: int = 7):
+    """Compute (forward, backward, clip and optimizer seconds, medians of `steps` after
+    `warmup`) of the whole model on `examples` examples, on this process."""
     model = task.model
     params = model.parameters()
     optimizer = optim.make_optimizer(config.optimizer, params, config.lr, config.weight_decay)
@@ -88,6 +90,8 @@ def measure_compute(task: Task, config, examples: int, warmup: int = 1, steps: i
         t1 = time.perf_counter()
         loss.backward()
         t2 = time.perf_counter()
+        if config.grad_clip:  # the clip runs in the step's optimizer span too
+            optim.clip_grad_norm(params, config.grad_clip)
         optimizer.step()
         times.append((t1 - t0, t2 - t1, time.perf_counter() - t2))
     for p, data in zip(params, kept):
@@ -109,7 +113,8 @@ def load_network(path: str | None, cores: int) -> tuple[Network, str]:
     else:
         fit = DEFAULT_NETWORK
         source = "built-in defaults (run `mpiexec -n 2 python -m minidp bench calibrate`)"
-    return Network(fit["alpha"], fit["beta"], fit["gamma"], cores), source
+    per_call = fit.get("per_call", 0.0)
+    return Network(fit["alpha"], fit["beta"], fit["gamma"], cores, per_call), source
 
 
 def run_prediction(config, world: int, *, cores: int, network: Network, threads: int):
@@ -147,20 +152,42 @@ def activation_estimate(config, examples: int, tp: int) -> int:
     return examples * per_example * itemsize + T * T
 
 
-def for_run(config, world: int, measured_step_s: float, steps: int) -> dict:
-    """The final record's prediction of a training run (every rank calls it at once, after
-    its last step: each measures its compute while the others do, sharing the cores as the
-    run did, so no stretch); {} for a strategy the model does not cover."""
+def per_call_seconds(group, calls: int = 40) -> float:
+    """Collective: the mean seconds a 1-element allreduce takes on `group`, less its α-β
+    time (the caller subtracts): what every collective call costs here beyond its
+    messages. The mean, not the median: a peer descheduled now and then is the point."""
+    from minidp import comm
+
+    x = np.zeros(1)
+    comm.allreduce(x, group=group)  # both ends ready
+    start = time.perf_counter()
+    for _ in range(calls):
+        comm.allreduce(x, group=group)
+    return (time.perf_counter() - start) / calls
+
+
+def for_run(config, group, measured_step_s: float, steps: int) -> dict:
+    """Collective: the final record's prediction of a training run (every rank calls it at
+    once, after its last step: each measures its compute while the others do, sharing the
+    cores as the run did, so no stretch; and the per-call cost on the run's group); {} for a
+    strategy the model does not cover."""
+    from minidp import cost
     from minidp.info import cores_per_rank
 
+    world = group.size
     try:
         layout_of(config, world)
         network, _ = load_network(None, 0)
     except BadConfig:
         return {}
+    if world > 1:
+        measured = per_call_seconds(group)
+        model = cost.time("allreduce", "auto", world, 1, 8, alpha=network.alpha, beta=network.beta)
+        network = network._replace(per_call=max(0.0, measured - model))
     threads = config.threads or max(1, int(cores_per_rank()))
     prediction, _ = run_prediction(config, world, cores=0, network=network, threads=threads)
     record = prediction_record(prediction, measured_step_s)
+    record["predicted_per_call_s"] = network.per_call
     by_axis = prediction.bytes_by_axis  # beside the run's bytes_sent_by_axis: the run's steps
     record["predicted_bytes_by_axis"] = {axis: b * steps for axis, b in by_axis.items()}
     return record
