@@ -14,11 +14,11 @@ Pure Python: no MPI, no model built (algo "auto" is resolved by minidp.comm.auto
 
 The model of one step on one rank, in four terms:
 
-    compute     forward + backward: the measured one-process times of `examples` examples,
-                scaled to this rank's examples (B / dp) and divided by tp (each TP rank
-                computes 1/tp of every matmul; LayerNorms and the residual are repeated:
-                an optimistic split); optimizer: its measured time scaled to the parameters
-                this rank steps (a TP shard, a ZeRO chunk)
+    compute     forward + backward: the measured one-process times of `examples` examples;
+                their part `Compute.fixed` (the ops' own cost: Python, NumPy calls) stays
+                whole, the rest (the FLOPs) scales to this rank's examples (B / dp) and is
+                divided by tp (each TP rank computes 1/tp of every matmul); optimizer: its
+                measured time scaled to the parameters this rank steps (a TP shard, a chunk)
     comm        every collective of calls.py priced by minidp.cost.time with α, β, γ; "shm"
                 (DDP's buckets in shared memory) has no α-β formula: its loads priced at β
                 and its three synchronizations as three 2-rank barriers' worth of α per round
@@ -71,6 +71,7 @@ class Compute(NamedTuple):
     optimizer_s: float
     examples: int  # the batch those times are for
     params: int  # parameters the optimizer stepped
+    fixed: float = 0.0  # the part of forward and backward no split shortens (per-op cost)
 
 
 class Network(NamedTuple):
@@ -91,6 +92,16 @@ class Prediction(NamedTuple):
     forward_s: float
     backward_s: float
     optimizer_s: float
+
+
+def fixed_part(whole: Compute, half: Compute) -> float:
+    """The fraction of forward + backward that does not shrink with the work: with
+    t(e) = fixed + e·w, two batches give fixed = (e·t(h) - h·t(e)) / (e - h), clamped to
+    [0, 1] of t(e) (the two are noisy medians)."""
+    e, h = whole.examples, half.examples
+    t_e, t_h = whole.forward_s + whole.backward_s, half.forward_s + half.backward_s
+    fixed = (e * t_h - h * t_e) / (e - h)
+    return min(1.0, max(0.0, fixed / t_e))
 
 
 def call_time(call, p: int, net: Network) -> float:
@@ -173,7 +184,8 @@ def predict(
     world = layout.dp * layout.tp * layout.pp
     stretch = max(1.0, world / net.cores) if net.cores else 1.0
     examples = chunk_bounds(batch_size, layout.dp)[1]
-    scale = examples / compute.examples / layout.tp
+    split = examples / compute.examples / layout.tp  # of the FLOPs; the per-op part stays
+    scale = compute.fixed + (1 - compute.fixed) * split
     forward, backward = compute.forward_s * scale, compute.backward_s * scale
     stepped = sum(shapes.params) / (layout.dp if layout.zero_stage else 1)
     optimizer = compute.optimizer_s * stepped / compute.params

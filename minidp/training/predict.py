@@ -15,7 +15,9 @@ The step model is minidp/cost/step.py (pure Python); this module feeds it from a
                 have (cores / N). The run's ranks share the machine's cores: the model
                 stretches compute and communication by N / cores when N > cores.
                 Under mpiexec -n N instead, every rank measures at once (the sharing is
-                in the measurement) and the per-call cost is timed on them (on_group)
+                in the measurement) and the per-call cost is timed on them (on_group).
+                With tp > 1, also on half the examples: the part of the time that does not
+                shrink with the work (`fixed_part`: the ops' own cost), which TP keeps whole
     network     α, β, γ from `python -m minidp bench calibrate` (runs/calibration.json, or
                 --calibration FILE); without one, built-in defaults, said so in the output;
                 the per-call cost from the file's "per_call" if it has one (else 0)
@@ -35,7 +37,7 @@ import numpy as np
 
 from minidp import comm, optim
 from minidp.cost.calls import gpt_shapes
-from minidp.cost.step import Compute, Layout, Network, predict
+from minidp.cost.step import Compute, Layout, Network, fixed_part, predict
 from minidp.training.config import BadConfig
 from minidp.training.tasks import Task
 
@@ -129,6 +131,9 @@ def run_prediction(config, world: int, *, cores: int, network: Network, threads:
     examples = -(-config.batch_size // layout.dp)  # rank 0's: chunk_bounds' first chunk
     with threadpool_limits(limits=threads, user_api="blas"):
         compute = measure_compute(task, config, examples)
+        if layout.tp > 1 and examples >= 2:  # the part a TP split does not shorten
+            half = measure_compute(task, config, examples // 2)
+            compute = compute._replace(fixed=fixed_part(compute, half))
     itemsize = np.dtype(config.dtype).itemsize
     vocab = task.model.config.vocab_size
     shapes = gpt_shapes(config.n_layer, config.n_embd, vocab, config.block_size, layout.tp)
