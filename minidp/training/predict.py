@@ -54,8 +54,10 @@ def layout_of(config, world: int) -> Layout:
         raise BadConfig(
             f"predict covers --strategy {', '.join(COVERED)} (without --pp); got {config.strategy}"
         )
-    if config.model != "gpt":
-        raise BadConfig("predict models the GPT; --model is " + config.model)
+    if config.model != "gpt" or config.backend != "numpy":
+        raise BadConfig(
+            f"predict models the GPT on NumPy; --model {config.model}, --backend {config.backend}"
+        )
     if config.compress != "none" or config.sequence_parallel:
         raise BadConfig("predict does not model --compress or --sequence-parallel yet")
     dp, tp = (world, 1) if config.strategy in ("dp", "zero") else mesh_sizes(config, world)
