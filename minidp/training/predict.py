@@ -58,8 +58,8 @@ def layout_of(config, world: int) -> Layout:
         raise BadConfig(
             f"predict models the GPT on NumPy; --model {config.model}, --backend {config.backend}"
         )
-    if config.compress != "none" or config.sequence_parallel:
-        raise BadConfig("predict does not model --compress or --sequence-parallel yet")
+    if config.compress != "none" or config.sequence_parallel or config.prune:
+        raise BadConfig("predict does not model --compress, --prune or --sequence-parallel yet")
     dp, tp = (world, 1) if config.strategy in ("dp", "zero") else mesh_sizes(config, world)
     if dp * tp != world:
         raise BadConfig(f"--world {world}: the mesh dp x tp = {dp} x {tp} = {dp * tp}")
