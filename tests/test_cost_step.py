@@ -24,6 +24,7 @@ CASES = [  # (ranks, flags): uneven batches (10 over 3 and 4), many buckets, acc
     (3, dict(strategy="zero", zero_stage=3, grad_accum=2)),
     (4, dict(strategy="tp", tp=4)),
     (4, dict(strategy="hybrid", dp=2, tp=2)),
+    (4, dict(strategy="hybrid", dp=2, tp=2, zero_stage=3)),
 ]
 
 
