@@ -7,7 +7,7 @@ import pytest
 from minidp import comm
 from minidp.cli import main
 from minidp.cost.calls import gpt_shapes
-from minidp.cost.step import Compute, Layout, Network, bytes_by_axis, memory, predict
+from minidp.cost.step import Compute, Layout, Network, bytes_by_axis, fixed_part, memory, predict
 from minidp.training.config import TrainConfig
 from minidp.training.loop import train
 from minidp.training.tasks import Task
@@ -24,6 +24,7 @@ CASES = [  # (ranks, flags): uneven batches (10 over 3 and 4), many buckets, acc
     (3, dict(strategy="zero", zero_stage=3, grad_accum=2)),
     (4, dict(strategy="tp", tp=4)),
     (4, dict(strategy="hybrid", dp=2, tp=2)),
+    (4, dict(strategy="hybrid", dp=2, tp=2, zero_stage=3)),
 ]
 
 
@@ -41,14 +42,18 @@ def layout_of(config, size: int) -> Layout:
 
 
 @pytest.mark.parallel(nprocs=[4])
-def test_bytes_by_axis_and_model_states_are_what_real_runs_count():
+def test_bytes_by_axis_and_model_states_are_what_real_runs_count(tmp_path):
     world = comm.world()
     for ranks, flags in CASES:
         group = world.subgroup(list(range(ranks)))
         if group is None:
             continue
-        config = TrainConfig(**{**TINY, **flags})
+        json = str(tmp_path / "run.jsonl") if flags["strategy"] == "hybrid" else None
+        config = TrainConfig(**{**TINY, **flags, "json": json})
         final = train(config, group)
+        if json:  # --json: the prediction beside the measurement, on every rank
+            assert final["predicted_bytes_by_axis"] == final["bytes_sent_by_axis"]
+            assert final["predicted_step_s"] > 0 and final["measured_step_s"] > 0
         layout = layout_of(config, ranks)
         vocab = Task(config, np.dtype(config.dtype)).model.config.vocab_size
         shapes = gpt_shapes(1, 16, vocab, 8, layout.tp, group.rank % layout.tp)
@@ -108,3 +113,14 @@ def test_bad_predict_input_is_one_line(args, message, capsys):
     assert exit_.value.code == 2
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1
+
+
+def test_the_part_of_compute_no_split_shortens_stays_whole_under_tp():
+    whole = Compute(0.03, 0.05, 0.0, examples=8, params=1)  # t(8) = 0.08 s
+    half = Compute(0.02, 0.03, 0.0, examples=4, params=1)  # t(4) = 0.05 s: 0.02 s fixed
+    assert fixed_part(whole, half) == pytest.approx(0.25)
+    assert fixed_part(whole, whole._replace(examples=4)) == 1.0  # clamped: no shrinking
+    shapes = gpt_shapes(1, 16, 96, 8, tp=2)
+    compute = whole._replace(fixed=0.25, params=sum(shapes.params))
+    p = predict(Layout("tp", tp=2), shapes, compute, Network(1e-6, 1e-9), batch_size=8)
+    assert p.forward_s == pytest.approx(0.03 * (0.25 + 0.75 / 2))

@@ -5,13 +5,16 @@
 No MPI here: it launches the runs (`mpiexec -n P python -m minidp ... --json`). Each round,
 for every layout in turn (so that the machine's other load falls on all of them alike):
 
-    predicted   training/predict.py's `run_prediction`, as `python -m minidp predict` makes
-                it: compute measured on this one process (the run's threads per rank), then
-                stretched by P / cores when the P ranks outnumber the cores
+    predicted   `mpiexec -n P python -m minidp predict FLAGS`, just before the run: each of the
+                P ranks measures its compute at once (the core sharing is in the
+                measurement) and the per-call cost is timed on them
+    alone       training/predict.py's `run_prediction` as `python -m minidp predict --world P`
+                makes it on one process: compute measured here, stretched by P / cores when
+                the P ranks outnumber the cores, no per-call cost (α β γ only)
     measured    the run's step time: the median over its log windows (--log-every 5) after
                 the first (step 0 warms up), from the records' tokens per second
-    in_run      the prediction the run's own --json record carries (each rank measures its
-                compute at the end, all at once: the core sharing is in the measurement)
+    in_run      the prediction the run's own --json record carries (made as `predicted`, on
+                the run's ranks after its last step)
 
 ratio = predicted / measured per round; the table shows the medians over rounds, `ok` when
 within 25%. α, β, γ: runs/calibration.json (`mpiexec -n 2 python -m minidp bench calibrate`).
@@ -41,10 +44,12 @@ COLUMNS = [
     ("predicted_ms", ".1f"),
     ("compute_ms", ".1f"),
     ("comm_ms", ".2f"),
+    ("per_call_us", ".0f"),
     ("measured_ms", ".1f"),
     ("ratio", ".2f"),
     ("ok", ""),
     ("in_run_ratio", ".2f"),
+    ("alone_ratio", ".2f"),
 ]
 WITHIN = 0.25
 
@@ -59,10 +64,14 @@ def measured_step_s(path: str) -> tuple[float, dict]:
     return median([batch / r["tokens_per_s"] for r in steps[1:]]), final
 
 
-def run_once(P: int, flags: list[str], steps: int, path: str) -> None:
-    command = ["mpiexec", "-n", str(P), sys.executable, "-m", "minidp", *flags]
-    command += ["--steps", str(steps), "--log-every", "5", "--eval-batches", "1"]
-    command += ["--sample-tokens", "0", "--json", path]
+def run_once(P: int, flags: list[str], path: str, steps: int = 0) -> None:
+    """`mpiexec -n P python -m minidp FLAGS --json path`: a run of `steps`, or (0) predict."""
+    command = ["mpiexec", "-n", str(P), sys.executable, "-m", "minidp"]
+    if steps:
+        command += [*flags, "--steps", str(steps), "--log-every", "5", "--eval-batches", "1"]
+        command += ["--sample-tokens", "0", "--json", path]
+    else:
+        command += ["predict", *flags, "--json", path]
     done = subprocess.run(command, capture_output=True, text=True, timeout=600)
     if done.returncode != 0:
         raise die(f"bench predict: {' '.join(command)} failed:\n{done.stderr[-2000:]}", code=1)
@@ -99,24 +108,30 @@ def main(argv: list[str] | None = None) -> int:
                 prediction, _ = run_prediction(
                     config, P, cores=cores, network=network, threads=threads
                 )
+                before = os.path.join(tmp, f"{name}_{P}_predict.jsonl")
+                run_once(P, flags, before)
+                with open(before) as f:
+                    predicted = json.loads(f.readline())
                 path = os.path.join(tmp, f"{name}_{P}.jsonl")
-                run_once(P, flags, args.steps, path)
+                run_once(P, flags, path, args.steps)
                 measured, final = measured_step_s(path)
-                seen[(name, P)].append((prediction, measured, final.get("predicted_step_s")))
+                seen[(name, P)].append((predicted, measured, final, prediction.step_s))
     rows = []
     for (name, P), runs in seen.items():
-        ratio = median([p.step_s / m for p, m, _ in runs])
+        ratio = median([p["predicted_step_s"] / m for p, m, _, _ in runs])
         rows.append(
             {
                 "layout": name,
                 "P": P,
-                "predicted_ms": 1e3 * median([p.step_s for p, _, _ in runs]),
-                "compute_ms": 1e3 * median([p.compute_s for p, _, _ in runs]),
-                "comm_ms": 1e3 * median([p.exposed_comm_s for p, _, _ in runs]),
-                "measured_ms": 1e3 * median([m for _, m, _ in runs]),
+                "predicted_ms": 1e3 * median([p["predicted_step_s"] for p, _, _, _ in runs]),
+                "compute_ms": 1e3 * median([p["predicted_compute_s"] for p, _, _, _ in runs]),
+                "comm_ms": 1e3 * median([p["predicted_exposed_comm_s"] for p, _, _, _ in runs]),
+                "per_call_us": 1e6 * median([p["predicted_per_call_s"] for p, _, _, _ in runs]),
+                "measured_ms": 1e3 * median([m for _, m, _, _ in runs]),
                 "ratio": ratio,
                 "ok": "yes" if abs(ratio - 1) <= WITHIN else "no",
-                "in_run_ratio": median([i / m for _, m, i in runs if i]) if runs[0][2] else None,
+                "in_run_ratio": median([f["predicted_step_s"] / m for _, m, f, _ in runs]),
+                "alone_ratio": median([a / m for _, m, _, a in runs]),
             }
         )
     print(

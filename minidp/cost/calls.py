@@ -25,7 +25,10 @@ What each strategy runs in one step of K micro-batches (strategies/*.py, step.py
                twice per block and in the head; the vocab-parallel loss: allreduce max of
                N, allreduce sum of 2N; the clip's norm over TP (1 float64); with DP > 2
                the replicated parameters' gradients broadcast from TP rank 0
-    hybrid     tp's calls, and dp's (or zero's) over the DP axis on this rank's TP shard
+    hybrid     tp's calls, and dp's (or zero's) over the DP axis on this rank's TP shard;
+               with ZeRO the clip's norm is two float64 sums, over DP then TP, and with
+               DP > 2 and a vocabulary TP does not divide, the replicated parameters are
+               broadcast from TP rank 0 after the step (zero_over_tp.py)
 
 Sizes come from `Shapes`: this rank's parameter tensors in the model's order (a TP shard
 for tp and hybrid), the ZeRO-3 units, the GPT's tokens and channels. `gpt_shapes` makes
@@ -55,6 +58,7 @@ class Shapes(NamedTuple):
     n_layer: int = 0  # TP: blocks (each block: 2 allreduces forward, 2 backward)
     n_embd: int = 0  # TP: channels C of the activations g and f reduce
     block_size: int = 0  # TP: tokens T per example
+    vocab: int = 0  # TP: the vocabulary (hybrid ZeRO broadcasts when tp does not divide it)
 
 
 def gpt_shapes(n_layer: int, n_embd: int, vocab: int, block_size: int, tp: int = 1, rank=0):
@@ -74,7 +78,7 @@ def gpt_shapes(n_layer: int, n_embd: int, vocab: int, block_size: int, tp: int =
     params = [*embeddings, *blocks, C, C, C * v]
     units = [v * C, block_size * C, *[sum(block)] * n_layer, 2 * C, C * v]
     replicated = block_size * C + n_layer * 6 * C + 2 * C if tp > 1 else 0
-    return Shapes(params, units, replicated, n_layer, C, block_size)
+    return Shapes(params, units, replicated, n_layer, C, block_size, V)
 
 
 def buckets(params: list[int], cap_bytes: float, itemsize: int) -> list[int]:
@@ -112,7 +116,8 @@ def data_parallel(layout, shapes: Shapes, itemsize: int) -> list[Call]:
                 Call("dp", "allreduce", bucket_algo, round(n * ratio), itemsize, "backward")
             )
         return calls
-    calls.append(NORM)
+    hybrid = layout.strategy == "hybrid"  # ZeROOverTP: sharded and replicated squares
+    calls.append(NORM._replace(n=2) if hybrid else NORM)
     if stage in (1, 2):
         calls += [Call("dp", "reduce_scatter", algo, n, itemsize, "backward") for n in segments]
         calls += [Call("dp", "allgather", algo, n, itemsize, "after") for n in segments]
@@ -145,5 +150,9 @@ def tensor_parallel(layout, shapes: Shapes, itemsize: int, examples: int) -> lis
     if layout.zero_stage == 0:
         calls.append(Call("tp", "allreduce", "auto", 1, 8, "after"))  # the clip's norm
         if layout.dp > 2 or layout.compress_ratio != 1.0:  # make_alike: TP rank 0's
+            calls.append(Call("tp", "broadcast", "auto", shapes.replicated, itemsize, "after"))
+    else:  # ZeROOverTP: the norm's two sums over TP; the drift broadcast (check_drift)
+        calls.append(Call("tp", "allreduce", "auto", 2, 8, "after"))
+        if layout.dp > 2 and shapes.vocab % layout.tp:
             calls.append(Call("tp", "broadcast", "auto", shapes.replicated, itemsize, "after"))
     return calls

@@ -14,17 +14,20 @@ Pure Python: no MPI, no model built (algo "auto" is resolved by minidp.comm.auto
 
 The model of one step on one rank, in four terms:
 
-    compute     forward + backward: the measured one-process times of `examples` examples,
-                scaled to this rank's examples (B / dp) and divided by tp (each TP rank
-                computes 1/tp of every matmul; LayerNorms and the residual are repeated:
-                an optimistic split); optimizer: its measured time scaled to the parameters
-                this rank steps (a TP shard, a ZeRO chunk)
+    compute     forward + backward: the measured one-process times of `examples` examples;
+                their part `Compute.fixed` (the ops' own cost: Python, NumPy calls) stays
+                whole, the rest (the FLOPs) scales to this rank's examples (B / dp) and is
+                divided by tp (each TP rank computes 1/tp of every matmul); optimizer: its
+                measured time scaled to the parameters this rank steps (a TP shard, a chunk)
     comm        every collective of calls.py priced by minidp.cost.time with α, β, γ; "shm"
                 (DDP's buckets in shared memory) has no α-β formula: its loads priced at β
                 and its three synchronizations as three 2-rank barriers' worth of α per round
     overlap     backward-phase calls hide behind backward only when the strategy overlaps
                 (Layout.overlap, DDP's and ZeRO 1-2's communication thread); exposed =
                 max(0, backward comm - backward) + every other call
+    per call    minidp's own cost of a collective beyond its messages (the Python layer, the
+                checks' fingerprint exchange, a peer not yet scheduled on shared cores):
+                Network.per_call, measured by the run (training/predict.py), 0 by default
     cores       ranks that outnumber the machine's cores share them: compute and
                 communication both stretched by ranks / cores (Network.cores; 0: no limit)
 
@@ -68,6 +71,7 @@ class Compute(NamedTuple):
     optimizer_s: float
     examples: int  # the batch those times are for
     params: int  # parameters the optimizer stepped
+    fixed: float = 0.0  # the part of forward and backward no split shortens (per-op cost)
 
 
 class Network(NamedTuple):
@@ -75,6 +79,7 @@ class Network(NamedTuple):
     beta: float  # seconds per byte sent
     gamma: float = 0.0  # seconds per byte reduced
     cores: int = 0  # cores the ranks share (0: each rank a core of its own)
+    per_call: float = 0.0  # seconds each collective call adds beyond α β γ (measured)
 
 
 class Prediction(NamedTuple):
@@ -89,16 +94,27 @@ class Prediction(NamedTuple):
     optimizer_s: float
 
 
+def fixed_part(whole: Compute, half: Compute) -> float:
+    """The fraction of forward + backward that does not shrink with the work: with
+    t(e) = fixed + e·w, two batches give fixed = (e·t(h) - h·t(e)) / (e - h), clamped to
+    [0, 1] of t(e) (the two are noisy medians)."""
+    e, h = whole.examples, half.examples
+    t_e, t_h = whole.forward_s + whole.backward_s, half.forward_s + half.backward_s
+    fixed = (e * t_h - h * t_e) / (e - h)
+    return min(1.0, max(0.0, fixed / t_e))
+
+
 def call_time(call, p: int, net: Network) -> float:
-    """Seconds of one call on p ranks."""
+    """Seconds of one call on p ranks: its α-β-γ time, and the per-call cost."""
     if p == 1:
         return 0.0
     if call.algo == "shm":
         loaded = cost.sent("allreduce", "shm", p, 0, call.n, call.itemsize).bytes
         rounds = (p - 1).bit_length()
-        return 3 * 2 * rounds * net.alpha + loaded * net.beta + call.n * call.itemsize * net.gamma
-    t = cost.time(call.collective, call.algo, p, call.n, call.itemsize, **_abg(net))
-    return 0.0 if t is None else t
+        t = 3 * 2 * rounds * net.alpha + loaded * net.beta + call.n * call.itemsize * net.gamma
+    else:
+        t = cost.time(call.collective, call.algo, p, call.n, call.itemsize, **_abg(net)) or 0.0
+    return t + net.per_call
 
 
 def _abg(net: Network) -> dict:
@@ -168,7 +184,8 @@ def predict(
     world = layout.dp * layout.tp * layout.pp
     stretch = max(1.0, world / net.cores) if net.cores else 1.0
     examples = chunk_bounds(batch_size, layout.dp)[1]
-    scale = examples / compute.examples / layout.tp
+    split = examples / compute.examples / layout.tp  # of the FLOPs; the per-op part stays
+    scale = compute.fixed + (1 - compute.fixed) * split
     forward, backward = compute.forward_s * scale, compute.backward_s * scale
     stepped = sum(shapes.params) / (layout.dp if layout.zero_stage else 1)
     optimizer = compute.optimizer_s * stepped / compute.params

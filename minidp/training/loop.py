@@ -133,7 +133,7 @@ def _train(config: TrainConfig, group: comm.Group) -> dict:
             "dtype": config.dtype,
             "skipped_steps": counts["skipped_steps"],
             **strategy.record(),
-            **predicted(config, group.size, total),
+            **predicted(config, group, total),
             "config": vars(config),  # every field, those of other strategies too
         }
     records.write(final)  # the last line
@@ -172,12 +172,12 @@ def log_line(step: int, loss: float, lr: float, w: Window, task: Task, config, s
     }
 
 
-def predicted(config, world: int, total: Window) -> dict:
-    """With --json: the step model's prediction beside the measured mean step (every rank
-    measures its compute at once; training/predict.py)."""
+def predicted(config, group: comm.Group, total: Window) -> dict:
+    """Collective, with --json: the step model's prediction beside the measured mean step
+    (every rank measures its compute at once; training/predict.py)."""
     if not config.json or not total.steps:
         return {}
-    return predict.for_run(config, world, total.seconds / total.steps, total.steps)
+    return predict.for_run(config, group, total.seconds / total.steps, total.steps)
 
 
 def memory_per_rank(memory: dict, group: comm.Group) -> dict[str, list[int]]:

@@ -2,23 +2,30 @@
 
     python -m minidp predict --strategy hybrid --dp 2 --tp 2 --world 4
     python -m minidp predict --strategy zero --zero-stage 3 --world 4 --calibration FILE
+    mpiexec -n 4 python -m minidp predict --strategy zero --zero-stage 3   # on the 4 ranks
 
 The step model is minidp/cost/step.py (pure Python); this module feeds it from a TrainConfig:
 
     layout      the flags (--strategy, --dp, --tp, --zero-stage, --grad-accum, --allreduce,
-                --bucket-mb, --overlap) on N ranks (--world; default: the MPI world size)
+                --bucket-mb, --overlap) on N ranks (--world, or mpiexec's -n)
     shapes      the GPT's (cost.calls.gpt_shapes: no model built for the sizes)
     compute     measured here, one process: the whole model's forward, backward and
-                optimizer step on this rank's examples (B / dp), one step untimed
-                then the median of 5, with the BLAS threads the run would
+                optimizer step on this rank's examples (B / dp), two steps untimed
+                then the median of 7, with the BLAS threads the run would
                 have (cores / N). The run's ranks share the machine's cores: the model
-                stretches compute and communication by N / cores when N > cores
+                stretches compute and communication by N / cores when N > cores.
+                Under mpiexec -n N instead, every rank measures at once (the sharing is
+                in the measurement) and the per-call cost is timed on them (on_group).
+                With tp > 1, also on half the examples: the part of the time that does not
+                shrink with the work (`fixed_part`: the ops' own cost), which TP keeps whole
     network     α, β, γ from `python -m minidp bench calibrate` (runs/calibration.json, or
-                --calibration FILE); without one, built-in defaults, said so in the output
+                --calibration FILE); without one, built-in defaults, said so in the output;
+                the per-call cost from the file's "per_call" if it has one (else 0)
 
-`--json` of a training run calls `run_prediction` at its end: every rank measures its own
-compute at once, so the sharing of cores is in the measurement (no stretch), and the final
-record gets the prediction beside what the run measured (`prediction_record`).
+`--json` of a training run calls `for_run` at its end: every rank measures its own compute
+at once, so the sharing of cores is in the measurement (no stretch); the per-call cost
+(cost.step.Network) is timed on the run's group, 1-element allreduces between bursts of work
+(`per_call_seconds`); the final record gets the prediction beside what the run measured.
 """
 
 import json
@@ -28,9 +35,9 @@ import time
 
 import numpy as np
 
-from minidp import optim
+from minidp import comm, optim
 from minidp.cost.calls import gpt_shapes
-from minidp.cost.step import Compute, Layout, Network, predict
+from minidp.cost.step import Compute, Layout, Network, fixed_part, predict
 from minidp.training.config import BadConfig
 from minidp.training.tasks import Task
 
@@ -47,10 +54,12 @@ def layout_of(config, world: int) -> Layout:
         raise BadConfig(
             f"predict covers --strategy {', '.join(COVERED)} (without --pp); got {config.strategy}"
         )
-    if config.model != "gpt":
-        raise BadConfig("predict models the GPT; --model is " + config.model)
-    if config.compress != "none" or config.sequence_parallel:
-        raise BadConfig("predict does not model --compress or --sequence-parallel yet")
+    if config.model != "gpt" or config.backend != "numpy":
+        raise BadConfig(
+            f"predict models the GPT on NumPy; --model {config.model}, --backend {config.backend}"
+        )
+    if config.compress != "none" or config.sequence_parallel or config.prune:
+        raise BadConfig("predict does not model --compress, --prune or --sequence-parallel yet")
     dp, tp = (world, 1) if config.strategy in ("dp", "zero") else mesh_sizes(config, world)
     if dp * tp != world:
         raise BadConfig(f"--world {world}: the mesh dp x tp = {dp} x {tp} = {dp * tp}")
@@ -71,9 +80,9 @@ def layout_of(config, world: int) -> Layout:
     )
 
 
-def measure_compute(task: Task, config, examples: int, warmup: int = 1, steps: int = 5):
-    """Compute (forward, backward, optimizer seconds, medians of `steps` after `warmup`)
-    of the whole model on `examples` examples, on this process."""
+def measure_compute(task: Task, config, examples: int, warmup: int = 2, steps: int = 7):
+    """Compute (forward, backward, clip and optimizer seconds, medians of `steps` after
+    `warmup`) of the whole model on `examples` examples, on this process."""
     model = task.model
     params = model.parameters()
     optimizer = optim.make_optimizer(config.optimizer, params, config.lr, config.weight_decay)
@@ -88,6 +97,8 @@ def measure_compute(task: Task, config, examples: int, warmup: int = 1, steps: i
         t1 = time.perf_counter()
         loss.backward()
         t2 = time.perf_counter()
+        if config.grad_clip:  # the clip runs in the step's optimizer span too
+            optim.clip_grad_norm(params, config.grad_clip)
         optimizer.step()
         times.append((t1 - t0, t2 - t1, time.perf_counter() - t2))
     for p, data in zip(params, kept):
@@ -109,7 +120,8 @@ def load_network(path: str | None, cores: int) -> tuple[Network, str]:
     else:
         fit = DEFAULT_NETWORK
         source = "built-in defaults (run `mpiexec -n 2 python -m minidp bench calibrate`)"
-    return Network(fit["alpha"], fit["beta"], fit["gamma"], cores), source
+    per_call = fit.get("per_call", 0.0)
+    return Network(fit["alpha"], fit["beta"], fit["gamma"], cores, per_call), source
 
 
 def run_prediction(config, world: int, *, cores: int, network: Network, threads: int):
@@ -121,6 +133,9 @@ def run_prediction(config, world: int, *, cores: int, network: Network, threads:
     examples = -(-config.batch_size // layout.dp)  # rank 0's: chunk_bounds' first chunk
     with threadpool_limits(limits=threads, user_api="blas"):
         compute = measure_compute(task, config, examples)
+        if layout.tp > 1 and examples >= 2:  # the part a TP split does not shorten
+            half = measure_compute(task, config, examples // 2)
+            compute = compute._replace(fixed=fixed_part(compute, half))
     itemsize = np.dtype(config.dtype).itemsize
     vocab = task.model.config.vocab_size
     shapes = gpt_shapes(config.n_layer, config.n_embd, vocab, config.block_size, layout.tp)
@@ -147,20 +162,63 @@ def activation_estimate(config, examples: int, tp: int) -> int:
     return examples * per_example * itemsize + T * T
 
 
-def for_run(config, world: int, measured_step_s: float, steps: int) -> dict:
-    """The final record's prediction of a training run (every rank calls it at once, after
-    its last step: each measures its compute while the others do, sharing the cores as the
-    run did, so no stretch); {} for a strategy the model does not cover."""
+def per_call_seconds(group, calls: int = 20) -> float:
+    """Collective: what one collective call costs on `group` between stretches of work, as
+    a step's are: `calls` rounds of ~1 ms of matmuls then a 1-element allreduce, less the
+    same matmuls alone (the caller subtracts the α-β time). Ranks that share cores with
+    each other or with other work wait there for a peer not yet scheduled; the mean, not the
+    median, as a step pays every wait."""
+    from minidp import comm
+
+    a, x = np.ones((96, 96)), np.zeros(1)
+
+    def work():
+        for _ in range(8):
+            a @ a
+
+    def rounds(sync: bool) -> float:
+        start = time.perf_counter()
+        for _ in range(calls):
+            work()
+            if sync:
+                comm.allreduce(x, group=group)
+        return time.perf_counter() - start
+
+    comm.allreduce(x, group=group)  # every rank here
+    alone = rounds(sync=False)
+    comm.allreduce(x, group=group)
+    synced = rounds(sync=True)
+    return max(0.0, synced - alone) / calls
+
+
+def on_group(config, group, network: Network):
+    """Collective: (Prediction, Layout, Network) for `config` on the ranks of `group`, each
+    measuring its compute at once (sharing the cores as a run would: no stretch) and the
+    per-call cost timed on the group; BadConfig (alike on every rank) if not covered."""
+    from minidp import cost
     from minidp.info import cores_per_rank
 
+    world = group.size
+    layout_of(config, world)  # before any message
+    if world > 1:
+        measured = per_call_seconds(group)
+        model = cost.time("allreduce", "auto", world, 1, 8, alpha=network.alpha, beta=network.beta)
+        network = network._replace(per_call=max(0.0, measured - model))
+    threads = config.threads or max(1, int(cores_per_rank()))
+    prediction, layout = run_prediction(config, world, cores=0, network=network, threads=threads)
+    return prediction, layout, network
+
+
+def for_run(config, group, measured_step_s: float, steps: int) -> dict:
+    """Collective: the final record's prediction of a training run, made on its ranks after
+    its last step (on_group); {} for a strategy the model does not cover."""
     try:
-        layout_of(config, world)
         network, _ = load_network(None, 0)
+        prediction, _, network = on_group(config, group, network)
     except BadConfig:
         return {}
-    threads = config.threads or max(1, int(cores_per_rank()))
-    prediction, _ = run_prediction(config, world, cores=0, network=network, threads=threads)
     record = prediction_record(prediction, measured_step_s)
+    record["predicted_per_call_s"] = network.per_call
     by_axis = prediction.bytes_by_axis  # beside the run's bytes_sent_by_axis: the run's steps
     record["predicted_bytes_by_axis"] = {axis: b * steps for axis, b in by_axis.items()}
     return record
@@ -188,7 +246,10 @@ def describe(prediction, layout: Layout, world: int, source: str, cores: int) ->
     mesh = f"dp {layout.dp} x tp {layout.tp}" + (
         f", ZeRO stage {layout.zero_stage}" if layout.zero_stage else ""
     )
-    stretch = f", {world} ranks on {cores} cores" if world > cores else ""
+    if not cores:  # measured on the ranks themselves
+        stretch = f", compute measured on the {world} ranks at once"
+    else:
+        stretch = f", {world} ranks on {cores} cores" if world > cores else ""
     ms = 1e3
     return "\n".join(
         [
@@ -223,23 +284,37 @@ def main(argv: list[str]) -> int:
     config = TrainConfig(**args)
     try:
         config.validate()
-        if world < 0:
-            raise BadConfig(f"--world must be a number of ranks >= 1, got {world}")
-        if world == 0:
-            from mpi4py import MPI
-
-            world = MPI.COMM_WORLD.Get_size()
-        cores = os.cpu_count() or 1
-        network, source = load_network(calibration, cores)
-        threads = config.threads or max(1, cores // world)
-        prediction, layout = run_prediction(
-            config, world, cores=cores, network=network, threads=threads
-        )
+        prediction, layout, world, source, cores, per_call = _predict(config, world, calibration)
     except BadConfig as error:
         raise die(str(error)) from None
     print0(describe(prediction, layout, world, source, cores))
-    if config.json:
+    if config.json and comm.world().rank == 0:
         with open(config.json, "w") as f:
             record = {"world_size": world, "strategy": config.strategy}
+            record["predicted_per_call_s"] = per_call
             f.write(json.dumps({**record, **prediction_record(prediction)}) + "\n")
     return 0
+
+
+def _predict(config, world: int, calibration: str | None):
+    """predict's two ways: under mpiexec -n N (N > 1), on those ranks (on_group); alone, for
+    --world N, compute measured here and stretched by N / cores."""
+    launched = comm.world().size
+    if world < 0 or (launched > 1 and world not in (0, launched)):
+        raise BadConfig(
+            f"--world must be a number of ranks >= 1 (under mpiexec, its -n {launched}), "
+            f"got {world}"
+        )
+    world = world or launched
+    cores = os.cpu_count() or 1
+    network, source = load_network(calibration, cores)
+    if launched > 1:
+        prediction, layout, network = on_group(config, comm.world(), network)
+        us = network.per_call * 1e6
+        source = f"{source}; per call {us:.0f} us, measured"
+        return prediction, layout, world, source, 0, network.per_call
+    threads = config.threads or max(1, cores // world)
+    prediction, layout = run_prediction(
+        config, world, cores=cores, network=network, threads=threads
+    )
+    return prediction, layout, world, source, cores, network.per_call
