@@ -111,6 +111,7 @@ def _train(config: TrainConfig, group: comm.Group) -> dict:
             saves.free()
         # what training sent and held, read before the reports below add their own
         counts, memory = resume.so_far(meter, skipped, before), strategy.memory_bytes()
+        launch = meter.total()  # this launch's steps and seconds, for the prediction
         # collective among the ranks still in the job (a dropped ps worker is not)
         per_rank = memory_per_rank(memory, strategy.group)  # shards differ by rank
         strategy.gather_model()  # the whole trained model in task.model, for what follows
@@ -133,7 +134,7 @@ def _train(config: TrainConfig, group: comm.Group) -> dict:
             "dtype": config.dtype,
             "skipped_steps": counts["skipped_steps"],
             **strategy.record(),
-            **predicted(config, group, total),
+            **predicted(config, group, launch),
             "config": vars(config),  # every field, those of other strategies too
         }
     records.write(final)  # the last line
@@ -177,7 +178,8 @@ def predicted(config, group: comm.Group, total: Window) -> dict:
     (every rank measures its compute at once; training/predict.py)."""
     if not config.json or not total.steps:
         return {}
-    return predict.for_run(config, group, total.seconds / total.steps, total.steps)
+    # the predicted bytes cover every step, as bytes_sent_by_axis does across a resume
+    return predict.for_run(config, group, total.seconds / total.steps, config.steps)
 
 
 def memory_per_rank(memory: dict, group: comm.Group) -> dict[str, list[int]]:
