@@ -1,0 +1,255 @@
+# ---
+# jupyter:
+#   jupytext:
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+# ---
+
+# %% [markdown]
+# # 15 · The cost model: predict, measure, reconcile; then a slower network; then 1,024 ranks
+#
+# Launch line:
+#
+# mpiexec -n 2 python tutorials/15_cost_model.py
+#
+# Every collective has a price in three numbers: α, the seconds a message costs however small;
+# β, the seconds per byte sent; γ, the seconds per byte reduced (Hockney's model, with
+# Thakur et al.'s γ). A ring allreduce of n bytes on p ranks costs
+# 2(p-1)·α + 2(p-1)/p·n·β + (p-1)/p·n·γ. `minidp.cost` holds that formula for every
+# algorithm minidp writes by hand, and the exact messages and bytes each rank sends.
+#
+# This tutorial measures α, β and γ here, predicts a collective and a training step, checks
+# both against the clock, slows the network down to watch the choices change, and then asks
+# the same model about 1,024 ranks: the questions this machine cannot run.
+
+# %%
+import json
+import os
+import statistics
+import tempfile
+import time
+
+import numpy as np
+
+from minidp import comm, cost, data
+from minidp.comm import netem, p2p
+from minidp.cost import calls, report, scale, step
+from minidp.log import print0
+from minidp.plots import pyplot, save
+from minidp.training.config import TrainConfig
+from minidp.training.loop import train
+
+group = comm.world()
+P = group.size
+assert P >= 2, "run with mpiexec -n 2 (or more)"
+
+
+def timed(fn, reps: int = 7) -> float:
+    """The median seconds of fn() over reps calls, every rank starting together; the
+    slowest rank's time is the call's (a collective ends when its last rank does)."""
+    times = []
+    for _ in range(reps):
+        comm.barrier(group=group)
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    mine = np.array([statistics.median(times)])
+    return float(comm.allreduce(mine, op="max", group=group)[0])
+
+
+# %% [markdown]
+# ## 1 · Messages and bytes are exact
+#
+# `cost.sent(collective, algo, p, rank, n, itemsize)` walks an algorithm's step table and
+# returns what rank `rank` sends in one call. The group counts what its messages really
+# carried: the two must agree to the byte, for every algorithm.
+
+# %%
+n = 100_003  # not a multiple of p: the ring's chunks are uneven
+x = np.ones(n, dtype=np.float32)
+for algo in ("ring", "tree", "recursive_doubling", "rabenseifner", "naive"):
+    group.reset_counters()
+    comm.allreduce(x, algo=algo, group=group)
+    counted = group.counters["allreduce"]
+    model = cost.sent("allreduce", algo, P, group.rank, n, 4)
+    assert (counted["messages_sent"], counted["bytes_sent"]) == model, (algo, counted, model)
+    print0(f"allreduce {algo:18} rank 0 sends {model.messages:2} messages, {model.bytes:>9,} B")
+
+# %% [markdown]
+# ## 2 · Calibrate α, β, γ, then predict a collective
+#
+# Ranks 0 and 1 exchange a 4-byte and a 4 MiB message (one `sendrecv` each way, as a ring's
+# step does): the small one's time is α, the slope is β. γ is NumPy adding two 4 MiB
+# vectors. (`python -m minidp bench calibrate` does this properly, least squares over many
+# sizes, and saves the fit for `predict`; this is the idea in six lines.)
+
+# %%
+small, big = np.zeros(1, np.float32), np.zeros(1 << 20, np.float32)
+got_small, got_big = np.empty_like(small), np.empty_like(big)
+peer = group.rank ^ 1 if group.rank < 2 else group.rank  # ranks 2.. exchange with themselves
+
+
+def exchange(send, recv):
+    if group.rank < 2:
+        p2p.sendrecv(group, send, peer, recv, peer)
+
+
+t_small = timed(lambda: exchange(small, got_small), reps=31)
+t_big = timed(lambda: exchange(big, got_big), reps=9)
+alpha, beta = t_small, (t_big - t_small) / big.nbytes
+a, b = np.ones(1 << 20, np.float32), np.ones(1 << 20, np.float32)
+gamma = timed(lambda: np.add(a, b, out=a), reps=9) / a.nbytes
+print0(f"α = {alpha * 1e6:.1f} µs   β = {beta * 1e12:.0f} ps/B   γ = {gamma * 1e12:.0f} ps/B")
+
+# Predict the ring and the tree on 4 MiB, then measure them.
+rows = []
+v = np.ones(1 << 20, np.float32)
+for algo in ("ring", "tree"):
+    predicted = cost.time("allreduce", algo, P, v.size, 4, alpha=alpha, beta=beta, gamma=gamma)
+    measured = timed(lambda: comm.allreduce(v, algo=algo, group=group))  # noqa: B023
+    rows.append(
+        [algo, f"{predicted * 1e3:.2f}", f"{measured * 1e3:.2f}", f"{predicted / measured:.2f}"]
+    )
+print0(report.table(["4 MiB allreduce", "predicted ms", "measured ms", "predicted/measured"], rows))
+
+# %% [markdown]
+# On shared memory the prediction is usually within a few tens of percent; what it misses
+# (ranks that outnumber cores, buffers not yet in cache) is listed in docs/collectives.md.
+#
+# ## 3 · Predict a training step, then run it
+#
+# The step model (`minidp/cost/step.py`) lists every collective a strategy runs in a step
+# (`cost/calls.py`, read from the strategies' code), prices each with the α-β-γ formulas,
+# adds the compute measured on one process and hides what the strategy overlaps. A run with
+# `--json` writes that prediction in its final record, beside what it measured. Its bytes are
+# exact: the model names every message.
+
+# %%
+with tempfile.TemporaryDirectory() as scratch:
+    records = comm.broadcast_text(os.path.join(scratch, "zero2.jsonl"), 0, group)  # rank 0's
+    config = TrainConfig(strategy="zero", zero_stage=2, steps=40, log_every=20, json=records)
+    train(config, group)
+    comm.barrier(group=group)  # rank 0 writes the records: read them once it has
+    with open(records) as f:
+        final = [json.loads(line) for line in f][-1]
+    comm.barrier(group=group)  # before rank 0 removes its scratch folder
+
+print0(
+    f"zero-2 on {P} ranks: predicted {final['predicted_step_s'] * 1e3:.1f} ms a step, "
+    f"measured {final['measured_step_s'] * 1e3:.1f} ms "
+    f"(ratio {final['predicted_over_measured']:.2f}); compute "
+    f"{final['predicted_compute_s'] * 1e3:.1f} ms, communication "
+    f"{final['predicted_comm_s'] * 1e3:.1f} ms"
+)
+for axis, sent in final["bytes_sent_by_axis"].items():
+    assert sent == final["predicted_bytes_by_axis"][axis], (axis, sent)
+print0(f"bytes by axis, counted = predicted: {final['bytes_sent_by_axis']}")
+
+# %% [markdown]
+# ## 4 · A slower network
+#
+# This machine's ranks talk through shared memory: microseconds and gigabytes per second.
+# A group sends its messages through `group.wire`; `netem.Link` makes each send wait
+# α + n·β first (the `MINIDP_NET_LATENCY_US` and `MINIDP_NET_GBITS` variables do the same
+# for every group of a job). Here: 50 µs and 1 Gb/s, a modest cluster's Ethernet. The model
+# adds the emulated α and β to the ones measured above, and should still say which
+# algorithm wins.
+
+# %%
+slow = netem.Network(latency_s=50e-6, seconds_per_byte=8 / 1e9)
+group.wire = netem.Link(group.comm, group, slow)
+rows = []
+for size in (1 << 10, 1 << 20):  # 4 KiB and 4 MiB of float32
+    v = np.ones(size, np.float32)
+    times = {}
+    for algo in ("ring", "tree", "recursive_doubling"):
+        predicted = cost.time(
+            "allreduce",
+            algo,
+            P,
+            size,
+            4,
+            alpha=alpha + slow.latency_s,
+            beta=beta + slow.seconds_per_byte,
+            gamma=gamma,
+        )
+        measured = timed(lambda: comm.allreduce(v, algo=algo, group=group), reps=3)  # noqa: B023
+        times[algo] = (predicted, measured)
+        rows.append([f"{4 * size:,}", algo, f"{predicted * 1e3:.2f}", f"{measured * 1e3:.2f}"])
+    by_model = min(times, key=lambda k: times[k][0])
+    by_clock = min(times, key=lambda k: times[k][1])
+    print0(f"{4 * size:>9,} B at 1 Gb/s: the model picks {by_model}, the clock {by_clock}")
+group.wire = group.comm  # the real network again
+print0(report.table(["bytes", "algorithm", "predicted ms", "measured ms"], rows))
+
+# %% [markdown]
+# The scheme changes with the network too. The step model takes the compute this run
+# measured and prices data parallelism, ZeRO-3 and tensor parallelism on this network and on
+# the slow one: ZeRO-3 sends 1.5x DP's bytes, TP sends activations, (4L + 2) allreduces of
+# B·T·C values a step. Which is fastest depends on α and β.
+
+# %%
+vocab = data.CharTokenizer().vocab_size
+
+
+def shapes(tp: int) -> calls.Shapes:
+    return calls.gpt_shapes(config.n_layer, config.n_embd, vocab, config.block_size, tp)
+
+
+spent = final["predicted_compute_s"]  # this rank's compute a step, as the run measured it
+compute = step.Compute(
+    forward_s=spent / 3,  # backward is about twice forward in a GPT
+    backward_s=spent * 2 / 3,
+    optimizer_s=0.0,
+    examples=-(-config.batch_size // P),
+    params=sum(shapes(1).params),
+)
+layouts = {
+    "dp": step.Layout("dp", dp=P, shm=False),
+    "zero-3": step.Layout("zero", dp=P, zero_stage=3),
+    "tp": step.Layout("tp", tp=P),
+}
+here = step.Network(alpha, beta, gamma)
+there = step.Network(alpha + slow.latency_s, beta + slow.seconds_per_byte, gamma)
+rows = []
+for name, layout in layouts.items():
+    fast_s, slow_s = (
+        step.predict(layout, shapes(layout.tp), compute, net, batch_size=config.batch_size).step_s
+        for net in (here, there)
+    )
+    rows.append([name, f"{fast_s * 1e3:.1f}", f"{slow_s * 1e3:.1f}"])
+print0(report.table(["scheme", "ms a step here", "ms at 1 Gb/s"], rows))
+
+# %% [markdown]
+# ## 5 · 1,024 ranks
+#
+# Nothing above needs the ranks to exist: `cost.time` is a formula. `python -m minidp
+# simulate --nprocs 1024 --model-params 1.3e9` walks it over group sizes, message sizes,
+# bandwidths and schemes (docs/cost_model.md has its tables). Two of its questions here, on
+# a cluster-like network (5 µs, 25 GB/s): which allreduce wins for a 25 MiB bucket, and
+# how data parallelism's efficiency falls as ranks grow for a 1.3e9-parameter GPT.
+
+# %%
+cluster = step.Network(alpha=5e-6, beta=1 / 25e9, gamma=1 / 100e9)
+for row in scale.crossover([8, 1024], [25 << 20], cluster):
+    ranked = sorted(row["times"], key=row["times"].get)
+    print0(
+        f"p = {row['p']:4}, 25 MiB: {ranked[0]} wins ({row['times'][ranked[0]] * 1e3:.1f} ms), "
+        f"then {ranked[1]} ({row['times'][ranked[1]] * 1e3:.1f} ms); auto picks {row['auto']}"
+    )
+model = scale.gpt_of(1.3e9)
+flops = scale.flops_compute(model, seqs=1, flops=100e12, memory_bytes_per_s=1e12)
+ranks = [2, 8, 32, 128, 512, 1024]
+curve = scale.scaling(ranks, model, flops, cluster, bucket_mb=25)
+print0(report.scaling_table(curve))
+assert all(0 < r["overlap_efficiency"] <= 1 for r in curve)
+
+plt = pyplot()
+if plt is not None and group.rank == 0:
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    for key, label in (("serial", "no overlap"), ("overlap", "overlap"), ("best", "best algo")):
+        ax.semilogx(ranks, [r[f"{key}_efficiency"] for r in curve], "o-", label=label, base=2)
+    ax.set(xlabel="ranks", ylabel="compute / step", ylim=(0, 1.05), title="DP, Ψ = 1.3e9")
+    ax.legend()
+    print0("saved", save(fig, "minidp_15_scaling.png"))
