@@ -45,15 +45,17 @@ P = group.size
 assert P >= 2, "run with mpiexec -n 2 (or more)"
 
 
-def timed(fn, reps: int = 7) -> float:
-    """The median seconds of fn() over reps calls, every rank starting together; the
-    slowest rank's time is the call's (a collective ends when its last rank does)."""
+def timed(fn, reps: int = 7, inner: int = 1) -> float:
+    """Seconds a call of fn(): the median over reps rounds of `inner` calls in a row, every
+    rank starting each round together; the slowest rank's time is the call's (a collective
+    ends when its last rank does)."""
     times = []
     for _ in range(reps):
         comm.barrier(group=group)
         start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
+        for _ in range(inner):
+            fn()
+        times.append((time.perf_counter() - start) / inner)
     mine = np.array([statistics.median(times)])
     return float(comm.allreduce(mine, op="max", group=group)[0])
 
@@ -95,11 +97,11 @@ def exchange(send, recv):
         p2p.sendrecv(group, send, peer, recv, peer)
 
 
-t_small = timed(lambda: exchange(small, got_small), reps=31)
-t_big = timed(lambda: exchange(big, got_big), reps=9)
+t_small = timed(lambda: exchange(small, got_small), reps=9, inner=100)
+t_big = timed(lambda: exchange(big, got_big), reps=9, inner=5)
 alpha, beta = t_small, (t_big - t_small) / big.nbytes
 a, b = np.ones(1 << 20, np.float32), np.ones(1 << 20, np.float32)
-gamma = timed(lambda: np.add(a, b, out=a), reps=9) / a.nbytes
+gamma = timed(lambda: np.add(a, b, out=a), reps=9, inner=5) / a.nbytes
 print0(f"α = {alpha * 1e6:.1f} µs   β = {beta * 1e12:.0f} ps/B   γ = {gamma * 1e12:.0f} ps/B")
 
 # Predict the ring and the tree on 4 MiB, then measure them.
@@ -107,23 +109,28 @@ rows = []
 v = np.ones(1 << 20, np.float32)
 for algo in ("ring", "tree"):
     predicted = cost.time("allreduce", algo, P, v.size, 4, alpha=alpha, beta=beta, gamma=gamma)
-    measured = timed(lambda: comm.allreduce(v, algo=algo, group=group))  # noqa: B023
+    measured = timed(lambda: comm.allreduce(v, algo=algo, group=group), inner=3)  # noqa: B023
     rows.append(
         [algo, f"{predicted * 1e3:.2f}", f"{measured * 1e3:.2f}", f"{predicted / measured:.2f}"]
     )
 print0(report.table(["4 MiB allreduce", "predicted ms", "measured ms", "predicted/measured"], rows))
 
 # %% [markdown]
-# On shared memory the prediction is usually within a few tens of percent; what it misses
-# (ranks that outnumber cores, buffers not yet in cache) is listed in docs/collectives.md.
+# Where the two differ, the difference is work the formula does not count: the ring copies
+# its input and its chunks through scratch buffers (memory traffic beside the β of the
+# wire), a fresh buffer is touched for the first time, ranks share a core. `bench calibrate`
+# fits over many sizes and tables predicted against measured for every algorithm at
+# P = 2, 3, 4 (docs/collectives.md), with what the model misses.
 #
 # ## 3 · Predict a training step, then run it
 #
 # The step model (`minidp/cost/step.py`) lists every collective a strategy runs in a step
 # (`cost/calls.py`, read from the strategies' code), prices each with the α-β-γ formulas,
 # adds the compute measured on one process and hides what the strategy overlaps. A run with
-# `--json` writes that prediction in its final record, beside what it measured. Its bytes are
-# exact: the model names every message.
+# `--json` writes that prediction in its final record, beside what it measured (the mean
+# step after the first). The bytes are exact: the model names every message. The time is
+# a model: `python -m minidp bench predict` tables it for dp, ZeRO 1-3, tp and hybrid at
+# P = 2 and 4 (docs/cost_model.md), most rows within 25%.
 
 # %%
 with tempfile.TemporaryDirectory() as scratch:
@@ -154,7 +161,9 @@ print0(f"bytes by axis, counted = predicted: {final['bytes_sent_by_axis']}")
 # α + n·β first (the `MINIDP_NET_LATENCY_US` and `MINIDP_NET_GBITS` variables do the same
 # for every group of a job). Here: 50 µs and 1 Gb/s, a modest cluster's Ethernet. The model
 # adds the emulated α and β to the ones measured above, and should still say which
-# algorithm wins.
+# algorithm wins. (On 2 ranks the ring and recursive doubling send the same bytes, one
+# message apart: at 4 MiB they tie, and either may win on the clock. The tree sends the
+# whole vector twice, up and down: twice their time.)
 
 # %%
 slow = netem.Network(latency_s=50e-6, seconds_per_byte=8 / 1e9)

@@ -111,7 +111,7 @@ def _train(config: TrainConfig, group: comm.Group) -> dict:
             saves.free()
         # what training sent and held, read before the reports below add their own
         counts, memory = resume.so_far(meter, skipped, before), strategy.memory_bytes()
-        launch = meter.total()  # this launch's steps and seconds, for the prediction
+        launch = meter.steady()  # this launch's steps after its first, for the prediction
         # collective among the ranks still in the job (a dropped ps worker is not)
         per_rank = memory_per_rank(memory, strategy.group)  # shards differ by rank
         strategy.gather_model()  # the whole trained model in task.model, for what follows
@@ -173,13 +173,13 @@ def log_line(step: int, loss: float, lr: float, w: Window, task: Task, config, s
     }
 
 
-def predicted(config, group: comm.Group, total: Window) -> dict:
+def predicted(config, group: comm.Group, steady: Window) -> dict:
     """Collective, with --json: the step model's prediction beside the measured mean step
-    (every rank measures its compute at once; training/predict.py)."""
-    if not config.json or not total.steps:
+    after the first (every rank measures its compute at once; training/predict.py)."""
+    if not config.json or not steady.steps:
         return {}
     # the predicted bytes cover every step, as bytes_sent_by_axis does across a resume
-    return predict.for_run(config, group, total.seconds / total.steps, config.steps)
+    return predict.for_run(config, group, steady.seconds / steady.steps, config.steps)
 
 
 def memory_per_rank(memory: dict, group: comm.Group) -> dict[str, list[int]]:

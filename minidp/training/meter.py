@@ -10,6 +10,7 @@ sent), so that each line reports its own window only:
         if it is time to log:
             w = meter.window()        # w.steps, w.seconds, w.comm_s, w.exposed_s, w.bytes_sent
     meter.total()                     # the same sums over the whole run
+    meter.steady()                    # ... and over every step after the first (warm-up)
     meter.bytes_by_axis()             # what the run sent, per mesh axis ("dp", "tp", "pp")
 
 Everything is counted from the meter's making, so what a strategy sends while it is built,
@@ -52,6 +53,8 @@ class StepMeter:
     def count(self) -> None:
         self.steps += 1
         self.all_steps += 1
+        if self.all_steps == 1:  # where the first step, the warm-up, ended
+            self.first = self.totals()
 
     def window(self) -> Window:
         """The steps since the last window (or the start); the next window opens now."""
@@ -63,6 +66,13 @@ class StepMeter:
     def total(self) -> Window:
         """Every step since the meter was made."""
         return Window(self.all_steps, *(b - a for a, b in zip(self.start, self.totals())))
+
+    def steady(self) -> Window:
+        """Every step after the first (which also makes buffers and touches fresh memory),
+        or the first alone if it is the only one."""
+        if self.all_steps < 2:
+            return self.total()
+        return Window(self.all_steps - 1, *(b - a for a, b in zip(self.first, self.totals())))
 
     def bytes_by_axis(self) -> dict[str, int]:
         """Bytes this rank sent since the meter was made, per axis: every mesh axis ("dp",
