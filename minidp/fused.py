@@ -119,7 +119,9 @@ def layer_norm_linear(
         db  = sum over rows of g,       dW = w_n ⊙ P + b_n ⊗ db
         dw_n = rowsum(W ⊙ P),           db_n = W db
         dx̂  = g (w_n ⊙ W)ᵀ,  then dx as in `layer_norm`, its means as row sums
-    Two passes forward and three backward fewer than the two ops (no u, no g w)."""
+    Two passes forward and three backward fewer than the two ops (no u, no g w). Backward
+    reads W and w_n again rather than keeping w_n ⊙ W: nothing the size of W is held from
+    forward to backward beyond what a Linear holds (ZeRO-3's slots stay the only copies)."""
     C = x.shape[-1]
     X = x.data.reshape(-1, C)
     xhat = X - (row_sums(X) * (1.0 / C))[:, None]
@@ -141,8 +143,9 @@ def layer_norm_linear(
         dw_n = row_dots(W, P) if norm_weight.requires_grad else None
         db_n = W @ db if norm_bias.requires_grad else None
         dx = None
-        if x.requires_grad:
-            dx = G @ scaled.T  # dx̂
+        if x.requires_grad:  # dx̂ = g (w_n ⊙ W)ᵀ = (g Wᵀ) ⊙ w_n: from W itself, not `scaled`
+            dx = G @ W.T  # (kept, `scaled` would hold a fresh (C, D) array per layer until
+            dx *= w_n  # backward: under ZeRO-3 W is a reused slot, gathered again)
             mean_dxhat = (row_sums(dx) * (1.0 / C))[:, None]
             mean_dxhat_xhat = (row_dots(dx, xhat) * (1.0 / C))[:, None]
             dx -= mean_dxhat

@@ -64,8 +64,11 @@ def attention(qkv: Tensor, n_head: int, future, attn_drop, fused: bool = True) -
 
 def norm_linear(norm: LayerNorm, linear: Linear, x: Tensor, fused: bool = True) -> Tensor:
     """linear(norm(x)), or (fused, NumPy data) the same as one op, the LayerNorm's scale and
-    shift folded into the Linear's weight: fused.layer_norm_linear, a speed trick."""
-    if fused and norm.fused and fusable(x, norm.weight, linear.weight):
+    shift folded into the Linear's weight: fused.layer_norm_linear, a speed trick. Not when
+    either module's forward is wrapped (FSDP / ZeRO-3 with the LayerNorm or the Linear a
+    unit of its own gathers its weights around that forward): the composed ops call it."""
+    wrapped = "forward" in vars(norm) or "forward" in vars(linear)  # FSDP gathers per module
+    if fused and norm.fused and not wrapped and fusable(x, norm.weight, linear.weight):
         w = linear.weight
         return fused_ops.layer_norm_linear(x, norm.weight, norm.bias, norm.eps, w, linear.bias)
     return linear(norm(x))

@@ -174,6 +174,34 @@ def test_gpt_equals_one_process_and_counts_memory_and_bytes():
                 assert held == b * psi
 
 
+@pytest.mark.parallel(nprocs=[2])
+@pytest.mark.timeout(60)
+def test_a_block_whose_layer_norms_and_linears_are_units_equals_one_process():
+    """FSDP of one GPT Block: its LayerNorms and Linears are units, each gathered around its
+    own forward; the fused LayerNorm + Linear would read their stand-ins, so it gives way to
+    the composed ops (gpt.norm_linear) and the step equals one process."""
+    group = comm.world()
+    cfg = nn.GPTConfig(vocab_size=12, block_size=6, n_layer=1, n_head=2, n_embd=8)
+    ref, model = (nn.Block(cfg, rng=np.random.default_rng(3), dtype=np.float64) for _ in "ab")
+    x = np.random.default_rng(4).standard_normal((BATCH, 6, 8))
+    y = np.random.default_rng(5).integers(0, 8, BATCH * 6)
+    lo, hi = chunk_range(BATCH, group.size, group.rank)
+    with FullyShardedDataParallel(model, group, "full") as fsdp:
+        assert {"ln1", "ln2", "fc"} <= set(fsdp.units)
+        opt = optim.AdamW(fsdp.parameters(), **ADAMW)
+        fsdp.set_batch_share(hi - lo, BATCH)
+        out = fsdp(Tensor(x[lo:hi]))
+        cross_entropy(out.reshape(-1, 8), y[lo * 6 : hi * 6]).backward()
+        fsdp.finish_gradient_sync()
+        opt.step()
+        plain = optim.AdamW(ref.parameters(), **ADAMW)
+        cross_entropy(ref(Tensor(x)).reshape(-1, 8), y).backward()
+        plain.step()
+        state = fsdp.full_state_dict()
+        for name, value in ref.state_dict().items():
+            np.testing.assert_allclose(state[name], value, rtol=1e-10, atol=1e-12, err_msg=name)
+
+
 # ---- serial ------------------------------------------------------------------------------
 @pytest.mark.parametrize("sharding", SHARDINGS)
 def test_a_group_of_one_is_exactly_the_plain_optimizer(sharding):
