@@ -98,6 +98,26 @@ def test_predict_prints_the_step_bytes_and_memory(capsys, tmp_path):
     assert '"predicted_bytes_by_axis_per_step"' in path.read_text()
 
 
+def test_a_calibration_that_cannot_be_read_is_refused_by_predict_and_skipped_by_a_run(
+    capsys, tmp_path, monkeypatch
+):
+    """predict names the file; a training run falls back to the built-in defaults: its
+    final record is written (a run never fails for its prediction)."""
+    from minidp.training.predict import DEFAULT_NETWORK
+    from minidp.training.predicted import shared_network
+
+    bad = tmp_path / "runs" / "calibration.json"
+    bad.parent.mkdir()
+    monkeypatch.chdir(tmp_path)
+    for text in ('{"alpha": 1e-6, "beta": 1e-10}', '{"alpha": -1, "beta": 1, "gamma": 1}', "[1"):
+        bad.write_text(text)
+        with pytest.raises(SystemExit):
+            main(["predict", "--world", "2", "--n-layer", "1"])
+        assert "runs/calibration.json: " in capsys.readouterr().err
+        network = shared_network(comm.world())
+        assert (network.alpha, network.beta, network.gamma) == tuple(DEFAULT_NETWORK.values())
+
+
 @pytest.mark.parametrize(
     "args, message",
     [

@@ -22,12 +22,13 @@ from minidp.log import RankLog, print0
 from minidp.memory import CATEGORIES
 from minidp.strategies import STRATEGIES
 from minidp.trace import Timeline
-from minidp.training import predict, resume
+from minidp.training import resume
 from minidp.training.config import BadConfig, TrainConfig
 from minidp.training.drift import check_replicas
 from minidp.training.meter import StepMeter, Window
 from minidp.training.nonfinite import TrainingDiverged as TrainingDiverged  # re-exported
 from minidp.training.nonfinite import nonfinite_step
+from minidp.training.predicted import for_run
 from minidp.training.records import Records
 from minidp.training.tasks import Task
 
@@ -97,18 +98,20 @@ def _train(config: TrainConfig, group: comm.Group) -> dict:
                 )
                 meter.count()
                 if config.check_every and (step + 1) % config.check_every == 0:
-                    check_replicas(strategy, step)  # collective; stops naming a drift
+                    with meter.aside():  # not a training step's time
+                        check_replicas(strategy, step)  # collective; stops naming a drift
                 if step % config.log_every == 0 or step == config.steps - 1:
                     records.write(log_line(step, loss, lr, meter.window(), task, config, say))
                 counters = functools.partial(resume.so_far, meter, skipped, before)
-                resume.save_if_due(config, strategy, saves, task, step + 1, counters)
+                with meter.aside():
+                    resume.save_if_due(config, strategy, saves, task, step + 1, counters)
         except BaseException:
             records.close()  # what was logged stays, each line whole
             raise
         finally:
             log.close()
-        if saves is not None:
-            saves.free()
+            if saves is not None:
+                saves.free()
         # what training sent and held, read before the reports below add their own
         counts, memory = resume.so_far(meter, skipped, before), strategy.memory_bytes()
         launch = meter.steady()  # this launch's steps after its first, for the prediction
@@ -175,11 +178,12 @@ def log_line(step: int, loss: float, lr: float, w: Window, task: Task, config, s
 
 def predicted(config, group: comm.Group, steady: Window) -> dict:
     """Collective, with --json: the step model's prediction beside the measured mean step
-    after the first (every rank measures its compute at once; training/predict.py)."""
+    after the first (every rank measures its compute at once; training/predicted.py)."""
     if not config.json or not steady.steps:
         return {}
-    # the predicted bytes cover every step, as bytes_sent_by_axis does across a resume
-    return predict.for_run(config, group, steady.seconds / steady.steps, config.steps)
+    # the predicted bytes cover every step, as bytes_sent_by_axis does across a resume on
+    # the same layout (on another, those counts mix the two layouts': docs/checkpoints.md)
+    return for_run(config, group, steady.seconds / steady.steps, config.steps)
 
 
 def memory_per_rank(memory: dict, group: comm.Group) -> dict[str, list[int]]:

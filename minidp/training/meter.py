@@ -17,6 +17,7 @@ Everything is counted from the meter's making, so what a strategy sends while it
 or for the reports after training (the spread between replicas), is not in it.
 """
 
+import contextlib
 import time
 from typing import NamedTuple
 
@@ -44,6 +45,7 @@ class StepMeter:
         self._start_by_axis = strategy.bytes_sent_by_axis()
         self.start = self.last = self.totals()
         self.steps = self.all_steps = 0
+        self.aside_s = 0.0  # seconds set aside() after the first step
 
     def totals(self) -> Totals:
         s = self.strategy
@@ -67,12 +69,26 @@ class StepMeter:
         """Every step since the meter was made."""
         return Window(self.all_steps, *(b - a for a, b in zip(self.start, self.totals())))
 
+    @contextlib.contextmanager
+    def aside(self):
+        """Time spent in this block (a checkpoint save, a replica check) is not a step's:
+        steady() leaves it out."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            if self.all_steps >= 1:  # after the first step: inside steady()'s span
+                self.aside_s += time.perf_counter() - start
+
     def steady(self) -> Window:
         """Every step after the first (which also makes buffers and touches fresh memory),
-        or the first alone if it is the only one."""
+        or the first alone if it is the only one; time set aside() not counted."""
         if self.all_steps < 2:
             return self.total()
-        return Window(self.all_steps - 1, *(b - a for a, b in zip(self.first, self.totals())))
+        now = self.totals()
+        seconds = now.seconds - self.first.seconds - self.aside_s
+        rest = (b - a for a, b in zip(self.first[1:], now[1:]))
+        return Window(self.all_steps - 1, seconds, *rest)
 
     def bytes_by_axis(self) -> dict[str, int]:
         """Bytes this rank sent since the meter was made, per axis: every mesh axis ("dp",

@@ -22,10 +22,10 @@ The step model is minidp/cost/step.py (pure Python); this module feeds it from a
                 --calibration FILE); without one, built-in defaults, said so in the output;
                 the per-call cost from the file's "per_call" if it has one (else 0)
 
-`--json` of a training run calls `for_run` at its end: every rank measures its own compute
-at once, so the sharing of cores is in the measurement (no stretch); the per-call cost
-(cost.step.Network) is timed on the run's group, 1-element allreduces between bursts of work
-(`per_call_seconds`); the final record gets the prediction beside what the run measured.
+`--json` of a training run calls `for_run` at its end (training/predicted.py, with what
+the run's own ranks see: the per-call cost timed on its group, the emulated network, shared
+memory and overlap as the run decided them); the final record gets the prediction beside
+what the run measured.
 """
 
 import json
@@ -112,23 +112,37 @@ def load_network(path: str | None, cores: int) -> tuple[Network, str]:
     """(Network, where α β γ came from): FILE, runs/calibration.json, or the defaults."""
     chosen = path or CALIBRATION
     if os.path.exists(chosen):
-        with open(chosen) as f:
-            fit = json.load(f)
+        try:
+            with open(chosen) as f:
+                fit = json.load(f)
+        except (OSError, ValueError) as error:
+            raise BadConfig(f"{chosen}: cannot read a calibration ({error})") from None
+        if not isinstance(fit, dict):
+            raise BadConfig(f"{chosen}: not a calibration (alpha, beta, gamma numbers)")
         source = f"{chosen} ({fit.get('date', '?')}, P = {fit.get('nprocs', '?')})"
     elif path:
         raise BadConfig(f"--calibration {path}: no such file")
     else:
         fit = DEFAULT_NETWORK
         source = "built-in defaults (run `mpiexec -n 2 python -m minidp bench calibrate`)"
-    per_call = fit.get("per_call", 0.0)
-    return Network(fit["alpha"], fit["beta"], fit["gamma"], cores, per_call), source
+    try:
+        alpha, beta, gamma = (float(fit[k]) for k in ("alpha", "beta", "gamma"))
+        per_call = float(fit.get("per_call", 0.0))
+    except (KeyError, TypeError, ValueError):
+        raise BadConfig(f"{chosen}: not a calibration (alpha, beta, gamma numbers)") from None
+    if not (alpha >= 0 and beta > 0 and gamma > 0 and per_call >= 0):
+        raise BadConfig(
+            f"{chosen}: alpha {alpha}, beta {beta}, gamma {gamma}: need a >= 0, b, g > 0"
+        )
+    return Network(alpha, beta, gamma, cores, per_call), source
 
 
-def run_prediction(config, world: int, *, cores: int, network: Network, threads: int):
-    """(Prediction, Layout) for `config` on `world` ranks; compute measured here."""
+def run_prediction(config, world: int, *, cores: int, network: Network, threads: int, layout=None):
+    """(Prediction, Layout) for `config` on `world` ranks (the flags' layout, or `layout`);
+    compute measured here."""
     from threadpoolctl import threadpool_limits
 
-    layout = layout_of(config, world)
+    layout = layout or layout_of(config, world)
     task = Task(config, np.dtype(config.dtype))
     examples = -(-config.batch_size // layout.dp)  # rank 0's: chunk_bounds' first chunk
     with threadpool_limits(limits=threads, user_api="blas"):
@@ -160,68 +174,6 @@ def activation_estimate(config, examples: int, tp: int) -> int:
     T, C, H, L = config.block_size, config.n_embd, config.n_head, config.n_layer
     per_example = L * (3 * H * T * T + 20 * T * C) // tp + 3 * T * 128
     return examples * per_example * itemsize + T * T
-
-
-def per_call_seconds(group, calls: int = 20) -> float:
-    """Collective: what one collective call costs on `group` between stretches of work, as
-    a step's are: `calls` rounds of ~1 ms of matmuls then a 1-element allreduce, less the
-    same matmuls alone (the caller subtracts the α-β time). Ranks that share cores with
-    each other or with other work wait there for a peer not yet scheduled; the mean, not the
-    median, as a step pays every wait."""
-    from minidp import comm
-
-    a, x = np.ones((96, 96)), np.zeros(1)
-
-    def work():
-        for _ in range(8):
-            a @ a
-
-    def rounds(sync: bool) -> float:
-        start = time.perf_counter()
-        for _ in range(calls):
-            work()
-            if sync:
-                comm.allreduce(x, group=group)
-        return time.perf_counter() - start
-
-    comm.allreduce(x, group=group)  # every rank here
-    alone = rounds(sync=False)
-    comm.allreduce(x, group=group)
-    synced = rounds(sync=True)
-    return max(0.0, synced - alone) / calls
-
-
-def on_group(config, group, network: Network):
-    """Collective: (Prediction, Layout, Network) for `config` on the ranks of `group`, each
-    measuring its compute at once (sharing the cores as a run would: no stretch) and the
-    per-call cost timed on the group; BadConfig (alike on every rank) if not covered."""
-    from minidp import cost
-    from minidp.info import cores_per_rank
-
-    world = group.size
-    layout_of(config, world)  # before any message
-    if world > 1:
-        measured = per_call_seconds(group)
-        model = cost.time("allreduce", "auto", world, 1, 8, alpha=network.alpha, beta=network.beta)
-        network = network._replace(per_call=max(0.0, measured - model))
-    threads = config.threads or max(1, int(cores_per_rank()))
-    prediction, layout = run_prediction(config, world, cores=0, network=network, threads=threads)
-    return prediction, layout, network
-
-
-def for_run(config, group, measured_step_s: float, steps: int) -> dict:
-    """Collective: the final record's prediction of a training run, made on its ranks after
-    its last step (on_group); {} for a strategy the model does not cover."""
-    try:
-        network, _ = load_network(None, 0)
-        prediction, _, network = on_group(config, group, network)
-    except BadConfig:
-        return {}
-    record = prediction_record(prediction, measured_step_s)
-    record["predicted_per_call_s"] = network.per_call
-    by_axis = prediction.bytes_by_axis  # beside the run's bytes_sent_by_axis: the run's steps
-    record["predicted_bytes_by_axis"] = {axis: b * steps for axis, b in by_axis.items()}
-    return record
 
 
 def prediction_record(prediction, measured_step_s: float | None = None) -> dict:
@@ -309,6 +261,8 @@ def _predict(config, world: int, calibration: str | None):
     cores = os.cpu_count() or 1
     network, source = load_network(calibration, cores)
     if launched > 1:
+        from minidp.training.predicted import on_group
+
         prediction, layout, network = on_group(config, comm.world(), network)
         us = network.per_call * 1e6
         source = f"{source}; per call {us:.0f} us, measured"
