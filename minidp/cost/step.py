@@ -61,6 +61,10 @@ class Layout(NamedTuple):
     bucket_mb: float = 0.25
     shm: bool = True  # every rank on one machine: DDP's "auto" reduces buckets by loads
     compress_ratio: float = 1.0  # bytes sent / dense bytes of the DP buckets (an estimate)
+    schedule: str = "1f1b"  # pp > 1: the pipeline's (parallel/pipeline/step_cost.py)
+    micro_batches: int = 1
+    virtual: int = 1
+    clip: bool = True  # --grad-clip > 0 (the pipeline's norm is an allreduce over pp)
 
 
 class Compute(NamedTuple):

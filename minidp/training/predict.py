@@ -43,23 +43,24 @@ from minidp.training.tasks import Task
 
 CALIBRATION = "runs/calibration.json"
 DEFAULT_NETWORK = {"alpha": 2e-6, "beta": 6e-10, "gamma": 7e-10}  # this VM's order, 2026-12
-COVERED = ("dp", "zero", "tp", "hybrid")
+COVERED = ("dp", "zero", "tp", "hybrid", "pp")
 
 
 def layout_of(config, world: int) -> Layout:
     """The Layout the flags describe on `world` ranks; BadConfig (one line) if none."""
     from minidp.strategies.tp import mesh_sizes
+    from minidp.training.predict_pp import pipeline_layout, uses_pipeline
 
-    if config.strategy not in COVERED or (config.strategy == "hybrid" and config.pp > 1):
-        raise BadConfig(
-            f"predict covers --strategy {', '.join(COVERED)} (without --pp); got {config.strategy}"
-        )
+    if config.strategy not in COVERED:
+        raise BadConfig(f"predict covers --strategy {', '.join(COVERED)}; got {config.strategy}")
     if config.model != "gpt" or config.backend != "numpy":
         raise BadConfig(
             f"predict models the GPT on NumPy; --model {config.model}, --backend {config.backend}"
         )
     if config.compress != "none" or config.sequence_parallel or config.prune:
         raise BadConfig("predict does not model --compress, --prune or --sequence-parallel yet")
+    if uses_pipeline(config):  # training/predict_pp.py
+        return pipeline_layout(config, world)
     dp, tp = (world, 1) if config.strategy in ("dp", "zero") else mesh_sizes(config, world)
     if dp * tp != world:
         raise BadConfig(f"--world {world}: the mesh dp x tp = {dp} x {tp} = {dp * tp}")
@@ -137,12 +138,21 @@ def load_network(path: str | None, cores: int) -> tuple[Network, str]:
     return Network(alpha, beta, gamma, cores, per_call), source
 
 
-def run_prediction(config, world: int, *, cores: int, network: Network, threads: int, layout=None):
+def run_prediction(
+    config, world: int, *, cores: int, network: Network, threads: int, layout=None, rank=0
+):
     """(Prediction, Layout) for `config` on `world` ranks (the flags' layout, or `layout`);
-    compute measured here."""
+    compute measured here. A pipeline's is mesh rank `rank`'s (the others', rank 0's)."""
     from threadpoolctl import threadpool_limits
 
     layout = layout or layout_of(config, world)
+    if layout.pp > 1:
+        from minidp.training.predict_pp import run_pipeline_prediction
+
+        net = network._replace(cores=cores)
+        return run_pipeline_prediction(
+            config, layout, network=net, threads=threads, rank=rank
+        ), layout
     task = Task(config, np.dtype(config.dtype))
     examples = -(-config.batch_size // layout.dp)  # rank 0's: chunk_bounds' first chunk
     with threadpool_limits(limits=threads, user_api="blas"):
@@ -195,8 +205,10 @@ def prediction_record(prediction, measured_step_s: float | None = None) -> dict:
 def describe(prediction, layout: Layout, world: int, source: str, cores: int) -> str:
     """The lines `predict` prints."""
     p = prediction
-    mesh = f"dp {layout.dp} x tp {layout.tp}" + (
-        f", ZeRO stage {layout.zero_stage}" if layout.zero_stage else ""
+    mesh = (
+        f"dp {layout.dp} x tp {layout.tp}"
+        + (f" x pp {layout.pp}" if layout.pp > 1 else "")
+        + (f", ZeRO stage {layout.zero_stage}" if layout.zero_stage else "")
     )
     if not cores:  # measured on the ranks themselves
         stretch = f", compute measured on the {world} ranks at once"

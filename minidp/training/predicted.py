@@ -80,7 +80,7 @@ def on_group(config, group, network: Network):
         network = network._replace(per_call=max(0.0, measured - model))
     threads = config.threads or max(1, int(cores_per_rank()))
     prediction, layout = run_prediction(
-        config, world, cores=0, network=network, threads=threads, layout=layout
+        config, world, cores=0, network=network, threads=threads, layout=layout, rank=group.rank
     )
     return prediction, layout, network
 

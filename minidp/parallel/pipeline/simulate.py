@@ -66,9 +66,22 @@ class Timeline:
 
 
 def simulate(
-    compute: list[list[Action]], pp: int, num_stages: int, split_backward: bool
+    compute: list[list[Action]],
+    pp: int,
+    num_stages: int,
+    split_backward: bool,
+    duration=None,
+    delay=None,
 ) -> Timeline:
-    """Time per-rank compute lists (messages, if any, are skipped: they take no time)."""
+    """Time per-rank compute lists (messages, if any, are skipped: they take no time).
+
+    Given `duration(action)` and `delay(need, action)` (numbers in any one unit: the step
+    model's seconds, parallel/pipeline/step_cost.py), each action lasts its duration and
+    starts `delay` after what it needs has ended when that ran on another rank (the
+    message); the Timeline's ticks are then that unit (read `length_ticks`)."""
+    if duration is None:
+        duration = lambda action: ticks(action.kind, split_backward)  # noqa: E731
+    rank_of = lambda action: action.stage % pp  # noqa: E731
     orders = [[a for a in order if a.is_compute] for order in compute]
     rows: list[list[tuple[int, int, Action]]] = [[] for _ in orders]
     end: dict[Action, int] = {}
@@ -82,8 +95,11 @@ def simulate(
                 need = needs(action, num_stages)
                 if need is not None and need not in end:
                     break
-                start = max(free[rank], end[need] if need is not None else 0)
-                free[rank] = end[action] = start + ticks(action.kind, split_backward)
+                ready = 0 if need is None else end[need]
+                if need is not None and delay is not None and rank_of(need) != rank:
+                    ready += delay(need, action)
+                start = max(free[rank], ready)
+                free[rank] = end[action] = start + duration(action)
                 rows[rank].append((start, free[rank], action))
                 moved = True
     stuck = [r for r in range(len(orders)) if len(rows[r]) < len(orders[r])]

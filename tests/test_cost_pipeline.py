@@ -1,0 +1,94 @@
+"""The pipeline in the step model (parallel/pipeline/step_cost.py): the bytes each rank sends
+per axis against what real `--strategy pp` and dp x pp runs count, and the step's length
+against the schedule simulator's in unit time."""
+
+import numpy as np
+import pytest
+
+from minidp import comm
+from minidp.cli import main
+from minidp.cost.step import Compute, Layout, Network
+from minidp.parallel.pipeline.schedules import build_schedule
+from minidp.parallel.pipeline.simulate import simulate
+from minidp.parallel.pipeline.step_cost import bytes_by_axis, predict_pipeline, stage_params
+from minidp.training.config import TrainConfig
+from minidp.training.loop import train
+from minidp.training.tasks import Task
+
+TINY = dict(
+    n_embd=16, n_head=4, block_size=8, batch_size=10, bucket_mb=0.002, steps=2,
+    log_every=100, eval_batches=1, sample_tokens=0,
+)  # fmt: skip
+CASES = [  # (ranks, flags): uneven micro-batches (10 over 4, 5 over 2), interleaving, dp x pp
+    (2, dict(strategy="pp", n_layer=2, micro_batches=4, schedule="gpipe")),
+    (4, dict(strategy="pp", n_layer=4, micro_batches=4, schedule="1f1b", dtype="float64")),
+    (2, dict(strategy="pp", n_layer=4, micro_batches=4, schedule="interleaved", virtual=2)),
+    (4, dict(strategy="hybrid", dp=2, pp=2, n_layer=2, micro_batches=2, grad_clip=0.0)),
+]
+
+
+@pytest.mark.parallel(nprocs=[4])
+def test_pipeline_bytes_by_axis_and_model_states_are_what_real_runs_count(tmp_path):
+    world = comm.world()
+    for ranks, flags in CASES:
+        group = world.subgroup(list(range(ranks)))
+        if group is None:
+            continue
+        json = str(tmp_path / "run.jsonl") if flags["strategy"] == "hybrid" else None
+        config = TrainConfig(**{**TINY, **flags, "json": json})
+        final = train(config, group)
+        if json:  # --json: the prediction beside the measurement, every rank its own
+            assert final["predicted_bytes_by_axis"] == final["bytes_sent_by_axis"]
+            assert final["predicted_step_s"] > 0 and final["measured_step_s"] > 0
+        dp = flags.get("dp", 1)
+        layout = Layout(
+            flags["strategy"], dp=dp, pp=ranks // dp, schedule=flags["schedule"] if
+            "schedule" in flags else "1f1b", micro_batches=flags["micro_batches"],
+            virtual=flags.get("virtual", 1), clip=config.grad_clip > 0,
+            bucket_mb=config.bucket_mb,
+        )  # fmt: skip
+        vocab = Task(config, np.dtype(config.dtype)).model.config.vocab_size
+        gpt = (config.n_layer, 16, vocab, 8)
+        itemsize = np.dtype(config.dtype).itemsize
+        sent = bytes_by_axis(layout, gpt, itemsize, 10, group.rank)
+        counted = {axis: b // config.steps for axis, b in final["bytes_sent_by_axis"].items()}
+        assert counted == sent, (ranks, flags, group.rank)
+        schedule = build_schedule(layout.schedule, layout.pp, layout.micro_batches, layout.virtual)
+        p = group.rank % layout.pp
+        held = sum(n for s in schedule.stages_of(p) for n in stage_params(gpt, layout.pp *
+                   layout.virtual, s))  # fmt: skip
+        assert final["memory_bytes"]["parameters"] == itemsize * held, (ranks, flags)
+        group.free()
+
+
+@pytest.mark.parametrize("name, pp, m, virtual", [
+    ("gpipe", 2, 4, 1), ("1f1b", 4, 6, 1), ("zb-h1", 3, 4, 1), ("interleaved", 2, 4, 2),
+])  # fmt: skip
+def test_with_unit_times_and_a_free_network_the_step_is_the_simulated_schedule(
+    name, pp, m, virtual
+):
+    """Every stage a block of equal weight (a head of vocabulary 0), F = B = 1 s: the step
+    is the simulator's length in units."""
+    stages = pp * virtual
+    gpt = (stages, 8, 0, 4)
+    layout = Layout("pp", pp=pp, schedule=name, micro_batches=m, virtual=virtual, clip=False)
+    compute = Compute(stages * 1.0, stages * 1.0, 0.0, examples=1, params=1)
+    for rank in range(pp):
+        p = predict_pipeline(layout, gpt, compute, Network(0.0, 1e-30), batch_size=m, rank=rank)
+        schedule = build_schedule(name, pp, m, virtual)
+        unit = simulate(schedule.compute_actions(), pp, stages, schedule.split_backward)
+        assert p.step_s == pytest.approx(unit.length)
+        assert p.compute_s == pytest.approx(m * virtual * 2)  # every F and B of its stages
+        assert p.exposed_comm_s == pytest.approx(unit.idle(rank))
+
+
+def test_predict_prints_a_pipeline_and_refuses_what_it_does_not_cover(capsys):
+    args = ["predict", "--n-layer", "2", "--micro-batches", "2", "--batch-size", "4"]
+    assert main([*args, "--strategy", "pp", "--world", "2"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("predicted step: pp on 2 ranks (dp 1 x tp 1 x pp 2")
+    assert "bytes sent per rank per step: dp 0, tp 0, pp " in out
+    with pytest.raises(SystemExit):
+        main([*args, "--strategy", "hybrid", "--tp", "2", "--pp", "2", "--world", "4"])
+    err = capsys.readouterr().err
+    assert "predict covers --pp with --dp only" in err and err.count("\n") == 1
