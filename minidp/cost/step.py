@@ -34,10 +34,11 @@ The model of one step on one rank, in four terms:
     step = compute + exposed communication
 
 Bytes by axis are exact for dp, zero 1-3, tp and hybrid (without --compress or
---sequence-parallel; the pipeline's: parallel/pipeline/step_cost.py): minidp.cost.sent of every call, summed per axis, as the run's
-`bytes_sent_by_axis` counts them for rank `rank` (tests/test_cost_step.py checks against
-real runs). Memory per rank: the parameters, gradients and AdamW moments this rank holds
-(zero.py's table on this rank's TP shard) and the activations estimate of memory.py.
+--sequence-parallel; the pipeline's: parallel/pipeline/step_cost.py): minidp.cost.sent of
+every call, summed per axis, as the run's `bytes_sent_by_axis` counts them for rank `rank`
+(tests/test_cost_step.py checks against real runs). Memory per rank: the parameters,
+gradients and AdamW moments this rank holds (zero.py's table on this rank's TP shard) and
+the activations estimate of memory.py.
 """
 
 from typing import NamedTuple
