@@ -23,7 +23,18 @@ CASES = [  # (ranks, flags): uneven micro-batches (10 over 4, 5 over 2), interle
     (2, dict(strategy="pp", n_layer=2, micro_batches=4, schedule="gpipe")),
     (4, dict(strategy="pp", n_layer=4, micro_batches=4, schedule="1f1b", dtype="float64")),
     (2, dict(strategy="pp", n_layer=4, micro_batches=4, schedule="interleaved", virtual=2)),
-    (4, dict(strategy="hybrid", dp=2, pp=2, n_layer=2, micro_batches=2, grad_clip=0.0)),
+    (
+        4,
+        dict(
+            strategy="hybrid",
+            dp=2,
+            pp=2,
+            n_layer=2,
+            micro_batches=2,
+            schedule="zb-h1",
+            grad_clip=0.0,
+        ),
+    ),
 ]
 
 
