@@ -222,7 +222,11 @@ def describe(prediction, layout: Layout, world: int, source: str, cores: int) ->
             f"step {p.step_s * ms:.2f} ms = compute {p.compute_s * ms:.2f} ms (forward "
             f"{p.forward_s * ms:.2f}, backward {p.backward_s * ms:.2f}, optimizer "
             f"{p.optimizer_s * ms:.2f}) + exposed comm {p.exposed_comm_s * ms:.2f} ms "
-            f"(of {p.comm_s * ms:.2f} ms, overlap {'on' if layout.overlap else 'off'})",
+            + (
+                f"(the bubble's waits, and {p.comm_s * ms:.2f} ms of messages and collectives)"
+                if layout.pp > 1
+                else f"(of {p.comm_s * ms:.2f} ms, overlap {'on' if layout.overlap else 'off'})"
+            ),
             "bytes sent per rank per step: "
             + ", ".join(f"{axis} {b:,}" for axis, b in p.bytes_by_axis.items()),
             "memory per rank, bytes: "
