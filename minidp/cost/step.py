@@ -130,7 +130,8 @@ def step_calls(layout: Layout, shapes: Shapes, itemsize: int, batch_size: int, d
     """Every Call of one step on DP rank `dp_rank` (its examples: chunk_bounds of B)."""
     if layout.strategy not in ("dp", "zero", "tp", "hybrid") or layout.pp != 1:
         raise ValueError(
-            f"the step model covers dp, zero, tp and hybrid without pp; got "
+            f"the step model covers dp, zero, tp and hybrid without pp (the pipeline: "
+            f"parallel/pipeline/step_cost.py); got "
             f"{layout.strategy} with pp {layout.pp}"
         )
     bounds = chunk_bounds(batch_size, layout.dp)
