@@ -7,6 +7,7 @@ import pytest
 
 from minidp import comm
 from minidp.cli import main
+from minidp.cost import ps_step
 from minidp.cost.step import Compute, Layout, Network
 from minidp.parallel.pipeline.schedules import build_schedule
 from minidp.parallel.pipeline.simulate import simulate
@@ -103,3 +104,30 @@ def test_predict_prints_a_pipeline_and_refuses_what_it_does_not_cover(capsys):
         main([*args, "--strategy", "hybrid", "--tp", "2", "--pp", "2", "--world", "4"])
     err = capsys.readouterr().err
     assert "predict covers --pp with --dp only" in err and err.count("\n") == 1
+
+
+PS_CASES = [(3, 1, 1.0), (4, 2, 1.0), (4, 1, 0.0)]  # (ranks, servers, --grad-clip)
+
+
+@pytest.mark.parallel(nprocs=[4])
+def test_parameter_server_bytes_per_rank_are_what_real_bsp_runs_count(tmp_path):
+    """Workers and servers alike, per step and once per run (cost/ps_step.py); the run's
+    own record carries the same prediction."""
+    world = comm.world()
+    for ranks, servers, clip in PS_CASES:
+        group = world.subgroup(list(range(ranks)))
+        if group is None:
+            continue
+        json = str(tmp_path / "ps.jsonl") if ranks == 4 else None
+        flags = dict(strategy="ps", servers=servers, grad_clip=clip, n_layer=1, json=json)
+        config = TrainConfig(**{**TINY, **flags, "bucket_mb": 0.25})
+        final = train(config, group)
+        params = Task(config, np.dtype("float32")).model.num_parameters()
+        workers = ranks - servers
+        per_step = ps_step.bytes_by_axis(workers, servers, params, 4, group.rank, clip > 0)
+        once = ps_step.bytes_per_run(workers, servers, group.rank)
+        counted = final["bytes_sent_by_axis"]["dp"]
+        assert counted == config.steps * per_step["dp"] + once, (ranks, servers, group.rank)
+        if json:
+            assert final["predicted_bytes_by_axis"] == final["bytes_sent_by_axis"]
+        group.free()

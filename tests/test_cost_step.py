@@ -121,10 +121,7 @@ def test_a_calibration_that_cannot_be_read_is_refused_by_predict_and_skipped_by_
 @pytest.mark.parametrize(
     "args, message",
     [
-        (
-            ["--strategy", "ps", "--world", "2"],
-            "predict covers --strategy dp, zero, tp, hybrid, pp",
-        ),
+        (["--strategy", "ps", "--consistency", "asp", "--world", "3"], "bsp only; got asp"),
         (["--world", "-1"], "--world must be a number of ranks >= 1"),
         (["--strategy", "hybrid", "--dp", "3", "--world", "4"], "--world 4: the mesh dp x tp"),
         (["--compress", "fp16", "--world", "2"], "does not model --compress"),

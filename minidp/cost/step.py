@@ -66,6 +66,7 @@ class Layout(NamedTuple):
     micro_batches: int = 1
     virtual: int = 1
     clip: bool = True  # --grad-clip > 0 (the pipeline's norm is an allreduce over pp)
+    servers: int = 0  # ps: the last `servers` ranks (cost/ps_step.py); dp is then W
 
 
 class Compute(NamedTuple):

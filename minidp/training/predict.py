@@ -43,7 +43,7 @@ from minidp.training.tasks import Task
 
 CALIBRATION = "runs/calibration.json"
 DEFAULT_NETWORK = {"alpha": 2e-6, "beta": 6e-10, "gamma": 7e-10}  # this VM's order, 2026-12
-COVERED = ("dp", "zero", "tp", "hybrid", "pp")
+COVERED = ("dp", "zero", "tp", "hybrid", "pp", "ps")
 
 
 def layout_of(config, world: int) -> Layout:
@@ -61,6 +61,10 @@ def layout_of(config, world: int) -> Layout:
         raise BadConfig("predict does not model --compress, --prune or --sequence-parallel yet")
     if uses_pipeline(config):  # training/predict_pp.py
         return pipeline_layout(config, world)
+    if config.strategy == "ps":  # training/predict_ps.py
+        from minidp.training.predict_ps import ps_layout
+
+        return ps_layout(config, world)
     dp, tp = (world, 1) if config.strategy in ("dp", "zero") else mesh_sizes(config, world)
     if dp * tp != world:
         raise BadConfig(f"--world {world}: the mesh dp x tp = {dp} x {tp} = {dp * tp}")
@@ -146,13 +150,13 @@ def run_prediction(
     from threadpoolctl import threadpool_limits
 
     layout = layout or layout_of(config, world)
-    if layout.pp > 1:
+    if layout.pp > 1 or layout.strategy == "ps":
         from minidp.training.predict_pp import run_pipeline_prediction
+        from minidp.training.predict_ps import run_ps_prediction
 
+        run = run_ps_prediction if layout.strategy == "ps" else run_pipeline_prediction
         net = network._replace(cores=cores)
-        return run_pipeline_prediction(
-            config, layout, network=net, threads=threads, rank=rank
-        ), layout
+        return run(config, layout, network=net, threads=threads, rank=rank), layout
     task = Task(config, np.dtype(config.dtype))
     examples = -(-config.batch_size // layout.dp)  # rank 0's: chunk_bounds' first chunk
     with threadpool_limits(limits=threads, user_api="blas"):
@@ -210,6 +214,13 @@ def describe(prediction, layout: Layout, world: int, source: str, cores: int) ->
         + (f" x pp {layout.pp}" if layout.pp > 1 else "")
         + (f", ZeRO stage {layout.zero_stage}" if layout.zero_stage else "")
     )
+    ps = layout.strategy == "ps"
+    if ps:
+        mesh = f"{layout.dp} workers, {layout.servers} servers"
+    exposed = {  # what the exposed part holds beyond messages and collectives
+        "pp": "the bubble's waits, and ",
+        "ps": "the wait for the servers' optimizer, and ",
+    }.get("ps" if ps else "pp" if layout.pp > 1 else "")
     if not cores:  # measured on the ranks themselves
         stretch = f", compute measured on the {world} ranks at once"
     else:
@@ -220,11 +231,12 @@ def describe(prediction, layout: Layout, world: int, source: str, cores: int) ->
             f"predicted step: {layout.strategy} on {world} ranks ({mesh}{stretch})",
             f"α, β, γ: {source}",
             f"step {p.step_s * ms:.2f} ms = compute {p.compute_s * ms:.2f} ms (forward "
-            f"{p.forward_s * ms:.2f}, backward {p.backward_s * ms:.2f}, optimizer "
-            f"{p.optimizer_s * ms:.2f}) + exposed comm {p.exposed_comm_s * ms:.2f} ms "
+            f"{p.forward_s * ms:.2f}, backward {p.backward_s * ms:.2f}, "
+            f"{'the servers: ' if ps else ''}optimizer {p.optimizer_s * ms:.2f}) + exposed "
+            f"comm {p.exposed_comm_s * ms:.2f} ms "
             + (
-                f"(the bubble's waits, and {p.comm_s * ms:.2f} ms of messages and collectives)"
-                if layout.pp > 1
+                f"({exposed}{p.comm_s * ms:.2f} ms of messages and collectives)"
+                if exposed
                 else f"(of {p.comm_s * ms:.2f} ms, overlap {'on' if layout.overlap else 'off'})"
             ),
             "bytes sent per rank per step: "

@@ -111,4 +111,11 @@ def for_run(config, group, measured_step_s: float, steps: int) -> dict:
     record["predicted_per_call_s"] = network.per_call
     by_axis = prediction.bytes_by_axis  # beside the run's bytes_sent_by_axis: the run's steps
     record["predicted_bytes_by_axis"] = {axis: b * steps for axis, b in by_axis.items()}
+    if config.strategy == "ps":  # and, once per run, the servers' membership messages
+        from minidp.cost.ps_step import bytes_per_run
+
+        workers = group.size - config.servers
+        record["predicted_bytes_by_axis"]["dp"] += bytes_per_run(
+            workers, config.servers, group.rank
+        )
     return record
