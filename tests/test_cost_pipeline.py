@@ -1,6 +1,7 @@
 """The pipeline in the step model (parallel/pipeline/step_cost.py): the bytes each rank sends
 per axis against what real `--strategy pp` and dp x pp runs count, and the step's length
-against the schedule simulator's in unit time."""
+against the schedule simulator's in unit time; the parameter server's bytes under BSP
+(cost/ps_step.py) against real runs, workers and servers."""
 
 import numpy as np
 import pytest

@@ -4,7 +4,8 @@
     python -m minidp predict --strategy zero --zero-stage 3 --world 4 --calibration FILE
     mpiexec -n 4 python -m minidp predict --strategy zero --zero-stage 3   # on the 4 ranks
 
-The step model is minidp/cost/step.py (pure Python); this module feeds it from a TrainConfig:
+The step model is minidp/cost/step.py (pure Python); this module feeds it from a TrainConfig
+(the pipeline's: predict_pp.py, the parameter server's: predict_ps.py):
 
     layout      the flags (--strategy, --dp, --tp, --zero-stage, --grad-accum, --allreduce,
                 --bucket-mb, --overlap) on N ranks (--world, or mpiexec's -n)
