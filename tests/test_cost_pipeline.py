@@ -132,3 +132,16 @@ def test_parameter_server_bytes_per_rank_are_what_real_bsp_runs_count(tmp_path):
         if json:
             assert final["predicted_bytes_by_axis"] == final["bytes_sent_by_axis"]
         group.free()
+
+
+def test_more_servers_carry_less_each_and_the_bsp_step_adds_up():
+    compute = Compute(0.01, 0.02, 0.004, examples=8, params=10_000)
+    net = Network(alpha=2e-6, beta=1e-9)
+    one, two = (ps_step.predict_ps(workers=2, servers=s, params=10_000, compute=compute, net=net,
+                                   batch_size=16, clip=True, rank=2) for s in (1, 2))  # fmt: skip
+    assert two.bytes_by_axis["dp"] < one.bytes_by_axis["dp"]  # server 0's replies: half
+    assert two.memory_bytes["optimizer"] == one.memory_bytes["optimizer"] // 2
+    assert two.step_s < one.step_s  # half the bytes and half the optimizer on each server
+    for p in (one, two):
+        assert p.step_s == pytest.approx(p.compute_s + p.exposed_comm_s)
+        assert p.compute_s == pytest.approx(0.03 * 8 / 8)  # forward + backward on B / W = 8
