@@ -147,7 +147,8 @@ def run_prediction(
     config, world: int, *, cores: int, network: Network, threads: int, layout=None, rank=0
 ):
     """(Prediction, Layout) for `config` on `world` ranks (the flags' layout, or `layout`);
-    compute measured here. A pipeline's is mesh rank `rank`'s (the others', rank 0's)."""
+    compute measured here. A pipeline's and a parameter server's are rank `rank`'s (the
+    others', rank 0's)."""
     from threadpoolctl import threadpool_limits
 
     layout = layout or layout_of(config, world)
