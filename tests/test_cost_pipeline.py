@@ -21,22 +21,13 @@ TINY = dict(
     n_embd=16, n_head=4, block_size=8, batch_size=10, bucket_mb=0.002, steps=2,
     log_every=100, eval_batches=1, sample_tokens=0,
 )  # fmt: skip
+HYBRID = dict(strategy="hybrid", pp=2, n_layer=2, micro_batches=2)
 CASES = [  # (ranks, flags): uneven micro-batches (10 over 4, 5 over 2), interleaving, dp x pp
-    (2, dict(strategy="pp", n_layer=2, micro_batches=4, schedule="gpipe")),
+    (2, dict(strategy="pp", n_layer=2, micro_batches=4, schedule="gpipe")),  # and tp x pp
     (4, dict(strategy="pp", n_layer=4, micro_batches=4, schedule="1f1b", dtype="float64")),
     (2, dict(strategy="pp", n_layer=4, micro_batches=4, schedule="interleaved", virtual=2)),
-    (
-        4,
-        dict(
-            strategy="hybrid",
-            dp=2,
-            pp=2,
-            n_layer=2,
-            micro_batches=2,
-            schedule="zb-h1",
-            grad_clip=0.0,
-        ),
-    ),
+    (4, dict(HYBRID, dp=2, schedule="zb-h1", grad_clip=0.0)),
+    (4, dict(HYBRID, tp=2, schedule="1f1b")),
 ]
 
 
@@ -53,9 +44,9 @@ def test_pipeline_bytes_by_axis_and_model_states_are_what_real_runs_count(tmp_pa
         if json:  # --json: the prediction beside the measurement, every rank its own
             assert final["predicted_bytes_by_axis"] == final["bytes_sent_by_axis"]
             assert final["predicted_step_s"] > 0 and final["measured_step_s"] > 0
-        dp = flags.get("dp", 1)
+        dp, tp = flags.get("dp", 1), flags.get("tp", 1)
         layout = Layout(
-            flags["strategy"], dp=dp, pp=ranks // dp, schedule=flags["schedule"] if
+            flags["strategy"], dp=dp, tp=tp, pp=ranks // dp // tp, schedule=flags["schedule"] if
             "schedule" in flags else "1f1b", micro_batches=flags["micro_batches"],
             virtual=flags.get("virtual", 1), clip=config.grad_clip > 0,
             bucket_mb=config.bucket_mb,
@@ -67,9 +58,9 @@ def test_pipeline_bytes_by_axis_and_model_states_are_what_real_runs_count(tmp_pa
         counted = {axis: b // config.steps for axis, b in final["bytes_sent_by_axis"].items()}
         assert counted == sent, (ranks, flags, group.rank)
         schedule = build_schedule(layout.schedule, layout.pp, layout.micro_batches, layout.virtual)
-        p = group.rank % layout.pp
+        p, t = group.rank // tp % layout.pp, group.rank % tp
         held = sum(n for s in schedule.stages_of(p) for n in stage_params(gpt, layout.pp *
-                   layout.virtual, s))  # fmt: skip
+                   layout.virtual, s, tp, t))  # fmt: skip
         assert final["memory_bytes"]["parameters"] == itemsize * held, (ranks, flags)
         group.free()
 
@@ -102,9 +93,9 @@ def test_predict_prints_a_pipeline_and_refuses_what_it_does_not_cover(capsys):
     assert out.startswith("predicted step: pp on 2 ranks (dp 1 x tp 1 x pp 2")
     assert "bytes sent per rank per step: dp 0, tp 0, pp " in out
     with pytest.raises(SystemExit):
-        main([*args, "--strategy", "hybrid", "--tp", "2", "--pp", "2", "--world", "4"])
+        main([*args, "--strategy", "hybrid", "--pp", "2", "--zero-stage", "1", "--world", "4"])
     err = capsys.readouterr().err
-    assert "predict covers --pp with --dp only" in err and err.count("\n") == 1
+    assert "predict covers --pp without --zero-stage" in err and err.count("\n") == 1
 
 
 PS_CASES = [(3, 1, 1.0), (4, 2, 1.0), (4, 1, 0.0)]  # (ranks, servers, --grad-clip)

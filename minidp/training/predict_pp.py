@@ -1,5 +1,5 @@
 """`python -m minidp predict` for the pipeline: `--strategy pp`, and `--strategy hybrid
---dp D --pp P` (tp 1, no ZeRO, no --recompute), fed to parallel/pipeline/step_cost.py.
+--dp D --tp T --pp P` (no ZeRO, no --recompute), fed to parallel/pipeline/step_cost.py.
 
     python -m minidp predict --strategy pp --world 4 --n-layer 4 --schedule gpipe
     mpiexec -n 2 python -m minidp --strategy pp --micro-batches 4 --json F   # F: predicted_*
@@ -31,13 +31,12 @@ def pipeline_layout(config, world: int) -> Layout:
     from minidp.strategies.pp import pipeline_mesh
 
     dp, tp, pp = pipeline_mesh(config, world)
-    if tp > 1 or config.zero_stage or config.recompute:
-        raise BadConfig(
-            "predict covers --pp with --dp only: not yet with --tp, --zero-stage or --recompute"
-        )
+    if config.zero_stage or config.recompute:
+        raise BadConfig("predict covers --pp without --zero-stage and --recompute only, yet")
     return Layout(
         config.strategy,
         dp=dp,
+        tp=tp,
         pp=pp,
         algo=config.allreduce,
         bucket_mb=config.bucket_mb,
@@ -66,7 +65,7 @@ def run_pipeline_prediction(config, layout: Layout, *, network, threads: int, ra
     stages = layout.pp * layout.virtual
     first_blocks = chunk_bounds(config.n_layer, stages)[1]
     rows = micro_rows(layout, config.batch_size, 0)[0]
-    activations = activation_estimate(replace(config, n_layer=first_blocks), rows, 1)
+    activations = activation_estimate(replace(config, n_layer=first_blocks), rows, layout.tp)
     return predict_pipeline(
         layout,
         gpt,

@@ -1,5 +1,5 @@
 """The pipeline's step in the step model (minidp/cost/step.py): `--strategy pp` and
-`--strategy hybrid --dp D --pp P` (tp 1, no ZeRO), the schedule's simulated length with
+`--strategy hybrid --dp D --tp T --pp P` (no ZeRO), the schedule's simulated length with
 F, B, W times from the measured compute.
 
     from minidp.parallel.pipeline.step_cost import predict_pipeline
@@ -15,7 +15,10 @@ One step on mesh rank `rank`, in the step model's terms:
                 scales to a rank's (the fixed part whole, the rest times b_j / examples),
                 times the stage's share of the model's matmul weights (12C² a block, C·V
                 the head; the embeddings' lookups and the attention's T² products counted
-                as nothing). A split backward (zb-h1): B = W = half of it (simulate.py's)
+                as nothing), the rest divided by tp. A split backward (zb-h1): B = W = half
+                of it (simulate.py's)
+    TP          with tp > 1 each action also runs its stage's TP allreduces of b_j·T·C
+                (calls.tensor_parallel's, cut by stage): g in F, f in B
     messages    across a cut, per micro-batch: forward a 64-byte header and the activation
                 (2α + (64 + n)β), backward the gradient (α + nβ), n = b_j·T·C·itemsize;
                 the receiver's action starts that long after the sender's ended
@@ -23,7 +26,8 @@ One step on mesh rank `rank`, in the step model's terms:
                 bubble included
     after       the step's collectives after the schedule: over pp the bubble's three
                 1-float64 allreduces, the loss broadcast from the last stage, the clip's
-                norm (with --grad-clip); over dp calls.data_parallel's on this rank's stages
+                norm (with --grad-clip; over tp first when tp > 1), TP rank 0's replicated
+                gradients broadcast when dp > 2; over dp calls.data_parallel's on this rank's stages
                 (DDP reduces once, after the last micro-batch: nothing hidden); the
                 optimizer's measured time scaled to this rank's parameters
 
@@ -32,7 +36,7 @@ One step on mesh rank `rank`, in the step model's terms:
                 run's clock counts a receive's wait: communications.py)
 
 Bytes by axis are exact, as the run's `bytes_sent_by_axis` counts them (tests/
-test_cost_step.py): the messages this rank's stages send, the pp and dp collectives.
+test_cost_pipeline.py): the messages this rank's stages send, the pp, tp and dp collectives.
 Memory: this rank's parameters, gradients and AdamW moments, and the schedule's peak
 (simulate.peak_activations_per_rank) times one stage's activations of one micro-batch.
 """
@@ -48,15 +52,47 @@ from minidp.parallel.pipeline.simulate import peak_activations_per_rank, simulat
 HEADER_BYTES = 64  # communications._HEADER int64s, before each activation
 
 
-def stage_params(gpt, num_stages: int, stage: int) -> list[int]:
-    """Sizes of stage `stage`'s parameter tensors in the part's order (split.GPTPart's):
-    wte, wpe on the first, its blocks, ln_f and head on the last. gpt = (L, C, V, T)."""
+def stage_params(gpt, num_stages: int, stage: int, tp: int = 1, t: int = 0) -> list[int]:
+    """Sizes of stage `stage`'s parameter tensors on TP rank t of tp, in the part's order
+    (split.GPTPart's): wte, wpe on the first, its blocks, ln_f and head on the last (the
+    vocabulary cut by chunk_bounds, the blocks' columns and rows evenly, as gpt_shapes).
+    gpt = (L, C, V, T)."""
     L, C, V, T = gpt
-    bounds = chunk_bounds(L, num_stages)
-    block = [C, C, C * 3 * C, 3 * C, C * C, C, C, C, C * 4 * C, 4 * C, 4 * C * C, C]
-    sizes = [V * C, T * C] if stage == 0 else []
+    bounds, vocab = chunk_bounds(L, num_stages), chunk_bounds(V, tp)
+    v = vocab[t + 1] - vocab[t]
+    block = [C, C, C * 3 * C // tp, 3 * C // tp, C * C // tp, C]
+    block += [C, C, C * 4 * C // tp, 4 * C // tp, 4 * C * C // tp, C]
+    sizes = [v * C, T * C] if stage == 0 else []
     sizes += block * (bounds[stage + 1] - bounds[stage])
-    return sizes + ([C, C, C * V] if stage == num_stages - 1 else [])
+    return sizes + ([C, C, C * v] if stage == num_stages - 1 else [])
+
+
+def stage_replicated(gpt, num_stages: int, stage: int) -> int:
+    """Elements of the stage's parameters every TP rank holds whole: wpe, the LayerNorms,
+    the row-parallel biases (proj, fc_proj)."""
+    L, C, _, T = gpt
+    bounds = chunk_bounds(L, num_stages)
+    first, last = stage == 0, stage == num_stages - 1
+    return T * C * first + 6 * C * (bounds[stage + 1] - bounds[stage]) + 2 * C * last
+
+
+def stage_tp_calls(layout: Layout, gpt, itemsize: int, stage: int, rows: int):
+    """(forward, backward) TP calls of one stage on one micro-batch of `rows` examples
+    (calls.tensor_parallel's, cut by stage): g in the embedding (first stage) and twice a
+    block; the vocab-parallel loss's max and sums (last); f twice a block and in the head."""
+    if layout.tp == 1:
+        return [], []
+    L, C, _, T = gpt
+    S = layout.pp * layout.virtual
+    bounds, N = chunk_bounds(L, S), rows * T
+    blocks = bounds[stage + 1] - bounds[stage]
+    first, last = stage == 0, stage == S - 1
+    g = Call("tp", "allreduce", "auto", N * C, itemsize, "forward")
+    forward = [g] * (first + 2 * blocks)
+    if last:
+        forward += [g._replace(n=N), g._replace(n=2 * N)]
+    backward = [g._replace(phase="backward")] * (2 * blocks + last)
+    return forward, backward
 
 
 def stage_weight(gpt, num_stages: int, stage: int) -> int:
@@ -68,10 +104,10 @@ def stage_weight(gpt, num_stages: int, stage: int) -> int:
 
 
 def _mesh(layout: Layout, rank: int):
-    """(schedule, d, p) of mesh rank `rank` = d·pp + p (tp 1)."""
+    """(schedule, d, p, t) of mesh rank `rank` = (d·pp + p)·tp + t (mesh.py's grid)."""
     schedule = build_schedule(layout.schedule, layout.pp, layout.micro_batches, layout.virtual)
-    d, p = divmod(rank, layout.pp)
-    return schedule, d, p
+    d, p = divmod(rank // layout.tp, layout.pp)
+    return schedule, d, p, rank % layout.tp
 
 
 def micro_rows(layout: Layout, batch_size: int, d: int) -> list[int]:
@@ -83,31 +119,38 @@ def micro_rows(layout: Layout, batch_size: int, d: int) -> list[int]:
 
 
 def after_calls(layout: Layout, gpt, itemsize: int, rank: int) -> list[Call]:
-    """The step's collectives after the schedule, on pp and on dp."""
-    schedule, _, p = _mesh(layout, rank)
-    params = [n for s in schedule.stages_of(p) for n in stage_params(gpt, schedule.num_stages, s)]
+    """The step's collectives after the schedule, on pp, tp and dp."""
+    schedule, _, p, t = _mesh(layout, rank)
+    S, tp = schedule.num_stages, layout.tp
+    params = [n for s in schedule.stages_of(p) for n in stage_params(gpt, S, s, tp, t)]
     float64 = Call("pp", "allreduce", "auto", 1, 8, "after")
     calls = [float64] * 3 + [float64._replace(collective="broadcast")]  # bubble's; the loss
-    calls += [float64] if layout.clip else []
+    if layout.clip:  # the norm: sharded squares over tp, then the stages' sum over pp
+        calls += [float64._replace(axis="tp")] * (tp > 1) + [float64]
+    if tp > 1 and layout.dp > 2:  # make_alike: the replicated gradients from TP rank 0
+        n = sum(stage_replicated(gpt, S, s) for s in schedule.stages_of(p))
+        calls.append(Call("tp", "broadcast", "auto", n, itemsize, "after"))
     dp = data_parallel(layout._replace(zero_stage=0), Shapes(params, []), itemsize)
     return calls + dp
 
 
 def bytes_by_axis(layout: Layout, gpt, itemsize: int, batch_size: int, rank=0) -> dict:
     """{"dp", "tp", "pp": bytes} mesh rank `rank` sends in one step: exact."""
-    schedule, d, p = _mesh(layout, rank)
+    schedule, d, p, t = _mesh(layout, rank)
     S, (_, C, _, T) = schedule.num_stages, gpt
     last = schedule.stage_rank(S - 1)
     sent = {"dp": 0, "tp": 0, "pp": 0}
+    calls = after_calls(layout, gpt, itemsize, rank)
     for rows in micro_rows(layout, batch_size, d):
         n = rows * T * C * itemsize
         for s in schedule.stages_of(p):
             sent["pp"] += (HEADER_BYTES + n if s < S - 1 else 0) + (n if s > 0 else 0)
-    coordinate = {"dp": d, "pp": p}
-    sizes = {"dp": layout.dp, "pp": layout.pp}
-    for call in after_calls(layout, gpt, itemsize, rank):
+            calls += sum(stage_tp_calls(layout, gpt, itemsize, s, rows), [])
+    coordinate = {"dp": d, "pp": p, "tp": t}
+    sizes = {"dp": layout.dp, "pp": layout.pp, "tp": layout.tp}
+    for call in calls:
         size, me = sizes[call.axis], coordinate[call.axis]
-        if call.collective == "broadcast":  # root: the last stage's rank
+        if call.collective == "broadcast" and call.axis == "pp":  # root: the last stage's
             me = (me - last) % size
         if size > 1:
             c = cost.sent(call.collective, call.algo, size, me, call.n, call.itemsize)
@@ -128,21 +171,29 @@ def predict_pipeline(
 ) -> Prediction:
     """The predicted step of mesh rank `rank` (the module docstring says each term);
     `activations`: one stage's activations of one micro-batch, in bytes."""
-    schedule, d, p = _mesh(layout, rank)
+    schedule, d, p, t = _mesh(layout, rank)
     S, (_, C, _, T) = schedule.num_stages, gpt
-    split = schedule.split_backward
+    split, sizes = schedule.split_backward, {"dp": layout.dp, "pp": layout.pp, "tp": layout.tp}
     total = sum(stage_weight(gpt, S, s) for s in range(S))
     rows = micro_rows(layout, batch_size, d)
 
     def scale(action) -> float:  # the stage's share of micro-batch j's whole-model time
-        b = rows[action.micro_batch] / compute.examples
+        b = rows[action.micro_batch] / compute.examples / layout.tp
         share = stage_weight(gpt, S, action.stage) / total
         return (compute.fixed + (1 - compute.fixed) * b) * share
 
-    def duration(action) -> float:
+    def tp_time(action) -> float:  # the stage's TP calls: g in F, f in B (the input's)
+        calls = stage_tp_calls(layout, gpt, itemsize, action.stage, rows[action.micro_batch])
+        mine = {F: calls[0], B: calls[1]}.get(action.kind, [])
+        return sum(call_time(c, layout.tp, net) for c in mine)
+
+    def work(action) -> float:  # its computation alone
         if action.kind == F:
             return compute.forward_s * scale(action)
         return compute.backward_s * scale(action) * (0.5 if split else 1.0)
+
+    def duration(action) -> float:
+        return work(action) + tp_time(action)
 
     def delay(need, action) -> float:
         n = rows[action.micro_batch] * T * C * itemsize
@@ -153,15 +204,15 @@ def predict_pipeline(
     compute_actions = schedule.compute_actions()
     timeline = simulate(compute_actions, layout.pp, S, split, duration, delay)
     mine = [a for _, _, a in timeline.rows[p]]
-    forward = sum(duration(a) for a in mine if a.kind == F)
-    backward = sum(duration(a) for a in mine if a.kind in (B, W))
-    params = sum(n for s in schedule.stages_of(p) for n in stage_params(gpt, S, s))
+    forward = sum(work(a) for a in mine if a.kind == F)
+    backward = sum(work(a) for a in mine if a.kind in (B, W))
+    params = sum(n for s in schedule.stages_of(p) for n in stage_params(gpt, S, s, layout.tp, t))
     optimizer = compute.optimizer_s * params / compute.params
-    sizes = {"dp": layout.dp, "pp": layout.pp}
     after = sum(call_time(c, sizes[c.axis], net) for c in after_calls(layout, gpt, itemsize, rank))
     sends = sum(delay(None, a) for a in mine if a.kind == F and a.stage < S - 1)
     sends += sum(delay(None, a) for a in mine if a.kind == B and a.stage > 0)
-    world = layout.dp * layout.pp
+    sends += sum(tp_time(a) for a in mine)
+    world = layout.dp * layout.pp * layout.tp
     stretch = max(1.0, world / net.cores) if net.cores else 1.0
     step = (timeline.length_ticks + optimizer + after) * stretch
     compute_s = (forward + backward + optimizer) * stretch
