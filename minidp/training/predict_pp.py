@@ -1,5 +1,5 @@
 """`python -m minidp predict` for the pipeline: `--strategy pp`, and `--strategy hybrid
---dp D --tp T --pp P` (no ZeRO, no --recompute), fed to parallel/pipeline/step_cost.py.
+--dp D --tp T --pp P [--zero-stage 1]` (no --recompute), fed to parallel/pipeline/step_cost.py.
 
     python -m minidp predict --strategy pp --world 4 --n-layer 4 --schedule gpipe
     mpiexec -n 2 python -m minidp --strategy pp --micro-batches 4 --json F   # F: predicted_*
@@ -31,13 +31,14 @@ def pipeline_layout(config, world: int) -> Layout:
     from minidp.strategies.pp import pipeline_mesh
 
     dp, tp, pp = pipeline_mesh(config, world)
-    if config.zero_stage or config.recompute:
-        raise BadConfig("predict covers --pp without --zero-stage and --recompute only, yet")
+    if config.recompute:
+        raise BadConfig("predict does not model --recompute with --pp yet")
     return Layout(
         config.strategy,
         dp=dp,
         tp=tp,
         pp=pp,
+        zero_stage=config.zero_stage,
         algo=config.allreduce,
         bucket_mb=config.bucket_mb,
         schedule=config.schedule,

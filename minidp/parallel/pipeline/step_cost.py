@@ -1,6 +1,6 @@
 """The pipeline's step in the step model (minidp/cost/step.py): `--strategy pp` and
-`--strategy hybrid --dp D --tp T --pp P` (no ZeRO), the schedule's simulated length with
-F, B, W times from the measured compute.
+`--strategy hybrid --dp D --tp T --pp P [--zero-stage 1]`, the schedule's simulated length
+with F, B, W times from the measured compute.
 
     from minidp.parallel.pipeline.step_cost import predict_pipeline
     layout = Layout("pp", pp=2, schedule="1f1b", micro_batches=4)
@@ -28,6 +28,7 @@ One step on mesh rank `rank`, in the step model's terms:
                 1-float64 allreduces, the loss broadcast from the last stage, the clip's
                 norm (with --grad-clip; over tp first when tp > 1), TP rank 0's replicated
                 gradients broadcast when dp > 2; over dp calls.data_parallel's on this rank's stages
+                (DDP's, or ZeRO-1's reduce-scatters, norm and allgathers)
                 (DDP reduces once, after the last micro-batch: nothing hidden); the
                 optimizer's measured time scaled to this rank's parameters
 
@@ -37,7 +38,8 @@ One step on mesh rank `rank`, in the step model's terms:
 
 Bytes by axis are exact, as the run's `bytes_sent_by_axis` counts them (tests/
 test_cost_pipeline.py): the messages this rank's stages send, the pp, tp and dp collectives.
-Memory: this rank's parameters, gradients and AdamW moments, and the schedule's peak
+Memory: this rank's parameters, gradients and AdamW moments (ZeRO-1: about 1/dp of
+them, chunk sizes rounded), and the schedule's peak
 (simulate.peak_activations_per_rank) times one stage's activations of one micro-batch.
 """
 
@@ -125,12 +127,13 @@ def after_calls(layout: Layout, gpt, itemsize: int, rank: int) -> list[Call]:
     params = [n for s in schedule.stages_of(p) for n in stage_params(gpt, S, s, tp, t)]
     float64 = Call("pp", "allreduce", "auto", 1, 8, "after")
     calls = [float64] * 3 + [float64._replace(collective="broadcast")]  # bubble's; the loss
-    if layout.clip:  # the norm: sharded squares over tp, then the stages' sum over pp
-        calls += [float64._replace(axis="tp")] * (tp > 1) + [float64]
-    if tp > 1 and layout.dp > 2:  # make_alike: the replicated gradients from TP rank 0
-        n = sum(stage_replicated(gpt, S, s) for s in schedule.stages_of(p))
-        calls.append(Call("tp", "broadcast", "auto", n, itemsize, "after"))
-    dp = data_parallel(layout._replace(zero_stage=0), Shapes(params, []), itemsize)
+    zero = layout.zero_stage == 1  # ZeROOverTP: its norm is two sums, over dp then tp
+    if layout.clip or zero:  # the norm: sharded squares over tp, then the stages' over pp
+        calls += [float64._replace(axis="tp", n=1 + zero)] * (tp > 1) + [float64]
+    replicated = sum(stage_replicated(gpt, S, s) for s in schedule.stages_of(p))
+    if tp > 1 and layout.dp > 2 and (not zero or gpt[2] % tp):  # TP rank 0's replicated
+        calls.append(Call("tp", "broadcast", "auto", replicated, itemsize, "after"))
+    dp = data_parallel(layout._replace(strategy="hybrid"), Shapes(params, []), itemsize)
     return calls + dp
 
 
@@ -226,7 +229,7 @@ def predict_pipeline(
         memory_bytes={
             "parameters": itemsize * params,
             "gradients": itemsize * params,
-            "optimizer": 2 * itemsize * params,
+            "optimizer": 2 * itemsize * params // (layout.dp if layout.zero_stage else 1),
             "activations_peak": peak * activations,
         },
         forward_s=forward * stretch,
