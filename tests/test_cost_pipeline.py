@@ -29,6 +29,7 @@ CASES = [  # (ranks, flags): uneven micro-batches (10 over 4, 5 over 2), interle
     (4, dict(HYBRID, dp=2, schedule="zb-h1", grad_clip=0.0)),
     (4, dict(HYBRID, tp=2, schedule="1f1b")),
     (4, dict(HYBRID, dp=2, zero_stage=1, schedule="gpipe")),
+    (4, dict(HYBRID, tp=2, schedule="zb-h1", recompute=True)),  # g again in backward
 ]
 
 
@@ -50,7 +51,7 @@ def test_pipeline_bytes_by_axis_and_model_states_are_what_real_runs_count(tmp_pa
             flags["strategy"], dp=dp, tp=tp, pp=ranks // dp // tp, schedule=flags["schedule"] if
             "schedule" in flags else "1f1b", micro_batches=flags["micro_batches"],
             virtual=flags.get("virtual", 1), clip=config.grad_clip > 0,
-            zero_stage=config.zero_stage,
+            zero_stage=config.zero_stage, recompute=config.recompute,
             bucket_mb=config.bucket_mb,
         )  # fmt: skip
         vocab = Task(config, np.dtype(config.dtype)).model.config.vocab_size
@@ -95,9 +96,12 @@ def test_predict_prints_a_pipeline_and_refuses_what_it_does_not_cover(capsys):
     assert out.startswith("predicted step: pp on 2 ranks (dp 1 x tp 1 x pp 2")
     assert "bytes sent per rank per step: dp 0, tp 0, pp " in out
     with pytest.raises(SystemExit):
-        main([*args, "--strategy", "pp", "--recompute", "--world", "2"])
+        main([*args, "--strategy", "pp", "--world", "3"])
     err = capsys.readouterr().err
-    assert "predict does not model --recompute with --pp" in err and err.count("\n") == 1
+    assert (
+        "--pp 3 x --virtual 1 stages are more than --n-layer 2 blocks" in err
+        and err.count("\n") == 1
+    )
 
 
 PS_CASES = [(3, 1, 1.0), (4, 2, 1.0), (4, 1, 0.0)]  # (ranks, servers, --grad-clip)

@@ -1,5 +1,5 @@
 """`python -m minidp predict` for the pipeline: `--strategy pp`, and `--strategy hybrid
---dp D --tp T --pp P [--zero-stage 1]` (no --recompute), fed to parallel/pipeline/step_cost.py.
+--dp D --tp T --pp P [--zero-stage 1] [--recompute]`, fed to parallel/pipeline/step_cost.py.
 
     python -m minidp predict --strategy pp --world 4 --n-layer 4 --schedule gpipe
     mpiexec -n 2 python -m minidp --strategy pp --micro-batches 4 --json F   # F: predicted_*
@@ -18,7 +18,6 @@ import numpy as np
 from minidp.chunks import chunk_bounds
 from minidp.cost.step import Layout, fixed_part
 from minidp.parallel.pipeline.step_cost import micro_rows, predict_pipeline
-from minidp.training.config import BadConfig
 from minidp.training.tasks import Task
 
 
@@ -31,14 +30,13 @@ def pipeline_layout(config, world: int) -> Layout:
     from minidp.strategies.pp import pipeline_mesh
 
     dp, tp, pp = pipeline_mesh(config, world)
-    if config.recompute:
-        raise BadConfig("predict does not model --recompute with --pp yet")
     return Layout(
         config.strategy,
         dp=dp,
         tp=tp,
         pp=pp,
         zero_stage=config.zero_stage,
+        recompute=config.recompute,
         algo=config.allreduce,
         bucket_mb=config.bucket_mb,
         schedule=config.schedule,
@@ -67,6 +65,8 @@ def run_pipeline_prediction(config, layout: Layout, *, network, threads: int, ra
     first_blocks = chunk_bounds(config.n_layer, stages)[1]
     rows = micro_rows(layout, config.batch_size, 0)[0]
     activations = activation_estimate(replace(config, n_layer=first_blocks), rows, layout.tp)
+    if config.recompute:  # each block keeps its input only (recompute.py), and the output
+        activations = (first_blocks + 1) * rows * config.block_size * config.n_embd * itemsize
     return predict_pipeline(
         layout,
         gpt,

@@ -19,6 +19,9 @@ One step on mesh rank `rank`, in the step model's terms:
                 of it (simulate.py's)
     TP          with tp > 1 each action also runs its stage's TP allreduces of b_j·T·C
                 (calls.tensor_parallel's, cut by stage): g in F, f in B
+    recompute   B also runs the blocks' share of F again (with tp, their g allreduces too);
+                with zb-h1 B and W stay halves of the backward (the recomputed blocks' weight
+                gradients are in fact computed in B: an approximation)
     messages    across a cut, per micro-batch: forward a 64-byte header and the activation
                 (2α + (64 + n)β), backward the gradient (α + nβ), n = b_j·T·C·itemsize;
                 the receiver's action starts that long after the sender's ended
@@ -93,7 +96,8 @@ def stage_tp_calls(layout: Layout, gpt, itemsize: int, stage: int, rows: int):
     forward = [g] * (first + 2 * blocks)
     if last:
         forward += [g._replace(n=N), g._replace(n=2 * N)]
-    backward = [g._replace(phase="backward")] * (2 * blocks + last)
+    again = 2 * blocks if layout.recompute else 0  # a recomputed block's g, in backward
+    backward = [g._replace(phase="backward")] * (2 * blocks + last + again)
     return forward, backward
 
 
@@ -193,7 +197,15 @@ def predict_pipeline(
     def work(action) -> float:  # its computation alone
         if action.kind == F:
             return compute.forward_s * scale(action)
-        return compute.backward_s * scale(action) * (0.5 if split else 1.0)
+        seconds = compute.backward_s * scale(action) * (0.5 if split else 1.0)
+        if layout.recompute and action.kind == B:  # the blocks' forward again
+            blocks = stage_weight(gpt, S, action.stage) - (
+                C * gpt[2] if action.stage == S - 1 else 0
+            )
+            seconds += (
+                compute.forward_s * scale(action) * blocks / stage_weight(gpt, S, action.stage)
+            )
+        return seconds
 
     def duration(action) -> float:
         return work(action) + tp_time(action)
