@@ -258,7 +258,7 @@ def test_a_failed_write_or_read_leaves_no_thread_and_no_temporary_file(tmp_path,
     from minidp.parallel.checkpoint import pieces
     from minidp.parallel.checkpoint.shards import read_shard, shard_name, write_shard
 
-    monkeypatch.setattr(pieces, "cores_per_rank", lambda: 3.0)
+    monkeypatch.setattr(pieces, "cores_per_rank", lambda: 4.0)  # 3 threads
     hashing = lambda: [t for t in threading.enumerate() if t.name.startswith("minidp-hash")]  # noqa: E731
     state = {"x": np.ones(4 << 20)}
     for taken in (shard_name(0) + ".tmp", shard_name(0)):

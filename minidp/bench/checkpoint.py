@@ -19,7 +19,7 @@ Contenders, rotated each round, each timed as the slowest rank's (Barrier, time,
     np.save         the same without fsync: what the page cache alone costs
     sha256          hashing the shard's bytes alone, one SHA-256 in one thread
     sha256 pieces   hashing them as the save does beside the write: a SHA-256 per 16 MiB
-                    piece, by a thread per core of this rank (pieces.py)
+                    piece, by the save's threads (a core of this rank each, but the writer's)
 The ratio column is the median over rounds of t(np.save+fsync) / t(save): 1 = as fast.
 
 The main job (--main-job, no MPI here: it launches them): `mpiexec -n R python -m minidp`

@@ -4,7 +4,8 @@ One SHA-256 over a whole file is one core's work (about 1 GB/s here, with the pr
 SHA instructions), longer than writing the same bytes durably: a save hashed so can never
 run at the disk's rate. So the manifest records, for each shard, the SHA-256 of each
 PIECE_BYTES piece of the file (the last one shorter), and the pieces are hashed by up to
-one thread per core this rank has (hashlib releases the GIL on buffers this large):
+one thread per core this rank has beyond the writer's (hashlib releases the GIL on
+buffers this large):
 
     file    |<-- piece 0 -->|<-- piece 1 -->|<-- piece 2 -->|<- 3 ->|
     bytes    header + arrays, in file order (a piece may span several arrays)
@@ -57,10 +58,12 @@ def digest(piece: list[memoryview]) -> str:
 
 def hashing_threads(size: int, piece_bytes: int) -> int:
     """Threads to hash `size` bytes: none (in line) for a small shard, else one per core
-    this rank can count on, at least one, and no more than there are pieces."""
+    this rank can count on but the one the write takes (copying into the page cache is CPU
+    too), at least one, and no more than there are pieces. (Measured on 2 cores, one rank:
+    two threads beside the write made the save slower than one, the three sharing 2 cores.)"""
     if size < THREAD_BYTES:
         return 0
-    return max(1, min(int(cores_per_rank()), piece_count(size, piece_bytes)))
+    return max(1, min(int(cores_per_rank()) - 1, piece_count(size, piece_bytes)))
 
 
 class Hasher:
