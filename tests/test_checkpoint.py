@@ -125,9 +125,10 @@ def test_save_load_and_every_refusal_on_every_rank():
             f.seek(len(data) // 2)
             f.write(bytes([data[len(data) // 2] ^ 1]))
     comm.barrier(group=group)
-    expected = f"expected {info['bytes']} bytes with sha256 {info['sha256']}"
-    refused_everywhere(
-        lambda: checkpoint.load(path, group), f"corrupt: its sha256 differs, {expected}"
+    refused_everywhere(  # a small shard: one piece, the whole file
+        lambda: checkpoint.load(path, group),
+        f"{shard} is corrupt: bytes [0, {len(data)}) (piece 0 of 1) differ from their sha256 "
+        f"{info['sha256_pieces'][0]}; expected {len(data)} bytes in pieces of 16777216",
     )
     comm.barrier(group=group)
     if group.rank == 0:
@@ -226,7 +227,8 @@ def test_a_shard_is_the_safetensors_layout_and_a_malformed_header_is_refused(tmp
 
     info, _ = write_shard(STATE, str(tmp_path), 0)
     data = (tmp_path / info["file"]).read_bytes()
-    assert hashlib.sha256(data).hexdigest() == info["sha256"] and len(data) == info["bytes"]
+    assert [hashlib.sha256(data).hexdigest()] == info["sha256_pieces"]
+    assert len(data) == info["bytes"] and info["piece_bytes"] == 16 << 20
     (length,) = struct.unpack("<Q", data[:8])
     header = json.loads(data[8 : 8 + length])
     assert (8 + length) % 8 == 0 and header["model/wte.weight"] == {
@@ -238,27 +240,76 @@ def test_a_shard_is_the_safetensors_layout_and_a_malformed_header_is_refused(tmp
         bad = data.replace(lie.encode(), told.encode())
         (tmp_path / "bad").write_bytes(bad)
         sha = hashlib.sha256(bad).hexdigest()
+        told = {"file": "bad", "bytes": len(bad), "piece_bytes": len(bad), "sha256_pieces": [sha]}
         with pytest.raises(CheckpointError) as error:
-            read_shard(str(tmp_path), {"file": "bad", "bytes": len(bad), "sha256": sha})
+            read_shard(str(tmp_path), told)
         words = str(error.value)
         assert f"{tmp_path / 'bad'}: a malformed header (" in words and "\n" not in words
-        assert words.endswith(f"expected {len(bad)} bytes with sha256 {sha}"), words
+        assert words.endswith(f"expected {len(bad)} bytes in pieces of {len(bad)}"), words
 
 
-def test_a_failed_write_leaves_no_thread_and_no_temporary_file(tmp_path):
-    """A shard big enough to be hashed in a thread (32 MiB): when its temporary name is
-    taken, the write fails at once while the thread hashes, and the thread is joined; when
-    its final name is taken, the temporary file is removed."""
+def test_a_failed_write_or_read_leaves_no_thread_and_no_temporary_file(tmp_path, monkeypatch):
+    """A shard big enough to be hashed by threads (32 MiB in 4 MiB pieces, 3 threads): when
+    its temporary name is taken, the write fails at once while the threads hash, and they
+    are joined; when its final name is taken, the temporary file is removed. A load that
+    finds a corrupt piece (or a file cut short) joins its threads too."""
     import threading
 
-    from minidp.parallel.checkpoint.shards import shard_name, write_shard
+    from minidp.parallel.checkpoint import pieces
+    from minidp.parallel.checkpoint.shards import read_shard, shard_name, write_shard
 
+    monkeypatch.setattr(pieces, "cores_per_rank", lambda: 4.0)  # 3 threads
+    hashing = lambda: [t for t in threading.enumerate() if t.name.startswith("minidp-hash")]  # noqa: E731
     state = {"x": np.ones(4 << 20)}
     for taken in (shard_name(0) + ".tmp", shard_name(0)):
         (tmp_path / taken).mkdir()
         before = threading.active_count()
         with pytest.raises(OSError):
-            write_shard(state, str(tmp_path), 0)
-        assert threading.active_count() == before, taken
+            write_shard(state, str(tmp_path), 0, piece_bytes=4 << 20)
+        assert threading.active_count() == before and not hashing(), taken
         assert [p.name for p in tmp_path.iterdir()] == [taken]
         (tmp_path / taken).rmdir()
+    info, _ = write_shard(state, str(tmp_path), 0, piece_bytes=4 << 20)
+    assert len(info["sha256_pieces"]) == 9 and not hashing()  # 32 MiB and the header
+    shard = tmp_path / info["file"]
+    data = bytearray(shard.read_bytes())
+    data[(5 << 20) + 7] ^= 1  # a bit of piece 1, [4 MiB, 8 MiB)
+    shard.write_bytes(data)
+    with pytest.raises(CheckpointError) as error:
+        read_shard(str(tmp_path), info)
+    assert (
+        f"{shard} is corrupt: bytes [4194304, 8388608) (piece 1 of 9) differ from their "
+        f"sha256 {info['sha256_pieces'][1]}; expected {len(data)} bytes in pieces of 4194304"
+    ) == str(error.value)
+    assert not hashing()
+
+
+def test_pieces_are_the_sha256_of_the_files_byte_ranges(tmp_path):
+    """Each digest is the SHA-256 of its piece of the file (pieces across the header and
+    the arrays, the last one shorter); a manifest entry whose pieces do not add up to its
+    size is refused before the file is read."""
+    import hashlib
+
+    from minidp.parallel.checkpoint.pieces import cut
+    from minidp.parallel.checkpoint.shards import read_shard, write_shard
+
+    info, _ = write_shard(STATE, str(tmp_path), 0, piece_bytes=100)
+    data = (tmp_path / info["file"]).read_bytes()
+    ranges = range(0, len(data), 100)
+    assert info["sha256_pieces"] == [hashlib.sha256(data[i : i + 100]).hexdigest() for i in ranges]
+    same(unflatten(*read_shard(str(tmp_path), info)), STATE)
+    parts = [memoryview(b"abc"), memoryview(b""), memoryview(b"defgh")]
+    assert [[bytes(p) for p in piece] for piece in cut(parts, 3)] == [[b"abc"], [b"def"], [b"gh"]]
+    assert [[bytes(p) for p in piece] for piece in cut(parts, 4)] == [[b"abc", b"d"], [b"efgh"]]
+    for wrong in ({"piece_bytes": 0}, {"sha256_pieces": info["sha256_pieces"][:-1]}):
+        with pytest.raises(CheckpointError, match="its manifest entry does not add up"):
+            read_shard(str(tmp_path), {**info, **wrong})
+
+
+def test_a_manifest_of_an_older_format_is_refused_naming_both(tmp_path):
+    (tmp_path / checkpoint.MANIFEST).write_text(json.dumps({"format": "minidp-checkpoint/2"}))
+    with pytest.raises(CheckpointError) as error:
+        checkpoint.read_manifest(str(tmp_path))
+    assert str(error.value) == (
+        f"{tmp_path}/manifest.json is minidp-checkpoint/2, this minidp reads minidp-checkpoint/3"
+    )

@@ -17,7 +17,9 @@ Contenders, rotated each round, each timed as the slowest rank's (Barrier, time,
     np.save+fsync   each rank writes one uint8 array of its shard's size with np.save, then
                     fsync: the same bytes, as durable; the rate a save should reach (>= 0.8x)
     np.save         the same without fsync: what the page cache alone costs
-    sha256          hashing the shard's bytes alone (what the save's thread does beside)
+    sha256          hashing the shard's bytes alone, one SHA-256 in one thread
+    sha256 pieces   hashing them as the save does beside the write: a SHA-256 per 16 MiB
+                    piece, by the save's threads (a core of this rank each, but the writer's)
 The ratio column is the median over rounds of t(np.save+fsync) / t(save): 1 = as fast.
 
 The main job (--main-job, no MPI here: it launches them): `mpiexec -n R python -m minidp`
@@ -107,7 +109,7 @@ def save_speed(args) -> int:
     if world.rank == 0:
         print_table(rows, [("state", ""), ("ranks", "d"), ("MB_per_rank", ".2f"),
                            ("save_ms", ".1f"), ("np.save+fsync_ms", ".1f"), ("np.save_ms", ".1f"),
-                           ("sha256_ms", ".1f"),
+                           ("sha256_ms", ".1f"), ("sha256_pieces_ms", ".1f"),
                            ("save_GB_per_s", ".2f"), ("ratio", ".2f"),
                            ("ratio_no_fsync", ".2f")])  # fmt: skip
         write_json(args.json, [{**r, **environment()} for r in rows])
@@ -152,6 +154,7 @@ def one_size(size: str, args, world, root: str) -> dict:
         "np.save+fsync": lambda: np_save(True),
         "np.save": lambda: np_save(False),
         "sha256": lambda: hashlib.sha256(raw).hexdigest(),
+        "sha256_pieces": lambda: hash_pieces(raw),
     }
     times = rotated_rounds(steps, args.warmup, args.iters, world.comm, after={"save": remove_saved})
     os.remove(plain)
@@ -165,6 +168,16 @@ def one_size(size: str, args, world, root: str) -> dict:
         "ratio_no_fsync": median_ratio(times["np.save"], times["save"]),
         "iters": args.iters,
     }  # fmt: skip
+
+
+def hash_pieces(raw: np.ndarray) -> list[str]:
+    """The bytes hashed as a save hashes them: in pieces, by the save's threads."""
+    from minidp.parallel.checkpoint.pieces import PIECE_BYTES, Hasher, cut, hashing_threads
+
+    with Hasher(hashing_threads(raw.nbytes, PIECE_BYTES)) as hasher:
+        for piece in cut([memoryview(raw)], PIECE_BYTES):
+            hasher.add(piece)
+        return hasher.digests()
 
 
 def main_job(args) -> int:

@@ -13,27 +13,33 @@ per-file checksum of its own, no pickle; `safetensors.numpy.load_file` reads a s
 arrays are laid out widest dtype first, so each one starts at a multiple of its itemsize.
 
 Writing costs what the disk costs. The header and the arrays' own memory go to the file
-uncopied, in one os.writev; a thread hashes the same buffers meanwhile (hashlib releases
-the GIL on large ones) while the main thread writes and fsyncs (a shard under 4 MiB is
-hashed in line: a thread's start costs more than it hides). The SHA-256 the manifest
-records is that of the file's bytes, computed without reading the file back. The file is
-written under a temporary name, fsynced and renamed: a crash leaves no file at the final
-name that is not whole, and a failed write leaves no temporary one either.
+uncopied, in one os.writev; meanwhile a few threads hash the same buffers in 16 MiB pieces
+(pieces.py: hashlib releases the GIL on large buffers; a shard under 4 MiB is hashed in
+line, a thread's start costs more than it hides). The manifest records each piece's
+SHA-256, computed without reading the file back. The file is written under a temporary
+name, fsynced and renamed: a crash leaves no file at the final name that is not whole, and
+a failed write leaves no temporary one either.
 
-Reading checks the size and SHA-256 against the manifest before it parses anything, then
-checks the header (every dtype from the table below, every shape and range inside the
-file) and takes the arrays as views of the bytes read (np.frombuffer): data, never code.
+Reading checks the size, then each piece's SHA-256 (hashed while the next is read) against
+the manifest before it parses anything, then checks the header (every dtype from the
+table below, every shape and range inside the file) and takes the arrays as views of the
+bytes read (np.frombuffer): data, never code.
 """
 
 import contextlib
-import hashlib
 import json
 import os
 import struct
-import threading
 
 import numpy as np
 
+from minidp.parallel.checkpoint.pieces import (
+    PIECE_BYTES,
+    Hasher,
+    cut,
+    hashing_threads,
+    piece_count,
+)
 from minidp.parallel.checkpoint.tree import flatten, unflatten
 
 DTYPES = {  # safetensors' names: the only dtypes a shard holds
@@ -43,7 +49,6 @@ DTYPES = {  # safetensors' names: the only dtypes a shard holds
 }  # fmt: skip
 CODES = {np.dtype(t): code for code, t in DTYPES.items()}
 METADATA = "__metadata__"
-THREAD_BYTES = 4 << 20  # below this a shard is hashed in line: a thread's start costs more
 
 
 class CheckpointError(ValueError):
@@ -85,39 +90,33 @@ def as_stored(name: str, array: np.ndarray) -> np.ndarray:
     return array
 
 
-def write_shard(state, directory: str, rank: int) -> tuple[dict, dict[str, np.ndarray]]:
-    """Write rank's state as directory/shard_NNNNN.safetensors; return ({file, sha256,
-    bytes}, the arrays by path) for the manifest."""
+def write_shard(
+    state, directory: str, rank: int, piece_bytes: int = PIECE_BYTES
+) -> tuple[dict, dict[str, np.ndarray]]:
+    """Write rank's state as directory/shard_NNNNN.safetensors; return ({file, bytes,
+    piece_bytes, sha256_pieces}, the arrays by path) for the manifest."""
     arrays, skeleton = flatten(state)
     arrays = {name: as_stored(name, array) for name, array in arrays.items()}
     head, data = header_and_data(arrays, skeleton)
-    pieces = [memoryview(head), *data]
+    buffers = [memoryview(head), *data]
     final = os.path.join(directory, shard_name(rank))
     temporary = final + ".tmp"
-    sha256, size = hashlib.sha256(), sum(piece.nbytes for piece in pieces)
-
-    def hash_all() -> None:
-        for piece in pieces:
-            sha256.update(piece)
-
-    hasher = threading.Thread(target=hash_all) if size >= THREAD_BYTES else None
-    if hasher:
-        hasher.start()
-    try:  # the thread has a fixed amount of work: joined below, whatever the write does
-        with open(temporary, "wb", buffering=0) as f:
-            write_all(f.fileno(), pieces)
-            if not hasher:
-                hash_all()
-            os.fsync(f.fileno())
-        os.replace(temporary, final)
-    except BaseException:
-        with contextlib.suppress(OSError):  # none made, or not ours (a directory): as it is
-            os.remove(temporary)
-        raise
-    finally:
-        if hasher:
-            hasher.join()
-    return {"file": shard_name(rank), "sha256": sha256.hexdigest(), "bytes": size}, arrays
+    size = sum(buffer.nbytes for buffer in buffers)
+    with Hasher(hashing_threads(size, piece_bytes)) as hasher:  # joined, whatever happens
+        for piece in cut(buffers, piece_bytes):
+            hasher.add(piece)  # the pieces hash while the main thread writes
+        try:
+            with open(temporary, "wb", buffering=0) as f:
+                write_all(f.fileno(), buffers)
+                os.fsync(f.fileno())
+            os.replace(temporary, final)
+        except BaseException:
+            with contextlib.suppress(OSError):  # none made, or not ours (a directory): as it is
+                os.remove(temporary)
+            raise
+        digests = hasher.digests()
+    info = {"file": shard_name(rank), "bytes": size, "piece_bytes": piece_bytes}
+    return {**info, "sha256_pieces": digests}, arrays
 
 
 def write_all(fd: int, pieces: list[memoryview]) -> None:
@@ -135,22 +134,35 @@ def write_all(fd: int, pieces: list[memoryview]) -> None:
 
 
 def read_shard(directory: str, info: dict) -> tuple[dict[str, np.ndarray], dict]:
-    """(arrays by path, skeleton) of one shard, after its size and SHA-256 match `info`."""
+    """(arrays by path, skeleton) of one shard, after its size and each piece's SHA-256
+    match `info`; the pieces hash while the next ones are read."""
     path = os.path.join(directory, info["file"])
-    expected = f"expected {info['bytes']} bytes with sha256 {info['sha256']}"
+    size, piece_bytes, digests = info["bytes"], info["piece_bytes"], info["sha256_pieces"]
+    expected = f"expected {size} bytes in pieces of {piece_bytes}"
+    if not (isinstance(piece_bytes, int) and piece_bytes > 0) or len(digests) != piece_count(
+        size, piece_bytes
+    ):
+        raise CheckpointError(f"{path}: its manifest entry does not add up, {expected}")
     try:
-        with open(path, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
-            if size != info["bytes"]:
-                raise CheckpointError(f"{path} is truncated or grown: {size} bytes, {expected}")
+        with open(path, "rb") as f, Hasher(hashing_threads(size, piece_bytes)) as hasher:
+            found = os.fstat(f.fileno()).st_size
+            if found != size:
+                raise CheckpointError(f"{path} is truncated or grown: {found} bytes, {expected}")
             data = bytearray(size)  # writable: the arrays are views of it
-            size = f.readinto(data)
+            for piece in cut([memoryview(data)], piece_bytes):
+                if any(f.readinto(part) != part.nbytes for part in piece):
+                    raise CheckpointError(f"{path} is truncated while read, {expected}")
+                hasher.add(piece)
+            found = hasher.digests()
     except OSError as error:
         raise CheckpointError(f"{path}: cannot read it ({error.strerror}); {expected}") from None
-    if size != info["bytes"]:
-        raise CheckpointError(f"{path} is truncated or grown: {size} bytes, {expected}")
-    if hashlib.sha256(data).hexdigest() != info["sha256"]:
-        raise CheckpointError(f"{path} is corrupt: its sha256 differs, {expected}")
+    for index, (mine, theirs) in enumerate(zip(found, digests)):
+        if mine != theirs:
+            begin, end = index * piece_bytes, min(size, (index + 1) * piece_bytes)
+            raise CheckpointError(
+                f"{path} is corrupt: bytes [{begin}, {end}) (piece {index} of {len(digests)}) "
+                f"differ from their sha256 {theirs}; {expected}"
+            )
     try:
         return parse(data)
     except (ValueError, KeyError, TypeError, AttributeError) as error:

@@ -10,19 +10,20 @@ The save, on every rank of `group`:
        directory (the rest wait); then each rank writes its shard (temporary name, fsync,
        rename), hashing the bytes as they go (a rank that cannot write, or whose state
        holds what a shard cannot, says so in step 3, and every rank raises it);
-    3. rank 0 gathers every shard's {file, sha256, bytes} and what each holds of each
-       tensor, writes manifest.json.tmp, fsyncs it, renames it to manifest.json and fsyncs
-       the directory and the one above it (PyTorch DCP's `.metadata` does the same). No
-       manifest, no checkpoint.
+    3. rank 0 gathers every shard's {file, bytes, piece_bytes, sha256_pieces} and what
+       each holds of each tensor, writes manifest.json.tmp, fsyncs it, renames it to
+       manifest.json and fsyncs the directory and the one above it (PyTorch DCP's
+       `.metadata` does the same). No manifest, no checkpoint.
 
 The manifest records the world size, the step, the caller's metadata (the config, the
-mesh), each shard's checksum and size, and for each array path its dtype and either
-`replicated` (every rank holds it whole), or its global shape and what each rank holds
-(`held`: its index and part, see reshard.py), or neither: the rank's own (a residual),
-which only the layout it was saved in loads back.
+mesh), each shard's size and its pieces' checksums (pieces.py), and for each array path
+its dtype and either `replicated` (every rank holds it whole), or its global shape and
+what each rank holds (`held`: its index and part, see reshard.py), or neither: the rank's
+own (a residual), which only the layout it was saved in loads back.
 
 The load reads the manifest, then (every rank) the shards it needs, each checked against
-its size and SHA-256 before anything is parsed; any rank's refusal is every rank's, one line.
+its size and its pieces' SHA-256 before anything is parsed; any rank's refusal is every
+rank's, one line.
 With the layout it was saved in, a rank reads its own shard; with another, `layout` says
 what this rank holds now and reshard.py cuts it from the shards that hold it.
 """
@@ -43,7 +44,8 @@ from minidp.parallel.checkpoint.reshard import (
 from minidp.parallel.checkpoint.shards import CheckpointError, read_shard, state_of, write_shard
 
 MANIFEST = "manifest.json"
-FORMAT = "minidp-checkpoint/2"  # 2: safetensors shards (1: .npz, not read)
+FORMAT = "minidp-checkpoint/3"  # 3: SHA-256 per 16 MiB piece (2: per file; 1: .npz; not read)
+SHARD_KEYS = ("file", "bytes", "piece_bytes", "sha256_pieces")
 
 
 def save(state, path: str, group: comm.Group, *, step: int, layout=None, metadata=None) -> None:
@@ -84,7 +86,7 @@ def save(state, path: str, group: comm.Group, *, step: int, layout=None, metadat
                 "step": int(step),
                 "world_size": group.size,
                 "metadata": metadata or {},
-                "shards": [{k: s[k] for k in ("file", "sha256", "bytes")} for s in shards],
+                "shards": [{k: s[k] for k in SHARD_KEYS} for s in shards],
                 "tensors": _merge([s["tensors"] for s in shards]),
             }
             try:
