@@ -117,6 +117,13 @@ def test_save_load_and_every_refusal_on_every_rank():
         "rank 1 cannot save its state: own: a complex128 array; a checkpoint holds bool",
     )
 
+    told = {"steps": np.int64(2)} if group.rank == 1 else {}  # not JSON, on one rank
+    refused_everywhere(  # by each rank before its shard (none waits on rank 0's manifest)
+        lambda: checkpoint.save(mine, path + "m", group, step=2, metadata=told),
+        "rank 1 cannot save its state: Object of type int64 is not JSON serializable",
+    )
+    assert not os.path.exists(os.path.join(path + "m", checkpoint.MANIFEST))
+
     shard = os.path.join(path, "shard_00001.safetensors")
     data = open(shard, "rb").read()
     info = manifest["shards"][1]
@@ -313,3 +320,43 @@ def test_a_manifest_of_an_older_format_is_refused_naming_both(tmp_path):
     assert str(error.value) == (
         f"{tmp_path}/manifest.json is minidp-checkpoint/2, this minidp reads minidp-checkpoint/3"
     )
+
+
+def test_a_header_whose_arrays_do_not_tile_the_data_is_refused(tmp_path):
+    """The arrays' byte ranges cover the data exactly: a gap, an overlap or bytes past the
+    last array are refused, as is an array named like the header's own __metadata__ key."""
+    import struct
+
+    from minidp.parallel.checkpoint.shards import parse, write_shard
+
+    def shard(entries: dict, data_bytes: int) -> bytearray:
+        header = {**entries, "__metadata__": {"skeleton": "{}"}}
+        text = json.dumps(header).encode()
+        return bytearray(struct.pack("<Q", len(text)) + text + bytes(data_bytes))
+
+    a = {"dtype": "F64", "shape": [1], "data_offsets": [0, 8]}
+    assert parse(shard({"a": a}, 8))[0]["a"].tolist() == [0.0]
+    cases = {
+        "b starts at 16, where 8 was expected": (
+            {"a": a, "b": {**a, "data_offsets": [16, 24]}},
+            24,
+        ),
+        "b starts at 0, where 8 was expected": ({"a": a, "b": a}, 8),
+        "the arrays hold 8 bytes, the file 16": ({"a": a}, 16),
+        "does not hold its shape's bytes": ({"a": {**a, "shape": [2**62, 4]}}, 8),
+    }
+    for words, (entries, size) in cases.items():
+        with pytest.raises(ValueError, match=words):
+            parse(shard(entries, size))
+    with pytest.raises(CheckpointError, match="an array named __metadata__"):
+        write_shard({"__metadata__": np.zeros(1)}, str(tmp_path), 0)
+
+
+def test_a_manifest_missing_a_shards_fields_is_refused(tmp_path):
+    from minidp.parallel.checkpoint.store import FORMAT
+
+    manifest = {"format": FORMAT, "step": 1, "world_size": 1, "tensors": {}}
+    for shards in ([{"file": "shard_00000.safetensors", "bytes": 8}], [], "x"):
+        (tmp_path / checkpoint.MANIFEST).write_text(json.dumps({**manifest, "shards": shards}))
+        with pytest.raises(CheckpointError, match="is incomplete: it needs step, world_size"):
+            checkpoint.read_manifest(str(tmp_path))

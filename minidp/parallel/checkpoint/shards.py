@@ -28,6 +28,7 @@ bytes read (np.frombuffer): data, never code.
 
 import contextlib
 import json
+import math
 import os
 import struct
 
@@ -61,6 +62,8 @@ def shard_name(rank: int) -> str:
 
 def header_and_data(arrays: dict[str, np.ndarray], skeleton: dict) -> tuple[bytes, list]:
     """(the 8-byte length and the header, the arrays' bytes in file order as memoryviews)."""
+    if METADATA in arrays:  # the header's own key: the array would be lost on load
+        raise CheckpointError(f"an array named {METADATA}: a name the shard's header keeps")
     header, data, offset = {}, [], 0
     for name in sorted(arrays, key=lambda n: -arrays[n].dtype.itemsize):  # stable: widest first
         array = arrays[name]
@@ -110,6 +113,7 @@ def write_shard(
                 write_all(f.fileno(), buffers)
                 os.fsync(f.fileno())
             os.replace(temporary, final)
+            fsync_directory(directory)  # the rename on disk: each rank's, on its own machine
         except BaseException:
             with contextlib.suppress(OSError):  # none made, or not ours (a directory): as it is
                 os.remove(temporary)
@@ -117,6 +121,16 @@ def write_shard(
         digests = hasher.digests()
     info = {"file": shard_name(rank), "bytes": size, "piece_bytes": piece_bytes}
     return {**info, "sha256_pieces": digests}, arrays
+
+
+def fsync_directory(path: str) -> None:
+    """Make the names in directory `path` durable (a rename or removal in it is not until
+    then)."""
+    directory = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(directory)
+    finally:
+        os.close(directory)
 
 
 def write_all(fd: int, pieces: list[memoryview]) -> None:
@@ -180,17 +194,27 @@ def parse(data: bytearray) -> tuple[dict[str, np.ndarray], dict]:
     if not isinstance(header, dict) or not isinstance(header.get(METADATA), dict):
         raise ValueError(f"no JSON object with a {METADATA} (a minidp shard's skeleton)")
     skeleton = json.loads(header.pop(METADATA)["skeleton"])
-    start, arrays = 8 + length, {}
+    start, arrays, ranges = 8 + length, {}, []
     for name, entry in header.items():
         dtype = np.dtype(DTYPES[entry["dtype"]])
         shape = tuple(entry["shape"])
         begin, end = entry["data_offsets"]
         if not all(isinstance(n, int) and n >= 0 for n in (*shape, begin, end)):
             raise ValueError(f"{name}: shape {shape}, offsets {begin}, {end}")
-        if end - begin != int(np.prod(shape)) * dtype.itemsize or start + end > len(data):
-            raise ValueError(f"{name}: {entry} does not fit {len(data) - start} bytes of data")
+        if end - begin != math.prod(shape) * dtype.itemsize:  # exact: no int64 wrap-around
+            raise ValueError(f"{name}: {entry} does not hold its shape's bytes")
+        ranges.append((begin, end, name))
+    covered = 0  # the arrays tile the data, no gap, no overlap, to the file's end
+    for begin, end, name in sorted(ranges):
+        if begin != covered:
+            raise ValueError(f"{name} starts at {begin}, where {covered} was expected")
+        covered = end
+    if covered != len(data) - start:
+        raise ValueError(f"the arrays hold {covered} bytes, the file {len(data) - start}")
+    for begin, end, name in ranges:
+        entry = header[name]
         raw = np.frombuffer(data, np.uint8, end - begin, start + begin)
-        arrays[name] = raw.view(dtype).reshape(shape)
+        arrays[name] = raw.view(DTYPES[entry["dtype"]]).reshape(tuple(entry["shape"]))
     return arrays, skeleton
 
 

@@ -41,7 +41,13 @@ from minidp.parallel.checkpoint.reshard import (
     declared_under,
     describe_layout,
 )
-from minidp.parallel.checkpoint.shards import CheckpointError, read_shard, state_of, write_shard
+from minidp.parallel.checkpoint.shards import (
+    CheckpointError,
+    fsync_directory,
+    read_shard,
+    state_of,
+    write_shard,
+)
 
 MANIFEST = "manifest.json"
 FORMAT = "minidp-checkpoint/3"  # 3: SHA-256 per 16 MiB piece (2: per file; 1: .npz; not read)
@@ -64,6 +70,7 @@ def save(state, path: str, group: comm.Group, *, step: int, layout=None, metadat
             fsync_directory(path)  # even after a crash: gone for good before a shard changes
         comm.barrier(group=group)
     try:  # a full disk on one rank: every rank raises it, none waits for the others
+        json.dumps(metadata or {})  # what the manifest cannot hold: refused before any write
         os.makedirs(path, exist_ok=True)
         info, arrays = write_shard(state, path, group.rank)
         tensors = {
@@ -138,16 +145,6 @@ def _commit(manifest: dict, path: str) -> None:
     fsync_directory(os.path.dirname(os.path.abspath(path)))  # and the directory's own
 
 
-def fsync_directory(path: str) -> None:
-    """Make the names in directory `path` durable (a rename or removal in it is not until
-    then)."""
-    directory = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(directory)
-    finally:
-        os.close(directory)
-
-
 def read_manifest(path: str) -> dict:
     """The manifest of the checkpoint at `path` (local: every rank reads it itself)."""
     try:
@@ -159,9 +156,20 @@ def read_manifest(path: str) -> dict:
         ) from None
     except (OSError, ValueError) as error:
         raise CheckpointError(f"{path}/{MANIFEST} cannot be read: {error}") from None
-    if manifest.get("format") != FORMAT:
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        found = manifest.get("format") if isinstance(manifest, dict) else type(manifest).__name__
+        raise CheckpointError(f"{path}/{MANIFEST} is {found}, this minidp reads {FORMAT}")
+    shards = manifest.get("shards")
+    fields = ("step", "world_size", "tensors")
+    if (
+        any(key not in manifest for key in fields)
+        or not isinstance(shards, list)
+        or len(shards) != manifest["world_size"]
+        or any(not isinstance(s, dict) or any(k not in s for k in SHARD_KEYS) for s in shards)
+    ):
         raise CheckpointError(
-            f"{path}/{MANIFEST} is {manifest.get('format')}, this minidp reads {FORMAT}"
+            f"{path}/{MANIFEST} is incomplete: it needs {', '.join(fields)} and, for each of "
+            f"world_size shards, {', '.join(SHARD_KEYS)}"
         )
     return manifest
 
