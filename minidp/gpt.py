@@ -121,8 +121,8 @@ class GPT(Module):
 
     `fused` (the default): LayerNorm (in a block, with the Linear after it), attention, GELU
     and the embeddings' backward as the fused ops of fused.py (docs/memory.md); False: every
-    layer the plain, composed way. ln_f and the head stay two ops: ZeRO-3 and FSDP gather
-    each child of the model around its own forward.
+    layer the plain, composed way. ln_f and the head are one LayerNorm + Linear too, unless
+    FSDP gathers either around its own forward (norm_linear).
     The same model and the same results to rounding either way (tests/test_autograd.py)."""
 
     def __init__(self, cfg: GPTConfig, *, seed: int = 0, dtype=np.float32, fused: bool = True):
@@ -140,7 +140,7 @@ class GPT(Module):
         x = self.embed(idx)
         for block in self.blocks:
             x = block(x)
-        return self.head(self.ln_f(x))  # two units for ZeRO-3 and FSDP: not fused
+        return norm_linear(self.ln_f, self.head, x)  # self.head(self.ln_f(x)), one op
 
     def embed(self, idx: np.ndarray) -> Tensor:
         """idx: (B, T) token ids -> the blocks' input (B, T, n_embd): token + position."""
