@@ -62,13 +62,24 @@ def attention(qkv: Tensor, n_head: int, future, attn_drop, fused: bool = True) -
     return composed_attention(qkv, n_head, future, attn_drop)
 
 
+def own_forward(module, cls) -> bool:
+    """`module` is a `cls` whose forward is cls.forward itself (not overridden or wrapped)."""
+    return (
+        isinstance(module, cls)
+        and type(module).forward is cls.forward
+        and "forward" not in vars(module)
+    )
+
+
 def norm_linear(norm: LayerNorm, linear: Linear, x: Tensor, fused: bool = True) -> Tensor:
     """linear(norm(x)), or (fused, NumPy data) the same as one op, the LayerNorm's scale and
-    shift folded into the Linear's weight: fused.layer_norm_linear, a speed trick. Not when
-    either module's forward is wrapped (FSDP / ZeRO-3 with the LayerNorm or the Linear a
-    unit of its own gathers its weights around that forward): the composed ops call it."""
-    wrapped = "forward" in vars(norm) or "forward" in vars(linear)  # FSDP gathers per module
-    if fused and norm.fused and not wrapped and fusable(x, norm.weight, linear.weight):
+    shift folded into the Linear's weight: fused.layer_norm_linear, a speed trick. Only for
+    a LayerNorm and a Linear whose forward is their class's own: not a user's head in the
+    Linear's place (a tied one), a subclass, or a forward wrapped on the instance (FSDP /
+    ZeRO-3 with either a unit of its own gathers its weights around that forward): those
+    are called as they are."""
+    plain = own_forward(norm, LayerNorm) and own_forward(linear, Linear)
+    if fused and plain and norm.fused and fusable(x, norm.weight, linear.weight):
         w = linear.weight
         return fused_ops.layer_norm_linear(x, norm.weight, norm.bias, norm.eps, w, linear.bias)
     return linear(norm(x))

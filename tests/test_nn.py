@@ -575,3 +575,44 @@ def test_the_fused_gpt_computes_what_the_composed_gpt_does(dtype, tol):
         results.append([logits.data] + [p.grad for p in model.parameters()])
     for ours, composed in zip(*results, strict=True):
         np.testing.assert_allclose(ours, composed, rtol=tol, atol=tol)
+
+
+def test_a_users_head_or_linear_in_a_fused_gpt_runs_as_written():
+    """LayerNorm + Linear is fused only where both are the library's own: a tied head (no
+    bias, E^T), a Linear subclass with its own forward, or a forward set on the instance is
+    called as written, and the fused GPT computes what the composed one does."""
+    from minidp.gpt import own_forward
+
+    class TiedHead(Module):
+        def __init__(self, wte):
+            self.weight = wte.weight
+
+        def forward(self, x):
+            return x @ self.weight.T
+
+    class Doubled(Linear):
+        def forward(self, x):
+            return super().forward(x) * 2.0
+
+    cfg = GPTConfig(vocab_size=11, block_size=8, n_layer=1, n_head=2, n_embd=8)
+    idx = np.random.default_rng(0).integers(0, 11, (2, 8))
+    results = []
+    for fused in (True, False):
+        model = GPT(cfg, seed=3, dtype=np.float64, fused=fused)
+        model.head = TiedHead(model.wte)
+        fc = model.blocks[0].fc
+        model.blocks[0].fc = doubled = Doubled(
+            8, 32, rng=np.random.default_rng(1), dtype=np.float64
+        )
+        doubled.weight.data[...], doubled.bias.data[...] = fc.weight.data, fc.bias.data
+        logits = model(idx)
+        cross_entropy(logits, idx).backward()
+        results.append([logits.data, model.wte.weight.grad])
+    for ours, composed in zip(*results, strict=True):
+        np.testing.assert_allclose(ours, composed, rtol=1e-12, atol=1e-12)
+    linear = Linear(2, 2, rng=np.random.default_rng(0))
+    assert own_forward(linear, Linear) and not own_forward(
+        Doubled(2, 2, rng=np.random.default_rng(0)), Linear
+    )
+    linear.forward = lambda x: x  # as FSDP wraps a unit's forward
+    assert not own_forward(linear, Linear) and not own_forward(TiedHead(model.wte), Linear)

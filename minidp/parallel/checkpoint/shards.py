@@ -113,7 +113,6 @@ def write_shard(
                 write_all(f.fileno(), buffers)
                 os.fsync(f.fileno())
             os.replace(temporary, final)
-            fsync_directory(directory)  # the rename on disk: each rank's, on its own machine
         except BaseException:
             with contextlib.suppress(OSError):  # none made, or not ours (a directory): as it is
                 os.remove(temporary)
@@ -121,16 +120,6 @@ def write_shard(
         digests = hasher.digests()
     info = {"file": shard_name(rank), "bytes": size, "piece_bytes": piece_bytes}
     return {**info, "sha256_pieces": digests}, arrays
-
-
-def fsync_directory(path: str) -> None:
-    """Make the names in directory `path` durable (a rename or removal in it is not until
-    then)."""
-    directory = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(directory)
-    finally:
-        os.close(directory)
 
 
 def write_all(fd: int, pieces: list[memoryview]) -> None:

@@ -41,13 +41,7 @@ from minidp.parallel.checkpoint.reshard import (
     declared_under,
     describe_layout,
 )
-from minidp.parallel.checkpoint.shards import (
-    CheckpointError,
-    fsync_directory,
-    read_shard,
-    state_of,
-    write_shard,
-)
+from minidp.parallel.checkpoint.shards import CheckpointError, read_shard, state_of, write_shard
 
 MANIFEST = "manifest.json"
 FORMAT = "minidp-checkpoint/3"  # 3: SHA-256 per 16 MiB piece (2: per file; 1: .npz; not read)
@@ -141,8 +135,18 @@ def _commit(manifest: dict, path: str) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(final + ".tmp", final)
-    fsync_directory(path)  # the manifest's name and the shards' (renamed in it) on disk
+    fsync_directory(path)  # the manifest's name and every shard's (renamed in it) on disk
     fsync_directory(os.path.dirname(os.path.abspath(path)))  # and the directory's own
+
+
+def fsync_directory(path: str) -> None:
+    """Make the names in directory `path` durable (a rename or removal in it is not until
+    then)."""
+    directory = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(directory)
+    finally:
+        os.close(directory)
 
 
 def read_manifest(path: str) -> dict:
