@@ -360,3 +360,24 @@ def test_a_manifest_missing_a_shards_fields_is_refused(tmp_path):
         (tmp_path / checkpoint.MANIFEST).write_text(json.dumps({**manifest, "shards": shards}))
         with pytest.raises(CheckpointError, match="is incomplete: it needs step, world_size"):
             checkpoint.read_manifest(str(tmp_path))
+
+
+@pytest.mark.parametrize("early", [False, True])
+def test_the_early_writeback_writes_the_plain_writes_bytes(tmp_path, monkeypatch, early):
+    """early_writeback.py's trick (the disk started on each piece as it is written, the
+    hash beside the write) and the plain write (then the hash, while fsync waits) leave the
+    same file and the same digests: 9 MiB in 1 MiB pieces, hashed by 2 threads."""
+    from minidp.parallel.checkpoint import early_writeback, pieces, shards
+
+    monkeypatch.setattr(pieces, "cores_per_rank", lambda: 2.0)
+    monkeypatch.setattr(early_writeback, "cores_per_rank", lambda: 2.0)
+    monkeypatch.setattr(shards, "EARLY_WRITEBACK", early and early_writeback.available())
+    state = {"x": np.arange(9 << 17, dtype=np.float64), "y": np.ones(3, np.int32)}
+    info, _ = shards.write_shard(state, str(tmp_path), 0, piece_bytes=1 << 20)
+    data = (tmp_path / info["file"]).read_bytes()
+    monkeypatch.setattr(shards, "EARLY_WRITEBACK", False)
+    (tmp_path / "plain").mkdir()
+    plain, _ = shards.write_shard(state, str(tmp_path / "plain"), 0, piece_bytes=1 << 20)
+    assert data == (tmp_path / "plain" / info["file"]).read_bytes() and info == plain
+    assert len(info["sha256_pieces"]) == 10  # 9 MiB and the header
+    same(unflatten(*shards.read_shard(str(tmp_path), info)), state)

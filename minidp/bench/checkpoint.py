@@ -12,11 +12,18 @@ step, so the optimizer's moments exist):
 Contenders, rotated each round, each timed as the slowest rank's (Barrier, time, MAX):
     save            minidp.parallel.checkpoint.save into a new step directory (as the loop
                     saves): the shard hashed as written, fsync, rename, the gathers, the
-                    manifest (fsync, rename, fsync of the directory and of the one above);
-                    the directory is removed after each, untimed
-    np.save+fsync   each rank writes one uint8 array of its shard's size with np.save, then
-                    fsync: the same bytes, as durable; the rate a save should reach (>= 0.8x)
+                    manifest (fsync, rename, fsync of the directory and of the one above)
+    np.save+fsync   each rank writes one uint8 array of its shard's size with np.save into
+                    a new file, then fsync: the same bytes, as durable; the rate a save
+                    should reach (>= 0.8x)
     np.save         the same without fsync: what the page cache alone costs
+After each write, untimed: its files removed, then os.sync(). A filesystem mounted with
+`discard` (this VM's ext4) trims freed blocks at the next journal commit, which the next
+fsync forces: without the sync, whichever contender ran after a removal paid for it (a save
+measured 0.3x np.save+fsync's rate that is 0.9x with it), and one that rewrote its own
+file paid for its old blocks.
+    save, plain write   the same save with early_writeback.py's trick off (its row says
+                    what the trick buys: early_writeback_speedup)
     sha256          hashing the shard's bytes alone, one SHA-256 in one thread
     sha256 pieces   hashing them as the save does beside the write: a SHA-256 per 16 MiB
                     piece, by the save's threads (a core of this rank each, but the writer's)
@@ -108,10 +115,12 @@ def save_speed(args) -> int:
     rows = [one_size(size, args, world, root) for size in args.sizes]
     if world.rank == 0:
         print_table(rows, [("state", ""), ("ranks", "d"), ("MB_per_rank", ".2f"),
-                           ("save_ms", ".1f"), ("np.save+fsync_ms", ".1f"), ("np.save_ms", ".1f"),
+                           ("save_ms", ".1f"), ("save_plain_write_ms", ".1f"),
+                           ("np.save+fsync_ms", ".1f"), ("np.save_ms", ".1f"),
                            ("sha256_ms", ".1f"), ("sha256_pieces_ms", ".1f"),
                            ("save_GB_per_s", ".2f"), ("ratio", ".2f"),
-                           ("ratio_no_fsync", ".2f")])  # fmt: skip
+                           ("ratio_no_fsync", ".2f"),
+                           ("early_writeback_speedup", ".2f")])  # fmt: skip
         write_json(args.json, [{**r, **environment()} for r in rows])
         if args.dir is None:
             shutil.rmtree(root, ignore_errors=True)
@@ -122,6 +131,7 @@ def one_size(size: str, args, world, root: str) -> dict:
     """The contenders on the state `size` names, rotated; one table row."""
     from minidp.bench._common import rotated_rounds
     from minidp.parallel import checkpoint
+    from minidp.parallel.checkpoint import shards
     from minidp.parallel.checkpoint.shards import shard_name
 
     state, layout = state_after_one_step(SIZES[size], world)
@@ -130,7 +140,8 @@ def one_size(size: str, args, world, root: str) -> dict:
     path = checkpoint.step_directory(base, next(saved))
     checkpoint.save(state, path, world, step=1, layout=layout)  # its size, once
     shard = os.path.join(path, shard_name(world.rank))
-    raw = np.frombuffer(os.urandom(os.path.getsize(shard)), dtype=np.uint8)
+    nbytes = os.path.getsize(shard)  # in NumPy's own memory (os.urandom's hashed 1.5x slower)
+    raw = np.random.default_rng(world.rank).integers(0, 256, nbytes, dtype=np.uint8)
     plain = os.path.join(root, f"plain_{world.rank:05d}.npy")
 
     def save() -> None:  # into a new step directory, as the loop does
@@ -141,23 +152,43 @@ def one_size(size: str, args, world, root: str) -> dict:
     def remove_saved() -> None:  # untimed: the directory just written
         if world.rank == 0:
             shutil.rmtree(path)
+        os.sync()
 
-    def np_save(sync: bool) -> None:
+    def np_save(sync: bool) -> None:  # a new file each time, as a save's shard is
         with open(plain, "wb") as f:
             np.save(f, raw)
             if sync:
                 f.flush()
                 os.fsync(f.fileno())
 
+    def remove_plain() -> None:
+        os.remove(plain)
+        os.sync()
+
+    def save_plain_write() -> None:  # the same, early_writeback.py's trick off
+        shards.EARLY_WRITEBACK, early = False, shards.EARLY_WRITEBACK
+        try:
+            save()
+        finally:
+            shards.EARLY_WRITEBACK = early
+
     steps = {
         "save": save,
+        "save_plain_write": save_plain_write,
         "np.save+fsync": lambda: np_save(True),
         "np.save": lambda: np_save(False),
         "sha256": lambda: hashlib.sha256(raw).hexdigest(),
         "sha256_pieces": lambda: hash_pieces(raw),
     }
-    times = rotated_rounds(steps, args.warmup, args.iters, world.comm, after={"save": remove_saved})
-    os.remove(plain)
+    world.comm.Barrier()  # every rank has its shard's size: the first save goes too
+    remove_saved()
+    after = {
+        "save": remove_saved,
+        "save_plain_write": remove_saved,
+        "np.save+fsync": remove_plain,
+        "np.save": remove_plain,
+    }
+    times = rotated_rounds(steps, args.warmup, args.iters, world.comm, after=after)
     total = world.comm.allreduce(raw.nbytes)
     return {
         "state": size, "ranks": world.size, "MB_per_rank": raw.nbytes / 1e6,
@@ -166,6 +197,7 @@ def one_size(size: str, args, world, root: str) -> dict:
         "save_GB_per_s": total / median(times["save"]) / 1e9,
         "ratio": median_ratio(times["np.save+fsync"], times["save"]),
         "ratio_no_fsync": median_ratio(times["np.save"], times["save"]),
+        "early_writeback_speedup": median_ratio(times["save_plain_write"], times["save"]),
         "iters": args.iters,
     }  # fmt: skip
 

@@ -4,8 +4,8 @@ One SHA-256 over a whole file is one core's work (about 1 GB/s here, with the pr
 SHA instructions), longer than writing the same bytes durably: a save hashed so can never
 run at the disk's rate. So the manifest records, for each shard, the SHA-256 of each
 PIECE_BYTES piece of the file (the last one shorter), and the pieces are hashed by up to
-one thread per core this rank has beyond the writer's (hashlib releases the GIL on
-buffers this large):
+one thread per core this rank has, while the disk works (shards.write_shard; hashlib
+releases the GIL on buffers this large):
 
     file    |<-- piece 0 -->|<-- piece 1 -->|<-- piece 2 -->|<- 3 ->|
     bytes    header + arrays, in file order (a piece may span several arrays)
@@ -58,12 +58,11 @@ def digest(piece: list[memoryview]) -> str:
 
 def hashing_threads(size: int, piece_bytes: int) -> int:
     """Threads to hash `size` bytes: none (in line) for a small shard, else one per core
-    this rank can count on but the one the write takes (copying into the page cache is CPU
-    too), at least one, and no more than there are pieces. (Measured on 2 cores, one rank:
-    two threads beside the write made the save slower than one, the three sharing 2 cores.)"""
+    this rank can count on, at least one, and no more than there are pieces. The writer
+    mostly waits for the disk while they run (shards.write_shard)."""
     if size < THREAD_BYTES:
         return 0
-    return max(1, min(int(cores_per_rank()) - 1, piece_count(size, piece_bytes)))
+    return max(1, min(int(cores_per_rank()), piece_count(size, piece_bytes)))
 
 
 class Hasher:
@@ -78,6 +77,10 @@ class Hasher:
 
     def add(self, piece: list[memoryview]) -> None:
         self.pending.append(self.pool.submit(digest, piece) if self.pool else digest(piece))
+
+    def add_all(self, pieces: list[list[memoryview]]) -> None:
+        for piece in pieces:
+            self.add(piece)
 
     def digests(self) -> list[str]:
         return [p if isinstance(p, str) else p.result() for p in self.pending]

