@@ -132,8 +132,9 @@ class GPT(Module):
 
     `fused` (the default): LayerNorm (in a block, with the Linear after it), attention, GELU
     and the embeddings' backward as the fused ops of fused.py (docs/memory.md); False: every
-    layer the plain, composed way. ln_f and the head are one LayerNorm + Linear too, unless
-    FSDP gathers either around its own forward (norm_linear).
+    layer the plain, composed way. ln_f and the head stay two ops: fused, every forward would
+    make a vocabulary-sized w_n * W (GPT-2's: 154 MB in float32) and the head's gradient
+    would skip weight_grads.py's deferral; the gain was ~1% of the tiny GPT's step.
     The same model and the same results to rounding either way (tests/test_autograd.py)."""
 
     def __init__(self, cfg: GPTConfig, *, seed: int = 0, dtype=np.float32, fused: bool = True):
@@ -151,7 +152,7 @@ class GPT(Module):
         x = self.embed(idx)
         for block in self.blocks:
             x = block(x)
-        return norm_linear(self.ln_f, self.head, x)  # self.head(self.ln_f(x)), one op
+        return self.head(self.ln_f(x))  # two ops: fused, the head's C x V would be made again
 
     def embed(self, idx: np.ndarray) -> Tensor:
         """idx: (B, T) token ids -> the blocks' input (B, T, n_embd): token + position."""

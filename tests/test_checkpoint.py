@@ -123,6 +123,7 @@ def test_save_load_and_every_refusal_on_every_rank():
         "rank 1 cannot save its state: Object of type int64 is not JSON serializable",
     )
     assert not os.path.exists(os.path.join(path + "m", checkpoint.MANIFEST))
+    assert group.patient is False  # the refused save's naps end with it (store.patiently)
 
     shard = os.path.join(path, "shard_00001.safetensors")
     data = open(shard, "rb").read()
@@ -160,6 +161,7 @@ def test_save_load_and_every_refusal_on_every_rank():
         assert checkpoint.latest(root) == other
     assert "step_000004 has no manifest.json" in str(caught[0].message)
     refused_everywhere(lambda: checkpoint.load(later, group), "has no manifest.json")
+    assert group.patient is False
     remove(root, group)
 
 
@@ -256,16 +258,17 @@ def test_a_shard_is_the_safetensors_layout_and_a_malformed_header_is_refused(tmp
 
 
 def test_a_failed_write_or_read_leaves_no_thread_and_no_temporary_file(tmp_path, monkeypatch):
-    """A shard big enough to be hashed by threads (32 MiB in 4 MiB pieces, 3 threads): when
-    its temporary name is taken, the write fails at once while the threads hash, and they
-    are joined; when its final name is taken, the temporary file is removed. A load that
+    """A shard big enough to be hashed by threads (32 MiB in 4 MiB pieces, 4 threads): when
+    its temporary name is taken, the write fails before anything is hashed; when the disk
+    fails at fsync, with the pieces hashing, the threads are joined and the temporary file
+    removed; when its final name is taken, the temporary file is removed. A load that
     finds a corrupt piece (or a file cut short) joins its threads too."""
     import threading
 
     from minidp.parallel.checkpoint import pieces
     from minidp.parallel.checkpoint.shards import read_shard, shard_name, write_shard
 
-    monkeypatch.setattr(pieces, "cores_per_rank", lambda: 4.0)  # 3 threads
+    monkeypatch.setattr(pieces, "cores_per_rank", lambda: 4.0)  # 4 threads
     hashing = lambda: [t for t in threading.enumerate() if t.name.startswith("minidp-hash")]  # noqa: E731
     state = {"x": np.ones(4 << 20)}
     for taken in (shard_name(0) + ".tmp", shard_name(0)):
@@ -276,6 +279,16 @@ def test_a_failed_write_or_read_leaves_no_thread_and_no_temporary_file(tmp_path,
         assert threading.active_count() == before and not hashing(), taken
         assert [p.name for p in tmp_path.iterdir()] == [taken]
         (tmp_path / taken).rmdir()
+
+    def failing_disk(fd):
+        assert hashing()  # the pieces are hashing (beside the write, or during fsync)
+        raise OSError(5, "Input/output error")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(os, "fsync", failing_disk)
+        with pytest.raises(OSError, match="Input/output error"):
+            write_shard(state, str(tmp_path), 0, piece_bytes=4 << 20)
+    assert not hashing() and list(tmp_path.iterdir()) == []
     info, _ = write_shard(state, str(tmp_path), 0, piece_bytes=4 << 20)
     assert len(info["sha256_pieces"]) == 9 and not hashing()  # 32 MiB and the header
     shard = tmp_path / info["file"]
@@ -372,8 +385,13 @@ def test_the_early_writeback_writes_the_plain_writes_bytes(tmp_path, monkeypatch
     monkeypatch.setattr(pieces, "cores_per_rank", lambda: 2.0)
     monkeypatch.setattr(early_writeback, "cores_per_rank", lambda: 2.0)
     monkeypatch.setattr(shards, "EARLY_WRITEBACK", early and early_writeback.available())
+    advised = []
+    if early_writeback.available():  # count the advice the early path gives, one per piece
+        fadvise = os.posix_fadvise
+        monkeypatch.setattr(os, "posix_fadvise", lambda *a: advised.append(a) or fadvise(*a))
     state = {"x": np.arange(9 << 17, dtype=np.float64), "y": np.ones(3, np.int32)}
     info, _ = shards.write_shard(state, str(tmp_path), 0, piece_bytes=1 << 20)
+    assert len(advised) == (10 if shards.EARLY_WRITEBACK else 0)
     data = (tmp_path / info["file"]).read_bytes()
     monkeypatch.setattr(shards, "EARLY_WRITEBACK", False)
     (tmp_path / "plain").mkdir()
@@ -381,3 +399,20 @@ def test_the_early_writeback_writes_the_plain_writes_bytes(tmp_path, monkeypatch
     assert data == (tmp_path / "plain" / info["file"]).read_bytes() and info == plain
     assert len(info["sha256_pieces"]) == 10  # 9 MiB and the header
     same(unflatten(*shards.read_shard(str(tmp_path), info)), state)
+
+
+def test_the_saves_group_has_no_fingerprints_and_keeps_the_deadline(monkeypatch):
+    """training/resume.py's saves_group: a dup without checks, whose deadline is the one
+    the group had (timeout follows checks unless set: 300 s with, none without)."""
+    from minidp.training.resume import saves_group
+
+    for timeout in (None, "7"):
+        if timeout is None:
+            monkeypatch.delenv("MINIDP_TIMEOUT", raising=False)
+        else:
+            monkeypatch.setenv("MINIDP_TIMEOUT", timeout)
+        group = comm.Group(comm.world().comm, checks=True)
+        saves = saves_group(group)
+        assert saves.checks is False and saves.timeout == group.timeout is not None
+        assert saves.timeout == (300 if timeout is None else 7), saves.timeout
+        saves.free()

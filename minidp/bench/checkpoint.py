@@ -25,8 +25,8 @@ file paid for its old blocks.
     save, plain write   the same save with early_writeback.py's trick off (its row says
                     what the trick buys: early_writeback_speedup)
     sha256          hashing the shard's bytes alone, one SHA-256 in one thread
-    sha256 pieces   hashing them as the save does beside the write: a SHA-256 per 16 MiB
-                    piece, by the save's threads (a core of this rank each, but the writer's)
+    sha256 pieces   hashing them as the save does: a SHA-256 per 16 MiB piece, by the
+                    save's threads (one per core of this rank)
 The ratio column is the median over rounds of t(np.save+fsync) / t(save): 1 = as fast.
 
 The main job (--main-job, no MPI here: it launches them): `mpiexec -n R python -m minidp`

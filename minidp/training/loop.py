@@ -76,10 +76,7 @@ def _train(config: TrainConfig, group: comm.Group) -> dict:
 
         start, before = resume.resume(config, strategy, group, task)  # 0, {} or the saved
         # the saves talk on a group of their own: what they send is not training's traffic
-        saves = group.dup() if config.save_dir is not None else None
-        if saves is not None:  # a save's few calls are fixed by its code: no fingerprints
-            deadline = saves.timeout  # 300 s or MINIDP_TIMEOUT: kept without the checks
-            saves.checks, saves.timeout = False, deadline
+        saves = resume.saves_group(group) if config.save_dir is not None else None
         log = RankLog(config.log_dir, group.rank)
         meter = StepMeter(strategy)
         records = Records(config.json if group.rank == 0 else None, keep_before=start)

@@ -20,6 +20,7 @@ advice only moves when the disk starts. Measured on this VM: write + fsync of 30
 On where the OS has posix_fadvise (not macOS) and each rank has a core (`helps`).
 """
 
+import contextlib
 import os
 
 from minidp.info import cores_per_rank
@@ -44,5 +45,6 @@ def write(fd: int, pieces: list[list[memoryview]], write_all) -> None:
         write_all(fd, piece)
         size = sum(part.nbytes for part in piece)
         if size:
-            os.posix_fadvise(fd, offset, size, os.POSIX_FADV_DONTNEED)
+            with contextlib.suppress(OSError):  # advice: where refused, the plain write's way
+                os.posix_fadvise(fd, offset, size, os.POSIX_FADV_DONTNEED)
         offset += size

@@ -112,7 +112,7 @@ def write_shard(
     with Hasher(hashing_threads(size, piece_bytes)) as hasher:  # joined, whatever happens
         try:
             with open(temporary, "wb", buffering=0) as f:
-                if EARLY_WRITEBACK and early_writeback.helps():
+                if EARLY_WRITEBACK and len(pieces) > 1 and early_writeback.helps():
                     hasher.add_all(pieces)  # hashed while written, the disk started early
                     early_writeback.write(f.fileno(), pieces, write_all)
                 else:

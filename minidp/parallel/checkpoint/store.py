@@ -95,6 +95,8 @@ def _save(state, path: str, group: comm.Group, step: int, layout, metadata) -> N
         mine = f"rank {group.rank} cannot write its shard in {path}: {error.strerror}"
     except (TypeError, ValueError) as error:  # what is not data: a set, a complex array
         mine = f"rank {group.rank} cannot save its state: {error}"
+    except Exception as error:  # anything else (a thread that cannot start): still a line
+        mine = f"rank {group.rank} cannot save its state: {type(error).__name__}: {error}"
     every = comm.gather_text(mine, root=0, group=group)
     verdict = ""
     if group.rank == 0:
@@ -213,8 +215,10 @@ def agreed_manifest(path: str, group: comm.Group) -> dict:
     """Collective: the manifest at `path` (each rank's own `path`), refused on every rank if
     any rank cannot read its own, or if they are of different steps (ranks that each found
     "the newest" checkpoint on a filesystem that showed them different ones)."""
-    manifest = together(lambda: read_manifest(path), group)
-    steps = comm.allgather(np.array([manifest["step"]], dtype=np.int64), group=group).ravel()
+    with patiently(group):
+        manifest = together(lambda: read_manifest(path), group)
+        steps = comm.allgather(np.array([manifest["step"]], dtype=np.int64), group=group)
+    steps = steps.ravel()
     if (steps != steps[0]).any():
         raise CheckpointError(
             f"ranks disagree on the step to load, by rank {steps.tolist()} "
