@@ -5,6 +5,7 @@ against the schedule simulator's in unit time; the parameter server's bytes unde
 
 import numpy as np
 import pytest
+from test_cost_step import real_runs  # the runs, and --json's prediction beside them
 
 from minidp import comm
 from minidp.cli import main
@@ -35,17 +36,7 @@ CASES = [  # (ranks, flags): uneven micro-batches (10 over 4, 5 over 2), interle
 
 @pytest.mark.parallel(nprocs=[4])
 def test_pipeline_bytes_by_axis_and_model_states_are_what_real_runs_count(tmp_path):
-    world = comm.world()
-    for ranks, flags in CASES:
-        group = world.subgroup(list(range(ranks)))
-        if group is None:
-            continue
-        json = str(tmp_path / "run.jsonl") if flags["strategy"] == "hybrid" else None
-        config = TrainConfig(**{**TINY, **flags, "json": json})
-        final = train(config, group)
-        if json:  # --json: the prediction beside the measurement, every rank its own
-            assert final["predicted_bytes_by_axis"] == final["bytes_sent_by_axis"]
-            assert final["predicted_step_s"] > 0 and final["measured_step_s"] > 0
+    for ranks, flags, group, config, final in real_runs(CASES, TINY, tmp_path):
         dp, tp = flags.get("dp", 1), flags.get("tp", 1)
         layout = Layout(
             flags["strategy"], dp=dp, tp=tp, pp=ranks // dp // tp, schedule=flags["schedule"] if

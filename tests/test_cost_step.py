@@ -41,19 +41,27 @@ def layout_of(config, size: int) -> Layout:
     )
 
 
-@pytest.mark.parallel(nprocs=[4])
-def test_bytes_by_axis_and_model_states_are_what_real_runs_count(tmp_path):
+def real_runs(cases, tiny: dict, tmp_path):
+    """Collective over the world: (ranks, flags, group, config, final record) of each case
+    trained on the first `ranks` ranks (the ranks outside skip it); a hybrid with --json,
+    whose record's prediction is checked beside its measurement on every rank."""
     world = comm.world()
-    for ranks, flags in CASES:
+    for ranks, flags in cases:
         group = world.subgroup(list(range(ranks)))
         if group is None:
             continue
         json = str(tmp_path / "run.jsonl") if flags["strategy"] == "hybrid" else None
-        config = TrainConfig(**{**TINY, **flags, "json": json})
+        config = TrainConfig(**{**tiny, **flags, "json": json})
         final = train(config, group)
         if json:  # --json: the prediction beside the measurement, on every rank
             assert final["predicted_bytes_by_axis"] == final["bytes_sent_by_axis"]
             assert final["predicted_step_s"] > 0 and final["measured_step_s"] > 0
+        yield ranks, flags, group, config, final
+
+
+@pytest.mark.parallel(nprocs=[4])
+def test_bytes_by_axis_and_model_states_are_what_real_runs_count(tmp_path):
+    for ranks, flags, group, config, final in real_runs(CASES, TINY, tmp_path):
         layout = layout_of(config, ranks)
         vocab = Task(config, np.dtype(config.dtype)).model.config.vocab_size
         shapes = gpt_shapes(1, 16, vocab, 8, layout.tp, group.rank % layout.tp)

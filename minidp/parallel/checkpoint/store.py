@@ -8,12 +8,14 @@ The save, on every rank of `group`:
     1. agree on the step (a gather of each rank's): ranks that disagree write nothing;
     2. saving again into a checkpoint, rank 0 removes its manifest.json and fsyncs the
        directory (the rest wait); then each rank writes its shard (temporary name, fsync,
-       rename), hashing the bytes as they go (a rank that cannot write, or whose state
-       holds what a shard cannot, says so in step 3, and every rank raises it);
+       rename), hashing the bytes while the disk works (shards.py; a rank that cannot
+       write, or whose state or metadata holds what a shard or JSON cannot, says so in
+       step 3, and every rank raises it);
     3. rank 0 gathers every shard's {file, bytes, piece_bytes, sha256_pieces} and what
        each holds of each tensor, writes manifest.json.tmp, fsyncs it, renames it to
        manifest.json and fsyncs the directory and the one above it (PyTorch DCP's
        `.metadata` does the same). No manifest, no checkpoint.
+Throughout a save or a load the group's waits nap rather than spin (`patiently`).
 
 The manifest records the world size, the step, the caller's metadata (the config, the
 mesh), each shard's size and its pieces' checksums (pieces.py), and for each array path
