@@ -25,6 +25,11 @@ CASES = [  # (ranks, flags): uneven batches (10 over 3 and 4), many buckets, acc
     (4, dict(strategy="tp", tp=4)),
     (4, dict(strategy="hybrid", dp=2, tp=2)),
     (4, dict(strategy="hybrid", dp=2, tp=2, zero_stage=3)),
+    (3, dict(strategy="dp", compress="topk:0.1")),  # each compressor's own wire format
+    (4, dict(strategy="dp", compress="qsgd:2", dtype="float64")),
+    (2, dict(strategy="dp", compress="fp16")),
+    (3, dict(strategy="dp", compress="randomk:0.2", allreduce="ring")),
+    (4, dict(strategy="hybrid", dp=2, tp=2, compress="sign")),
 ]
 
 
@@ -38,6 +43,7 @@ def layout_of(config, size: int) -> Layout:
         grad_accum=config.grad_accum,
         algo=config.allreduce,
         bucket_mb=config.bucket_mb,
+        compress=config.compress,
     )
 
 
@@ -106,6 +112,27 @@ def test_predict_prints_the_step_bytes_and_memory(capsys, tmp_path):
     assert '"predicted_bytes_by_axis_per_step"' in path.read_text()
 
 
+def test_a_compressor_s_own_work_is_measured_and_its_decoding_grows_with_p(capsys):
+    """predict measures the compressor on a group of one; a gathering one (top-k) decodes
+    every rank's payload, so its work grows with p, where the casts' does not."""
+    assert main(["predict", "--compress", "topk:0.1", "--world", "2", "--n-layer", "1"]) == 0
+    assert ", compressor " in capsys.readouterr().out
+    shapes = gpt_shapes(1, 16, 96, 8)
+    compute = Compute(0.01, 0.02, 0.001, examples=8, params=sum(shapes.params), compress_s=0.003)
+    net = Network(alpha=2e-6, beta=1e-9, gamma=1e-9)
+
+    def work(spec, p):
+        layout = Layout("dp", dp=p, compress=spec)
+        step = predict(layout, shapes, compute, net, batch_size=8)
+        expected = 0.01 / p + 0.02 / p + 0.001 + step.compress_s  # forward, backward, AdamW
+        assert step.compute_s == pytest.approx(expected)
+        return step.compress_s
+
+    assert work("fp16", 2) == work("fp16", 4) == 0.003
+    decode = 2 * 4 * sum(shapes.params) * net.gamma  # one more payload: two passes at γ
+    assert work("topk:0.01", 4) - work("topk:0.01", 2) == pytest.approx(2 * decode)
+
+
 def test_a_calibration_that_cannot_be_read_is_refused_by_predict_and_skipped_by_a_run(
     capsys, tmp_path, monkeypatch
 ):
@@ -132,7 +159,8 @@ def test_a_calibration_that_cannot_be_read_is_refused_by_predict_and_skipped_by_
         (["--strategy", "ps", "--consistency", "asp", "--world", "3"], "bsp only; got asp"),
         (["--world", "-1"], "--world must be a number of ranks >= 1"),
         (["--strategy", "hybrid", "--dp", "3", "--world", "4"], "--world 4: the mesh dp x tp"),
-        (["--compress", "fp16", "--world", "2"], "does not model --compress"),
+        (["--compress", "powersgd", "--world", "2"], "does not model --compress powersgd"),
+        (["--compress", "fp16", "--compress-warmup", "3", "--world", "2"], "--compress-warmup"),
     ],
 )
 def test_bad_predict_input_is_one_line(args, message, capsys):

@@ -39,6 +39,8 @@ from minidp.log import print0
 from minidp.plots import pyplot, save
 from minidp.training.config import TrainConfig
 from minidp.training.loop import train
+from minidp.training.predict_compress import compressor_seconds
+from minidp.training.tasks import Task
 
 group = comm.world()
 P = group.size
@@ -196,7 +198,10 @@ print0(report.table(["bytes", "algorithm", "predicted ms", "measured ms"], rows)
 # The scheme changes with the network too. The step model takes the compute this run
 # measured and prices data parallelism, ZeRO-3 and tensor parallelism on this network and on
 # the slow one: ZeRO-3 sends 1.5x DP's bytes, TP sends activations, (4L + 2) allreduces of
-# B·T·C values a step. Which is fastest depends on α and β.
+# B·T·C values a step. Which is fastest depends on α and β. So does whether compressing
+# the gradients pays: top-k at density 1% sends each rank's 1% largest values (and their
+# indices) to every other rank, and costs its own work, measured here on the model's own
+# gradients (`compressor_seconds`: choosing the top k, error feedback, decoding).
 
 # %%
 vocab = data.CharTokenizer().vocab_size
@@ -214,8 +219,11 @@ compute = step.Compute(
     examples=-(-config.batch_size // P),
     params=sum(shapes(1).params),
 )
+topk = TrainConfig(strategy="dp", compress="topk:0.01")
+work = compressor_seconds(topk, Task(topk, np.dtype(np.float32)), compute.examples)
 layouts = {
     "dp": step.Layout("dp", dp=P, shm=False),
+    "dp + top-k 1%": step.Layout("dp", dp=P, shm=False, compress="topk:0.01"),
     "zero-3": step.Layout("zero", dp=P, zero_stage=3),
     "tp": step.Layout("tp", tp=P),
 }
@@ -223,8 +231,9 @@ here = step.Network(alpha, beta, gamma)
 there = step.Network(alpha + slow.latency_s, beta + slow.seconds_per_byte, gamma)
 rows = []
 for name, layout in layouts.items():
+    spends = compute._replace(compress_s=work if layout.compress != "none" else 0.0)
     fast_s, slow_s = (
-        step.predict(layout, shapes(layout.tp), compute, net, batch_size=config.batch_size).step_s
+        step.predict(layout, shapes(layout.tp), spends, net, batch_size=config.batch_size).step_s
         for net in (here, there)
     )
     rows.append([name, f"{fast_s * 1e3:.1f}", f"{slow_s * 1e3:.1f}"])

@@ -1,4 +1,5 @@
-"""Predicted against measured step time, for dp, zero 1-3, tp, hybrid, pp and ps at P = 2 and 4.
+"""Predicted against measured step time, for dp, zero 1-3, tp, hybrid, pp, ps and compressed dp
+at P = 2 and 4.
 
     python -m minidp bench predict [--rounds 3] [--steps 31] [--procs 2,4] [--json FILE]
 
@@ -40,6 +41,9 @@ LAYOUTS = {  # name -> (train flags, the P it runs at)
     "pp-gpipe": (["--strategy", "pp", "--n-layer", "4", "--schedule", "gpipe"], (2, 4)),
     "pp-1f1b": (["--strategy", "pp", "--n-layer", "4", "--schedule", "1f1b"], (2, 4)),
     "ps": (["--strategy", "ps", "--servers", "1"], (2, 4)),  # BSP: 1 or 3 workers
+    "dp-topk": (["--strategy", "dp", "--compress", "topk:0.01"], (2, 4)),
+    "dp-fp16": (["--strategy", "dp", "--compress", "fp16"], (2, 4)),
+    "dp-sign": (["--strategy", "dp", "--compress", "sign"], (2, 4)),
 }  # pp: 4 blocks (a stage each at P = 4), --micro-batches 4 (the default)
 COLUMNS = [
     ("layout", ""),

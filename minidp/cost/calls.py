@@ -13,7 +13,8 @@ What each strategy runs in one step of K micro-batches (strategies/*.py, step.py
     every      the global loss: allreduce of 1 float64 over DP (auto)
     DDP's      (dp, zero 1) the reached flags: max-allreduce of 1 int32 per parameter tensor
     dp         each DDP bucket allreduced once, after the last micro-batch (--allreduce;
-               auto on one machine: "shm", the buckets lie in a shared arena)
+               auto on one machine: "shm", the buckets lie in a shared arena); with
+               --compress, each bucket's compressor's calls instead (`compressor_calls`)
     zero 1     each bucket reduce-scattered (DDP's hook); the clip's norm: allreduce of 1
                float64 over DP; each bucket's chunks allgathered after the optimizer
     zero 2     the same segments (the buckets' cut), reduce-scattered by ShardedGradients
@@ -35,6 +36,7 @@ for tp and hybrid), the ZeRO-3 units, the GPT's tokens and channels. `gpt_shapes
 them for minidp's GPT from its configuration, without building it (pure Python).
 """
 
+import math
 from typing import NamedTuple
 
 from minidp.chunks import chunk_bounds
@@ -108,13 +110,16 @@ def data_parallel(layout, shapes: Shapes, itemsize: int) -> list[Call]:
     calls = [LOSS]
     if stage < 2:  # DDP's reached flags: one int32 per parameter, max-allreduced
         calls.append(Call("dp", "allreduce", "auto", len(shapes.params), 4, "after"))
+    if stage == 0 and layout.compress != "none":  # the compressor's hook replaces the allreduce
+        name, _, param = layout.compress.partition(":")
+        chosen = algo if name == "randomk" else "auto"  # random-k's allreduce is --allreduce's
+        for n in segments:
+            for collective, m, size in compressor_calls(name, param, n, layout.dp, itemsize):
+                calls.append(Call("dp", collective, chosen, m, size, "backward"))
+        return calls
     if stage == 0:
         bucket_algo = "shm" if algo == "auto" and layout.shm else algo
-        ratio = layout.compress_ratio
-        for n in segments:  # a compressor sends about ratio of the bucket (not exact)
-            calls.append(
-                Call("dp", "allreduce", bucket_algo, round(n * ratio), itemsize, "backward")
-            )
+        calls += [Call("dp", "allreduce", bucket_algo, n, itemsize, "backward") for n in segments]
         return calls
     hybrid = layout.strategy == "hybrid"  # ZeROOverTP: sharded and replicated squares
     calls.append(NORM._replace(n=2) if hybrid else NORM)
@@ -127,6 +132,37 @@ def data_parallel(layout, shapes: Shapes, itemsize: int) -> list[Call]:
         calls += [Call("dp", "allgather", algo, n, itemsize, "backward") for n in shapes.units]
         calls += [Call("dp", "reduce_scatter", algo, n, itemsize, "backward") for n in shapes.units]
     return calls
+
+
+# ---- compression: the collectives each compressor calls (parallel/compression/*.py) ------------
+GATHERED = ("topk", "sign", "sign-noef", "qsgd")
+"""The compressors that allgather every rank's payload and decode each (base.gather_sum): their
+decoding grows with p, where the others' (the casts' alltoall pieces, random-k's allreduce)
+does not."""
+
+
+def compressor_calls(name: str, param, n: int, p: int, itemsize: int = 4) -> list:
+    """[(collective, elements, itemsize)] of one round of compressor `name` (its PARAM as a
+    number or the spec's text, "" for the default) on a bucket of n values on p ranks, exactly
+    as the compressor sends them; allgathers' elements are the gathered whole (p payloads)."""
+    if name == "none":
+        return [("allreduce", n, itemsize)]
+    if name in ("fp16", "bf16"):  # cast.py: alltoall of the 16-bit pieces, allgather of sums
+        width = -(-n // p)
+        return [("alltoall", p * width, 2), ("allgather", p * width, 2)]
+    if name in ("topk", "randomk"):  # sparse.py: k = kept(n, density)
+        density = float(param) if param not in (None, "") else 0.01
+        k = min(n, max(1, math.ceil(density * n))) if n else 0
+        if name == "randomk":  # shared random indices: only the values, allreduced
+            return [("allreduce", k, itemsize)]
+        return [("allgather", p * k, 4), ("allgather", p * k, itemsize)]  # int32 indices
+    if name in ("sign", "sign-noef", "qsgd"):  # quant.py: packed bits, one scale, allgathered
+        levels = int(float(param)) if name == "qsgd" and param not in (None, "") else 4
+        bits = 1 if name != "qsgd" else (2 * levels).bit_length()
+        return [("allgather", p * -(-n * bits // 8), 1), ("allgather", p, itemsize)]
+    raise ValueError(
+        f"no wire model for compressor {name!r} (powersgd's factors depend on the shapes)"
+    )
 
 
 def tensor_parallel(layout, shapes: Shapes, itemsize: int, examples: int) -> list[Call]:
@@ -149,7 +185,7 @@ def tensor_parallel(layout, shapes: Shapes, itemsize: int, examples: int) -> lis
         )
     if layout.zero_stage == 0:
         calls.append(Call("tp", "allreduce", "auto", 1, 8, "after"))  # the clip's norm
-        if layout.dp > 2 or layout.compress_ratio != 1.0:  # make_alike: TP rank 0's
+        if layout.dp > 2 or layout.compress != "none":  # make_alike: TP rank 0's
             calls.append(Call("tp", "broadcast", "auto", shapes.replicated, itemsize, "after"))
     else:  # ZeROOverTP: the norm's two sums over TP; the drift broadcast (check_drift)
         calls.append(Call("tp", "allreduce", "auto", 2, 8, "after"))

@@ -22,7 +22,7 @@ Pure Python: no MPI, except that cost.resolve reads comm/auto.py's thresholds.
 from typing import NamedTuple
 
 from minidp import cost
-from minidp.cost.calls import gpt_shapes
+from minidp.cost.calls import compressor_calls, gpt_shapes
 from minidp.cost.step import Compute, Layout, Network, memory, predict
 
 
@@ -132,25 +132,7 @@ def scaling(ranks, model: GPT, compute: Compute, net: Network, *, bucket_mb: flo
     return rows
 
 
-# ---- compression: the collectives each compressor calls (compression/*.py) ------------------
-def compressor_calls(name: str, param, n: int, p: int) -> list[tuple[str, int, int]]:
-    """(collective, elements, itemsize) of one round on a float32 vector of n, as the
-    compressor sends it: the allgathered ones gather every rank's payload (n: gathered)."""
-    if name == "none":
-        return [("allreduce", n, 4)]
-    if name in ("fp16", "bf16"):  # cast.py: alltoall of the 16-bit pieces, allgather of sums
-        return [("alltoall", p * -(-n // p), 2), ("allgather", p * -(-n // p), 2)]
-    if name == "topk":  # sparse.py: k int32 indices and k values, allgathered
-        k = max(int(param * n), 1)
-        return [("allgather", p * k, 4), ("allgather", p * k, 4)]
-    if name == "randomk":  # shared random indices: the k values allreduced
-        return [("allreduce", max(int(param * n), 1), 4)]
-    if name in ("sign", "qsgd"):  # quant.py: packed bits and a float32 scale, allgathered
-        bits = 1 if name == "sign" else (2 * param).bit_length()
-        return [("allgather", p * -(-n * bits // 8), 1), ("allgather", p, 4)]
-    raise ValueError(f"no wire model for compressor {name!r}")
-
-
+# ---- compression: each compressor as the collectives it calls (calls.compressor_calls) ---------
 COMPRESSORS = (
     ("fp16", None),
     ("topk", 0.01),

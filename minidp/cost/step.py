@@ -12,7 +12,7 @@
 
 Pure Python: no MPI, no model built (algo "auto" is resolved by minidp.comm.auto's table).
 
-The model of one step on one rank, in four terms:
+The model of one step on one rank, term by term:
 
     compute     forward + backward: the measured one-process times of `examples` examples;
                 their part `Compute.fixed` (the ops' own cost: Python, NumPy calls) stays
@@ -25,6 +25,10 @@ The model of one step on one rank, in four terms:
     overlap     backward-phase calls hide behind backward only when the strategy overlaps
                 (Layout.overlap, DDP's and ZeRO 1-2's communication thread); exposed =
                 max(0, backward comm - backward) + every other call
+    compress    a compressor's own work (encoding, error feedback, decoding): Compute.
+                compress_s, measured on a group of one (one payload decoded); the
+                gathering ones (calls.GATHERED) decode p payloads, each priced as two
+                passes over the bucket at γ (the decoded vector, and its addition)
     per call    minidp's own cost of a collective beyond its messages (the Python layer, the
                 checks' fingerprint exchange, a peer not yet scheduled on shared cores):
                 Network.per_call, measured by the run (training/predict.py), 0 by default
@@ -33,7 +37,7 @@ The model of one step on one rank, in four terms:
 
     step = compute + exposed communication
 
-Bytes by axis are exact for dp, zero 1-3, tp and hybrid (without --compress or
+Bytes by axis are exact for dp, zero 1-3, tp and hybrid, with --compress too (not with
 --sequence-parallel; the pipeline's: parallel/pipeline/step_cost.py): minidp.cost.sent of
 every call, summed per axis, as the run's `bytes_sent_by_axis` counts them for rank `rank`
 (tests/test_cost_step.py checks against real runs). Memory per rank: the parameters,
@@ -45,7 +49,7 @@ from typing import NamedTuple
 
 from minidp import cost
 from minidp.chunks import chunk_bounds
-from minidp.cost.calls import Shapes, buckets, data_parallel, tensor_parallel
+from minidp.cost.calls import GATHERED, Shapes, buckets, data_parallel, tensor_parallel
 
 
 class Layout(NamedTuple):
@@ -61,7 +65,7 @@ class Layout(NamedTuple):
     algo: str = "auto"  # --allreduce
     bucket_mb: float = 0.25
     shm: bool = True  # every rank on one machine: DDP's "auto" reduces buckets by loads
-    compress_ratio: float = 1.0  # bytes sent / dense bytes of the DP buckets (an estimate)
+    compress: str = "none"  # --compress NAME[:PARAM]: the DP buckets' compressor (calls.py)
     schedule: str = "1f1b"  # pp > 1: the pipeline's (parallel/pipeline/step_cost.py)
     micro_batches: int = 1
     virtual: int = 1
@@ -79,6 +83,7 @@ class Compute(NamedTuple):
     examples: int  # the batch those times are for
     params: int  # parameters the optimizer stepped
     fixed: float = 0.0  # the part of forward and backward no split shortens (per-op cost)
+    compress_s: float = 0.0  # --compress: its own work on every bucket, on a group of one
 
 
 class Network(NamedTuple):
@@ -99,6 +104,7 @@ class Prediction(NamedTuple):
     forward_s: float
     backward_s: float
     optimizer_s: float
+    compress_s: float = 0.0  # the compressor's own work, in compute_s
 
 
 def fixed_part(whole: Compute, half: Compute) -> float:
@@ -122,6 +128,16 @@ def call_time(call, p: int, net: Network) -> float:
     else:
         t = cost.time(call.collective, call.algo, p, call.n, call.itemsize, **_abg(net)) or 0.0
     return t + net.per_call
+
+
+def compressing(layout: Layout, shapes: Shapes, compute: Compute, net: Network, itemsize=4):
+    """Seconds of the compressor's own work in one step: its measured work on a group of one,
+    and for a gathering one the other p - 1 payloads decoded into each bucket."""
+    name = layout.compress.partition(":")[0]
+    if name not in GATHERED or layout.dp == 1:
+        return compute.compress_s
+    values = sum(shapes.params)  # every bucket's, once
+    return compute.compress_s + (layout.dp - 1) * 2 * itemsize * values * net.gamma
 
 
 def _abg(net: Network) -> dict:
@@ -186,8 +202,10 @@ def predict(
     batch_size: int,
     itemsize: int = 4,
     activations: int = 0,
+    rank: int = 0,
 ) -> Prediction:
-    """The predicted step of `layout` on rank 0 (the module docstring says each term)."""
+    """The predicted step of `layout`, timed on rank 0; bytes and memory mesh rank `rank`'s
+    (`shapes` its TP shard's). The module docstring says each term."""
     sizes = {"dp": layout.dp, "tp": layout.tp, "pp": layout.pp}
     world = layout.dp * layout.tp * layout.pp
     stretch = max(1.0, world / net.cores) if net.cores else 1.0
@@ -205,16 +223,18 @@ def predict(
             hideable += seconds
     overlaps = layout.overlap and layout.zero_stage < 3  # stage 3 gathers inline
     hidden = min(hideable, backward) if overlaps else 0.0
-    compute_s = (forward + backward + optimizer) * stretch
+    compress = compressing(layout, shapes, compute, net, itemsize)
+    compute_s = (forward + backward + optimizer + compress) * stretch
     exposed = (comm - hidden) * stretch
     return Prediction(
         step_s=compute_s + exposed,
         compute_s=compute_s,
         comm_s=comm * stretch,
         exposed_comm_s=exposed,
-        bytes_by_axis=bytes_by_axis(layout, shapes, itemsize, batch_size),
-        memory_bytes=memory(layout, shapes, itemsize, activations),
+        bytes_by_axis=bytes_by_axis(layout, shapes, itemsize, batch_size, rank),
+        memory_bytes=memory(layout, shapes, itemsize, activations, rank),
         forward_s=forward * stretch,
         backward_s=backward * stretch,
         optimizer_s=optimizer * stretch,
+        compress_s=compress * stretch,
     )

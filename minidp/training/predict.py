@@ -8,7 +8,7 @@ The step model is minidp/cost/step.py (pure Python); this module feeds it from a
 (the pipeline's: predict_pp.py, the parameter server's: predict_ps.py):
 
     layout      the flags (--strategy, --dp, --tp, --zero-stage, --grad-accum, --allreduce,
-                --bucket-mb, --overlap) on N ranks (--world, or mpiexec's -n)
+                --bucket-mb, --overlap, --compress) on N ranks (--world, or mpiexec's -n)
     shapes      the GPT's (cost.calls.gpt_shapes: no model built for the sizes)
     compute     measured here, one process: the whole model's forward, backward and
                 optimizer step on this rank's examples (B / dp), two steps untimed
@@ -18,7 +18,8 @@ The step model is minidp/cost/step.py (pure Python); this module feeds it from a
                 Under mpiexec -n N instead, every rank measures at once (the sharing is
                 in the measurement) and the per-call cost is timed on them (on_group).
                 With tp > 1, also on half the examples: the part of the time that does not
-                shrink with the work (`fixed_part`: the ops' own cost), which TP keeps whole
+                shrink with the work (`fixed_part`: the ops' own cost), which TP keeps whole;
+                with --compress, the compressor's own work (predict_compress.py)
     network     α, β, γ from `python -m minidp bench calibrate` (runs/calibration.json, or
                 --calibration FILE); without one, built-in defaults, said so in the output;
                 the per-call cost from the file's "per_call" if it has one (else 0)
@@ -40,6 +41,7 @@ from minidp import comm, optim
 from minidp.cost.calls import gpt_shapes
 from minidp.cost.step import Compute, Layout, Network, fixed_part, predict
 from minidp.training.config import BadConfig
+from minidp.training.predict_compress import check_compress, compressor_seconds
 from minidp.training.tasks import Task
 
 CALIBRATION = "runs/calibration.json"
@@ -58,8 +60,10 @@ def layout_of(config, world: int) -> Layout:
         raise BadConfig(
             f"predict models the GPT on NumPy; --model {config.model}, --backend {config.backend}"
         )
-    if config.compress != "none" or config.sequence_parallel or config.prune:
-        raise BadConfig("predict does not model --compress, --prune or --sequence-parallel yet")
+    if config.sequence_parallel or config.prune:
+        raise BadConfig("predict does not model --prune or --sequence-parallel yet")
+    if config.compress != "none":
+        check_compress(config)  # training/predict_compress.py
     if uses_pipeline(config):  # training/predict_pp.py
         return pipeline_layout(config, world)
     if config.strategy == "ps":  # training/predict_ps.py
@@ -83,6 +87,7 @@ def layout_of(config, world: int) -> Layout:
         overlap=overlap,
         algo=config.allreduce,
         bucket_mb=config.bucket_mb,
+        compress=config.compress,
     )
 
 
@@ -147,8 +152,8 @@ def run_prediction(
     config, world: int, *, cores: int, network: Network, threads: int, layout=None, rank=0
 ):
     """(Prediction, Layout) for `config` on `world` ranks (the flags' layout, or `layout`);
-    compute measured here. A pipeline's and a parameter server's are rank `rank`'s (the
-    others', rank 0's)."""
+    compute measured here; bytes and memory rank `rank`'s (a pipeline's and a parameter
+    server's step too)."""
     from threadpoolctl import threadpool_limits
 
     layout = layout or layout_of(config, world)
@@ -166,9 +171,12 @@ def run_prediction(
         if layout.tp > 1 and examples >= 2:  # the part a TP split does not shorten
             half = measure_compute(task, config, examples // 2)
             compute = compute._replace(fixed=fixed_part(compute, half))
+        if layout.compress != "none":
+            compute = compute._replace(compress_s=compressor_seconds(config, task, examples))
     itemsize = np.dtype(config.dtype).itemsize
     vocab = task.model.config.vocab_size
-    shapes = gpt_shapes(config.n_layer, config.n_embd, vocab, config.block_size, layout.tp)
+    tp_rank = rank % layout.tp  # mesh rank d·tp + t: its TP shard's shapes, its own bytes
+    shapes = gpt_shapes(config.n_layer, config.n_embd, vocab, config.block_size, layout.tp, tp_rank)
     activations = activation_estimate(config, examples // config.grad_accum, layout.tp)
     net = network._replace(cores=cores)
     prediction = predict(
@@ -179,6 +187,7 @@ def run_prediction(
         batch_size=config.batch_size,
         itemsize=itemsize,
         activations=activations,
+        rank=rank,
     )
     return prediction, layout
 
@@ -199,6 +208,7 @@ def prediction_record(prediction, measured_step_s: float | None = None) -> dict:
         "predicted_compute_s": prediction.compute_s,
         "predicted_comm_s": prediction.comm_s,
         "predicted_exposed_comm_s": prediction.exposed_comm_s,
+        "predicted_compress_s": prediction.compress_s,
         "predicted_bytes_by_axis_per_step": prediction.bytes_by_axis,
         "predicted_memory_bytes": prediction.memory_bytes,
     }
@@ -234,7 +244,9 @@ def describe(prediction, layout: Layout, world: int, source: str, cores: int) ->
             f"α, β, γ: {source}",
             f"step {p.step_s * ms:.2f} ms = compute {p.compute_s * ms:.2f} ms (forward "
             f"{p.forward_s * ms:.2f}, backward {p.backward_s * ms:.2f}, "
-            f"{'the servers: ' if ps else ''}optimizer {p.optimizer_s * ms:.2f}) + exposed "
+            f"{'the servers: ' if ps else ''}optimizer {p.optimizer_s * ms:.2f}"
+            + (f", compressor {p.compress_s * ms:.2f}" if p.compress_s else "")
+            + f") + exposed "
             f"comm {p.exposed_comm_s * ms:.2f} ms "
             + (
                 f"({exposed}{p.comm_s * ms:.2f} ms of messages and collectives)"
