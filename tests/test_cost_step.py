@@ -4,7 +4,7 @@ against what real runs count, and the model states per rank; `predict`'s output 
 import numpy as np
 import pytest
 
-from minidp import comm
+from minidp import comm, nn
 from minidp.cli import main
 from minidp.cost.calls import gpt_shapes
 from minidp.cost.step import Compute, Layout, Network, bytes_by_axis, fixed_part, memory, predict
@@ -30,6 +30,8 @@ CASES = [  # (ranks, flags): uneven batches (10 over 3 and 4), many buckets, acc
     (2, dict(strategy="dp", compress="fp16")),
     (3, dict(strategy="dp", compress="randomk:0.2", allreduce="ring")),
     (4, dict(strategy="hybrid", dp=2, tp=2, compress="sign")),
+    (3, dict(strategy="dp", compress="powersgd:1")),  # its factors follow the shapes
+    (4, dict(strategy="hybrid", dp=2, tp=2, compress="powersgd:2")),  # of a TP shard
 ]
 
 
@@ -118,6 +120,8 @@ def test_a_compressor_s_own_work_is_measured_and_its_decoding_grows_with_p(capsy
     assert main(["predict", "--compress", "topk:0.1", "--world", "2", "--n-layer", "1"]) == 0
     assert ", compressor " in capsys.readouterr().out
     shapes = gpt_shapes(1, 16, 96, 8)
+    model = nn.GPT(nn.GPTConfig(vocab_size=96, block_size=8, n_layer=1, n_embd=16), seed=0)
+    assert list(shapes.dims) == [p.shape for p in model.parameters()]  # PowerSGD's matrices
     compute = Compute(0.01, 0.02, 0.001, examples=8, params=sum(shapes.params), compress_s=0.003)
     net = Network(alpha=2e-6, beta=1e-9, gamma=1e-9)
 
@@ -159,7 +163,7 @@ def test_a_calibration_that_cannot_be_read_is_refused_by_predict_and_skipped_by_
         (["--strategy", "ps", "--consistency", "asp", "--world", "3"], "bsp only; got asp"),
         (["--world", "-1"], "--world must be a number of ranks >= 1"),
         (["--strategy", "hybrid", "--dp", "3", "--world", "4"], "--world 4: the mesh dp x tp"),
-        (["--compress", "powersgd", "--world", "2"], "does not model --compress powersgd"),
+        (["--compress", "sign", "--compress-on", "update", "--world", "2"], "on gradient; got"),
         (["--compress", "fp16", "--compress-warmup", "3", "--world", "2"], "--compress-warmup"),
     ],
 )

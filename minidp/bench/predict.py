@@ -44,6 +44,7 @@ LAYOUTS = {  # name -> (train flags, the P it runs at)
     "dp-topk": (["--strategy", "dp", "--compress", "topk:0.01"], (2, 4)),
     "dp-fp16": (["--strategy", "dp", "--compress", "fp16"], (2, 4)),
     "dp-sign": (["--strategy", "dp", "--compress", "sign"], (2, 4)),
+    "dp-powersgd": (["--strategy", "dp", "--compress", "powersgd:2"], (2, 4)),
 }  # pp: 4 blocks (a stage each at P = 4), --micro-batches 4 (the default)
 COLUMNS = [
     ("layout", ""),

@@ -61,6 +61,7 @@ class Shapes(NamedTuple):
     n_embd: int = 0  # TP: channels C of the activations g and f reduce
     block_size: int = 0  # TP: tokens T per example
     vocab: int = 0  # TP: the vocabulary (hybrid ZeRO broadcasts when tp does not divide it)
+    dims: tuple = ()  # the parameters' shapes, as params (PowerSGD factors each matrix)
 
 
 def gpt_shapes(n_layer: int, n_embd: int, vocab: int, block_size: int, tp: int = 1, rank=0):
@@ -70,32 +71,38 @@ def gpt_shapes(n_layer: int, n_embd: int, vocab: int, block_size: int, tp: int =
     GPT wpe first, then wte's rows (parallel/tensor_parallel/gpt.py). Columns of qkv, fc and
     rows of proj, fc_proj are split evenly (tp divides heads and 4C), the vocabulary by
     chunk_bounds (it may not divide)."""
-    C, V = n_embd, vocab
+    C, V, T = n_embd, vocab, block_size
     bounds = chunk_bounds(V, tp)
     v = bounds[rank + 1] - bounds[rank]
-    block = [C, C, C * 3 * C // tp, 3 * C // tp, C * C // tp, C]  # ln1, qkv, proj (w, b)
-    block += [C, C, C * 4 * C // tp, 4 * C // tp, 4 * C * C // tp, C]  # ln2, fc, fc_proj
-    blocks = block * n_layer
-    embeddings = [v * C, block_size * C] if tp == 1 else [block_size * C, v * C]
-    params = [*embeddings, *blocks, C, C, C * v]
-    units = [v * C, block_size * C, *[sum(block)] * n_layer, 2 * C, C * v]
-    replicated = block_size * C + n_layer * 6 * C + 2 * C if tp > 1 else 0
-    return Shapes(params, units, replicated, n_layer, C, block_size, V)
+    block = [(C,), (C,), (C, 3 * C // tp), (3 * C // tp,), (C // tp, C), (C,)]  # ln1, qkv, proj
+    block += [(C,), (C,), (C, 4 * C // tp), (4 * C // tp,), (4 * C // tp, C), (C,)]  # ln2, MLP
+    embeddings = [(v, C), (T, C)] if tp == 1 else [(T, C), (v, C)]
+    dims = (*embeddings, *block * n_layer, (C,), (C,), (C, v))  # Linear weights: (in, out)
+    params = [math.prod(d) for d in dims]
+    units = [v * C, T * C, *[sum(map(math.prod, block))] * n_layer, 2 * C, C * v]
+    replicated = T * C + n_layer * 6 * C + 2 * C if tp > 1 else 0
+    return Shapes(params, units, replicated, n_layer, C, T, V, dims)
+
+
+def bucket_members(params: list[int], cap_bytes: float, itemsize: int) -> list[list[int]]:
+    """Indices into `params` of each DDP bucket (buckets.bucket_groups): parameters in
+    reverse order, a new bucket when the next would pass the cap (never an empty one)."""
+    members: list[list[int]] = []
+    filled = 0
+    for i in reversed(range(len(params))):
+        if members and filled + params[i] * itemsize > cap_bytes:
+            members.append([])
+            filled = 0
+        if not members:
+            members.append([])
+        members[-1].append(i)
+        filled += params[i] * itemsize
+    return members
 
 
 def buckets(params: list[int], cap_bytes: float, itemsize: int) -> list[int]:
-    """Elements of each DDP bucket (buckets.bucket_groups): parameters in reverse order,
-    a new bucket when the next would pass the cap (never an empty one)."""
-    sizes, filled = [], 0
-    for n in reversed(params):
-        if sizes and filled + n * itemsize > cap_bytes:
-            sizes.append(0)
-            filled = 0
-        if not sizes:
-            sizes.append(0)
-        sizes[-1] += n
-        filled += n * itemsize
-    return sizes
+    """Elements of each DDP bucket (`bucket_members`)."""
+    return [sum(params[i] for i in b) for b in bucket_members(params, cap_bytes, itemsize)]
 
 
 LOSS = Call("dp", "allreduce", "auto", 1, 8, "after")  # the global loss, a float64 scalar
@@ -112,10 +119,13 @@ def data_parallel(layout, shapes: Shapes, itemsize: int) -> list[Call]:
         calls.append(Call("dp", "allreduce", "auto", len(shapes.params), 4, "after"))
     if stage == 0 and layout.compress != "none":  # the compressor's hook replaces the allreduce
         name, _, param = layout.compress.partition(":")
-        chosen = algo if name == "randomk" else "auto"  # random-k's allreduce is --allreduce's
-        for n in segments:
-            for collective, m, size in compressor_calls(name, param, n, layout.dp, itemsize):
-                calls.append(Call("dp", collective, chosen, m, size, "backward"))
+        chosen = algo if name in ("randomk", "powersgd") else "auto"  # theirs: --allreduce
+        for members, n in zip(bucket_members(shapes.params, cap, itemsize), segments):
+            if name == "powersgd":
+                wire = powersgd_calls([shapes.dims[i] for i in members], param, itemsize)
+            else:
+                wire = compressor_calls(name, param, n, layout.dp, itemsize)
+            calls += [Call("dp", c, chosen, m, size, "backward") for c, m, size in wire]
         return calls
     if stage == 0:
         bucket_algo = "shm" if algo == "auto" and layout.shm else algo
@@ -163,6 +173,24 @@ def compressor_calls(name: str, param, n: int, p: int, itemsize: int = 4) -> lis
     raise ValueError(
         f"no wire model for compressor {name!r} (powersgd's factors depend on the shapes)"
     )
+
+
+def powersgd_calls(dims: list[tuple], param, itemsize: int = 4) -> list:
+    """[(collective, elements, itemsize)] of one PowerSGD round (lowrank.py) on a bucket of
+    tensors of shapes `dims`: a tensor (n, ...) is the n x m matrix of its size, factored
+    when (n + m)·r < n·m; the P factors (n·r each) in one allreduce, the Q factors (m·r) in
+    a second, every other value in a third (each skipped when empty)."""
+    r = int(float(param)) if param not in (None, "") else 2
+    p_side = q_side = plain = 0
+    for shape in dims:
+        size = math.prod(shape)
+        n = shape[0] if len(shape) >= 2 else size
+        m = size // n if n else 0
+        if len(shape) >= 2 and (n + m) * r < n * m:
+            p_side, q_side = p_side + n * r, q_side + m * r
+        else:
+            plain += size
+    return [("allreduce", k, itemsize) for k in (p_side, q_side, plain) if k]
 
 
 def tensor_parallel(layout, shapes: Shapes, itemsize: int, examples: int) -> list[Call]:

@@ -11,10 +11,10 @@ model's own gradients, on a group of one rank (MPI.COMM_SELF), where its exchang
 nothing and it decodes one payload; cost/step.py adds the decoding of the
 other ranks' payloads for the compressors that gather them.
 
-What is refused, in one line: PowerSGD (its factors' bytes depend on each matrix's shape),
-`--compress-on update` and `velocity` (the reduction moves into the optimizer), and
-`--compress-warmup` (its first rounds are the plain allreduce: the steady state is what the
-model predicts).
+What is refused, in one line: `--compress-on update` and `velocity` (the reduction moves
+into the optimizer), and `--compress-warmup` (its first rounds are the plain allreduce: the
+steady state is what the model predicts). PowerSGD's three allreduces per bucket follow its
+matrices' shapes (cost/calls.py, `powersgd_calls`, from `Shapes.dims`).
 """
 
 import statistics
@@ -22,15 +22,12 @@ import time
 
 import numpy as np
 
-from minidp.cost.calls import buckets
+from minidp.cost.calls import bucket_members
 from minidp.training.config import BadConfig
 
 
 def check_compress(config) -> None:
     """BadConfig (one line, alike on every rank) for a --compress the model does not cover."""
-    name = config.compress.partition(":")[0]
-    if name == "powersgd":
-        raise BadConfig("predict does not model --compress powersgd (its bytes follow shapes)")
     if config.compress_on != "gradient":
         raise BadConfig(f"predict models --compress-on gradient; got {config.compress_on}")
     if config.compress_warmup:
@@ -51,14 +48,17 @@ def compressor_seconds(config, task, examples: int, warmup: int = 2, steps: int 
     params = task.model.parameters()
     task.loss(*task.batch(np.arange(examples))).backward()
     share = examples / config.batch_size
-    flat = [np.asarray(p.grad).reshape(-1) * share for p in reversed(params)]  # DDP's order
-    for p in params:
-        p.grad = None
     dtype = np.dtype(config.dtype)
     cap = max(1, int(config.bucket_mb * 2**20))
-    sizes = buckets([p.size for p in params], cap, dtype.itemsize)
-    cuts = np.cumsum(sizes)[:-1]
-    grads = [b.astype(dtype) for b in np.split(np.concatenate(flat), cuts)]
+    members = bucket_members([p.size for p in params], cap, dtype.itemsize)  # DDP's cut
+
+    def flat(bucket: list[int]) -> np.ndarray:  # its gradients end to end, weighed as DDP's
+        return np.concatenate([np.asarray(params[i].grad).reshape(-1) for i in bucket]) * share
+
+    grads = [flat(bucket).astype(dtype) for bucket in members]
+    shapes = [[params[i].shape for i in bucket] for bucket in members]  # PowerSGD's matrices
+    for p in params:
+        p.grad = None
     work = [g.copy() for g in grads]
     compressor = make_compressor(config.compress, config.allreduce, config.seed)
     alone = comm.Group(MPI.COMM_SELF.Dup(), checks=False)
@@ -68,8 +68,8 @@ def compressor_seconds(config, task, examples: int, warmup: int = 2, steps: int 
             for x, g in zip(work, grads):
                 np.copyto(x, g)
             start = time.perf_counter()
-            for key, x in enumerate(work):
-                compressor.reduce(x, key, alone)
+            for key, (x, dims) in enumerate(zip(work, shapes)):
+                compressor.reduce(x, key, alone, dims)
             times.append(time.perf_counter() - start)
     finally:
         alone.free()
