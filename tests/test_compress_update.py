@@ -46,6 +46,8 @@ def test_compress_on_is_refused_where_it_cannot_work():
         TrainConfig(compress="sign", compress_warmup=-1).validate()
     with pytest.raises(BadConfig, match="--compress-warmup needs --compress"):
         TrainConfig(compress_warmup=5).validate()
+    with pytest.raises(BadConfig, match="--compress with --zero-stage 1: the compressors"):
+        TrainConfig(strategy="hybrid", zero_stage=1, compress="topk").validate()  # not ignored
 
 
 @pytest.mark.parallel(nprocs=[2])

@@ -116,6 +116,11 @@ def check_compress(config) -> None:
             )
     if config.compress_warmup and config.compress == "none":
         raise BadConfig("--compress-warmup needs --compress: it delays the compression")
+    if config.compress != "none" and config.zero_stage:  # hybrid's DP axis under ZeRO
+        raise BadConfig(
+            f"--compress with --zero-stage {config.zero_stage}: the compressors replace "
+            "DDP's bucket allreduce, and ZeRO reduce-scatters its shards instead; drop one"
+        )
 
 
 PIPELINE_FLAGS = ("micro_batches", "schedule", "virtual", "recompute")  # --pp's own
