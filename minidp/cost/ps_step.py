@@ -1,9 +1,9 @@
-"""The parameter server's step under BSP in the step model (minidp/cost/step.py):
-`--strategy ps --servers S --consistency bsp`, W = P - S workers.
+"""The parameter server's step in the step model (minidp/cost/step.py): `--strategy ps
+--servers S --consistency bsp|asp|ssp:K`, W = P - S workers.
 
     from minidp.cost.ps_step import predict_ps
     p = predict_ps(workers=2, servers=1, params=116_480, compute=compute, net=network,
-                   batch_size=16, clip=True)
+                   batch_size=16, clip=True, bound=math.inf)        # ASP; None: BSP
 
 The messages of one step (parallel/param_server/messages.py), Ψ parameters of b bytes,
 server s holding Ψ_s (chunk_range of Ψ over S), headers of 8 float64s (64 bytes):
@@ -15,24 +15,55 @@ server s holding Ψ_s (chunk_range of Ψ over S), headers of 8 float64s (64 byte
                 run, after the last clock: the dropped-worker mask, W int64s allreduced
                 among the servers, and the first server's MEMBERS, W int64s to each worker
 
-Bytes are exact against the run's `bytes_sent_by_axis` (axis "dp": the workers split the
-batch), the once-per-run part given apart (`bytes_per_run`).
+The same under ASP and SSP: a worker pushes once and pulls once per step, and each pull is
+answered once, only later or sooner; the one difference is the norm's allreduce, which only
+BSP has (ASP/SSP workers clip their own gradient, on their own). Bytes are exact against
+the run's `bytes_sent_by_axis` (axis "dp": the workers split the batch), the once-per-run
+part given apart (`bytes_per_run`).
 
-Time, on a worker (BSP: every worker's step waits for every push):
+Time, on a worker, with one message m = 2α + (64 + Ψ_s b)β (a header and the largest
+shard: that server is the last to answer) and u = the measured optimizer step scaled to
+Ψ_s (the servers step, not the workers):
 
     compute     forward and backward of the whole model on its B / W examples (step.py's
-                scaling), no optimizer (the servers step)
-    push        server s receives W pushes one after another: W (2α + (64 + Ψ_s b) β)
-    server      the measured optimizer step scaled to Ψ_s, the clip's allreduce
-    reply       W replies one after another: W (2α + (64 + Ψ_s b) β)
+                scaling), no optimizer
 
-    step = (compute + push + server + reply + per call) · stretch, for the largest shard;
-    exposed communication = step - compute (the worker waits through the rest)
+    BSP         every worker waits for every push: the server receives W pushes one after
+                another, steps once (u, and the clip's allreduce), sends W replies
+                    step = compute + 2W·m + u + norm + per call
+    ASP         no wait for the others: a worker's push, the server's update with it alone,
+                the reply: compute + 2m + u. But the server serves one push at a time,
+                each costing it 2m + u (receive, update, reply), so W workers cannot step
+                faster than it serves them:
+                    step = max(compute + 2m + u, W (2m + u)) + per call
+                with compute on this worker's own examples
+    SSP:K       a worker may be K clocks ahead of the slowest, never more. With equal
+      K >= 1    workers (what this models: the batch split as evenly as it goes) the bound
+                never binds in steady state, so the step is ASP's; with unequal ones the
+                slowest sets everyone's pace over a run, so compute is the largest share's
+                (rank 0's, which chunk_bounds gives the extra examples). --ps-slow-worker-ms
+                (one worker slowed on purpose) is not modelled
+      K = 0     every pull waits for every push, as BSP, but each push is its own update:
+                    step = compute + 2W·m + W·u + per call
+
+    step = that · stretch (ranks sharing cores); exposed communication = step - compute
+    (the worker waits through the rest)
+
+Staleness (the record's `staleness_histogram`: an update's clock minus the clocks complete
+in the parameters it was computed on). Under ASP / SSP:K>=1 with W equal workers taking
+turns, each push misses the W - 1 other pushes made between its pull and it (ps-lite's
+delay, counted in updates); in clocks, the reply to the last of a turn holds the whole
+clock (staleness 0 next time), the others' replies miss one (staleness 1): the mean is
+(W - 1) / W (`mean_staleness`). BSP and SSP:0: 0. Ranks outnumbering cores do not take
+turns (the scheduler lets one run ahead): there the measured mean is higher.
 
 Memory: a worker's parameters, its gradients twice (the model's and the flat vector it
-pushes), no optimizer; a server's shard, its gradients twice (the sum of the pushes and
-the optimizer's), and two moments of it (AdamW's; SGD with momentum holds one).
+pushes), no optimizer; a server's shard, the pushes it holds (BSP: one per worker until
+the clock is complete; ASP/SSP: one, applied at once) and two moments of the shard
+(AdamW's; SGD with momentum holds one).
 """
+
+import math
 
 from minidp import cost
 from minidp.chunks import chunk_bounds
@@ -47,7 +78,8 @@ def shard_sizes(params: int, servers: int) -> list[int]:
 
 
 def bytes_by_axis(workers, servers, params, itemsize, rank=0, clip=True) -> dict:
-    """{"dp", "tp", "pp": bytes} rank `rank` sends in one step (servers: ranks W..P-1)."""
+    """{"dp", "tp", "pp": bytes} rank `rank` sends in one step (servers: ranks W..P-1);
+    clip: the servers allreduce the norm (BSP with --grad-clip; never under ASP/SSP)."""
     if rank < workers:
         sent = params * itemsize + 2 * servers * HEADER_BYTES
     else:
@@ -67,6 +99,12 @@ def bytes_per_run(workers, servers, rank=0) -> int:
     return mask + (workers * workers * 8 if s == 0 else 0)
 
 
+def mean_staleness(workers: int, bound: float | None = None) -> float:
+    """The staleness histogram's mean (clocks) with `workers` equal workers taking turns:
+    bound None (BSP) or 0: 0; else (W - 1) / W (the module docstring says why)."""
+    return 0.0 if not bound else min(bound, (workers - 1) / workers)
+
+
 def predict_ps(
     *,
     workers: int,
@@ -79,31 +117,45 @@ def predict_ps(
     itemsize: int = 4,
     activations: int = 0,
     rank: int = 0,
+    bound: float | None = None,
 ) -> Prediction:
-    """The predicted BSP step of rank `rank` (the module docstring says each term)."""
+    """The predicted step of rank `rank`; bound: None for BSP, K for SSP:K, math.inf for
+    ASP (the module docstring says each term). clip: the servers' norm allreduce (BSP)."""
     W, S = workers, servers
-    examples = chunk_bounds(batch_size, W)[1]
+    chunks = chunk_bounds(batch_size, W)
+    own = rank < W and bound == math.inf  # ASP: a worker's own pace; else the slowest's
+    examples = chunks[rank + 1] - chunks[rank] if own else chunks[1]
     scale = compute.fixed + (1 - compute.fixed) * examples / compute.examples
     forward, backward = compute.forward_s * scale, compute.backward_s * scale
     shard = max(shard_sizes(params, S))
-    one_way = W * (2 * net.alpha + (HEADER_BYTES + shard * itemsize) * net.beta)
-    optimizer = compute.optimizer_s * shard / compute.params
+    message = 2 * net.alpha + (HEADER_BYTES + shard * itemsize) * net.beta
+    update = compute.optimizer_s * shard / compute.params
     norm = cost.time("allreduce", "auto", S, 1, 8, alpha=net.alpha, beta=net.beta) or 0.0
-    norm = norm + net.per_call if clip and S > 1 else 0.0
+    norm = norm + net.per_call if clip and S > 1 and bound is None else 0.0
     stretch = max(1.0, (W + S) / net.cores) if net.cores else 1.0
     compute_s = forward + backward
-    step = (compute_s + 2 * one_way + optimizer + norm + net.per_call) * stretch
+    if bound is None:  # BSP: W pushes, one update, W replies
+        messages, optimizer = 2 * W * message, update
+        step = compute_s + messages + optimizer + norm
+    elif bound == 0:  # SSP:0: BSP's waits, an update per push
+        messages, optimizer = 2 * W * message, W * update
+        step = compute_s + messages + optimizer
+    else:  # ASP, SSP:K>=1: the worker's own round trip, or the server's pace
+        messages, optimizer = 2 * message, update
+        step = max(compute_s + messages + optimizer, W * (messages + optimizer))
+    step = (step + net.per_call) * stretch
     on_server = rank >= W
     mine = shard_sizes(params, S)[rank - W] if on_server else params
+    held = (W if bound is None else 1) if on_server else 2  # pushes held; a worker's two
     return Prediction(
         step_s=step,
         compute_s=compute_s * stretch,
-        comm_s=(2 * one_way + norm + net.per_call) * stretch,
+        comm_s=(messages + norm + net.per_call) * stretch,
         exposed_comm_s=step - compute_s * stretch,
-        bytes_by_axis=bytes_by_axis(W, S, params, itemsize, rank, clip),
+        bytes_by_axis=bytes_by_axis(W, S, params, itemsize, rank, clip and bound is None),
         memory_bytes={
             "parameters": itemsize * mine,
-            "gradients": 2 * itemsize * mine,
+            "gradients": held * itemsize * mine,
             "optimizer": 2 * itemsize * mine if on_server else 0,
             "activations_peak": 0 if on_server else activations,
         },
