@@ -128,8 +128,9 @@ def test_parameter_server_bytes_per_rank_are_what_real_runs_count(tmp_path):
         predicted, held = final["predicted_memory_bytes"], final["memory_bytes"]
         assert predicted["gradients"] == held["gradients"], case  # BSP: a push per worker
         assert 0 <= held["optimizer"] - predicted["optimizer"] <= 8, case  # AdamW's step: 8
-        assert final["predicted_staleness_mean"] == (0 if bsp or consistency == "ssp:0" else
-                                                     (workers - 1) / workers)  # fmt: skip
+        turns = (workers - 1) / workers * (config.steps - 1) / config.steps  # equal shares
+        expected = 0 if bsp or consistency == "ssp:0" else turns
+        assert final["predicted_staleness_mean"] == pytest.approx(expected), case
         group.free()
 
 
@@ -162,4 +163,22 @@ def test_asp_steps_at_a_workers_own_pace_or_the_servers_and_ssp_0_waits_as_bsp()
     many = ps_step.predict_ps(workers=100, **kw, bound=math.inf)  # the server sets the pace
     assert many.step_s == pytest.approx(100 * (2 * m + 0.004))
     assert many.exposed_comm_s == pytest.approx(many.step_s - many.compute_s)
-    assert [ps_step.mean_staleness(3, b) for b in (None, 0, 1, math.inf)] == [0, 0, 2 / 3, 2 / 3]
+
+
+def test_staleness_is_w_minus_1_over_w_taking_turns_and_grows_with_unequal_shares():
+    equal = [0.02] * 3
+    assert [ps_step.mean_staleness(equal, 11, b) for b in (None, 0, 1, math.inf)] == pytest.approx(
+        [0, 0, 2 / 3 * 10 / 11, 2 / 3 * 10 / 11])  # fmt: skip
+    unequal = [4.0, 3.0, 3.0]  # rank 0 the slowest: the others 1/4 clock ahead per clock
+    asp = ps_step.mean_staleness(unequal, 41, math.inf)
+    assert asp == pytest.approx(2 * sum(max(1, math.ceil(c / 4)) for c in range(1, 41)) / 123)
+    assert ps_step.mean_staleness(unequal, 41, 2) == pytest.approx(2 * (4 + 2 * 36) / 123)
+    assert asp > 3 and ps_step.mean_staleness(unequal, 81, math.inf) > 2 * asp - 1  # grows
+    compute = Compute(0.01, 0.02, 0.004, examples=6, params=10_000)
+    kw = dict(servers=1, params=10_000, compute=compute, net=Network(alpha=2e-6, beta=1e-9),
+              batch_size=16, clip=True, bound=math.inf)  # fmt: skip
+    p0, p1 = (ps_step.predict_ps(workers=3, **kw, rank=r) for r in (0, 1))  # 6 and 5 examples
+    assert ps_step.paces(p0, 3, 16, 0, math.inf) == pytest.approx([p0.step_s, p1.step_s, p1.step_s])
+    assert ps_step.paces(p1, 3, 16, 1, math.inf) == pytest.approx([p0.step_s, p1.step_s, p1.step_s])
+    busy = ps_step.predict_ps(workers=100, **{**kw, "batch_size": 300})  # the server's pace
+    assert ps_step.paces(busy, 100, 300, 0, math.inf) == [busy.step_s] * 100

@@ -50,12 +50,23 @@ shard: that server is the last to answer) and u = the measured optimizer step sc
     (the worker waits through the rest)
 
 Staleness (the record's `staleness_histogram`: an update's clock minus the clocks complete
-in the parameters it was computed on). Under ASP / SSP:K>=1 with W equal workers taking
-turns, each push misses the W - 1 other pushes made between its pull and it (ps-lite's
-delay, counted in updates); in clocks, the reply to the last of a turn holds the whole
-clock (staleness 0 next time), the others' replies miss one (staleness 1): the mean is
-(W - 1) / W (`mean_staleness`). BSP and SSP:0: 0. Ranks outnumbering cores do not take
-turns (the scheduler lets one run ahead): there the measured mean is higher.
+in the parameters it was computed on), under ASP and SSP:K >= 1 (BSP, SSP:0: none):
+
+    equal workers    taking turns, each push misses the W - 1 others' made between its
+                     pull and it (ps-lite's delay, in updates); in clocks, the reply to the
+                     last of a turn holds the whole clock (its next push: 0), the others'
+                     miss one (1): a mean of (W - 1) / W
+    unequal ones     (B / W not whole: a worker with fewer examples steps every t_w, the
+                     slowest every t_s) the faster drift ahead: at its clock c a worker is
+                     about c (1 - t_w / t_s) clocks ahead of the slowest (at least 1, at
+                     most K: SSP's bound), so under ASP staleness grows with the run
+
+    mean = Σ over workers but the slowest, clocks c = 1 .. n-1, of
+           min(K, max(1, ⌈c (1 - t_w / t_s)⌉)), over W·n updates        (`mean_staleness`)
+
+with t_w each worker's own step (`paces`: ASP's, while the workers and not the server set
+the pace). Ranks outnumbering cores do not take turns (the scheduler lets one run ahead a
+while): there the measured mean is higher.
 
 Memory: a worker's parameters, its gradients twice (the model's and the flat vector it
 pushes), no optimizer; a server's shard, the pushes it holds (BSP: one per worker until
@@ -99,10 +110,40 @@ def bytes_per_run(workers, servers, rank=0) -> int:
     return mask + (workers * workers * 8 if s == 0 else 0)
 
 
-def mean_staleness(workers: int, bound: float | None = None) -> float:
-    """The staleness histogram's mean (clocks) with `workers` equal workers taking turns:
-    bound None (BSP) or 0: 0; else (W - 1) / W (the module docstring says why)."""
-    return 0.0 if not bound else min(bound, (workers - 1) / workers)
+def examples_of(rank: int, workers: int, batch_size: int, bound: float | None) -> int:
+    """The examples whose compute sets rank `rank`'s step: under ASP a worker's own share,
+    else the largest (BSP waits for it; SSP's slowest sets the pace; a server's clock)."""
+    chunks = chunk_bounds(batch_size, workers)
+    own = rank < workers and bound == math.inf
+    return chunks[rank + 1] - chunks[rank] if own else chunks[1]
+
+
+def paces(p: Prediction, workers: int, batch_size: int, rank: int, bound: float) -> list:
+    """Each worker's own step under ASP/SSP, from rank `rank`'s prediction `p`: its compute
+    scaled to each worker's share, the messages and update alike; the server's step for all
+    when the server sets the pace."""
+    rest = p.comm_s + p.optimizer_s
+    if p.step_s > (p.compute_s + rest) * (1 + 1e-9):  # the server's pace: everyone's
+        return [p.step_s] * workers
+    used = examples_of(rank, workers, batch_size, bound)
+    chunks = chunk_bounds(batch_size, workers)
+    return [p.compute_s * (chunks[w + 1] - chunks[w]) / used + rest for w in range(workers)]
+
+
+def mean_staleness(paces: list, steps: int, bound: float | None = None) -> float:
+    """The staleness histogram's predicted mean (clocks) over `steps` clocks of workers that
+    step every paces[w] seconds; bound None (BSP), K (SSP:K) or math.inf (ASP). The module
+    docstring says why."""
+    if not bound:
+        return 0.0
+    slowest = max(paces)
+    last = paces.index(slowest)  # its pushes come last: every one sees the whole clock
+    total = 0
+    for w, t in enumerate(paces):
+        if w != last:
+            ahead = 1 - t / slowest
+            total += sum(min(bound, max(1, math.ceil(c * ahead))) for c in range(1, steps))
+    return total / (len(paces) * steps)
 
 
 def predict_ps(
@@ -122,9 +163,7 @@ def predict_ps(
     """The predicted step of rank `rank`; bound: None for BSP, K for SSP:K, math.inf for
     ASP (the module docstring says each term). clip: the servers' norm allreduce (BSP)."""
     W, S = workers, servers
-    chunks = chunk_bounds(batch_size, W)
-    own = rank < W and bound == math.inf  # ASP: a worker's own pace; else the slowest's
-    examples = chunks[rank + 1] - chunks[rank] if own else chunks[1]
+    examples = examples_of(rank, W, batch_size, bound)
     scale = compute.fixed + (1 - compute.fixed) * examples / compute.examples
     forward, backward = compute.forward_s * scale, compute.backward_s * scale
     shard = max(shard_sizes(params, S))
