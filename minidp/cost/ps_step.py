@@ -38,11 +38,11 @@ shard: that server is the last to answer) and u = the measured optimizer step sc
                     step = max(compute + 2m + u, W (2m + u)) + per call
                 with compute on this worker's own examples
     SSP:K       a worker may be K clocks ahead of the slowest, never more. With equal
-      K >= 1    workers (what this models: the batch split as evenly as it goes) the bound
-                never binds in steady state, so the step is ASP's; with unequal ones the
-                slowest sets everyone's pace over a run, so compute is the largest share's
-                (rank 0's, which chunk_bounds gives the extra examples). --ps-slow-worker-ms
-                (one worker slowed on purpose) is not modelled
+      K >= 1    workers the bound never binds in steady state: the step is ASP's. With
+                unequal shares (B / W not whole) the slowest sets everyone's pace over a
+                run: compute is the largest share's (rank 0's: chunk_bounds gives it the
+                extra examples). --ps-slow-worker-ms (one worker slowed on purpose) is
+                not modelled
       K = 0     every pull waits for every push, as BSP; each push is its own update,
                 applied as it comes, so only the last one's is in the wait (measured
                 here: ssp:0 steps within 2% of bsp):
