@@ -1,7 +1,9 @@
 """The pipeline in the step model (parallel/pipeline/step_cost.py): the bytes each rank sends
 per axis against what real `--strategy pp` and dp x pp runs count, and the step's length
-against the schedule simulator's in unit time; the parameter server's bytes under BSP
-(cost/ps_step.py) against real runs, workers and servers."""
+against the schedule simulator's in unit time; the parameter server's bytes under BSP, ASP and SSP
+(cost/ps_step.py) against real runs, workers and servers, and its step's terms."""
+
+import math
 
 import numpy as np
 import pytest
@@ -95,30 +97,40 @@ def test_predict_prints_a_pipeline_and_refuses_what_it_does_not_cover(capsys):
     )
 
 
-PS_CASES = [(3, 1, 1.0), (4, 2, 1.0), (4, 1, 0.0)]  # (ranks, servers, --grad-clip)
+PS_CASES = [  # (ranks, servers, --grad-clip, --consistency)
+    (3, 1, 1.0, "bsp"), (4, 2, 1.0, "bsp"), (4, 1, 0.0, "bsp"),
+    (3, 1, 1.0, "asp"), (4, 2, 1.0, "asp"), (4, 2, 1.0, "ssp:1"), (4, 1, 0.0, "ssp:0"),
+]  # fmt: skip
 
 
 @pytest.mark.parallel(nprocs=[4])
-def test_parameter_server_bytes_per_rank_are_what_real_bsp_runs_count(tmp_path):
-    """Workers and servers alike, per step and once per run (cost/ps_step.py); the run's
-    own record carries the same prediction."""
+def test_parameter_server_bytes_per_rank_are_what_real_runs_count(tmp_path):
+    """Workers and servers alike, per step and once per run, under BSP, ASP and SSP
+    (cost/ps_step.py: no norm allreduce but BSP's); the run's own record carries the same
+    prediction, and the pushes a server holds."""
     world = comm.world()
-    for ranks, servers, clip in PS_CASES:
+    for i, (ranks, servers, clip, consistency) in enumerate(PS_CASES):
         group = world.subgroup(list(range(ranks)))
         if group is None:
             continue
-        json = str(tmp_path / "ps.jsonl") if ranks == 4 else None
-        flags = dict(strategy="ps", servers=servers, grad_clip=clip, n_layer=1, json=json)
+        flags = dict(strategy="ps", servers=servers, grad_clip=clip, n_layer=1,
+                     consistency=consistency, json=str(tmp_path / f"ps{i}.jsonl"))  # fmt: skip
         config = TrainConfig(**{**TINY, **flags, "bucket_mb": 0.25})
         final = train(config, group)
         params = Task(config, np.dtype("float32")).model.num_parameters()
-        workers = ranks - servers
-        per_step = ps_step.bytes_by_axis(workers, servers, params, 4, group.rank, clip > 0)
+        workers, bsp = ranks - servers, consistency == "bsp"
+        per_step = ps_step.bytes_by_axis(workers, servers, params, 4, group.rank, clip and bsp)
         once = ps_step.bytes_per_run(workers, servers, group.rank)
         counted = final["bytes_sent_by_axis"]["dp"]
-        assert counted == config.steps * per_step["dp"] + once, (ranks, servers, group.rank)
-        if json:
-            assert final["predicted_bytes_by_axis"] == final["bytes_sent_by_axis"]
+        case = (ranks, servers, consistency, group.rank)
+        assert counted == config.steps * per_step["dp"] + once, case
+        assert final["predicted_bytes_by_axis"] == final["bytes_sent_by_axis"], case
+        predicted, held = final["predicted_memory_bytes"], final["memory_bytes"]
+        assert predicted["gradients"] == held["gradients"], case  # BSP: a push per worker
+        assert 0 <= held["optimizer"] - predicted["optimizer"] <= 8, case  # AdamW's step: 8
+        turns = (workers - 1) / workers * (config.steps - 1) / config.steps  # equal shares
+        expected = 0 if bsp or consistency == "ssp:0" else turns
+        assert final["predicted_staleness_mean"] == pytest.approx(expected), case
         group.free()
 
 
@@ -133,3 +145,40 @@ def test_more_servers_carry_less_each_and_the_bsp_step_adds_up():
     for p in (one, two):
         assert p.step_s == pytest.approx(p.compute_s + p.exposed_comm_s)
         assert p.compute_s == pytest.approx(0.03 * 8 / 8)  # forward + backward on B / W = 8
+
+
+def test_asp_steps_at_a_workers_own_pace_or_the_servers_and_ssp_0_waits_as_bsp():
+    compute = Compute(0.01, 0.02, 0.004, examples=6, params=10_000)
+    net = Network(alpha=2e-6, beta=1e-9)
+    m = 2 * net.alpha + (64 + 10_000 * 4) * net.beta  # a push or a reply: one shard
+    kw = dict(servers=1, params=10_000, compute=compute, net=net, batch_size=16, clip=True)
+    bsp, asp, ssp0, ssp2 = (ps_step.predict_ps(workers=3, **kw, bound=b)
+                            for b in (None, math.inf, 0, 2))  # fmt: skip
+    assert bsp.step_s == pytest.approx(0.03 + 6 * m + 0.004)  # chunks 6, 5, 5: rank 0's 6
+    assert asp.step_s == pytest.approx(0.03 + 2 * m + 0.004)  # its own push, update, reply
+    assert ssp2.step_s == asp.step_s  # equal workers: the bound never binds
+    assert ssp0.step_s == pytest.approx(0.03 + 6 * m + 0.004)  # the last push's update
+    rank2 = ps_step.predict_ps(workers=3, **kw, bound=math.inf, rank=2)  # 5 examples
+    assert rank2.compute_s == pytest.approx(0.03 * 5 / 6)
+    many = ps_step.predict_ps(workers=100, **kw, bound=math.inf)  # the server sets the pace
+    assert many.step_s == pytest.approx(100 * (2 * m + 0.004))
+    assert many.exposed_comm_s == pytest.approx(many.step_s - many.compute_s)
+
+
+def test_staleness_is_w_minus_1_over_w_taking_turns_and_grows_with_unequal_shares():
+    equal = [0.02] * 3
+    assert [ps_step.mean_staleness(equal, 11, b) for b in (None, 0, 1, math.inf)] == pytest.approx(
+        [0, 0, 2 / 3 * 10 / 11, 2 / 3 * 10 / 11])  # fmt: skip
+    unequal = [4.0, 3.0, 3.0]  # rank 0 the slowest: the others 1/4 clock ahead per clock
+    asp = ps_step.mean_staleness(unequal, 41, math.inf)
+    assert asp == pytest.approx(2 * sum(max(1, math.ceil(c / 4)) for c in range(1, 41)) / 123)
+    assert ps_step.mean_staleness(unequal, 41, 2) == pytest.approx(2 * (4 + 2 * 36) / 123)
+    assert asp > 3 and ps_step.mean_staleness(unequal, 81, math.inf) > 2 * asp - 1  # grows
+    compute = Compute(0.01, 0.02, 0.004, examples=6, params=10_000)
+    kw = dict(servers=1, params=10_000, compute=compute, net=Network(alpha=2e-6, beta=1e-9),
+              batch_size=16, clip=True, bound=math.inf)  # fmt: skip
+    p0, p1 = (ps_step.predict_ps(workers=3, **kw, rank=r) for r in (0, 1))  # 6 and 5 examples
+    assert ps_step.paces(p0, 3, 16, 0, math.inf) == pytest.approx([p0.step_s, p1.step_s, p1.step_s])
+    assert ps_step.paces(p1, 3, 16, 1, math.inf) == pytest.approx([p0.step_s, p1.step_s, p1.step_s])
+    busy = ps_step.predict_ps(workers=100, **{**kw, "batch_size": 300})  # the server's pace
+    assert ps_step.paces(busy, 100, 300, 0, math.inf) == [busy.step_s] * 100

@@ -203,6 +203,27 @@ def test_a_stopped_worker_under_asp_is_dropped_and_the_job_finishes(tmp_path):
 
 
 @pytest.mark.timeout(60)
+def test_a_gpt_under_asp_ends_without_its_stopped_worker_and_predicts_for_the_rest(tmp_path):
+    """Two paths the mlp's small messages above do not take: the server's last reply to the
+    stopped worker, too big to go eagerly, is left to MPI; --json's prediction is a
+    collective among the ranks still in the job (training/predicted.py)."""
+    began = time.time()
+    args = ["--n-layer", "1", "--n-embd", "16", "--block-size", "8", "--batch-size", "8"]
+    args += ["--sample-tokens", "0", "--eval-batches", "1", "--log-every", "1"]
+    args += ["--strategy", "ps", "--consistency", "asp", "--ps-timeout", "2"]
+    json_path = tmp_path / "r.json"
+    job = launch(3, *args, "--steps", "3000", "--log-dir", str(tmp_path), "--json", str(json_path))
+    wait_for_step(tmp_path / "rank1.log", 20, job)
+    os.kill(rank_pids(job)[1], signal.SIGSTOP)  # worker 1 (rank 2 serves)
+    out, err, seconds = finish(job, 50)
+    assert job.returncode == 0, err
+    final = [json.loads(line) for line in json_path.read_text().splitlines()][-1]
+    assert final["dropped_workers"] == [1] and final["workers_not_ended"] == [1]
+    assert final["predicted_step_s"] > 0 and final["predicted_staleness_mean"] == 0  # 1 left
+    leaked_shm(began)
+
+
+@pytest.mark.timeout(60)
 @pytest.mark.parametrize("who", ["worker", "server"])
 def test_a_stopped_worker_under_bsp_or_a_stopped_server_ends_the_job_naming_it(who, tmp_path):
     began = time.time()

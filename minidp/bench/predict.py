@@ -19,6 +19,8 @@ for every layout in turn (so that the machine's other load falls on all of them 
 
 ratio = predicted / measured per round; the table shows the medians over rounds, `ok` when
 within 25%. α, β, γ: runs/calibration.json (`mpiexec -n 2 python -m minidp bench calibrate`).
+For ps under ASP/SSP, a line each: the staleness histograms of its rounds' runs summed,
+their mean beside the model's (cost/ps_step.py's mean_staleness).
 """
 
 import json
@@ -41,6 +43,8 @@ LAYOUTS = {  # name -> (train flags, the P it runs at)
     "pp-gpipe": (["--strategy", "pp", "--n-layer", "4", "--schedule", "gpipe"], (2, 4)),
     "pp-1f1b": (["--strategy", "pp", "--n-layer", "4", "--schedule", "1f1b"], (2, 4)),
     "ps": (["--strategy", "ps", "--servers", "1"], (2, 4)),  # BSP: 1 or 3 workers
+    "ps-asp": (["--strategy", "ps", "--servers", "1", "--consistency", "asp"], (2, 4)),
+    "ps-ssp": (["--strategy", "ps", "--servers", "1", "--consistency", "ssp:2"], (2, 4)),
     "dp-topk": (["--strategy", "dp", "--compress", "topk:0.01"], (2, 4)),
     "dp-fp16": (["--strategy", "dp", "--compress", "fp16"], (2, 4)),
     "dp-sign": (["--strategy", "dp", "--compress", "sign"], (2, 4)),
@@ -70,6 +74,17 @@ def measured_step_s(path: str) -> tuple[float, dict]:
     steps = [r for r in records[:-1] if "tokens_per_s" in r]
     batch = final["config"]["batch_size"] * final["config"]["block_size"]
     return median([batch / r["tokens_per_s"] for r in steps[1:]]), final
+
+
+def staleness(runs) -> str:
+    """'0: 50 | 1: 40 | mean 0.45, model 0.67': the runs' histograms summed, beside the model."""
+    counts: dict[int, int] = {}
+    for _, _, final, _ in runs:
+        for clocks, n in final["staleness_histogram"].items():
+            counts[int(clocks)] = counts.get(int(clocks), 0) + n
+    mean = sum(s * n for s, n in counts.items()) / max(1, sum(counts.values()))
+    line = " | ".join(f"{s}: {n}" for s, n in sorted(counts.items()))
+    return f"{line} | mean {mean:.2f}, model {runs[0][2]['predicted_staleness_mean']:.2f}"
 
 
 def run_once(P: int, flags: list[str], path: str, steps: int = 0) -> None:
@@ -147,6 +162,9 @@ def main(argv: list[str] | None = None) -> int:
         "ratio = predicted / measured (median of rounds)"
     )
     print_table(rows, COLUMNS)
+    for (name, P), runs in seen.items():
+        if "predicted_staleness_mean" in runs[0][2] and runs[0][2]["consistency"] != "bsp":
+            print(f"# {name} P={P} staleness (clocks: updates) " + staleness(runs))
     ok = sum(r["ok"] == "yes" for r in rows)
     print(f"# within {WITHIN:.0%}: {ok} of {len(rows)} rows")
     write_json(args.json, rows)

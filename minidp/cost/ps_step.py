@@ -1,9 +1,9 @@
-"""The parameter server's step under BSP in the step model (minidp/cost/step.py):
-`--strategy ps --servers S --consistency bsp`, W = P - S workers.
+"""The parameter server's step in the step model (minidp/cost/step.py): `--strategy ps
+--servers S --consistency bsp|asp|ssp:K`, W = P - S workers.
 
     from minidp.cost.ps_step import predict_ps
     p = predict_ps(workers=2, servers=1, params=116_480, compute=compute, net=network,
-                   batch_size=16, clip=True)
+                   batch_size=16, clip=True, bound=math.inf)        # ASP; None: BSP
 
 The messages of one step (parallel/param_server/messages.py), Ψ parameters of b bytes,
 server s holding Ψ_s (chunk_range of Ψ over S), headers of 8 float64s (64 bytes):
@@ -15,24 +15,68 @@ server s holding Ψ_s (chunk_range of Ψ over S), headers of 8 float64s (64 byte
                 run, after the last clock: the dropped-worker mask, W int64s allreduced
                 among the servers, and the first server's MEMBERS, W int64s to each worker
 
-Bytes are exact against the run's `bytes_sent_by_axis` (axis "dp": the workers split the
-batch), the once-per-run part given apart (`bytes_per_run`).
+The same under ASP and SSP: a worker pushes once and pulls once per step, and each pull is
+answered once, only later or sooner; the one difference is the norm's allreduce, which only
+BSP has (ASP/SSP workers clip their own gradient, on their own). Bytes are exact against
+the run's `bytes_sent_by_axis` (axis "dp": the workers split the batch), the once-per-run
+part given apart (`bytes_per_run`).
 
-Time, on a worker (BSP: every worker's step waits for every push):
+Time, on a worker, with one message m = 2α + (64 + Ψ_s b)β (a header and the largest
+shard: that server is the last to answer) and u = the measured optimizer step scaled to
+Ψ_s (the servers step, not the workers):
 
     compute     forward and backward of the whole model on its B / W examples (step.py's
-                scaling), no optimizer (the servers step)
-    push        server s receives W pushes one after another: W (2α + (64 + Ψ_s b) β)
-    server      the measured optimizer step scaled to Ψ_s, the clip's allreduce
-    reply       W replies one after another: W (2α + (64 + Ψ_s b) β)
+                scaling), no optimizer
 
-    step = (compute + push + server + reply + per call) · stretch, for the largest shard;
-    exposed communication = step - compute (the worker waits through the rest)
+    BSP         every worker waits for every push: the server receives W pushes one after
+                another, steps once (u, and the clip's allreduce), sends W replies
+                    step = compute + 2W·m + u + norm + per call
+    ASP         no wait for the others: a worker's push, the server's update with it alone,
+                the reply: compute + 2m + u. But the server serves one push at a time,
+                each costing it 2m + u (receive, update, reply), so W workers cannot step
+                faster than it serves them:
+                    step = max(compute + 2m + u, W (2m + u)) + per call
+                with compute on this worker's own examples
+    SSP:K       a worker may be K clocks ahead of the slowest, never more. With equal
+      K >= 1    workers the bound never binds in steady state: the step is ASP's. With
+                unequal shares (B / W not whole) the slowest sets everyone's pace over a
+                run: compute is the largest share's (rank 0's: chunk_bounds gives it the
+                extra examples). --ps-slow-worker-ms (one worker slowed on purpose) is
+                not modelled
+      K = 0     every pull waits for every push, as BSP; each push is its own update,
+                applied as it comes, so only the last one's is in the wait (measured
+                here: ssp:0 steps within 2% of bsp):
+                    step = compute + 2W·m + u + per call
+
+    step = that · stretch (ranks sharing cores); exposed communication = step - compute
+    (the worker waits through the rest)
+
+Staleness (the record's `staleness_histogram`: an update's clock minus the clocks complete
+in the parameters it was computed on), under ASP and SSP:K >= 1 (BSP, SSP:0: none):
+
+    equal workers    taking turns, each push misses the W - 1 others' made between its
+                     pull and it (ps-lite's delay, in updates); in clocks, the reply to the
+                     last of a turn holds the whole clock (its next push: 0), the others'
+                     miss one (1): a mean of (W - 1) / W
+    unequal ones     (B / W not whole: a worker with fewer examples steps every t_w, the
+                     slowest every t_s) the faster drift ahead: at its clock c a worker is
+                     about c (1 - t_w / t_s) clocks ahead of the slowest (at least 1, at
+                     most K: SSP's bound), so under ASP staleness grows with the run
+
+    mean = Σ over workers but the slowest, clocks c = 1 .. n-1, of
+           min(K, max(1, ⌈c (1 - t_w / t_s)⌉)), over W·n updates        (`mean_staleness`)
+
+with t_w each worker's own step (`paces`: ASP's, while the workers and not the server set
+the pace). Ranks outnumbering cores do not take turns (the scheduler lets one run ahead a
+while): there the measured mean is higher.
 
 Memory: a worker's parameters, its gradients twice (the model's and the flat vector it
-pushes), no optimizer; a server's shard, its gradients twice (the sum of the pushes and
-the optimizer's), and two moments of it (AdamW's; SGD with momentum holds one).
+pushes), no optimizer; a server's shard, the pushes it holds (BSP: one per worker until
+the clock is complete; ASP/SSP: one, applied at once) and two moments of the shard
+(AdamW's; SGD with momentum holds one).
 """
+
+import math
 
 from minidp import cost
 from minidp.chunks import chunk_bounds
@@ -47,7 +91,8 @@ def shard_sizes(params: int, servers: int) -> list[int]:
 
 
 def bytes_by_axis(workers, servers, params, itemsize, rank=0, clip=True) -> dict:
-    """{"dp", "tp", "pp": bytes} rank `rank` sends in one step (servers: ranks W..P-1)."""
+    """{"dp", "tp", "pp": bytes} rank `rank` sends in one step (servers: ranks W..P-1);
+    clip: the servers allreduce the norm (BSP with --grad-clip; never under ASP/SSP)."""
     if rank < workers:
         sent = params * itemsize + 2 * servers * HEADER_BYTES
     else:
@@ -67,6 +112,42 @@ def bytes_per_run(workers, servers, rank=0) -> int:
     return mask + (workers * workers * 8 if s == 0 else 0)
 
 
+def examples_of(rank: int, workers: int, batch_size: int, bound: float | None) -> int:
+    """The examples whose compute sets rank `rank`'s step: under ASP a worker's own share,
+    else the largest (BSP waits for it; SSP's slowest sets the pace; a server's clock)."""
+    chunks = chunk_bounds(batch_size, workers)
+    own = rank < workers and bound == math.inf
+    return chunks[rank + 1] - chunks[rank] if own else chunks[1]
+
+
+def paces(p: Prediction, workers: int, batch_size: int, rank: int, bound: float) -> list:
+    """Each worker's own step under ASP/SSP, from rank `rank`'s prediction `p`: its compute
+    scaled to each worker's share, the messages and update alike; the server's step for all
+    when the server sets the pace."""
+    rest = p.comm_s + p.optimizer_s
+    if p.step_s > (p.compute_s + rest) * (1 + 1e-9):  # the server's pace: everyone's
+        return [p.step_s] * workers
+    used = examples_of(rank, workers, batch_size, bound)
+    chunks = chunk_bounds(batch_size, workers)
+    return [p.compute_s * (chunks[w + 1] - chunks[w]) / used + rest for w in range(workers)]
+
+
+def mean_staleness(paces: list, steps: int, bound: float | None = None) -> float:
+    """The staleness histogram's predicted mean (clocks) over `steps` clocks of workers that
+    step every paces[w] seconds; bound None (BSP), K (SSP:K) or math.inf (ASP). The module
+    docstring says why."""
+    if not bound:
+        return 0.0
+    slowest = max(paces)
+    last = paces.index(slowest)  # its pushes come last: every one sees the whole clock
+    total = 0
+    for w, t in enumerate(paces):
+        if w != last:
+            ahead = 1 - t / slowest
+            total += sum(min(bound, max(1, math.ceil(c * ahead))) for c in range(1, steps))
+    return total / (len(paces) * steps)
+
+
 def predict_ps(
     *,
     workers: int,
@@ -79,31 +160,40 @@ def predict_ps(
     itemsize: int = 4,
     activations: int = 0,
     rank: int = 0,
+    bound: float | None = None,
 ) -> Prediction:
-    """The predicted BSP step of rank `rank` (the module docstring says each term)."""
+    """The predicted step of rank `rank`; bound: None for BSP, K for SSP:K, math.inf for
+    ASP (the module docstring says each term). clip: the servers' norm allreduce (BSP)."""
     W, S = workers, servers
-    examples = chunk_bounds(batch_size, W)[1]
+    examples = examples_of(rank, W, batch_size, bound)
     scale = compute.fixed + (1 - compute.fixed) * examples / compute.examples
     forward, backward = compute.forward_s * scale, compute.backward_s * scale
     shard = max(shard_sizes(params, S))
-    one_way = W * (2 * net.alpha + (HEADER_BYTES + shard * itemsize) * net.beta)
-    optimizer = compute.optimizer_s * shard / compute.params
+    message = 2 * net.alpha + (HEADER_BYTES + shard * itemsize) * net.beta
+    update = compute.optimizer_s * shard / compute.params
     norm = cost.time("allreduce", "auto", S, 1, 8, alpha=net.alpha, beta=net.beta) or 0.0
-    norm = norm + net.per_call if clip and S > 1 else 0.0
+    norm = norm + net.per_call if clip and S > 1 and bound is None else 0.0
     stretch = max(1.0, (W + S) / net.cores) if net.cores else 1.0
     compute_s = forward + backward
-    step = (compute_s + 2 * one_way + optimizer + norm + net.per_call) * stretch
+    if not bound:  # BSP, SSP:0: W pushes, one update (SSP:0: the last push's), W replies
+        messages, optimizer = 2 * W * message, update
+        step = compute_s + messages + optimizer + norm  # (no norm but BSP's)
+    else:  # ASP, SSP:K>=1: the worker's own round trip, or the server's pace
+        messages, optimizer = 2 * message, update
+        step = max(compute_s + messages + optimizer, W * (messages + optimizer))
+    step = (step + net.per_call) * stretch
     on_server = rank >= W
     mine = shard_sizes(params, S)[rank - W] if on_server else params
+    held = (W if bound is None else 1) if on_server else 2  # pushes held; a worker's two
     return Prediction(
         step_s=step,
         compute_s=compute_s * stretch,
-        comm_s=(2 * one_way + norm + net.per_call) * stretch,
+        comm_s=(messages + norm + net.per_call) * stretch,
         exposed_comm_s=step - compute_s * stretch,
-        bytes_by_axis=bytes_by_axis(W, S, params, itemsize, rank, clip),
+        bytes_by_axis=bytes_by_axis(W, S, params, itemsize, rank, clip and bound is None),
         memory_bytes={
             "parameters": itemsize * mine,
-            "gradients": 2 * itemsize * mine,
+            "gradients": held * itemsize * mine,
             "optimizer": 2 * itemsize * mine if on_server else 0,
             "activations_peak": 0 if on_server else activations,
         },

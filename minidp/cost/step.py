@@ -71,6 +71,7 @@ class Layout(NamedTuple):
     virtual: int = 1
     clip: bool = True  # --grad-clip > 0 (the pipeline's norm is an allreduce over pp)
     servers: int = 0  # ps: the last `servers` ranks (cost/ps_step.py); dp is then W
+    consistency: str = "bsp"  # ps: --consistency (bsp, asp or ssp:K)
     recompute: bool = False  # pp: every block runs its forward again in backward
 
 

@@ -137,7 +137,7 @@ def _train(config: TrainConfig, group: comm.Group) -> dict:
             "dtype": config.dtype,
             "skipped_steps": counts["skipped_steps"],
             **strategy.record(),
-            **predicted(config, group, launch),
+            **predicted(config, strategy.group, launch),  # the ranks still in the job
             "config": vars(config),  # every field, those of other strategies too
         }
     records.write(final)  # the last line

@@ -228,7 +228,7 @@ def describe(prediction, layout: Layout, world: int, source: str, cores: int) ->
     )
     ps = layout.strategy == "ps"
     if ps:
-        mesh = f"{layout.dp} workers, {layout.servers} servers"
+        mesh = f"{layout.dp} workers, {layout.servers} servers, {layout.consistency}"
     exposed = {  # what the exposed part holds beyond messages and collectives
         "pp": "the bubble's waits, and ",
         "ps": "the wait for the servers' optimizer, and ",

@@ -112,10 +112,15 @@ def for_run(config, group, measured_step_s: float, steps: int) -> dict:
     by_axis = prediction.bytes_by_axis  # beside the run's bytes_sent_by_axis: the run's steps
     record["predicted_bytes_by_axis"] = {axis: b * steps for axis, b in by_axis.items()}
     if config.strategy == "ps":  # and, once per run, the servers' membership messages
-        from minidp.cost.ps_step import bytes_per_run
+        from minidp.cost.ps_step import bytes_per_run, mean_staleness, paces
+        from minidp.training.config import staleness_bound
 
         workers = group.size - config.servers
         record["predicted_bytes_by_axis"]["dp"] += bytes_per_run(
             workers, config.servers, group.rank
         )
+        bsp = config.consistency == "bsp"  # beside the record's staleness_histogram:
+        bound = None if bsp else staleness_bound(config.consistency)  # every clock's pushes
+        each = paces(prediction, workers, config.batch_size, group.rank, bound) if bound else []
+        record["predicted_staleness_mean"] = mean_staleness(each, config.steps, bound)
     return record

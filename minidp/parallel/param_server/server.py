@@ -113,8 +113,11 @@ class ShardServer:
             self.serve_one()
         if last:  # every live worker gets the final shard (a dropped one has stopped)
             self.serve_pulls(self.steps)
-            for requests, _ in self.outbox:
-                p2p.waitall(self.ps, requests, [None] * len(requests))
+            for requests, (header, _) in self.outbox:
+                if int(header[0]) in self.live:
+                    p2p.waitall(self.ps, requests, [None] * len(requests))
+                else:  # to a dropped worker, maybe stopped: a reply too big to go eagerly
+                    self.ps.abandoned += requests  # would wait for it; left to MPI
             self.outbox = []
         return self.losses[clock]
 
