@@ -10,8 +10,9 @@ rank by rank (ZeRO's point is that some of these shrink with the number of ranks
     buffers           communication scratch space (the groups' reusable buffers)
 
 Counted from `ndarray.nbytes` (a torch tensor's `.nbytes` alike), never estimated from shapes
-and dtypes by hand; the one estimate, `estimated_bytes`, is made before any array exists, so
-that a run too large for the machine is refused before it allocates. One caveat, said once:
+and dtypes by hand; the one estimate, `estimated_bytes` (with `activation_estimate`), is made
+before any array exists, so that a run too large for the machine is refused before it
+allocates. One caveat, said once:
 `activation_bytes` counts the output array of every op in the graph; arrays that an op's
 backward closure keeps besides its output (a dropout mask, a softmax) are not seen, so it is
 a lower bound on what backward holds. Nor are the rows a weight keeps during gradient
@@ -64,20 +65,34 @@ def activation_bytes(loss) -> int:
 # ---- before any array exists: an estimate, to refuse a run that cannot fit --------------------
 def estimated_bytes(config) -> int:
     """A rough size of one training step of a TrainConfig: the parameters with their gradients
-    and AdamW's two moments, and the activations the global batch keeps for backward. For the
-    GPT, per layer, 3 B H T^2 (scores, masked, softmax) + 20 B T C, and the T x T causal
-    mask: within 2x of what training/loop.py's report counts (tests/test_cli_input.py checks it).
-    The vocabulary is taken as 128 characters (the corpus has fewer)."""
+    and AdamW's two moments, and the activations the global batch keeps for backward
+    (`activation_estimate`): within 2x of what training/loop.py's report counts
+    (tests/test_cli_input.py checks it)."""
     itemsize = 8 if config.dtype == "float64" else 4
     B = config.batch_size
     if config.model == "gpt":
-        T, C, H, L, V = (config.block_size, config.n_embd, config.n_head, config.n_layer, 128)
+        T, C, L, V = (config.block_size, config.n_embd, config.n_layer, 128)
         params = L * 12 * C * C + (V + T) * C
-        activations = B * (L * (3 * H * T * T + 20 * T * C) + 3 * T * V) * itemsize + T * T
+        activations = activation_estimate(config, B)
     else:
         params = (32 + config.hidden + 10) * config.hidden  # data.classification: 32 features
         activations = B * 6 * config.hidden * itemsize
     return 4 * params * itemsize + activations
+
+
+def activation_estimate(config, examples: int, tp: int = 1) -> int:
+    """Bytes the GPT of a TrainConfig keeps for backward over `examples` examples, on one
+    rank of a TP group of `tp`: per layer 3 H T^2 (scores, masked, softmax) + 20 T C, and
+    the T x T causal mask; the vocabulary taken as 128 characters (the corpus has fewer).
+    TP splits the heads' scores and 15 T C (QKV, the heads' outputs, the MLP's 4C); the
+    other 5 T C (the LayerNorms' inputs and outputs, the residual's dropout masks: outside
+    the parallel regions, Korthikanti et al. 2022's 10 of 34 bytes per position and channel)
+    stay whole on every TP rank, and split over it too with --sequence-parallel."""
+    itemsize = 8 if config.dtype == "float64" else 4
+    T, C, H, L = config.block_size, config.n_embd, config.n_head, config.n_layer
+    outside = 5 * T * C // (tp if tp > 1 and config.sequence_parallel else 1)
+    per_example = L * ((3 * H * T * T + 15 * T * C) // tp + outside) + 3 * T * 128
+    return examples * per_example * itemsize + T * T
 
 
 def physical_memory_bytes() -> int | None:

@@ -1,6 +1,8 @@
 """The step model's exact parts (minidp/cost/step.py): the bytes each rank sends per mesh axis,
 against what real runs count, and the model states per rank; `predict`'s output and errors."""
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
@@ -8,6 +10,7 @@ from minidp import comm, nn
 from minidp.cli import main
 from minidp.cost.calls import gpt_shapes
 from minidp.cost.step import Compute, Layout, Network, bytes_by_axis, fixed_part, memory, predict
+from minidp.memory import activation_estimate
 from minidp.training.config import TrainConfig
 from minidp.training.loop import train
 from minidp.training.tasks import Task
@@ -32,6 +35,10 @@ CASES = [  # (ranks, flags): uneven batches (10 over 3 and 4), many buckets, acc
     (4, dict(strategy="hybrid", dp=2, tp=2, compress="sign")),
     (3, dict(strategy="dp", compress="powersgd:1")),  # its factors follow the shapes
     (4, dict(strategy="hybrid", dp=2, tp=2, compress="powersgd:2")),  # of a TP shard
+    (4, dict(strategy="tp", tp=4, sequence_parallel=True)),  # reduce-scatters and allgathers
+    (4, dict(strategy="hybrid", dp=2, tp=2, sequence_parallel=True)),
+    (4, dict(strategy="hybrid", dp=2, tp=2, sequence_parallel=True, zero_stage=2, grad_accum=2)),
+    (4, dict(strategy="hybrid", dp=2, tp=2, sequence_parallel=True, zero_stage=3, grad_accum=2)),
 ]
 
 
@@ -46,6 +53,7 @@ def layout_of(config, size: int) -> Layout:
         algo=config.allreduce,
         bucket_mb=config.bucket_mb,
         compress=config.compress,
+        sequence_parallel=config.sequence_parallel,
     )
 
 
@@ -166,6 +174,8 @@ def test_a_calibration_that_cannot_be_read_is_refused_by_predict_and_skipped_by_
         (["--strategy", "hybrid", "--dp", "3", "--world", "4"], "--world 4: the mesh dp x tp"),
         (["--compress", "sign", "--compress-on", "update", "--world", "2"], "on gradient; got"),
         (["--compress", "fp16", "--compress-warmup", "3", "--world", "2"], "--compress-warmup"),
+        (["--strategy", "hybrid", "--dp", "4", "--sequence-parallel"], "a TP group of more"),
+        (["--strategy", "hybrid", "--tp", "2", "--pp", "2", "--sequence-parallel"], "with --pp"),
     ],
 )
 def test_bad_predict_input_is_one_line(args, message, capsys):
@@ -185,3 +195,21 @@ def test_the_part_of_compute_no_split_shortens_stays_whole_under_tp():
     compute = whole._replace(fixed=0.25, params=sum(shapes.params))
     p = predict(Layout("tp", tp=2), shapes, compute, Network(1e-6, 1e-9), batch_size=8)
     assert p.forward_s == pytest.approx(0.03 * (0.25 + 0.75 / 2))
+
+
+def test_sequence_parallelism_moves_g_and_f_bytes_and_splits_the_layer_norms_activations(capsys):
+    """An allreduce is a reduce-scatter then an allgather: at p = 2 SP's pairs send what g and
+    f send, and the replicated gradients' partial sums add one allreduce; the activations
+    outside the parallel regions (5·T·C a layer) split over TP too."""
+    assert main(["predict", "--strategy", "tp", "--sequence-parallel", "--world", "2"]) == 0
+    assert "predicted step: tp on 2 ranks (dp 1 x tp 2" in capsys.readouterr().out
+    shapes = gpt_shapes(2, 64, 96, 64, tp=2)
+    plain = Layout("tp", tp=2, grad_accum=2)
+    sp = plain._replace(sequence_parallel=True)
+    summed = 4 * sum(shapes.replicated)  # a ring allreduce at p = 2: half, twice
+    sent = {layout: bytes_by_axis(layout, shapes, 4, 16)["tp"] for layout in (plain, sp)}
+    assert sent[sp] == sent[plain] + summed
+    config = TrainConfig(n_layer=2, n_embd=64, n_head=4, block_size=64, sequence_parallel=True)
+    split = activation_estimate(config, 8, tp=2)
+    whole = activation_estimate(replace(config, sequence_parallel=False), 8, tp=2)
+    assert whole - split == 2 * 8 * (5 * 64 * 64 // 2) * 4  # L, examples, 5 T C / 2, float32

@@ -25,7 +25,14 @@ What each strategy runs in one step of K micro-batches (strategies/*.py, step.py
                (allreduce N·C) in the embedding and twice per block; f backward (N·C)
                twice per block and in the head; the vocab-parallel loss: allreduce max of
                N, allreduce sum of 2N; the clip's norm over TP (1 float64); with DP > 2
-               the replicated parameters' gradients broadcast from TP rank 0
+               (or --compress) the replicated parameters' gradients broadcast from TP rank 0
+    tp, SP     --sequence-parallel (Korthikanti et al. 2022): each g a reduce-scatter of
+               N·C along T and each f an allgather, forward, and each one's conjugate in
+               backward (the embedding's reduce-scatter too: an allgather back); the loss's
+               two allreduces as without; the replicated parameters' gradients, partial
+               sums of this rank's T/p positions, allreduced over TP after the DP sync
+               (make_alike) in place of the broadcast; with ZeRO, in its grad-ready hooks
+               one by one, before their segment is reduced (each micro-batch at stage 3)
     hybrid     tp's calls, and dp's (or zero's) over the DP axis on this rank's TP shard;
                with ZeRO the clip's norm is two float64 sums, over DP then TP, and with
                DP > 2 and a vocabulary TP does not divide, the replicated parameters are
@@ -56,8 +63,8 @@ class Shapes(NamedTuple):
 
     params: list[int]  # sizes of its parameter tensors, in model.parameters() order
     units: list[int]  # ZeRO-3: elements of each unit (layer), in forward order
-    replicated: int = 0  # TP: elements of the parameters every TP rank holds whole
-    n_layer: int = 0  # TP: blocks (each block: 2 allreduces forward, 2 backward)
+    replicated: tuple = ()  # TP: sizes of the parameters every TP rank holds whole
+    n_layer: int = 0  # TP: blocks (each block: 2 g forward, 2 f backward)
     n_embd: int = 0  # TP: channels C of the activations g and f reduce
     block_size: int = 0  # TP: tokens T per example
     vocab: int = 0  # TP: the vocabulary (hybrid ZeRO broadcasts when tp does not divide it)
@@ -80,7 +87,8 @@ def gpt_shapes(n_layer: int, n_embd: int, vocab: int, block_size: int, tp: int =
     dims = (*embeddings, *block * n_layer, (C,), (C,), (C, v))  # Linear weights: (in, out)
     params = [math.prod(d) for d in dims]
     units = [v * C, T * C, *[sum(map(math.prod, block))] * n_layer, 2 * C, C * v]
-    replicated = T * C + n_layer * 6 * C + 2 * C if tp > 1 else 0
+    # wpe; per block ln1 (w, b), proj's bias, ln2 (w, b), fc_proj's bias; ln_f (w, b)
+    replicated = (T * C, *[C] * (6 * n_layer), C, C) if tp > 1 else ()
     return Shapes(params, units, replicated, n_layer, C, T, V, dims)
 
 
@@ -199,24 +207,36 @@ def tensor_parallel(layout, shapes: Shapes, itemsize: int, examples: int) -> lis
     if layout.tp == 1:
         return []
     K, T, C = layout.grad_accum, shapes.block_size, shapes.n_embd
+    regions = 1 + 2 * shapes.n_layer  # g: the embedding, two a block; f: two a block, the head
     calls = []
     bounds = chunk_bounds(examples, K)
     for k in range(K):
         N = (bounds[k + 1] - bounds[k]) * T
-        calls += [Call("tp", "allreduce", "auto", N * C, itemsize, "forward")] * (
-            1 + 2 * shapes.n_layer
-        )
+        if layout.sequence_parallel:  # each g a reduce-scatter along T, each f an allgather
+            scatter = Call("tp", "reduce_scatter", "auto", N * C, itemsize, "forward")
+            gather = scatter._replace(collective="allgather")
+            calls += [scatter, gather] * regions
+            backward = [c._replace(phase="backward") for c in (gather, scatter)]  # conjugates
+            calls += backward * regions
+        else:
+            calls += [Call("tp", "allreduce", "auto", N * C, itemsize, "forward")] * regions
+            calls += [Call("tp", "allreduce", "auto", N * C, itemsize, "backward")] * regions
         calls += [Call("tp", "allreduce", "auto", N, itemsize, "forward")]  # max over vocab
         calls += [Call("tp", "allreduce", "auto", 2 * N, itemsize, "forward")]  # sums, picked
-        calls += [Call("tp", "allreduce", "auto", N * C, itemsize, "backward")] * (
-            1 + 2 * shapes.n_layer
-        )
+    replicated = sum(shapes.replicated)
     if layout.zero_stage == 0:
         calls.append(Call("tp", "allreduce", "auto", 1, 8, "after"))  # the clip's norm
-        if layout.dp > 2 or layout.compress != "none":  # make_alike: TP rank 0's
-            calls.append(Call("tp", "broadcast", "auto", shapes.replicated, itemsize, "after"))
-    else:  # ZeROOverTP: the norm's two sums over TP; the drift broadcast (check_drift)
-        calls.append(Call("tp", "allreduce", "auto", 2, 8, "after"))
-        if layout.dp > 2 and shapes.vocab % layout.tp:
-            calls.append(Call("tp", "broadcast", "auto", shapes.replicated, itemsize, "after"))
+        if layout.sequence_parallel:  # make_alike: the partial sums of T/p positions, summed
+            calls.append(Call("tp", "allreduce", "auto", replicated, itemsize, "after"))
+        elif layout.dp > 2 or layout.compress != "none":  # make_alike: TP rank 0's
+            calls.append(Call("tp", "broadcast", "auto", replicated, itemsize, "after"))
+        return calls
+    if layout.sequence_parallel:  # ZeROOverTP's hooks: each replicated gradient summed, on
+        sums = K if layout.zero_stage == 3 else 1  # the last micro-batch (stage 3: on each)
+        calls += [
+            Call("tp", "allreduce", "auto", n, itemsize, "backward") for n in shapes.replicated
+        ] * sums
+    calls.append(Call("tp", "allreduce", "auto", 2, 8, "after"))  # the norm's two sums
+    if layout.dp > 2 and shapes.vocab % layout.tp:  # the drift broadcast (check_drift)
+        calls.append(Call("tp", "broadcast", "auto", replicated, itemsize, "after"))
     return calls

@@ -37,12 +37,12 @@ The model of one step on one rank, term by term:
 
     step = compute + exposed communication
 
-Bytes by axis are exact for dp, zero 1-3, tp and hybrid, with --compress too (not with
---sequence-parallel; the pipeline's: parallel/pipeline/step_cost.py): minidp.cost.sent of
-every call, summed per axis, as the run's `bytes_sent_by_axis` counts them for rank `rank`
-(tests/test_cost_step.py checks against real runs). Memory per rank: the parameters,
+Bytes by axis are exact for dp, zero 1-3, tp and hybrid, with --compress and with
+--sequence-parallel too (the pipeline's: parallel/pipeline/step_cost.py): minidp.cost.sent
+of every call, summed per axis, as the run's `bytes_sent_by_axis` counts them for rank
+`rank` (tests/test_cost_step.py checks against real runs). Memory per rank: the parameters,
 gradients and AdamW moments this rank holds (zero.py's table on this rank's TP shard) and
-the activations estimate of memory.py.
+the activations estimate of memory.py (sequence parallelism splits its LayerNorms' part).
 """
 
 from typing import NamedTuple
@@ -73,6 +73,7 @@ class Layout(NamedTuple):
     servers: int = 0  # ps: the last `servers` ranks (cost/ps_step.py); dp is then W
     consistency: str = "bsp"  # ps: --consistency (bsp, asp or ssp:K)
     recompute: bool = False  # pp: every block runs its forward again in backward
+    sequence_parallel: bool = False  # tp > 1: f and g as allgathers and reduce-scatters along T
 
 
 class Compute(NamedTuple):

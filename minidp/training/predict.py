@@ -8,7 +8,8 @@ The step model is minidp/cost/step.py (pure Python); this module feeds it from a
 (the pipeline's: predict_pp.py, the parameter server's: predict_ps.py):
 
     layout      the flags (--strategy, --dp, --tp, --zero-stage, --grad-accum, --allreduce,
-                --bucket-mb, --overlap, --compress) on N ranks (--world, or mpiexec's -n)
+                --bucket-mb, --overlap, --compress, --sequence-parallel) on N ranks
+                (--world, or mpiexec's -n)
     shapes      the GPT's (cost.calls.gpt_shapes: no model built for the sizes)
     compute     measured here, one process: the whole model's forward, backward and
                 optimizer step on this rank's examples (B / dp), two steps untimed
@@ -40,6 +41,7 @@ import numpy as np
 from minidp import comm, optim
 from minidp.cost.calls import gpt_shapes
 from minidp.cost.step import Compute, Layout, Network, fixed_part, predict
+from minidp.memory import activation_estimate
 from minidp.training.config import BadConfig
 from minidp.training.predict_compress import check_compress, compressor_seconds
 from minidp.training.tasks import Task
@@ -60,11 +62,13 @@ def layout_of(config, world: int) -> Layout:
         raise BadConfig(
             f"predict models the GPT on NumPy; --model {config.model}, --backend {config.backend}"
         )
-    if config.sequence_parallel or config.prune:
-        raise BadConfig("predict does not model --prune or --sequence-parallel yet")
+    if config.prune:
+        raise BadConfig("predict does not model --prune yet")
     if config.compress != "none":
         check_compress(config)  # training/predict_compress.py
     if uses_pipeline(config):  # training/predict_pp.py
+        if config.sequence_parallel:
+            raise BadConfig("predict does not model --sequence-parallel with --pp yet")
         return pipeline_layout(config, world)
     if config.strategy == "ps":  # training/predict_ps.py
         from minidp.training.predict_ps import ps_layout
@@ -88,6 +92,7 @@ def layout_of(config, world: int) -> Layout:
         algo=config.allreduce,
         bucket_mb=config.bucket_mb,
         compress=config.compress,
+        sequence_parallel=config.sequence_parallel,
     )
 
 
@@ -190,15 +195,6 @@ def run_prediction(
         rank=rank,
     )
     return prediction, layout
-
-
-def activation_estimate(config, examples: int, tp: int) -> int:
-    """memory.estimated_bytes' activation term for one micro-batch of `examples`, per TP rank
-    (attention scores and MLP split over TP; an estimate, within 2x)."""
-    itemsize = 8 if config.dtype == "float64" else 4
-    T, C, H, L = config.block_size, config.n_embd, config.n_head, config.n_layer
-    per_example = L * (3 * H * T * T + 20 * T * C) // tp + 3 * T * 128
-    return examples * per_example * itemsize + T * T
 
 
 def prediction_record(prediction, measured_step_s: float | None = None) -> dict:

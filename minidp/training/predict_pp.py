@@ -8,7 +8,7 @@ As predict.py does for the others: the whole model's forward, backward and optim
 measured here on one replica's examples (B / dp), and on half of them for the part that
 does not shrink with the work (`fixed_part`: each micro-batch pays every op's own cost
 again); the GPT's sizes from its configuration; one stage's activations of one micro-batch
-from predict.activation_estimate on the first stage's blocks.
+from memory.activation_estimate on the first stage's blocks.
 """
 
 from dataclasses import replace
@@ -50,7 +50,8 @@ def run_pipeline_prediction(config, layout: Layout, *, network, threads: int, ra
     """The Prediction for mesh rank `rank` of a pipeline run; compute measured here."""
     from threadpoolctl import threadpool_limits
 
-    from minidp.training.predict import activation_estimate, measure_compute
+    from minidp.memory import activation_estimate
+    from minidp.training.predict import measure_compute
 
     task = Task(config, np.dtype(config.dtype))
     examples = chunk_bounds(config.batch_size, layout.dp)[1]  # the first replica's
