@@ -202,7 +202,7 @@ def test_sequence_parallelism_moves_g_and_f_bytes_and_splits_the_layer_norms_act
     f send, and the replicated gradients' partial sums add one allreduce; the activations
     outside the parallel regions (5·T·C a layer) split over TP too."""
     assert main(["predict", "--strategy", "tp", "--sequence-parallel", "--world", "2"]) == 0
-    assert "predicted step: tp on 2 ranks (dp 1 x tp 2" in capsys.readouterr().out
+    assert "(dp 1 x tp 2, sequence parallel" in capsys.readouterr().out
     shapes = gpt_shapes(2, 64, 96, 64, tp=2)
     plain = Layout("tp", tp=2, grad_accum=2)
     sp = plain._replace(sequence_parallel=True)

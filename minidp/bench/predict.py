@@ -1,5 +1,5 @@
-"""Predicted against measured step time, for dp, zero 1-3, tp, hybrid, pp, ps and compressed dp
-at P = 2 and 4.
+"""Predicted against measured step time, for dp, zero 1-3, tp, hybrid (each of these two also
+with sequence parallelism), pp, ps and compressed dp at P = 2 and 4.
 
     python -m minidp bench predict [--rounds 3] [--steps 31] [--procs 2,4] [--json FILE]
 
@@ -40,6 +40,8 @@ LAYOUTS = {  # name -> (train flags, the P it runs at)
     "zero3": (["--strategy", "zero", "--zero-stage", "3"], (2, 4)),
     "tp": (["--strategy", "tp"], (2, 4)),
     "hybrid": (["--strategy", "hybrid", "--dp", "2", "--tp", "2"], (4,)),
+    "tp-sp": (["--strategy", "tp", "--sequence-parallel"], (2, 4)),
+    "hybrid-sp": (["--strategy", "hybrid", "--dp", "2", "--tp", "2", "--sequence-parallel"], (4,)),
     "pp-gpipe": (["--strategy", "pp", "--n-layer", "4", "--schedule", "gpipe"], (2, 4)),
     "pp-1f1b": (["--strategy", "pp", "--n-layer", "4", "--schedule", "1f1b"], (2, 4)),
     "ps": (["--strategy", "ps", "--servers", "1"], (2, 4)),  # BSP: 1 or 3 workers

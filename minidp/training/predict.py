@@ -221,6 +221,7 @@ def describe(prediction, layout: Layout, world: int, source: str, cores: int) ->
         f"dp {layout.dp} x tp {layout.tp}"
         + (f" x pp {layout.pp}" if layout.pp > 1 else "")
         + (f", ZeRO stage {layout.zero_stage}" if layout.zero_stage else "")
+        + (", sequence parallel" if layout.sequence_parallel else "")
     )
     ps = layout.strategy == "ps"
     if ps:
