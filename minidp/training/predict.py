@@ -33,17 +33,16 @@ what the run measured.
 
 import json
 import os
-import statistics
-import time
 
 import numpy as np
 
-from minidp import comm, optim
+from minidp import comm
 from minidp.cost.calls import gpt_shapes
 from minidp.cost.step import Compute, Layout, Network, fixed_part, predict
 from minidp.memory import activation_estimate
 from minidp.training.config import BadConfig
 from minidp.training.predict_compress import check_compress, compressor_seconds
+from minidp.training.predict_compute import measure_compute, runs_alone
 from minidp.training.tasks import Task
 
 CALIBRATION = "runs/calibration.json"
@@ -96,34 +95,6 @@ def layout_of(config, world: int) -> Layout:
     )
 
 
-def measure_compute(task: Task, config, examples: int, warmup: int = 2, steps: int = 7):
-    """Compute (forward, backward, clip and optimizer seconds, medians of `steps` after
-    `warmup`) of the whole model on `examples` examples, on this process."""
-    model = task.model
-    params = model.parameters()
-    optimizer = optim.make_optimizer(config.optimizer, params, config.lr, config.weight_decay)
-    kept = [p.data.copy() for p in params]  # the measurement leaves the model as it was
-    indices = np.arange(examples)
-    times = []
-    for _ in range(warmup + steps):
-        for p in params:
-            p.grad = None
-        t0 = time.perf_counter()
-        loss = task.loss(*task.batch(indices))
-        t1 = time.perf_counter()
-        loss.backward()
-        t2 = time.perf_counter()
-        if config.grad_clip:  # the clip runs in the step's optimizer span too
-            optim.clip_grad_norm(params, config.grad_clip)
-        optimizer.step()
-        times.append((t1 - t0, t2 - t1, time.perf_counter() - t2))
-    for p, data in zip(params, kept):
-        p.data[...] = data
-        p.grad = None
-    f, b, o = (statistics.median(t[i] for t in times[warmup:]) for i in range(3))
-    return Compute(f, b, o, examples, sum(p.size for p in params))
-
-
 def load_network(path: str | None, cores: int) -> tuple[Network, str]:
     """(Network, where α β γ came from): FILE, runs/calibration.json, or the defaults."""
     chosen = path or CALIBRATION
@@ -154,8 +125,9 @@ def load_network(path: str | None, cores: int) -> tuple[Network, str]:
 
 
 def run_prediction(
-    config, world: int, *, cores: int, network: Network, threads: int, layout=None, rank=0
-):
+    config, world: int, *, cores: int, network: Network, threads: int, layout=None, rank=0,
+    measured: Compute | None = None,
+):  # fmt: skip
     """(Prediction, Layout) for `config` on `world` ranks (the flags' layout, or `layout`);
     compute measured here; bytes and memory rank `rank`'s (a pipeline's and a parameter
     server's step too)."""
@@ -171,10 +143,10 @@ def run_prediction(
         return run(config, layout, network=net, threads=threads, rank=rank), layout
     task = Task(config, np.dtype(config.dtype))
     examples = -(-config.batch_size // layout.dp)  # rank 0's: chunk_bounds' first chunk
-    with threadpool_limits(limits=threads, user_api="blas"):
-        compute = measure_compute(task, config, examples)
-        if layout.tp > 1 and examples >= 2:  # the part a TP split does not shorten
-            half = measure_compute(task, config, examples // 2)
+    with threadpool_limits(limits=threads, user_api="blas"), runs_alone(task, layout.tp) as run:
+        compute = measured or measure_compute(run, config, examples)
+        if layout.tp > 1 and examples >= 2 and measured is None:  # what a TP split keeps whole
+            half = measure_compute(run, config, examples // 2)
             compute = compute._replace(fixed=fixed_part(compute, half))
         if layout.compress != "none":
             compute = compute._replace(compress_s=compressor_seconds(config, task, examples))

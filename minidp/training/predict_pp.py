@@ -51,7 +51,7 @@ def run_pipeline_prediction(config, layout: Layout, *, network, threads: int, ra
     from threadpoolctl import threadpool_limits
 
     from minidp.memory import activation_estimate
-    from minidp.training.predict import measure_compute
+    from minidp.training.predict_compute import measure_compute
 
     task = Task(config, np.dtype(config.dtype))
     examples = chunk_bounds(config.batch_size, layout.dp)[1]  # the first replica's

@@ -19,7 +19,7 @@ import numpy as np
 
 from minidp import comm
 from minidp.comm import netem
-from minidp.cost.step import Network
+from minidp.cost.step import Compute, Network
 from minidp.training.config import BadConfig
 from minidp.training.predict import (
     DEFAULT_NETWORK,
@@ -79,10 +79,57 @@ def on_group(config, group, network: Network):
         model = cost.time("allreduce", "auto", world, 1, 8, alpha=network.alpha, beta=network.beta)
         network = network._replace(per_call=max(0.0, measured - model))
     threads = config.threads or max(1, int(cores_per_rank()))
+    measured = None
+    if layout.tp > 1 and layout.pp == 1:  # the TP model itself, on these ranks
+        measured = tensor_parallel_compute(config, group, layout, threads)
     prediction, layout = run_prediction(
-        config, world, cores=0, network=network, threads=threads, layout=layout, rank=group.rank
-    )
+        config, world, cores=0, network=network, threads=threads, layout=layout,
+        rank=group.rank, measured=measured,
+    )  # fmt: skip
     return prediction, layout, network
+
+
+def tensor_parallel_compute(config, group, layout, threads: int, warmup=2, steps=7) -> Compute:
+    """Collective: a TP rank's own compute, measured on the model the run trains (the
+    TensorParallelGPT over this mesh's TP group), its time inside the TP collectives taken
+    out; forward, backward, then the clip (local) and the optimizer on its shard, medians.
+    Returned as already split (`fixed` 1: cost/step.py divides nothing by tp again): the
+    work TP keeps whole on every rank (LayerNorms, residuals, the loss's own parts) is in."""
+    import statistics
+
+    from threadpoolctl import threadpool_limits
+
+    from minidp import optim
+    from minidp.parallel.mesh import Mesh
+    from minidp.parallel.tensor_parallel.gpt import TensorParallelGPT
+    from minidp.training.tasks import Task
+
+    task = Task(config, np.dtype(config.dtype))
+    examples = -(-config.batch_size // layout.dp)  # rank 0's, on every rank alike
+    mesh = Mesh(dp=layout.dp, tp=layout.tp, group=group)
+    try:
+        tp = mesh.tp_group
+        model = TensorParallelGPT(task.model, tp, sequence_parallel=config.sequence_parallel)
+        params = model.parameters()
+        opt = optim.make_optimizer(config.optimizer, params, config.lr, config.weight_decay)
+        batch, times = task.batch(np.arange(examples)), []
+        with threadpool_limits(limits=threads, user_api="blas"):
+            for _ in range(warmup + steps):
+                for p in params:
+                    p.grad = None
+                t0, c0 = time.perf_counter(), tp.seconds
+                loss = model.loss(*batch)
+                t1, c1 = time.perf_counter(), tp.seconds
+                loss.backward()
+                t2, c2 = time.perf_counter(), tp.seconds
+                if config.grad_clip:
+                    optim.clip_grad_norm(params, config.grad_clip)
+                opt.step()
+                times.append((t1 - t0 - (c1 - c0), t2 - t1 - (c2 - c1), time.perf_counter() - t2))
+    finally:
+        mesh.close()
+    f, b, o = (statistics.median(t[i] for t in times[warmup:]) for i in range(3))
+    return Compute(f, b, o, examples, sum(p.size for p in params), fixed=1.0)
 
 
 def shared_network(group) -> Network:

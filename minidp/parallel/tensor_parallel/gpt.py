@@ -91,7 +91,10 @@ class ParallelBlock(nn.Module):
         self.ln1 = _replicated_layer_norm(full.ln1, name + "ln1.")
         self.attn = ParallelAttention(full.attn, group, name=name + "attn.", sequence_parallel=sp)
         self.ln2 = _replicated_layer_norm(full.ln2, name + "ln2.")
-        self.mlp = ParallelMLP(full.fc, full.fc_proj, group, name=name, sequence_parallel=sp)
+        fused = getattr(full, "fused", True)  # the one-process Block's choice of ops
+        self.mlp = ParallelMLP(
+            full.fc, full.fc_proj, group, name=name, sequence_parallel=sp, fused=fused
+        )
         self.drop = dropout_of_rank(full.drop, group if sp else None)  # SP: T/p of its own
 
     def forward(self, x: Tensor) -> Tensor:

@@ -35,8 +35,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from minidp import comm, nn
+from minidp import fused as fused_ops
 from minidp.autograd import Tensor
 from minidp.chunks import chunk_range
+from minidp.fused import fusable
 from minidp.gpt import attention
 from minidp.parallel.tensor_parallel.communications import (
     copy_to_tensor_parallel,
@@ -166,7 +168,9 @@ class ParallelMLP(nn.Module):
         *,
         name: str = "",
         sequence_parallel: bool = False,
+        fused: bool = True,
     ):
+        self.fused = fused  # the GELU as nn's Block runs it: one op (fused.gelu), or composed
         hidden = my_range(fc.weight.shape[1], group)  # the same features leave A, enter B
         self.fc = ColumnParallelLinear(
             fc, group, name=name + "fc.", columns=hidden, sequence_parallel=sequence_parallel
@@ -176,7 +180,8 @@ class ParallelMLP(nn.Module):
         )
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.fc_proj(self.fc(x).gelu())
+        h = self.fc(x)
+        return self.fc_proj(fused_ops.gelu(h) if self.fused and fusable(h) else h.gelu())
 
 
 def head_features(n_head: int, head_size: int, group: comm.Group) -> np.ndarray:
