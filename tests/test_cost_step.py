@@ -173,6 +173,8 @@ def test_a_calibration_that_cannot_be_read_is_refused_by_predict_and_skipped_by_
         (["--world", "-1"], "--world must be a number of ranks >= 1"),
         (["--strategy", "hybrid", "--dp", "3", "--world", "4"], "--world 4: the mesh dp x tp"),
         (["--compress", "sign", "--compress-on", "update", "--world", "2"], "on gradient; got"),
+        (["--compress", "topk:abc", "--world", "2"], "--compress 'topk:abc': 'abc' is not a"),
+        (["--compress", "foo", "--world", "2"], "unknown compressor 'foo'"),
         (["--compress", "fp16", "--compress-warmup", "3", "--world", "2"], "--compress-warmup"),
         (["--strategy", "hybrid", "--dp", "4", "--sequence-parallel"], "a TP group of more"),
         (["--strategy", "hybrid", "--tp", "2", "--pp", "2", "--sequence-parallel"], "with --pp"),

@@ -224,6 +224,23 @@ def test_a_gpt_under_asp_ends_without_its_stopped_worker_and_predicts_for_the_re
 
 
 @pytest.mark.timeout(60)
+def test_a_gpt_under_bsp_names_its_stopped_worker_though_a_reply_to_it_is_pending(tmp_path):
+    """Before it raises WorkerLost the server settles its replies, but the stopped worker's
+    own (a GPT's shard: too big to go eagerly) would wait for that worker: left to MPI."""
+    began = time.time()
+    args = ["--n-layer", "1", "--n-embd", "16", "--block-size", "8", "--batch-size", "8"]
+    args += ["--sample-tokens", "0", "--eval-batches", "1", "--log-every", "1"]
+    args += ["--strategy", "ps", "--consistency", "bsp", "--ps-timeout", "2"]
+    job = launch(3, *args, "--steps", "3000", "--log-dir", str(tmp_path))
+    wait_for_step(tmp_path / "rank1.log", 20, job)
+    os.kill(rank_pids(job)[1], signal.SIGSTOP)  # worker 1 (rank 2 serves)
+    _, err, seconds = finish(job, 50)
+    assert job.returncode != 0 and seconds < 2 * 2 + 5, (seconds, err)
+    assert "worker 1 (rank 1) sent nothing to server rank 2 for 2 s" in err, err
+    leaked_shm(began)
+
+
+@pytest.mark.timeout(60)
 @pytest.mark.parametrize("who", ["worker", "server"])
 def test_a_stopped_worker_under_bsp_or_a_stopped_server_ends_the_job_naming_it(who, tmp_path):
     began = time.time()

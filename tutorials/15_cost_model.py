@@ -29,8 +29,10 @@ import os
 import statistics
 import tempfile
 import time
+from dataclasses import replace
 
 import numpy as np
+from threadpoolctl import threadpool_limits
 
 from minidp import comm, cost, data
 from minidp.comm import netem, p2p
@@ -219,8 +221,9 @@ compute = step.Compute(
     examples=-(-config.batch_size // P),
     params=sum(shapes(1).params),
 )
-topk = TrainConfig(strategy="dp", compress="topk:0.01")
-work = compressor_seconds(topk, Task(topk, np.dtype(np.float32)), compute.examples)
+topk = replace(config, strategy="dp", zero_stage=0, compress="topk:0.01")
+with threadpool_limits(limits=1, user_api="blas"):  # one BLAS thread a rank, as a run has
+    work = compressor_seconds(topk, Task(topk, np.dtype(np.float32)), compute.examples)
 layouts = {
     "dp": step.Layout("dp", dp=P, shm=False),
     "dp + top-k 1%": step.Layout("dp", dp=P, shm=False, compress="topk:0.01"),

@@ -206,8 +206,9 @@ def predict(
     activations: int = 0,
     rank: int = 0,
 ) -> Prediction:
-    """The predicted step of `layout`, timed on rank 0; bytes and memory mesh rank `rank`'s
-    (`shapes` its TP shard's). The module docstring says each term."""
+    """The predicted step of `layout` on mesh rank `rank` (`shapes`: its TP shard's): its
+    calls timed, its bytes and memory, with rank 0's examples. The module docstring says each
+    term."""
     sizes = {"dp": layout.dp, "tp": layout.tp, "pp": layout.pp}
     world = layout.dp * layout.tp * layout.pp
     stretch = max(1.0, world / net.cores) if net.cores else 1.0

@@ -129,8 +129,9 @@ def run_prediction(
     measured: Compute | None = None,
 ):  # fmt: skip
     """(Prediction, Layout) for `config` on `world` ranks (the flags' layout, or `layout`);
-    compute measured here; bytes and memory rank `rank`'s (a pipeline's and a parameter
-    server's step too)."""
+    compute measured here, or `measured` (a TP rank's own, measured on the ranks:
+    predicted.tensor_parallel_compute); bytes and memory rank `rank`'s (a pipeline's and a
+    parameter server's step too)."""
     from threadpoolctl import threadpool_limits
 
     layout = layout or layout_of(config, world)
@@ -143,17 +144,16 @@ def run_prediction(
         return run(config, layout, network=net, threads=threads, rank=rank), layout
     task = Task(config, np.dtype(config.dtype))
     examples = -(-config.batch_size // layout.dp)  # rank 0's: chunk_bounds' first chunk
-    with threadpool_limits(limits=threads, user_api="blas"), runs_alone(task, layout.tp) as run:
-        compute = measured or measure_compute(run, config, examples)
-        if layout.tp > 1 and examples >= 2 and measured is None:  # what a TP split keeps whole
-            half = measure_compute(run, config, examples // 2)
-            compute = compute._replace(fixed=fixed_part(compute, half))
-        if layout.compress != "none":
-            compute = compute._replace(compress_s=compressor_seconds(config, task, examples))
-    itemsize = np.dtype(config.dtype).itemsize
     vocab = task.model.config.vocab_size
     tp_rank = rank % layout.tp  # mesh rank d·tp + t: its TP shard's shapes, its own bytes
     shapes = gpt_shapes(config.n_layer, config.n_embd, vocab, config.block_size, layout.tp, tp_rank)
+    with threadpool_limits(limits=threads, user_api="blas"):
+        compute = measured or measure_alone(task, config, examples, layout.tp)
+        if layout.compress != "none":  # on the whole model's buckets; a TP shard has fewer
+            whole = sum(p.size for p in task.model.parameters())
+            spent = compressor_seconds(config, task, examples) * sum(shapes.params) / whole
+            compute = compute._replace(compress_s=spent)
+    itemsize = np.dtype(config.dtype).itemsize
     activations = activation_estimate(config, examples // config.grad_accum, layout.tp)
     net = network._replace(cores=cores)
     prediction = predict(
@@ -167,6 +167,17 @@ def run_prediction(
         rank=rank,
     )
     return prediction, layout
+
+
+def measure_alone(task, config, examples: int, tp: int) -> Compute:
+    """The compute of the model the strategy runs, on this process (predict_compute.py);
+    with tp > 1 also on half the examples, for the part a TP split keeps whole."""
+    with runs_alone(task, tp) as run:
+        compute = measure_compute(run, config, examples)
+        if tp > 1 and examples >= 2:
+            half = measure_compute(run, config, examples // 2)
+            compute = compute._replace(fixed=fixed_part(compute, half))
+    return compute
 
 
 def prediction_record(prediction, measured_step_s: float | None = None) -> dict:

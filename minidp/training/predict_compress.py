@@ -27,7 +27,14 @@ from minidp.training.config import BadConfig
 
 
 def check_compress(config) -> None:
-    """BadConfig (one line, alike on every rank) for a --compress the model does not cover."""
+    """BadConfig (one line, alike on every rank) for a --compress value that is not one (a
+    training run finds it building its DDP) or one the model does not cover."""
+    from minidp.parallel.compression.table import make_compressor
+
+    try:
+        make_compressor(config.compress, config.allreduce, config.seed)
+    except ValueError as error:
+        raise BadConfig(f"--compress {error}") from None
     if config.compress_on != "gradient":
         raise BadConfig(f"predict models --compress-on gradient; got {config.compress_on}")
     if config.compress_warmup:

@@ -13,11 +13,10 @@ a LayerNorm apart from the Linear after it (the copy f sits between them), a voc
 parallel embedding and loss. With tp > 1 the TP model is built over a group of this one
 process (MPI.COMM_SELF), where f and g move nothing: the same ops on the whole model, which
 cost/step.py then divides by tp (all but the part measured not to shrink with the work).
-Measured 2026-12-04 at tp 2 (one process, `python -m minidp predict --strategy tp --world
-2`): the plain GPT predicted 8.4 ms of compute, the TP model on a group of one 9.7, against a
-TP rank's 10.3 ms in a run (its step less its time inside collectives). What is left is the
-work TP keeps whole on every rank, which the division by tp takes for split; under mpiexec
-the ranks measure the TP model itself (training/predicted.py, `tensor_parallel_compute`).
+What that still misses is the work TP keeps whole on every rank (LayerNorms, residuals):
+dividing by tp counts it as split. Under mpiexec the ranks measure the TP model itself
+instead (training/predicted.py, `tensor_parallel_compute`); docs/cost_model.md has both
+against runs.
 """
 
 import contextlib
@@ -27,11 +26,13 @@ import time
 import numpy as np
 
 from minidp import optim
+from minidp.chunks import chunk_bounds
 from minidp.cost.step import Compute
 
 
-class _Alone:
-    """A task whose model is `model` (the TP model on a group of one): batch and loss."""
+class Alone:
+    """A task whose model is `model` (a TP model, on a group of one or on the ranks): the
+    task's batches, the model's own loss."""
 
     def __init__(self, task, model):
         self.model, self.batch = model, task.batch
@@ -53,32 +54,42 @@ def runs_alone(task, tp: int):
 
     alone = comm.Group(MPI.COMM_SELF.Dup(), checks=False)
     try:
-        yield _Alone(task, TensorParallelGPT(task.model, alone))
+        yield Alone(task, TensorParallelGPT(task.model, alone))
     finally:
         alone.free()
 
 
-def measure_compute(task, config, examples: int, warmup: int = 2, steps: int = 7) -> Compute:
+def measure_compute(
+    task, config, examples: int, warmup: int = 2, steps: int = 7, *, micro: int = 1, inside=None
+) -> Compute:
     """Compute (forward, backward, clip and optimizer seconds, medians of `steps` after
-    `warmup`) of the whole model on `examples` examples, on this process."""
+    `warmup`) of the model on `examples` examples, in `micro` micro-batches as the run cuts
+    them, on this process. `inside()`: seconds spent inside collectives so far (a group's
+    `seconds`), taken out of forward and backward; None: nothing to take out."""
     model = task.model
     params = model.parameters()
     optimizer = optim.make_optimizer(config.optimizer, params, config.lr, config.weight_decay)
     kept = [p.data.copy() for p in params]  # the measurement leaves the model as it was
-    indices = np.arange(examples)
+    bounds = chunk_bounds(examples, micro)
+    batches = [task.batch(np.arange(lo, hi)) for lo, hi in zip(bounds, bounds[1:])]
+    clock = inside or (lambda: 0.0)
     times = []
     for _ in range(warmup + steps):
         for p in params:
             p.grad = None
-        t0 = time.perf_counter()
-        loss = task.loss(*task.batch(indices))
-        t1 = time.perf_counter()
-        loss.backward()
+        forward = backward = 0.0
+        for batch in batches:
+            t0, c0 = time.perf_counter(), clock()
+            loss = task.loss(*batch)
+            t1, c1 = time.perf_counter(), clock()
+            loss.backward()
+            t2, c2 = time.perf_counter(), clock()
+            forward, backward = forward + t1 - t0 - (c1 - c0), backward + t2 - t1 - (c2 - c1)
         t2 = time.perf_counter()
         if config.grad_clip:  # the clip runs in the step's optimizer span too
             optim.clip_grad_norm(params, config.grad_clip)
         optimizer.step()
-        times.append((t1 - t0, t2 - t1, time.perf_counter() - t2))
+        times.append((forward, backward, time.perf_counter() - t2))
     for p, data in zip(params, kept):
         p.data[...] = data
         p.grad = None

@@ -89,19 +89,17 @@ def on_group(config, group, network: Network):
     return prediction, layout, network
 
 
-def tensor_parallel_compute(config, group, layout, threads: int, warmup=2, steps=7) -> Compute:
+def tensor_parallel_compute(config, group, layout, threads: int) -> Compute:
     """Collective: a TP rank's own compute, measured on the model the run trains (the
-    TensorParallelGPT over this mesh's TP group), its time inside the TP collectives taken
-    out; forward, backward, then the clip (local) and the optimizer on its shard, medians.
-    Returned as already split (`fixed` 1: cost/step.py divides nothing by tp again): the
-    work TP keeps whole on every rank (LayerNorms, residuals, the loss's own parts) is in."""
-    import statistics
-
+    TensorParallelGPT over this mesh's TP group) in the run's micro-batches, its time inside
+    the TP collectives taken out. Returned as already split (`fixed` 1: cost/step.py divides
+    nothing by tp again): the work TP keeps whole on every rank (LayerNorms, residuals, the
+    loss's own parts) is in it."""
     from threadpoolctl import threadpool_limits
 
-    from minidp import optim
     from minidp.parallel.mesh import Mesh
     from minidp.parallel.tensor_parallel.gpt import TensorParallelGPT
+    from minidp.training.predict_compute import Alone, measure_compute
     from minidp.training.tasks import Task
 
     task = Task(config, np.dtype(config.dtype))
@@ -110,26 +108,14 @@ def tensor_parallel_compute(config, group, layout, threads: int, warmup=2, steps
     try:
         tp = mesh.tp_group
         model = TensorParallelGPT(task.model, tp, sequence_parallel=config.sequence_parallel)
-        params = model.parameters()
-        opt = optim.make_optimizer(config.optimizer, params, config.lr, config.weight_decay)
-        batch, times = task.batch(np.arange(examples)), []
         with threadpool_limits(limits=threads, user_api="blas"):
-            for _ in range(warmup + steps):
-                for p in params:
-                    p.grad = None
-                t0, c0 = time.perf_counter(), tp.seconds
-                loss = model.loss(*batch)
-                t1, c1 = time.perf_counter(), tp.seconds
-                loss.backward()
-                t2, c2 = time.perf_counter(), tp.seconds
-                if config.grad_clip:
-                    optim.clip_grad_norm(params, config.grad_clip)
-                opt.step()
-                times.append((t1 - t0 - (c1 - c0), t2 - t1 - (c2 - c1), time.perf_counter() - t2))
+            run = Alone(task, model)
+            compute = measure_compute(
+                run, config, examples, micro=config.grad_accum, inside=lambda: tp.seconds
+            )
     finally:
         mesh.close()
-    f, b, o = (statistics.median(t[i] for t in times[warmup:]) for i in range(3))
-    return Compute(f, b, o, examples, sum(p.size for p in params), fixed=1.0)
+    return compute._replace(fixed=1.0)
 
 
 def shared_network(group) -> Network:

@@ -113,13 +113,19 @@ class ShardServer:
             self.serve_one()
         if last:  # every live worker gets the final shard (a dropped one has stopped)
             self.serve_pulls(self.steps)
-            for requests, (header, _) in self.outbox:
-                if int(header[0]) in self.live:
-                    p2p.waitall(self.ps, requests, [None] * len(requests))
-                else:  # to a dropped worker, maybe stopped: a reply too big to go eagerly
-                    self.ps.abandoned += requests  # would wait for it; left to MPI
-            self.outbox = []
+            self.settle_outbox(set(self.dropped))
         return self.losses[clock]
+
+    def settle_outbox(self, gone: set) -> None:
+        """Wait for every reply sent, but those to the workers `gone` (dropped, or silent:
+        maybe stopped): a reply too big to go eagerly would wait for that worker to receive
+        it, so those sends are left to MPI (kept referenced in `abandoned`)."""
+        for requests, (header, _) in self.outbox:
+            if int(header[0]) in gone:  # a reply header's first field: the worker it goes to
+                self.ps.abandoned += requests
+            else:
+                p2p.waitall(self.ps, requests, [None] * len(requests))
+        self.outbox = []
 
     def serve_pulls(self, clock: int) -> None:
         """Serve until every live worker's pull for `clock` (or a later one) is answered."""
@@ -233,8 +239,7 @@ class ShardServer:
             if self.bsp:
                 for h in self.pending:  # tell every waiting worker who stopped
                     self.send_reply(h, -1 - w)
-                for requests, _ in self.outbox:
-                    p2p.waitall(self.ps, requests, [None] * len(requests))
+                self.settle_outbox({w})  # its last reply may be waiting for it
                 message = lost_message(w, self.ps.rank, timeout)
                 raise WorkerLost(message, reported_elsewhere=not speaks)
             self.live.remove(w)
