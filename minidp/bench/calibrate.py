@@ -86,8 +86,8 @@ def ping_pong(mpi, sizes: list[int], warmup: int, iters: int, exchange=False) ->
     measured on rank 0; every other rank waits. Returns the list on every rank. exchange:
     instead, both send at once (one Sendrecv each, as a ring's step), the time of one."""
     r, times = mpi.Get_rank(), []
-    for nbytes in sizes:
-        buf, back = np.zeros(nbytes, np.uint8), np.zeros(nbytes, np.uint8)
+    for nbytes in sizes:  # written buffers: np.zeros' untouched pages would all be one page
+        buf, back = np.ones(nbytes, np.uint8), np.ones(nbytes, np.uint8)
         rounds = []
         mpi.Barrier()
         for i in range(warmup + iters):
