@@ -86,7 +86,7 @@ def ping_pong(mpi, sizes: list[int], warmup: int, iters: int, exchange=False) ->
     measured on rank 0; every other rank waits. Returns the list on every rank. exchange:
     instead, both send at once (one Sendrecv each, as a ring's step), the time of one."""
     r, times = mpi.Get_rank(), []
-    for nbytes in sizes:  # written buffers: np.zeros' untouched pages would all be one page
+    for nbytes in sizes:  # written buffers, as a collective's: np.zeros' untouched pages
         buf, back = np.ones(nbytes, np.uint8), np.ones(nbytes, np.uint8)
         rounds = []
         mpi.Barrier()
