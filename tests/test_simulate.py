@@ -8,6 +8,7 @@ flags         a bad one is one line and exit code 2
 """
 
 import json
+import math
 
 import pytest
 
@@ -107,6 +108,24 @@ def test_breakeven_without_overlap_is_where_the_times_meet():
     bw = row["bandwidth"]
     assert a0 + b0 / bw == pytest.approx(a1 + row["work_s"] + b1 / bw, rel=1e-9)
     assert scale.breakeven("topk", 0.01, n, 1024, NET, 1e11)["bandwidth"] == 0.0  # more bytes
+
+
+def test_powersgd_breakeven_prices_its_factors_by_the_matrices_shapes():
+    """PowerSGD's bytes follow the shapes: its three allreduces (P, Q, the rest) priced as
+    any allreduce; without the shapes it is refused rather than guessed."""
+    model = scale.gpt_of(1.3e9)
+    dims, n, p = model.shapes().dims, model.params, 64
+    a1, b1 = scale.exchange_terms("powersgd", 2, n, p, NET, dims)
+    factored = [(d[0], math.prod(d) // d[0]) for d in dims if len(d) == 2]
+    factored = [(r, c) for r, c in factored if (r + c) * 2 < r * c]
+    plain = n - sum(r * c for r, c in factored)
+    parts = (sum(2 * r for r, _ in factored), sum(2 * c for _, c in factored), plain)
+    expected = sum(scale.exchange_terms("none", None, k, p, NET)[1] for k in parts)
+    assert b1 == pytest.approx(expected)
+    assert scale.exchange_terms("none", None, n, p, NET)[1] / b1 > 100  # hundreds of times
+    assert scale.breakeven("powersgd", 2, n, p, NET, 1e11, dims=dims)["bandwidth"] > 0
+    with pytest.raises(ValueError, match="needs the tensors' shapes"):
+        scale.exchange_terms("powersgd", 2, n, p, NET)
 
 
 def test_the_trace_has_the_training_traces_fields(tmp_path):

@@ -22,7 +22,7 @@ Pure Python: no MPI, except that cost.resolve reads comm/auto.py's thresholds.
 from typing import NamedTuple
 
 from minidp import cost
-from minidp.cost.calls import compressor_calls, gpt_shapes
+from minidp.cost.calls import compressor_calls, gpt_shapes, powersgd_calls
 from minidp.cost.step import Compute, Layout, Network, memory, predict
 
 
@@ -140,28 +140,37 @@ COMPRESSORS = (
     ("randomk", 0.01),
     ("sign", None),
     ("qsgd", 4),
+    ("powersgd", 2),
 )
-"""The compressors the breakeven table walks (PowerSGD's bytes depend on the matrix shapes)."""
+"""The compressors the breakeven table walks (PowerSGD's bytes follow the matrices' shapes:
+pass `dims`)."""
 
 
-def exchange_terms(name: str, param, n: int, p: int, net: Network) -> tuple[float, float]:
-    """(a, b): the exchange takes a + b·β seconds (the formulas are linear in β)."""
-    calls = compressor_calls(name, param, n, p)
+def exchange_terms(name: str, param, n: int, p: int, net: Network, dims=()) -> tuple:
+    """(a, b): the exchange takes a + b·β seconds (the formulas are linear in β); `dims`:
+    the shapes of the n values' tensors, which PowerSGD factors (one bucket of them all)."""
+    if name == "powersgd" and not dims:
+        raise ValueError("powersgd's exchange needs the tensors' shapes (dims)")
+    if name == "powersgd":
+        calls = powersgd_calls(dims, param)
+    else:
+        calls = compressor_calls(name, param, n, p)
     zero, one = net._replace(beta=0.0), net._replace(beta=1.0)
     a = sum(seconds(zero, c, "auto", p, m, s) for c, m, s in calls)
     return a, sum(seconds(one, c, "auto", p, m, s) for c, m, s in calls) - a
 
 
-def breakeven(name, param, n: int, p: int, net, compress_bytes_per_s: float, backward=0.0):
+def breakeven(name, param, n: int, p: int, net, compress_bytes_per_s: float, backward=0.0, dims=()):
     """The bandwidth (bytes/s) below which compressing n float32 values per step beats the
     plain allreduce on p ranks, in the step: the exchange hides behind `backward` seconds
     (step.py's overlap: exposed = max(0, exchange - backward); 0: no overlap), and the
     compressor's own compute, encoding the n values and decoding the bytes it receives at
     compress_bytes_per_s, adds to the step (it runs where backward runs). 0: it never pays
     (it sends no fewer bytes, or its compute costs more than it saves even at 0.8 Mb/s);
-    inf: it pays at any bandwidth."""
+    inf: it pays at any bandwidth. PowerSGD (`dims`: the shapes) is priced the same way,
+    its two small matmuls per matrix taken at the same rate as the others' encoding."""
     a0, b0 = exchange_terms("none", None, n, p, net)
-    a1, b1 = exchange_terms(name, param, n, p, net)  # b1: the bytes on its critical path
+    a1, b1 = exchange_terms(name, param, n, p, net, dims)  # b1: the bytes on its critical path
     work = (4 * n + b1) / compress_bytes_per_s
 
     def gain(bandwidth: float) -> float:  # seconds saved a step; grows once plain is exposed

@@ -172,8 +172,9 @@ def scaling(args, model, compute, net) -> list[dict]:
 
 def compression(args, model, compute, net) -> list[dict]:
     rate, now = args.compress_gbs * 1e9, 8 / net.beta / 1e9
+    dims = model.shapes().dims  # PowerSGD factors each matrix
     rows = [
-        scale.breakeven(name, param, model.params, p, net, rate, compute.backward_s)
+        scale.breakeven(name, param, model.params, p, net, rate, compute.backward_s, dims)
         for p in sorted({2, 8, 64, 256, args.nprocs})
         for name, param in scale.COMPRESSORS
     ]
