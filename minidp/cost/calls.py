@@ -159,24 +159,30 @@ decoding grows with p, where the others' (the casts' alltoall pieces, random-k's
 does not."""
 
 
+def _number(name: str, param) -> float:
+    """A compressor's PARAM (a number, or a spec's text); the caller fills in the default
+    (compression/table.py's parse_compress does, from the class's keyword)."""
+    if param in (None, ""):
+        raise ValueError(f"{name} needs its PARAM here (parse_compress gives the default)")
+    return float(param)
+
+
 def compressor_calls(name: str, param, n: int, p: int, itemsize: int = 4) -> list:
-    """[(collective, elements, itemsize)] of one round of compressor `name` (its PARAM as a
-    number or the spec's text, "" for the default) on a bucket of n values on p ranks, exactly
-    as the compressor sends them; allgathers' elements are the gathered whole (p payloads)."""
+    """[(collective, elements, itemsize)] of one round of compressor `name` (with its PARAM,
+    if it takes one) on a bucket of n values on p ranks, exactly as the compressor sends
+    them; allgathers' elements are the gathered whole (p payloads)."""
     if name == "none":
         return [("allreduce", n, itemsize)]
     if name in ("fp16", "bf16"):  # cast.py: alltoall of the 16-bit pieces, allgather of sums
         width = -(-n // p)
         return [("alltoall", p * width, 2), ("allgather", p * width, 2)]
     if name in ("topk", "randomk"):  # sparse.py: k = kept(n, density)
-        density = float(param) if param not in (None, "") else 0.01
-        k = min(n, max(1, math.ceil(density * n))) if n else 0
+        k = min(n, max(1, math.ceil(_number(name, param) * n))) if n else 0
         if name == "randomk":  # shared random indices: only the values, allreduced
             return [("allreduce", k, itemsize)]
         return [("allgather", p * k, 4), ("allgather", p * k, itemsize)]  # int32 indices
     if name in ("sign", "sign-noef", "qsgd"):  # quant.py: packed bits, one scale, allgathered
-        levels = int(float(param)) if name == "qsgd" and param not in (None, "") else 4
-        bits = 1 if name != "qsgd" else (2 * levels).bit_length()
+        bits = (2 * int(_number(name, param))).bit_length() if name == "qsgd" else 1
         return [("allgather", p * -(-n * bits // 8), 1), ("allgather", p, itemsize)]
     raise ValueError(
         f"no wire model for compressor {name!r} (powersgd's factors depend on the shapes)"
@@ -188,7 +194,7 @@ def powersgd_calls(dims: list[tuple], param, itemsize: int = 4) -> list:
     tensors of shapes `dims`: a tensor (n, ...) is the n x m matrix of its size, factored
     when (n + m)·r < n·m; the P factors (n·r each) in one allreduce, the Q factors (m·r) in
     a second, every other value in a third (each skipped when empty)."""
-    r = int(float(param)) if param not in (None, "") else 2
+    r = int(_number("powersgd", param))
     p_side = q_side = plain = 0
     for shape in dims:
         size = math.prod(shape)

@@ -149,12 +149,12 @@ pass `dims`)."""
 def exchange_terms(name: str, param, n: int, p: int, net: Network, dims=()) -> tuple:
     """(a, b): the exchange takes a + b·β seconds (the formulas are linear in β); `dims`:
     the shapes of the n values' tensors, which PowerSGD factors (one bucket of them all)."""
-    if name == "powersgd" and not dims:
-        raise ValueError("powersgd's exchange needs the tensors' shapes (dims)")
-    if name == "powersgd":
+    if name != "powersgd":
+        calls = compressor_calls(name, param, n, p)
+    elif dims:
         calls = powersgd_calls(dims, param)
     else:
-        calls = compressor_calls(name, param, n, p)
+        raise ValueError("powersgd's exchange needs the tensors' shapes (dims)")
     zero, one = net._replace(beta=0.0), net._replace(beta=1.0)
     a = sum(seconds(zero, c, "auto", p, m, s) for c, m, s in calls)
     return a, sum(seconds(one, c, "auto", p, m, s) for c, m, s in calls) - a

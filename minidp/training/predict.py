@@ -41,7 +41,7 @@ from minidp.cost.calls import gpt_shapes
 from minidp.cost.step import Compute, Layout, Network, fixed_part, predict
 from minidp.memory import activation_estimate
 from minidp.training.config import BadConfig
-from minidp.training.predict_compress import check_compress, compressor_seconds
+from minidp.training.predict_compress import check_compress, compressor_seconds, spelled_out
 from minidp.training.predict_compute import measure_compute, runs_alone
 from minidp.training.tasks import Task
 
@@ -90,7 +90,7 @@ def layout_of(config, world: int) -> Layout:
         overlap=overlap,
         algo=config.allreduce,
         bucket_mb=config.bucket_mb,
-        compress=config.compress,
+        compress=spelled_out(config.compress),
         sequence_parallel=config.sequence_parallel,
     )
 

@@ -41,6 +41,15 @@ def check_compress(config) -> None:
         raise BadConfig("predict models the compressed steps; drop --compress-warmup")
 
 
+def spelled_out(spec: str) -> str:
+    """The --compress value with its PARAM written, the class's default for a bare name
+    ("topk" -> "topk:0.01"): what cost/calls.py reads, so no default lives there twice."""
+    from minidp.parallel.compression.table import parse_compress
+
+    name, param = parse_compress(spec)
+    return name if param is None else f"{name}:{param}"
+
+
 def compressor_seconds(config, task, examples: int, warmup: int = 2, steps: int = 7) -> float:
     """Median seconds of the compressor's work on one step's buckets on a group of one. The
     buckets hold the model's own gradients of `examples` examples, weighed as DDP weighs a

@@ -32,7 +32,7 @@ def run_ps_prediction(config, layout: Layout, *, network, threads: int, rank: in
     """The Prediction for rank `rank` of a parameter-server run; compute measured here."""
     from threadpoolctl import threadpool_limits
 
-    from minidp.training.predict import activation_estimate
+    from minidp.memory import activation_estimate
     from minidp.training.predict_compute import measure_compute
 
     task = Task(config, np.dtype(config.dtype))

@@ -152,8 +152,7 @@ def for_run(config, group, measured_step_s: float, steps: int) -> dict:
         record["predicted_bytes_by_axis"]["dp"] += bytes_per_run(
             workers, config.servers, group.rank
         )
-        bsp = config.consistency == "bsp"  # beside the record's staleness_histogram:
-        bound = None if bsp else staleness_bound(config.consistency)  # every clock's pushes
+        bound = staleness_bound(config.consistency)  # beside the record's histogram; bsp: 0
         each = paces(prediction, workers, config.batch_size, group.rank, bound) if bound else []
         record["predicted_staleness_mean"] = mean_staleness(each, config.steps, bound)
     return record
