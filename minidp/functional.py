@@ -20,12 +20,14 @@ def _tensor(x) -> Tensor:
 
 
 def _amax(a, axis):
-    """a.max(axis, keepdims=True): NumPy's method (torch's returns indices too)."""
-    return (
-        a.max(axis=axis, keepdims=True)
-        if isinstance(a, np.ndarray)
-        else namespace(a).max(a, axis, True)
-    )
+    """a.max(axis, keepdims=True): NumPy's method (torch's returns indices too). Along the
+    last axis NumPy finds where the maximum is (argmax) ~3x faster than it finds the
+    maximum: the same value, read from where argmax says (a NaN too: both pick it)."""
+    if not isinstance(a, np.ndarray):
+        return namespace(a).max(a, axis, True)
+    if a.size and axis in (-1, a.ndim - 1):
+        return np.take_along_axis(a, a.argmax(axis=-1, keepdims=True), axis=-1)
+    return a.max(axis=axis, keepdims=True)
 
 
 # ---- matrix product ----------------------------------------------------------------------
@@ -217,16 +219,17 @@ def cross_entropy(logits: Tensor, targets) -> Tensor:
     N = len(t)
     if xp is not np:
         t = xp.index(t)  # the targets beside the logits, on their device
-    shifted = z - _amax(z, 1)  # log-sum-exp trick: stable for large logits
-    e = xp.exp(shifted)
-    sum_e = e.sum(axis=1, keepdims=True)
+    e = z - _amax(z, 1)  # shifted: the log-sum-exp trick, stable for large logits
     rows = xp.arange(N)
-    loss = xp.log(sum_e[:, 0]) - shifted[rows, t]
+    target = e[rows, t]  # each example's shifted logit at its target
+    e = xp.exp(e, out=e)  # in place: the shifted logits are needed no more
+    # each row's sum; on NumPy as a matrix-vector product, ~4x faster than .sum(axis=1)
+    sum_e = e @ np.ones(V, dtype=e.dtype) if xp is np else e.sum(axis=1)
+    loss = xp.log(sum_e) - target
 
-    def backward(g):
-        d = e / sum_e
-        d[rows, t] -= 1
-        d *= g / N
+    def backward(g):  # (softmax - onehot(target)) g / N
+        d = e * (g / N / sum_e)[:, None]
+        d[rows, t] -= g / N
         return (d.reshape(logits.shape),)
 
     # sum / N: the bits of loss.mean(), without its Python overhead

@@ -11,16 +11,20 @@ saves:
 
     op              composed                                  fused
     LayerNorm       11 nodes, 5 full-size arrays forward      1 node, the standard backward
-    LayerNorm       2 ops; u = x̂ w + b made (2 passes),       1 node; w and b folded into
-      + Linear      then u W; dx̂ = du w (1 more pass)         the (C, D) weight: no u
-    GELU            9 temporaries forward, 13 backward        2 each way, 8 and 10 passes
-    attention       split, 3 zeroed (B, T, 3C) in backward,   1 node; dq, dk, dv written into
-                    mask + softmax 4 arrays each way          one (B, T, 3C) array; softmax
-                                                              down S^T's columns (fast axis)
+    LayerNorm       2 ops; u = x̂ w + b made (2 passes),       1 node; w, b and the bias
+      + Linear      then u W, + b; dx̂ = du w (1 more pass)    folded into a (C + 1, D)
+                                                              weight: no u, no bias pass
+    GELU            9 temporaries forward, 13 backward        2 each way, 8 and 10 passes,
+                                                              in cache-sized blocks
+    attention       split, 3 zeroed (B, T, 3C) in backward,   1 node (fused_attention.py);
+                    mask + softmax 4 arrays each way          dq, dk, dv written into one
+                                                              (B, T, 3C) array; softmax down
+                                                              S^T's columns; blocks of rows
     embedding bwd   np.add.at (one row at a time)             sort the ids, np.add.reduceat
 
 Fewer arrays means fewer bytes for the allocator to find and fewer pages to fault in
-(allocator.py); fewer passes means less memory traffic; fewer nodes, less Python.
+(allocator.py); fewer passes means less memory traffic, and passes run on cache-sized
+blocks (`blocks`) traffic with the cache instead of memory; fewer nodes, less Python.
 Where an op keeps the composed graph's exact order of operations it says so: then its bits
 are the composed graph's (the tests check which).
 """
@@ -113,24 +117,34 @@ def layer_norm_linear(
     """linear(layer_norm(x, w_n, b_n, eps), W, b) as one op: LayerNorm's scale and shift
     folded into the Linear that follows it (each LayerNorm of the GPT feeds one Linear).
 
-        u = x̂ w_n + b_n,   y = u W + b = x̂ (w_n ⊙ W) + (b_n W + b)
-    (w_n ⊙ W scales row c of W by w_n[c]: a (C, D) array, not an (N, C) pass). Backward,
-    with P = x̂ᵀ g (the product the Linear's dW = uᵀ g would take anyway):
+        u = x̂ w_n + b_n,   y = u W + b = x̂ (w_n ⊙ W) + (b_n W + b) = [x̂ 1] W⁺
+    where W⁺ is w_n ⊙ W (row c of W scaled by w_n[c]) with one more row, b_n W + b: x̂ is
+    written with a column of ones after it, so the product adds the bias (no pass over the
+    (N, D) output to add it; a (C + 1, D) array, not an (N, C) pass, to fold w_n and b_n).
+    Backward, with P = x̂ᵀ g (the product the Linear's dW = uᵀ g would take anyway):
         db  = sum over rows of g,       dW = w_n ⊙ P + b_n ⊗ db
         dw_n = rowsum(W ⊙ P),           db_n = W db
         dx̂  = g (w_n ⊙ W)ᵀ,  then dx as in `layer_norm`, its means as row sums
-    Two passes forward and three backward fewer than the two ops (no u, no g w). Backward
-    reads W and w_n again rather than keeping w_n ⊙ W: nothing the size of W is held from
-    forward to backward beyond what a Linear holds (ZeRO-3's slots stay the only copies)."""
+    Three passes forward and three backward fewer than the two ops (no u, no g w, no bias
+    pass). ([x̂ 1]ᵀ g would give db as its last row, but a product with 65 rows costs more
+    than one with 64 and a row sum: measured, so not taken.) Backward reads W and w_n again
+    rather than keeping W⁺: nothing the size of W is held from forward to backward beyond
+    what a Linear holds (ZeRO-3's slots stay the only copies)."""
     C = x.shape[-1]
     X = x.data.reshape(-1, C)
-    xhat = X - (row_sums(X) * (1.0 / C))[:, None]
+    w_n, b_n, W = norm_weight.data, norm_bias.data, weight.data
+    xhat1 = np.empty((len(X), C + 1), dtype=np.result_type(X, W))  # [x̂ 1]
+    xhat1[:, C] = 1
+    xhat = xhat1[:, :C]  # a view: rows of C, one apart
+    np.subtract(X, (row_sums(X) * (1.0 / C))[:, None], out=xhat)  # x - μ
     sigma = np.sqrt(row_dots(xhat, xhat) * (1.0 / C) + eps)[:, None]
     xhat /= sigma
-    w_n, b_n, W = norm_weight.data, norm_bias.data, weight.data
-    scaled = w_n[:, None] * W  # w_n ⊙ W
-    y = xhat @ scaled
-    y += b_n @ W if bias is None else b_n @ W + bias.data
+    W_plus = np.empty((C + 1, W.shape[1]), dtype=xhat1.dtype)
+    np.multiply(w_n[:, None], W, out=W_plus[:C])  # w_n ⊙ W
+    np.matmul(b_n, W, out=W_plus[C])  # b_n W (+ b)
+    if bias is not None:
+        W_plus[C] += bias.data
+    y = xhat1 @ W_plus
 
     def backward(g):
         G = g.reshape(-1, W.shape[1])
@@ -143,8 +157,8 @@ def layer_norm_linear(
         dw_n = row_dots(W, P) if norm_weight.requires_grad else None
         db_n = W @ db if norm_bias.requires_grad else None
         dx = None
-        if x.requires_grad:  # dx̂ = g (w_n ⊙ W)ᵀ = (g Wᵀ) ⊙ w_n: from W itself, not `scaled`
-            dx = G @ W.T  # (kept, `scaled` would hold a fresh (C, D) array per layer until
+        if x.requires_grad:  # dx̂ = g (w_n ⊙ W)ᵀ = (g Wᵀ) ⊙ w_n: from W itself, not W⁺
+            dx = G @ W.T  # (kept, W⁺ would hold a fresh (C + 1, D) array per layer until
             dx *= w_n  # backward: under ZeRO-3 W is a reused slot, gathered again)
             mean_dxhat = (row_sums(dx) * (1.0 / C))[:, None]
             mean_dxhat_xhat = (row_dots(dx, xhat) * (1.0 / C))[:, None]
@@ -161,8 +175,32 @@ def layer_norm_linear(
     return op(y.reshape(*x.shape[:-1], W.shape[1]), parents, backward)
 
 
+CHUNK_BYTES = 256 << 10  # a block of rows per pass: well inside a core's L2 cache (0: whole)
+
+
+def blocks(a: np.ndarray) -> list[slice]:
+    """Slices of a's first axis, each about CHUNK_BYTES: cache blocking.
+
+    A chain of element-wise passes over a 1 MiB array streams it from memory once per
+    pass: past the L2 cache here (2 MiB a core) a write costs ~5x a write into cache
+    (docs/memory.md). Running the whole chain on one block, then the next, keeps each block
+    in cache from the first pass to the last. Element-wise, or one sequence at a time: the
+    same bits as whole arrays (tests/test_autograd.py sets CHUNK_BYTES = 0 to compare)."""
+    n = max(len(a), 1)  # an empty array: one (empty) block
+    step = max(1, CHUNK_BYTES // max(1, a[:1].nbytes)) if CHUNK_BYTES else n
+    return [slice(i, i + step) for i in range(0, n, step)]
+
+
 _GELU_C = math.sqrt(2 / math.pi)  # Python floats: keep float32 arrays float32
 _GELU_A = 0.044715
+
+
+def _tanh_u(v, out):
+    np.multiply(v, v, out=out)
+    out *= _GELU_A * _GELU_C
+    out += _GELU_C
+    out *= v  # u = x (c + a c x^2)
+    np.tanh(out, out=out)
 
 
 def gelu(x: Tensor) -> Tensor:
@@ -175,83 +213,38 @@ def gelu(x: Tensor) -> Tensor:
     (1 - t^2) = (1 - t)(1 + t) takes the factor (1 + t) out: no difference of two nearly
     equal numbers where t is near ±1. Each line below is one pass over the (B, T, 4C)
     array, and a pass costs about what tanh does here: 8 forward (9 composed as written),
-    10 backward (13), two arrays each way. The same function as functional.gelu, its
-    constants grouped otherwise: equal to rounding, not bit for bit."""
+    10 backward (13), two arrays each way, each chain run on one cache-sized block at a
+    time (`blocks`: the backward's 10 passes ~25% faster in the GPT's step). The same
+    function as functional.gelu, its constants grouped otherwise: equal to rounding, not
+    bit for bit."""
     v = x.data.reshape(-1)  # flat: a 0-d input too is an array to write into
-    t = v * v
-    t *= _GELU_A * _GELU_C
-    t += _GELU_C
-    t *= v  # u = x (c + a c x^2)
-    np.tanh(t, out=t)  # t = tanh(u), kept for backward
-    y = t + 1
-    y *= v
-    y *= 0.5
+    y, t = np.empty_like(v), np.empty_like(v)
+    for s in blocks(v):
+        vs, ys, ts = v[s], y[s], t[s]
+        _tanh_u(vs, out=ts)
+        np.add(ts, 1, out=ys)
+        ys *= vs
+        ys *= 0.5
 
     def backward(g):
-        k = v * v
-        k *= 1.5 * _GELU_A * _GELU_C
-        k += 0.5 * _GELU_C
-        k *= v  # k = 0.5 c x (1 + 3 a x^2)
-        one_minus_t = np.subtract(1, t)
-        k *= one_minus_t
-        k += 0.5  # 0.5 + k (1 - t)
-        np.add(t, 1, out=one_minus_t)  # its array reused: 1 + t
-        k *= one_minus_t
-        k *= g.reshape(-1)
+        g = g.reshape(-1)
+        k = np.empty_like(v)
+        other = np.empty_like(v[blocks(v)[0]])
+        for s in blocks(v):
+            vs, ks, ts, os = v[s], k[s], t[s], other[: len(v[s])]
+            np.multiply(vs, vs, out=ks)
+            ks *= 1.5 * _GELU_A * _GELU_C
+            ks += 0.5 * _GELU_C
+            ks *= vs  # k = 0.5 c x (1 + 3 a x^2)
+            np.subtract(1, ts, out=os)
+            ks *= os
+            ks += 0.5  # 0.5 + k (1 - t)
+            np.add(ts, 1, out=os)  # 1 + t
+            ks *= os
+            ks *= g[s]
         return (k.reshape(x.shape),)
 
     return op(y.reshape(x.shape), (x,), backward)
-
-
-def causal_self_attention(qkv: Tensor, n_head: int, future: np.ndarray) -> Tensor:
-    """Multi-head causal attention from the packed projections: (B, T, 3C) -> (B, T, C).
-
-    Per head (q, k, v: (T, hs) each, views into qkv; s = 1/sqrt(hs); M the future):
-        S = q k^T s,  S[M] = -inf,  P = softmax(S) (over each row),  y = P v
-    backward, with dy from the head-merged g:
-        dP = dy v^T,  dv = P^T dy
-        dS = P (dP - rowsum(dP P)) s             (softmax's Jacobian; 0 where masked)
-        dq = dS k,    dk = dS^T q
-    and dq, dk, dv are written into one (B, T, 3C) array: the gradient of the packed
-    projections, where the composed split made a zeroed (B, T, 3C) array for each part and
-    added them. Only P is kept for backward (the composed graph keeps S, P, the masked copy).
-    The scale s is applied to q (and to dq), a quarter of S's size at the default shapes,
-    not to S and dS: for hs = 16, s = 1/4, exact, so the same bits as scaling S.
-
-    One layout trick: S is held transposed, S^T = k q^T s (a matrix product computes either
-    at the same cost), so softmax's max and sums run down the columns of S^T, along
-    NumPy's fast axis (a max along the last axis is ~3x slower). The same numbers to
-    rounding as the composed graph (sums in another order)."""
-    B, T, C3 = qkv.shape
-    C = C3 // 3
-    hs = C // n_head
-    heads = qkv.data.reshape(B, T, 3, n_head, hs)  # a view
-    q, k, v = (heads[:, :, i].transpose(0, 2, 1, 3) for i in range(3))  # (B, H, T, hs)
-    scale = 1.0 / math.sqrt(hs)
-    qs = q * scale  # s folded into q: a pass over (B, T, C), not over S's (B, H, T, T)
-    Pt = k @ qs.swapaxes(-1, -2)  # S^T, then P^T in place: (B, H, T keys, T queries)
-    np.copyto(Pt, -np.inf, where=future[:T, :T].T)  # key after query: masked
-    Pt -= Pt.max(axis=-2, keepdims=True)  # shift: no overflow
-    np.exp(Pt, out=Pt)
-    Pt /= (np.ones(T, dtype=Pt.dtype) @ Pt)[..., None, :]  # each query's sum over keys
-    y = (Pt.swapaxes(-1, -2) @ v).transpose(0, 2, 1, 3).reshape(B, T, C)  # heads merged
-
-    def backward(g):
-        dy = g.reshape(B, T, n_head, hs).transpose(0, 2, 1, 3)  # a view
-        dPt = v @ dy.swapaxes(-1, -2)  # (dy v^T)^T
-        dv = Pt @ dy
-        dSt = dPt  # in place from here
-        dSt -= np.einsum("...kq,...kq->...q", dPt, Pt)[..., None, :]  # rowsum(dP P)
-        dSt *= Pt  # 0 where masked: P is 0 there; dS / s: s goes on dq and dk below
-        dqkv = np.empty(qkv.shape, dtype=g.dtype)
-        parts = dqkv.reshape(B, T, 3, n_head, hs)
-        dq = (dSt.swapaxes(-1, -2) @ k).transpose(0, 2, 1, 3)
-        np.multiply(dq, scale, out=parts[:, :, 0])  # s dS k, written into its place
-        parts[:, :, 1] = (dSt @ qs).transpose(0, 2, 1, 3)  # dS^T q s
-        parts[:, :, 2] = dv.transpose(0, 2, 1, 3)
-        return (dqkv,)
-
-    return op(y, (qkv,), backward)
 
 
 def embedding(weight: Tensor, idx: np.ndarray) -> Tensor:
@@ -278,3 +271,7 @@ def embedding(weight: Tensor, idx: np.ndarray) -> Tensor:
         return (full,)
 
     return op(weight.data[idx], (weight,), backward)
+
+
+# the attention op reads blocks() and row_sums() from this module: imported after them
+from minidp.fused_attention import causal_self_attention  # noqa: E402

@@ -638,6 +638,39 @@ def test_fused_op_equals_the_composed_graph(name, composed, same_bits, dtype, da
             np.testing.assert_allclose(ours, reference, rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize("name", ["gelu_fused", "causal_self_attention_fused"])
+@pytest.mark.parametrize("chunk_bytes", [1, 100])  # a row a block; blocks of a few rows
+@settings(SETTINGS, max_examples=10)
+@given(data=st.data())
+def test_cache_blocks_give_the_bits_of_whole_arrays(name, chunk_bytes, data):
+    """fused.blocks cuts the passes into cache-sized blocks; CHUNK_BYTES = 0 runs each pass
+    over the whole array. The numbers must not depend on the cut: the same bits, forward
+    and backward (a last block shorter than the rest included)."""
+    fused_op = next(op for op in OPS if op.name == name)
+    arrays, params = fused_op.example(data.draw)
+    results, default = [], fused.CHUNK_BYTES
+    try:
+        for size in (0, chunk_bytes):
+            fused.CHUNK_BYTES = size
+            inputs = [Tensor(a.astype(np.float32), requires_grad=True) for a in arrays]
+            out = fused_op.minidp(*inputs, **params)
+            (out * Tensor(output_weight(out.shape).astype(np.float32))).sum().backward()
+            results.append([out.data] + [t.grad for t in inputs])
+    finally:
+        fused.CHUNK_BYTES = default
+    for blocked, whole in zip(*results):
+        np.testing.assert_array_equal(blocked, whole)
+
+
+def test_cache_blocks_cover_every_row_once(monkeypatch):
+    monkeypatch.setattr(fused, "CHUNK_BYTES", 3 * 8)  # three float64 rows of one element
+    assert fused.blocks(np.zeros((7, 1))) == [slice(0, 3), slice(3, 6), slice(6, 9)]
+    assert fused.blocks(np.zeros((7, 4))) == [slice(i, i + 1) for i in range(7)]
+    assert len(fused.blocks(np.zeros((0, 4)))) == 1  # one empty block
+    monkeypatch.setattr(fused, "CHUNK_BYTES", 0)
+    assert fused.blocks(np.zeros((7, 4))) == [slice(0, 7)]
+
+
 # ---- dtypes ---------------------------------------------------------------------------------
 def test_python_numbers_and_lists_default_to_float32():
     assert Tensor([1.0, 2.0]).dtype == np.float32
