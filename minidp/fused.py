@@ -182,7 +182,7 @@ def blocks(a: np.ndarray) -> list[slice]:
     """Slices of a's first axis, each about CHUNK_BYTES: cache blocking.
 
     A chain of element-wise passes over a 1 MiB array streams it from memory once per
-    pass: past the L2 cache here (2 MiB a core) a write costs ~5x a write into cache
+    pass: past the L2 cache here (2 MiB a core) a write costs ~4x a write into cache
     (docs/memory.md). Running the whole chain on one block, then the next, keeps each block
     in cache from the first pass to the last. Element-wise, or one sequence at a time: the
     same bits as whole arrays (tests/test_autograd.py sets CHUNK_BYTES = 0 to compare)."""
