@@ -22,7 +22,8 @@ def _tensor(x) -> Tensor:
 def _amax(a, axis):
     """a.max(axis, keepdims=True): NumPy's method (torch's returns indices too). Along the
     last axis NumPy finds where the maximum is (argmax) ~3x faster than it finds the
-    maximum: the same value, read from where argmax says (a NaN too: both pick it)."""
+    maximum: the same value, read from where argmax says (a NaN too: both pick it; of -0.0
+    and +0.0 it may pick the other zero, equal for every use here)."""
     if not isinstance(a, np.ndarray):
         return namespace(a).max(a, axis, True)
     if a.size and axis in (-1, a.ndim - 1):
@@ -203,7 +204,8 @@ def split(x: Tensor, sections, axis: int = 0) -> list[Tensor]:
 def cross_entropy(logits: Tensor, targets) -> Tensor:
     """Mean over examples of -log softmax(logits)[target]; logits (..., V), targets (...) ints.
 
-    Fused: forward keeps the softmax, and backward is (softmax - onehot(target)) / N."""
+    Fused: forward keeps exp(logits - max) and its row sums, and backward is
+    (softmax - onehot(target)) / N, in one pass."""
     targets = np.asarray(targets.data if isinstance(targets, Tensor) else targets)
     V = logits.shape[-1]
     if logits.shape[:-1] != targets.shape:

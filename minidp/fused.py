@@ -16,7 +16,7 @@ saves:
                                                               weight: no u, no bias pass
     GELU            9 temporaries forward, 13 backward        2 each way, 8 and 10 passes,
                                                               in cache-sized blocks
-    attention       split, 3 zeroed (B, T, 3C) in backward,   1 node (fused_attention.py);
+    attention       split, 3 zeroed (B, T, 3C) in backward,   1 node (in fused_attention.py);
                     mask + softmax 4 arrays each way          dq, dk, dv written into one
                                                               (B, T, 3C) array; softmax down
                                                               S^T's columns; blocks of rows
@@ -43,7 +43,6 @@ __all__ = [
     "layer_norm",
     "layer_norm_linear",
     "gelu",
-    "causal_self_attention",
     "embedding",
 ]
 
@@ -133,7 +132,9 @@ def layer_norm_linear(
     C = x.shape[-1]
     X = x.data.reshape(-1, C)
     w_n, b_n, W = norm_weight.data, norm_bias.data, weight.data
-    xhat1 = np.empty((len(X), C + 1), dtype=np.result_type(X, W))  # [x̂ 1]
+    linear_bias = () if bias is None else (bias.data,)
+    dtype = np.result_type(X, w_n, b_n, W, *linear_bias)  # what the two ops would give
+    xhat1 = np.empty((len(X), C + 1), dtype=dtype)  # [x̂ 1]
     xhat1[:, C] = 1
     xhat = xhat1[:, :C]  # a view: rows of C, one apart
     np.subtract(X, (row_sums(X) * (1.0 / C))[:, None], out=xhat)  # x - μ
@@ -271,7 +272,3 @@ def embedding(weight: Tensor, idx: np.ndarray) -> Tensor:
         return (full,)
 
     return op(weight.data[idx], (weight,), backward)
-
-
-# the attention op reads blocks() and row_sums() from this module: imported after them
-from minidp.fused_attention import causal_self_attention  # noqa: E402

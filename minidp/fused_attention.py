@@ -1,5 +1,5 @@
-"""Causal self-attention as one op, its backward written out: the fused attention of
-fused.py (which re-exports it), in a file of its own for the three ideas it carries.
+"""Causal self-attention as one op, its backward written out: one of the fused ops of
+fused.py (whose helpers it uses), in a file of its own for the three ideas it carries.
 
 1. The softmax's backward without a pass over the (T, T) arrays: FlashAttention's
    D = rowsum(dy ∘ y) (Dao et al., 2022) in place of rowsum(dP ∘ P).
@@ -61,10 +61,14 @@ def causal_self_attention(qkv: Tensor, n_head: int, future: np.ndarray) -> Tenso
     y = np.empty((B, T, C), dtype=qs.dtype)
     y_heads = y.reshape(B, T, n_head, hs)  # a view: heads merged as the product writes
     ones = np.ones(T, dtype=qs.dtype)
-    masked = np.where(future[:T, :T].T, -np.inf, 0).astype(qs.dtype)  # key after query: -inf
+    # the mask as a cap: -inf where the key comes after the query, +inf elsewhere. fmin
+    # (not min) takes the number over a NaN: a NaN score in the future becomes -inf, as
+    # masked_fill makes it, and one in the past +inf, whose query softmax makes NaN either
+    # way; finite scores keep their bits. (Twice as fast as np.copyto with `where`.)
+    cap = np.where(future[:T, :T].T, -np.inf, np.inf).astype(qs.dtype)
     for s in blocks(Pt):  # a few sequences at a time, their (T, T) arrays in cache
         P = np.matmul(k[s], qs[s].swapaxes(-1, -2), out=Pt[s])  # S^T = k q^T s
-        P += masked  # S + 0 is S: the same bits as setting the masked ones to -inf
+        np.fmin(P, cap, out=P)  # the future masked
         P -= P.max(axis=-2, keepdims=True)  # shift: no overflow
         np.exp(P, out=P)
         P /= (ones @ P)[..., None, :]  # each query's sum over keys

@@ -15,6 +15,7 @@ from minidp import fused as fused_ops
 from minidp.autograd import Tensor, no_grad
 from minidp.backend import to_numpy
 from minidp.fused import fusable
+from minidp.fused_attention import causal_self_attention
 from minidp.nn import Dropout, Embedding, LayerNorm, Linear, Module
 
 __all__ = [
@@ -42,7 +43,7 @@ def composed_attention(qkv: Tensor, n_head: int, future: np.ndarray, attn_drop) 
     """Causal self-attention from the packed projections, (B, T, 3C) -> (B, T, C), op by
     op: split q, k, v; heads; scores S = q k^T / sqrt(hs); the future masked; softmax;
     dropout; the weighted sum P v; heads merged. The plain way, and the reference that
-    fused.causal_self_attention is tested against."""
+    fused_attention.causal_self_attention is tested against."""
     B, T, C3 = qkv.shape
     C, H = C3 // 3, n_head
     q, k, v = F.split(qkv, 3, axis=2)  # each (B, T, C)
@@ -55,10 +56,11 @@ def composed_attention(qkv: Tensor, n_head: int, future: np.ndarray, attn_drop) 
 
 def attention(qkv: Tensor, n_head: int, future, attn_drop, fused: bool = True) -> Tensor:
     """composed_attention, or (fused, NumPy data, no attention dropout at work) the same as
-    one op with its backward written out: fused.causal_self_attention, a speed trick."""
+    one op with its backward written out: fused_attention.causal_self_attention, a speed
+    trick."""
     dropping = attn_drop.training and attn_drop.p > 0
     if fused and not dropping and fusable(qkv):
-        return fused_ops.causal_self_attention(qkv, n_head, future)
+        return causal_self_attention(qkv, n_head, future)
     return composed_attention(qkv, n_head, future, attn_drop)
 
 

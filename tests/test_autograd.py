@@ -36,6 +36,7 @@ from minidp import (
     stack,
     where,
 )
+from minidp.fused_attention import causal_self_attention
 from minidp.gpt import composed_attention
 from minidp.nn import MLP, LayerNorm, Linear, linear
 
@@ -332,7 +333,7 @@ def future(T: int) -> np.ndarray:
 
 
 def fused_attention(qkv, n_head):
-    return fused.causal_self_attention(qkv, n_head, future(qkv.shape[1]))
+    return causal_self_attention(qkv, n_head, future(qkv.shape[1]))
 
 
 def torch_attention(qkv, n_head):
@@ -638,28 +639,59 @@ def test_fused_op_equals_the_composed_graph(name, composed, same_bits, dtype, da
             np.testing.assert_allclose(ours, reference, rtol=tol, atol=tol)
 
 
-@pytest.mark.parametrize("name", ["gelu_fused", "causal_self_attention_fused"])
-@pytest.mark.parametrize("chunk_bytes", [1, 100])  # a row a block; blocks of a few rows
+def several_sequences(draw):
+    """qkv of 3 to 5 sequences: blocks of two sequences, the last one shorter or not."""
+    B, T, H, hs = draw(st.integers(3, 5)), draw(st.integers(1, 4)), 2, draw(st.integers(1, 3))
+    return [values(draw, (B, T, 3 * H * hs))], {"n_head": H}
+
+
+def wide_vector(draw):
+    return [values(draw, (draw(st.integers(5, 9)),))], {}
+
+
+BLOCKED = [  # (op, an example, the bytes of the rows a block should hold: two rows each)
+    (fused.gelu, wide_vector, lambda x: 2 * x.itemsize),
+    (fused_attention, several_sequences, lambda qkv, n_head: 2 * n_head * qkv.shape[1] ** 2 * 4),
+]
+
+
+@pytest.mark.parametrize("fn, example, two_rows", BLOCKED, ids=["gelu", "attention"])
 @settings(SETTINGS, max_examples=10)
 @given(data=st.data())
-def test_cache_blocks_give_the_bits_of_whole_arrays(name, chunk_bytes, data):
+def test_cache_blocks_give_the_bits_of_whole_arrays(fn, example, two_rows, data):
     """fused.blocks cuts the passes into cache-sized blocks; CHUNK_BYTES = 0 runs each pass
     over the whole array. The numbers must not depend on the cut: the same bits, forward
-    and backward (a last block shorter than the rest included)."""
-    fused_op = next(op for op in OPS if op.name == name)
-    arrays, params = fused_op.example(data.draw)
+    and backward, with blocks of one row and of two (a last block shorter than the rest
+    included)."""
+    arrays, params = example(data.draw)
+    arrays = [a.astype(np.float32) for a in arrays]
     results, default = [], fused.CHUNK_BYTES
     try:
-        for size in (0, chunk_bytes):
+        for size in (0, 1, two_rows(*arrays, **params)):
             fused.CHUNK_BYTES = size
-            inputs = [Tensor(a.astype(np.float32), requires_grad=True) for a in arrays]
-            out = fused_op.minidp(*inputs, **params)
+            inputs = [Tensor(a, requires_grad=True) for a in arrays]
+            out = fn(*inputs, **params)
             (out * Tensor(output_weight(out.shape).astype(np.float32))).sum().backward()
             results.append([out.data] + [t.grad for t in inputs])
     finally:
         fused.CHUNK_BYTES = default
-    for blocked, whole in zip(*results):
-        np.testing.assert_array_equal(blocked, whole)
+    for blocked in results[1:]:
+        for ours, whole in zip(blocked, results[0]):
+            np.testing.assert_array_equal(ours, whole)
+
+
+def test_a_nan_in_a_future_key_reaches_no_earlier_query():
+    """The fused attention masks the future as masked_fill does: a NaN score there is
+    replaced, not carried into the softmax of the queries before it (the composed graph's
+    NaN pattern, exactly)."""
+    B, T, H, hs = 2, 5, 2, 3
+    qkv = np.random.default_rng(0).standard_normal((B, T, 3 * H * hs))
+    qkv[:, -1, H * hs : 2 * H * hs] = np.nan  # the last position's key
+    with np.errstate(invalid="ignore"):
+        fused_y = causal_self_attention(Tensor(qkv), H, future(T)).data
+        composed_y = composed_attention(Tensor(qkv), H, future(T), lambda a: a).data
+    np.testing.assert_array_equal(np.isnan(fused_y), np.isnan(composed_y))
+    assert np.isfinite(fused_y[:, :-1]).all()
 
 
 def test_cache_blocks_cover_every_row_once(monkeypatch):

@@ -31,6 +31,7 @@ from minidp.bench._common import (
     summary,
     write_json,
 )
+from minidp.fused_attention import causal_self_attention
 from minidp.gpt import composed_attention
 from minidp.log import die
 from minidp.parser import Parser
@@ -93,7 +94,7 @@ def op_calls(torch, B: int, T=64, C=64, H=4, V=96) -> dict:
         ),
         "gelu": (fused.gelu, Tensor.gelu, lambda t: F.gelu(t, approximate="tanh"), [h]),
         "attention": (
-            lambda t: fused.causal_self_attention(t, H, future),
+            lambda t: causal_self_attention(t, H, future),
             lambda t: composed_attention(t, H, future, no_dropout),
             torch_attention,
             [qkv],
