@@ -197,6 +197,7 @@ _GELU_A = 0.044715
 
 
 def _tanh_u(v, out):
+    """out = t = tanh(u), GELU's t, in five passes over one block."""
     np.multiply(v, v, out=out)
     out *= _GELU_A * _GELU_C
     out += _GELU_C
