@@ -1,6 +1,6 @@
-"""Fused ops: LayerNorm (alone, or with the Linear after it), GELU, causal self-attention and
-the embedding, each one graph node with its derivative written out beside its forward
-(micrograd's way, on whole arrays).
+"""Fused ops: LayerNorm (alone, or with the Linear after it), a Linear with the residual add
+after it, GELU, causal self-attention and the embedding, each one graph node with its
+derivative written out beside its forward (micrograd's way, on whole arrays).
 
 The speed trick of docs/memory.md. Each op computes what a composed graph of small ops
 computes, and is checked against it (tests/test_autograd.py: the composed graph, central
@@ -14,6 +14,8 @@ saves:
     LayerNorm       2 ops; u = x̂ w + b made (2 passes),       1 node; w, b and the bias
       + Linear      then u W, + b; dx̂ = du w (1 more pass)    folded into a (C + 1, D)
                                                               weight: no u, no bias pass
+    Linear + the    2 ops: x W + b, then a second (N, D)      1 node; the residual added
+      residual add  array for r + (x W + b)                   into the product's array
     GELU            9 temporaries forward, 13 backward        2 each way, 8 and 10 passes,
                                                               in cache-sized blocks
     attention       split, 3 zeroed (B, T, 3C) in backward,   1 node (in fused_attention.py);
@@ -34,6 +36,7 @@ import math
 import numpy as np
 
 from minidp.autograd import Tensor, op
+from minidp.weight_grads import weight_gradient
 
 __all__ = [
     "fusable",
@@ -42,6 +45,7 @@ __all__ = [
     "column_sums",
     "layer_norm",
     "layer_norm_linear",
+    "linear_residual",
     "gelu",
     "embedding",
 ]
@@ -174,6 +178,35 @@ def layer_norm_linear(
 
     parents = (x, norm_weight, norm_bias, weight) + (() if bias is None else (bias,))
     return op(y.reshape(*x.shape[:-1], W.shape[1]), parents, backward)
+
+
+def linear_residual(residual: Tensor, x: Tensor, weight: Tensor, bias=None) -> Tensor:
+    """residual + linear(x, W, b) as one op: a block's output projection and the residual
+    add after it (Megatron-LM's bias-dropout-add fusion, without the dropout).
+
+        y = x W + b + r:     dr = g,  dx = g Wᵀ,  dW = xᵀ g,  db = sum over rows of g
+    The composed two ops make x W + b, then a second (N, D) array for the sum: here the sum
+    is added into the product's own array, and backward has one node. The same operations
+    in the same order as `r + nn.linear(x, W, b)`: the same bits (tests/test_autograd.py).
+    For arrays of one dtype, r shaped as the output (gpt.add_linear checks both)."""
+    X = x.data.reshape(-1, x.shape[-1])
+    W = weight.data
+    y = X @ W
+    if bias is not None:
+        y += bias.data
+    y += residual.data.reshape(y.shape)
+
+    def backward(g):
+        G = g.reshape(y.shape)
+        dx = (G @ W.T).reshape(x.shape) if x.requires_grad else None
+        dW = weight_gradient(X, G) if weight.requires_grad else None
+        grads = (g, dx, dW)
+        if bias is None:
+            return grads
+        return grads + (G.sum(axis=0) if bias.requires_grad else None,)
+
+    parents = (residual, x, weight) + (() if bias is None else (bias,))
+    return op(y.reshape(residual.shape), parents, backward)
 
 
 CHUNK_BYTES = 256 << 10  # a block of rows per pass: well inside a core's L2 cache (0: whole)

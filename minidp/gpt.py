@@ -23,6 +23,7 @@ __all__ = [
     "attention",
     "composed_attention",
     "norm_linear",
+    "add_linear",
     "CausalSelfAttention",
     "Block",
     "GPT",
@@ -87,6 +88,24 @@ def norm_linear(norm: LayerNorm, linear: Linear, x: Tensor, fused: bool = True) 
     return linear(norm(x))
 
 
+def add_linear(residual: Tensor, linear: Linear, drop, x: Tensor, fused: bool = True) -> Tensor:
+    """residual + drop(linear(x)), or (fused, NumPy data of one dtype, no dropout at work,
+    the library's own Linear: as norm_linear) the same as one op: fused.linear_residual,
+    a speed trick (the residual add into the product's own array)."""
+    dropping = drop.training and drop.p > 0
+    if (
+        fused
+        and not dropping
+        and own_forward(linear, Linear)
+        and fusable(residual, x, linear.weight)
+        and residual.dtype == x.dtype == linear.weight.dtype
+        and residual.shape == (*x.shape[:-1], linear.weight.shape[1])
+        and (linear.bias is None or linear.bias.dtype == residual.dtype)
+    ):
+        return fused_ops.linear_residual(residual, x, linear.weight, linear.bias)
+    return residual + drop(linear(x))
+
+
 class CausalSelfAttention(Module):
     """Multi-head attention where position t attends to positions <= t only."""
 
@@ -101,12 +120,15 @@ class CausalSelfAttention(Module):
         self.future = np.triu(np.ones((cfg.block_size, cfg.block_size), dtype=bool), k=1)
         self.fused = fused
 
-    def forward(self, x: Tensor, norm: LayerNorm | None = None) -> Tensor:
+    def forward(self, x: Tensor, norm: LayerNorm | None = None, residual=None) -> Tensor:
         """Attention over x; with `norm`, over norm(x) (its LayerNorm fused with q/k/v's
-        projection: norm_linear)."""
+        projection: norm_linear); with `residual`, residual + the attention (the add fused
+        with the output projection: add_linear)."""
         qkv = self.qkv(x) if norm is None else norm_linear(norm, self.qkv, x, self.fused)
         y = attention(qkv, self.n_head, self.future, self.attn_drop, self.fused)
-        return self.resid_drop(self.proj(y))
+        if residual is None:
+            return self.resid_drop(self.proj(y))
+        return add_linear(residual, self.proj, self.resid_drop, y, self.fused)
 
 
 class Block(Module):
@@ -123,10 +145,10 @@ class Block(Module):
         self.fused = fused
 
     def forward(self, x: Tensor) -> Tensor:
-        x = x + self.attn(x, norm=self.ln1)
+        x = self.attn(x, norm=self.ln1, residual=x)  # x + attn(ln1(x))
         h = norm_linear(self.ln2, self.fc, x, self.fused)
         h = fused_ops.gelu(h) if self.fused and fusable(h) else h.gelu()
-        return x + self.drop(self.fc_proj(h))
+        return add_linear(x, self.fc_proj, self.drop, h, self.fused)  # x + drop(fc_proj(h))
 
 
 class GPT(Module):

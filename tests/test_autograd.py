@@ -258,6 +258,12 @@ def layer_norm_linear_example(draw):
     return [x, w, b, values(draw, (x.shape[-1], D)), values(draw, (D,))], {}
 
 
+def linear_residual_example(draw):
+    """A residual r (..., out), then linear_example's x (..., in), W (in, out), b (out,)."""
+    (x, W, b), _ = linear_example(draw)
+    return [values(draw, (*x.shape[:-1], W.shape[1])), x, W, b], {}
+
+
 def layer_norm_linear_no_bias_example(draw):
     """As layer_norm_linear_example, the Linear without a bias (a GPT's head)."""
     arrays, params = layer_norm_linear_example(draw)
@@ -545,6 +551,12 @@ OPS = [
         lambda x, w, b, W: F.layer_norm(x, (x.shape[-1],), w, b, eps=1e-5) @ W,
         layer_norm_linear_no_bias_example,
     ),
+    Op(
+        "linear_residual_fused",
+        fused.linear_residual,
+        lambda r, x, W, b: r + (x @ W + b),
+        linear_residual_example,
+    ),
     Op("gelu_fused", fused.gelu, lambda x: F.gelu(x, approximate="tanh"), unary()),
     Op("causal_self_attention_fused", fused_attention, torch_attention, attention_example),
     Op(
@@ -608,6 +620,7 @@ FUSED = [
     ("layer_norm_fused", composed_layer_norm, False),
     ("layer_norm_linear_fused", composed_layer_norm_linear, False),
     ("layer_norm_linear_no_bias_fused", composed_layer_norm_linear, False),
+    ("linear_residual_fused", lambda r, x, W, b: r + linear(x, W, b), True),
     ("gelu_fused", Tensor.gelu, False),  # constants grouped otherwise: to rounding
     (
         "causal_self_attention_fused",
