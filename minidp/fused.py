@@ -191,6 +191,10 @@ def linear_residual(residual: Tensor, x: Tensor, weight: Tensor, bias=None) -> T
     For arrays of one dtype, r shaped as the output (gpt.add_linear checks both)."""
     X = x.data.reshape(-1, x.shape[-1])
     W = weight.data
+    if X.shape[-1] != W.shape[0] or residual.shape != (*x.shape[:-1], W.shape[1]):
+        raise ValueError(
+            f"linear_residual: input {x.shape}, weight {W.shape}, residual {residual.shape}"
+        )
     y = X @ W
     if bias is not None:
         y += bias.data

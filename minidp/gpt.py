@@ -89,13 +89,13 @@ def norm_linear(norm: LayerNorm, linear: Linear, x: Tensor, fused: bool = True) 
 
 
 def add_linear(residual: Tensor, linear: Linear, drop, x: Tensor, fused: bool = True) -> Tensor:
-    """residual + drop(linear(x)), or (fused, NumPy data of one dtype, no dropout at work,
-    the library's own Linear: as norm_linear) the same as one op: fused.linear_residual,
-    a speed trick (the residual add into the product's own array)."""
-    dropping = drop.training and drop.p > 0
+    """residual + drop(linear(x)), or (fused, NumPy data of one dtype, the library's own
+    Dropout and not dropping, the library's own Linear: as norm_linear) the same as one op:
+    fused.linear_residual, a speed trick (the residual add into the product's own array)."""
     if (
         fused
-        and not dropping
+        and own_forward(drop, Dropout)  # the library's own, and not dropping now
+        and not (drop.training and drop.p > 0)
         and own_forward(linear, Linear)
         and fusable(residual, x, linear.weight)
         and residual.dtype == x.dtype == linear.weight.dtype

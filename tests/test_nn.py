@@ -578,9 +578,10 @@ def test_the_fused_gpt_computes_what_the_composed_gpt_does(dtype, tol):
 
 
 def test_a_users_head_or_linear_in_a_fused_gpt_runs_as_written():
-    """LayerNorm + Linear is fused only where both are the library's own: a tied head (no
-    bias, E^T), a Linear subclass with its own forward, or a forward set on the instance is
-    called as written, and the fused GPT computes what the composed one does."""
+    """LayerNorm + Linear, and a Linear + the residual add, are fused only where they are the
+    library's own: a tied head (no bias, E^T), a Linear subclass with its own forward, or a
+    forward set on the instance is called as written, and the fused GPT computes what the
+    composed one does."""
     from minidp.gpt import own_forward
 
     class TiedHead(Module):
@@ -605,6 +606,11 @@ def test_a_users_head_or_linear_in_a_fused_gpt_runs_as_written():
             8, 32, rng=np.random.default_rng(1), dtype=np.float64
         )
         doubled.weight.data[...], doubled.bias.data[...] = fc.weight.data, fc.bias.data
+        for block, name in ((model.blocks[0], "fc_proj"), (model.blocks[0].attn, "proj")):
+            old = getattr(block, name)  # the residual's Linears too (gpt.add_linear)
+            setattr(block, name, Doubled(*old.weight.shape, rng=np.random.default_rng(2)))
+            new = getattr(block, name)
+            new.weight.data, new.bias.data = old.weight.data.copy(), old.bias.data.copy()
         logits = model(idx)
         cross_entropy(logits, idx).backward()
         results.append([logits.data, model.wte.weight.grad])
