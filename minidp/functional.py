@@ -13,6 +13,7 @@ import numpy as np
 
 from minidp.autograd import Tensor, op, unbroadcast
 from minidp.backend import namespace
+from minidp.fused import row_sums
 
 
 def _tensor(x) -> Tensor:
@@ -224,9 +225,8 @@ def cross_entropy(logits: Tensor, targets) -> Tensor:
     e = z - _amax(z, 1)  # shifted: the log-sum-exp trick, stable for large logits
     rows = xp.arange(N)
     target = e[rows, t]  # each example's shifted logit at its target
-    e = xp.exp(e, out=e)  # in place: the shifted logits are needed no more
-    # each row's sum; on NumPy as a matrix-vector product, ~4x faster than .sum(axis=1)
-    sum_e = e @ np.ones(V, dtype=e.dtype) if xp is np else e.sum(axis=1)
+    xp.exp(e, out=e)  # in place: the shifted logits are needed no more
+    sum_e = row_sums(e) if xp is np else e.sum(axis=1)  # each row's sum (fused.row_sums)
     loss = xp.log(sum_e) - target
 
     def backward(g):  # (softmax - onehot(target)) g / N

@@ -1,6 +1,6 @@
 """Fused ops: LayerNorm (alone, or with the Linear after it), a Linear with the residual add
 after it, GELU, causal self-attention and the embedding, each one graph node with its
-derivative written out beside its forward (micrograd's way, on whole arrays).
+derivative written out beside its forward (micrograd's way, on arrays, not scalars).
 
 The speed trick of docs/memory.md. Each op computes what a composed graph of small ops
 computes, and is checked against it (tests/test_autograd.py: the composed graph, central
@@ -267,9 +267,9 @@ def gelu(x: Tensor) -> Tensor:
 
     def backward(g):
         g = g.reshape(-1)
-        k = np.empty_like(v)
-        other = np.empty_like(v[blocks(v)[0]])
-        for s in blocks(v):
+        k, spans = np.empty_like(v), blocks(v)
+        other = np.empty_like(v[spans[0]])
+        for s in spans:
             vs, ks, ts, os = v[s], k[s], t[s], other[: len(v[s])]
             np.multiply(vs, vs, out=ks)
             ks *= 1.5 * _GELU_A * _GELU_C

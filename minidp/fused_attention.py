@@ -81,8 +81,9 @@ def causal_self_attention(qkv: Tensor, n_head: int, future: np.ndarray) -> Tenso
         dqkv = np.empty(qkv.shape, dtype=g.dtype)
         dq, dk, dv = (dqkv.reshape(B, T, 3, n_head, hs)[:, :, i] for i in range(3))
         dq, dk, dv = (d.transpose(0, 2, 1, 3) for d in (dq, dk, dv))  # (B, H, T, hs) views
-        scratch = np.empty_like(Pt[blocks(Pt)[0]])  # one block's dS^T, reused
-        for s in blocks(Pt):
+        spans = blocks(Pt)
+        scratch = np.empty_like(Pt[spans[0]])  # one block's dS^T, reused
+        for s in spans:
             P = Pt[s]
             dSt = np.matmul(v[s], dy[s].swapaxes(-1, -2), out=scratch[: len(P)])  # dP^T
             dSt -= D[s][..., None, :]
