@@ -166,7 +166,9 @@ def test_bench_calibrate_saves_alpha_beta_gamma_and_a_row_per_algorithm_and_size
     assert result.returncode == 0, result.stderr
     model = json.load(open(fit))
     assert all(np.isfinite(model[k]) and model[k] >= 0 for k in ("alpha", "beta", "gamma"))
-    assert [p["bytes"] for p in model["ping_pong"]["points"]] == [0, 1024, 4096]
+    assert all(np.isfinite(model[k]) and model[k] >= 0 for k in ("delta", "per_call"))
+    for name in ("ring_step", "ping_pong"):
+        assert [p["bytes"] for p in model[name]["points"]] == [0, 1024, 4096]
     want = [
         (op, algo, size) for op, algos in PLAN.items() for size in (4096, 8192) for algo in algos
     ]

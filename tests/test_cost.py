@@ -135,6 +135,29 @@ def test_the_fold_adds_two_messages_of_the_vector():
     assert at6 == pytest.approx(at4 + 2 * A + 2 * N * B + N * G, rel=1e-12)
 
 
+@pytest.mark.parametrize("p", [2, 3, 5, 7])
+def test_delta_prices_what_a_call_copies_beside_its_messages(p):
+    """collectives.allgather copies x into its chunk of out first: C bytes at δ, nothing in
+    place; recursive halving copies its chunk out, an alltoall its own row; a ring, none."""
+    n, D = 1001, 3e-11
+    C = -(-n // p) * 8
+    for algo in ("ring", "recursive_doubling", "naive"):
+        plain = cost.time("allgather", algo, p, n, alpha=A, beta=B, gamma=G)
+        copied = cost.time("allgather", algo, p, n, alpha=A, beta=B, gamma=G, delta=D)
+        assert copied == pytest.approx(plain + C * D, rel=1e-12), algo
+        in_place = cost.time("allgather", algo, p, n, alpha=A, beta=B, delta=D, in_place=True)
+        assert in_place == cost.time("allgather", algo, p, n, alpha=A, beta=B)
+    for collective, algo, extra in (
+        ("allreduce", "ring", 0),
+        ("reduce_scatter", "ring", 0),
+        ("reduce_scatter", "recursive_halving", C),  # its chunk, out of the accumulator
+        ("alltoall", "pairwise", n * 8 / p),  # its own row
+    ):
+        with_delta = cost.time(collective, algo, p, n, alpha=A, beta=B, gamma=G, delta=D)
+        plain = cost.time(collective, algo, p, n, alpha=A, beta=B, gamma=G)
+        assert with_delta == pytest.approx(plain + extra * D, rel=1e-12), (collective, algo)
+
+
 def test_ring_bytes_are_2_p_minus_1_over_p_n_on_average():
     """Uneven chunks: rank r sends n - c_r and n - c_(r+1), 2(p-1)n over all ranks."""
     for p in range(2, 8):

@@ -156,13 +156,16 @@ def test_a_calibration_that_cannot_be_read_is_refused_by_predict_and_skipped_by_
     bad = tmp_path / "runs" / "calibration.json"
     bad.parent.mkdir()
     monkeypatch.chdir(tmp_path)
-    for text in ('{"alpha": 1e-6, "beta": 1e-10}', '{"alpha": -1, "beta": 1, "gamma": 1}', "[1"):
+    no_gamma, negative = '{"alpha": 1e-6, "beta": 1e-10}', '{"alpha": -1, "beta": 1, "gamma": 1}'
+    bad_delta = '{"alpha": 1e-6, "beta": 1e-10, "gamma": 1e-10, "delta": -1}'
+    for text in (no_gamma, negative, bad_delta, "[1"):
         bad.write_text(text)
         with pytest.raises(SystemExit):
             main(["predict", "--world", "2", "--n-layer", "1"])
         assert "runs/calibration.json: " in capsys.readouterr().err
         network = shared_network(comm.world())
-        assert (network.alpha, network.beta, network.gamma) == tuple(DEFAULT_NETWORK.values())
+        fields = (network.alpha, network.beta, network.gamma, network.delta)
+        assert fields == tuple(DEFAULT_NETWORK[k] for k in ("alpha", "beta", "gamma", "delta"))
 
 
 @pytest.mark.parametrize(

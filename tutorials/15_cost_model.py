@@ -120,11 +120,15 @@ for algo in ("ring", "tree"):
 print0(report.table(["4 MiB allreduce", "predicted ms", "measured ms", "predicted/measured"], rows))
 
 # %% [markdown]
-# Where the two differ, the difference is work the formula does not count: the ring copies
-# its input and its chunks through scratch buffers (memory traffic beside the β of the
-# wire), a fresh buffer is touched for the first time, ranks share a core. `bench calibrate`
-# fits over many sizes and tables predicted against measured for every algorithm at
-# P = 2, 3, 4 (docs/collectives.md), with what the model misses.
+# Where the two differ, the difference is work these six lines do not measure: here each
+# call's result is a fresh array, touched for the first time; a message of data its sender
+# has just reduced costs more than one of old data; two ranks exchanging while the others
+# wait see none of the sharing of cores that 3 or 4 ranks on 2 cores cause. `bench
+# calibrate` measures as a collective runs: every rank sends its step's freshly written
+# chunk at once, over many sizes, at the P you will run; it adds δ for what an algorithm
+# copies in memory (an allgather's own chunk) and the Python cost of a call, and tables
+# predicted against measured for every algorithm at P = 2, 3, 4 (docs/collectives.md),
+# with what the model misses.
 #
 # ## 3 · Predict a training step, then run it
 #

@@ -1,30 +1,41 @@
-"""Fit α, β, γ on this machine, then check minidp.cost's times against the real collectives.
+"""Fit α, β, γ, δ on this machine, then check minidp.cost's times against the collectives.
 
     mpiexec -n 2 python -m minidp bench calibrate [--out runs/calibration.json] [--json FILE]
-    mpiexec -n 4 python -m minidp bench calibrate --calibration runs/calibration.json
+    mpiexec -n 4 python -m minidp bench calibrate --out runs/calibration4.json
 
 The α-β-γ model (Thakur, Rabenseifner & Gropp 2005) prices a message of n bytes at α + nβ
-and a reduction at γ per byte. Three measurements give the three numbers:
+and a reduction at γ per byte; δ prices a byte copied in memory (an allgather's own chunk).
+Each is measured as a collective's step runs it, on every rank of the launch at once:
 
-    α, β   ping-pong between ranks 0 and 1 (MPI Send and Recv of raw bytes, as p2p.py
-           ships them), n = 0 B to 16 MiB: one-way time t(n) = round trip / 2, the median
-           of --iters; α is the 0 B time, β the least squares slope (in seconds, so
-           the large sizes lead) of t(n) = α + nβ
+    α, β   a ring step: every rank sends n bytes to its right neighbour while receiving n
+           from its left, with MPI's Sendrecv (the call comm/p2p.py's sendrecv makes at
+           every algorithm's step; an emulated network, netem.py, does not touch it),
+           n = 0 B to 16 MiB, the slowest rank's time, median of --iters; α is the 0 B
+           time, β the least squares slope (in seconds, so the large sizes lead) of
+           t(n) = α + nβ
     γ      the reduction every algorithm runs after a receive, comm.reduce_ops.combine:
-           np.add(received, chunk, out=target) on float32, 64 KiB to 16 MiB on rank 0;
-           the least squares slope (free intercept) is γ, seconds per byte of an operand
+           np.add(received, chunk, out=target) on float32, 64 KiB to 16 MiB, on every rank
+           at once; the least squares slope (free intercept), per byte of an operand
+    δ      np.copyto of a float32 chunk, the same sizes, likewise
+    per call   what a call of minidp's collectives costs beyond its messages (its Python
+           layer, checks off): a one-element ring allreduce less its 2(p - 1)α
+
+Every rank at once, because that is how a ring's or a butterfly's steps run: they share the
+memory bus, and where ranks outnumber cores (P = 3, 4 here) they share the cores, which a
+ping-pong between two ranks while the others wait would not see. So fit at the P you will
+run. The textbook ping-pong (ranks 0 and 1, one way = round trip / 2) is fitted too and
+printed beside it, with `ratio_ping_pong`: the check's ratio with its α and β instead.
 
 Fit quality: the largest |fit / measured - 1| over the sizes, and R² of the line in seconds.
 
 Then the check: every algorithm of allreduce, reduce_scatter and allgather in PLAN, at each
---sizes and at the world size it is launched with, timed as `bench collectives` times it
-(checks off, buffers allocated once, Barrier then the slowest rank's time, the algorithms of
-one collective alternated in rotated rounds, medians), beside cost.time(...) with the fitted
-α, β, γ; ratio = predicted / measured, `ok` when within 25%; ratio_exchange: the same with
-α and β fitted to the exchange (Sendrecv both ways at once, a ring's or a butterfly's step)
-instead of the ping-pong. With --calibration FILE the fit is read from FILE instead of
-measured (fit at P = 2, check at P = 3, 4: ranks beyond two would share the cores with the
-ping-pong).
+--sizes and at the world size it is launched with, timed as nccl-tests times a collective:
+each algorithm's calls back to back on its own buffers allocated once (--warmup untimed,
+then --iters timed; checks off; Barrier then the slowest rank's time; the median), so each
+call finds its buffers warm, as a training step's buckets are, just written by backward.
+Beside it, cost.time(...) with the fitted α, β, γ, δ, plus the per-call cost; ratio =
+predicted / measured, `ok` when within 25%. With --calibration FILE the fit is read from
+FILE instead of measured.
 """
 
 import datetime
@@ -32,12 +43,13 @@ import json
 import os
 import platform
 import time
+from functools import partial
 
 import numpy as np
 from mpi4py import MPI
 
 from minidp import comm, cost
-from minidp.bench._common import environment, median, print_table, rotated_rounds, write_json
+from minidp.bench._common import environment, median, print_table, timed, write_json
 from minidp.bench.collectives import contenders, human, parse_size
 from minidp.comm.reduce_ops import combine
 from minidp.log import die, print0
@@ -81,105 +93,143 @@ def fit_line(sizes: list[int], times: list[float]) -> dict:
     }
 
 
-def ping_pong(mpi, sizes: list[int], warmup: int, iters: int, exchange=False) -> list[float]:
+def ring_step(mpi, sizes: list[int], warmup: int, iters: int) -> list[float]:
+    """Seconds of one ring step per size: every rank sends n bytes right and receives n from
+    the left at once (MPI's Sendrecv of raw bytes, the call p2p.sendrecv makes, on the
+    machine's own wire: an emulated network, netem.py, does not touch it), the slowest
+    rank's time, the median of iters. The bytes sent are written just before (untimed), as
+    a collective's step sends what it has just reduced: here a message costs more when its
+    sender has just written it (docs/collectives.md has the figures)."""
+    r, p, times = mpi.Get_rank(), mpi.Get_size(), []
+    for nbytes in sizes:
+        out, back, fresh = (np.ones(nbytes, np.uint8) for _ in range(3))
+        step = partial(mpi.Sendrecv, [out, MPI.BYTE], (r + 1) % p, 0, [back, MPI.BYTE], (r - 1) % p)
+        rounds = []
+        for _ in range(warmup + iters):
+            np.copyto(out, fresh)
+            rounds.append(timed(step, mpi)[0])
+        times.append(median(rounds[warmup:]))
+    return times
+
+
+def slowest_median(call, mpi, warmup: int, iters: int) -> float:
+    """The median over iters (after warmup) of call's time on its slowest rank."""
+    return median([timed(call, mpi)[0] for _ in range(warmup + iters)][warmup:])
+
+
+def ping_pong(mpi, sizes: list[int], warmup: int, iters: int) -> list[float]:
     """One-way seconds per size between ranks 0 and 1 (round trip / 2, the median of iters),
-    measured on rank 0; every other rank waits. Returns the list on every rank. exchange:
-    instead, both send at once (one Sendrecv each, as a ring's step), the time of one."""
+    measured on rank 0; every other rank waits. Returns the list on every rank."""
     r, times = mpi.Get_rank(), []
-    for nbytes in sizes:  # written buffers, as a collective's: np.zeros' untouched pages
-        buf, back = np.ones(nbytes, np.uint8), np.ones(nbytes, np.uint8)
+    for nbytes in sizes:
+        buf = np.ones(nbytes, np.uint8)
         rounds = []
         mpi.Barrier()
         for i in range(warmup + iters):
             start = time.perf_counter()
-            if exchange and r < 2:
-                mpi.Sendrecv([buf, MPI.BYTE], 1 - r, 0, [back, MPI.BYTE], 1 - r, 0)
-            elif r == 0:
+            if r == 0:
                 mpi.Send([buf, MPI.BYTE], 1, 0)
                 mpi.Recv([buf, MPI.BYTE], 1, 0)
             elif r == 1:
                 mpi.Recv([buf, MPI.BYTE], 0, 0)
                 mpi.Send([buf, MPI.BYTE], 0, 0)
             if i >= warmup:
-                rounds.append((time.perf_counter() - start) / (1 if exchange else 2))
+                rounds.append((time.perf_counter() - start) / 2)
         times.append(median(rounds) if r == 0 else 0.0)
     return mpi.bcast(times, root=0)
 
 
-def reduction(mpi, sizes: list[int], warmup: int, iters: int) -> list[float]:
-    """Seconds of one combine("sum", received, chunk, out=target) per size (bytes of one
-    float32 operand), three distinct buffers as the ring's step has them; rank 0 measures."""
+def in_memory(group, sizes: list[int], warmup: int, iters: int, copy=False) -> list[float]:
+    """Seconds per size (bytes of one float32 operand) of combine("sum", received, chunk,
+    out=target) on three distinct buffers, as a ring's step has them (copy: of np.copyto
+    into another), on every rank at once: the slowest rank's time, the median of iters."""
     times = []
-    for nbytes in sizes if mpi.Get_rank() == 0 else []:
+    for nbytes in sizes:
         n = max(nbytes // 4, 1)
-        rng = np.random.default_rng(0)
+        rng = np.random.default_rng(group.rank)
         a, b = rng.standard_normal(n, np.float32), rng.standard_normal(n, np.float32)
         out = np.empty_like(a)
-        rounds = []
-        for i in range(warmup + iters):
-            start = time.perf_counter()
-            combine("sum", a, b, out=out)
-            if i >= warmup:
-                rounds.append(time.perf_counter() - start)
-        times.append(median(rounds))
-    return mpi.bcast(times, root=0)
+        op = partial(np.copyto, out, a) if copy else partial(combine, "sum", a, b, out=out)
+        times.append(slowest_median(op, group.comm, warmup, iters))
+    return times
 
 
-def calibrate(mpi, args) -> dict:
-    """{alpha, beta, gamma, their fits, where and when}: measured as the docstring says."""
+def per_call(group, alpha: float, warmup: int, iters: int) -> float:
+    """Seconds a call of minidp's collectives costs beyond its messages (the Python layer:
+    the arguments' checks, the pick, the group's counters): a one-element ring allreduce on
+    `group`, the slowest rank's median, less its 2(p - 1)α."""
+    machine = comm.Group(group.comm.Dup(), checks=False)
+    machine.wire = machine.comm  # the machine's own wire, as α and β: no emulated delay
+    one, out = np.ones(1, np.float32), np.empty(1, np.float32)
+    call = partial(comm.allreduce, one, algo="ring", group=machine, out=out)
+    seconds = slowest_median(call, machine.comm, warmup, iters)
+    machine.free()
+    return max(0.0, seconds - 2 * (group.size - 1) * alpha)
+
+
+def calibrate(group, args) -> dict:
+    """{alpha, beta, gamma, delta, per_call, their fits, where and when}: as the docstring
+    says."""
     ping = [parse_size(s) for s in args.ping_sizes.split(",")]
     reduce = [parse_size(s) for s in args.reduce_sizes.split(",")]
-    if mpi.Get_size() < 2:
-        raise die("bench calibrate: the ping-pong needs 2 ranks (mpiexec -n 2)")
-    link = fit_line(ping, ping_pong(mpi, ping, args.warmup, args.iters))
-    both = fit_line(ping, ping_pong(mpi, ping, args.warmup, args.iters, exchange=True))
-    add = fit_line(
-        [max(s // 4, 1) * 4 for s in reduce], reduction(mpi, reduce, args.warmup, args.iters)
-    )
+    if group.size < 2:
+        raise die("bench calibrate: a ring step needs 2 ranks or more (mpiexec -n 2)")
+    link = fit_line(ping, ring_step(group.comm, ping, args.warmup, args.iters))
+    textbook = fit_line(ping, ping_pong(group.comm, ping, args.warmup, args.iters))
+    operands = [max(s // 4, 1) * 4 for s in reduce]
+    add = fit_line(operands, in_memory(group, reduce, args.warmup, args.iters))
+    copy = fit_line(operands, in_memory(group, reduce, args.warmup, args.iters, copy=True))
     return {
         "alpha": link["intercept"],
         "beta": link["slope"],
         "gamma": add["slope"],
-        "ping_pong": link,
+        "delta": copy["slope"],
+        "per_call": per_call(group, link["intercept"], args.warmup, 3 * args.iters),
+        "ring_step": link,
         "reduction": add,
-        "exchange": both,  # not used by the check: printed beside α, β for comparison
+        "copy": copy,
+        "ping_pong": textbook,  # not used by the model: printed beside α, β for comparison
         "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "machine": f"{platform.node()}, {os.cpu_count()} cores",
-        "nprocs": mpi.Get_size(),
+        "nprocs": group.size,
         "env": environment(),
     }
+
+
+def predicted(model: dict, op: str, algo: str, p: int, n: int, itemsize: int, fit="") -> float:
+    """cost.time with model's α, β, γ, δ, plus its per-call cost (fit="ping_pong": α and β
+    of that fit instead)."""
+    alpha, beta = model["alpha"], model["beta"]
+    if fit:
+        alpha, beta = model[fit]["intercept"], model[fit]["slope"]
+    seconds = cost.time(
+        op, algo, p, n, itemsize,
+        alpha=alpha, beta=beta, gamma=model["gamma"], delta=model.get("delta", 0.0),
+    )  # fmt: skip
+    return seconds + model.get("per_call", 0.0)
 
 
 def check(
     group, model: dict, sizes: list[int], warmup: int, iters: int, plan: dict = PLAN
 ) -> list[dict]:
     """One row per (collective, algorithm, size) of `plan`: the median measured time of the
-    real collective (the slowest rank's) beside cost.time's prediction with model's α, β, γ."""
+    real collective (the slowest rank's, calls back to back) beside cost.time's prediction."""
     rows, dtype, p = [], np.dtype(np.float32), group.size
     for op, algos in plan.items():
         for nbytes in sizes:
-            steps = {algo: contenders(op, algo, nbytes, dtype, group)[0] for algo in algos}
-            times = rotated_rounds(steps, warmup, iters, group.comm)
             n = max(nbytes // dtype.itemsize, 1)
             for algo in algos:
-                measured = median(times[algo])
-                predicted = cost.time(
-                    op, algo, p, n, dtype.itemsize,
-                    alpha=model["alpha"], beta=model["beta"], gamma=model["gamma"],
-                )  # fmt: skip
-                ratio = predicted / measured
-                x = model["exchange"]  # the same, α and β from the exchange instead
-                both_ways = cost.time(
-                    op, algo, p, n, dtype.itemsize,
-                    alpha=x["intercept"], beta=x["slope"], gamma=model["gamma"],
-                )  # fmt: skip
+                call = contenders(op, algo, nbytes, dtype, group)[0]
+                measured = slowest_median(call, group.comm, warmup, iters)
+                ratio = predicted(model, op, algo, p, n, dtype.itemsize) / measured
+                textbook = predicted(model, op, algo, p, n, dtype.itemsize, "ping_pong")
                 rows.append(
                     {
                         "op": op, "algo": algo, "bytes": n * dtype.itemsize,
                         "size": human(n * dtype.itemsize), "nprocs": p,
-                        "measured_us": measured * 1e6, "predicted_us": predicted * 1e6,
+                        "measured_us": measured * 1e6, "predicted_us": ratio * measured * 1e6,
                         "ratio": ratio, "ok": "yes" if abs(ratio - 1) <= WITHIN else "no",
-                        "ratio_exchange": both_ways / measured,
+                        "ratio_ping_pong": textbook / measured,
                     }
                 )  # fmt: skip
     return rows
@@ -194,34 +244,38 @@ COLUMNS = [
     ("predicted_us", ".1f"),
     ("ratio", ".2f"),
     ("ok", ""),
-    ("ratio_exchange", ".2f"),
+    ("ratio_ping_pong", ".2f"),
 ]
 
 
 def print_fit(model: dict) -> None:
-    for name, fit in (("ping-pong", "ping_pong"), ("reduction", "reduction")):
-        f = model[fit]
-        print0(
-            f"# {name}: {len(f['points'])} sizes, R² {f['r2']:.4f}, "
-            f"largest |fit/measured - 1| {f['max_rel_error']:.2f}"
-        )
-    x = model["exchange"]
+    fits = (("ring step", "ring_step"), ("reduction", "reduction"), ("copy", "copy"))
+    for name, key in fits:
+        if key in model:  # calibrations before 2026-12-04 fitted a ping-pong, and no copy
+            f = model[key]
+            print0(
+                f"# {name}: {len(f['points'])} sizes, R² {f['r2']:.4f}, "
+                f"largest |fit/measured - 1| {f['max_rel_error']:.2f}"
+            )
+    x = model["ping_pong"]
     print0(
-        f"# exchange (Sendrecv both ways at once): {x['intercept'] * 1e6:.2f} us + "
+        f"# ping-pong (ranks 0 and 1, the others waiting): {x['intercept'] * 1e6:.2f} us + "
         f"{x['slope'] * 1e12:.1f} ps/B, R² {x['r2']:.4f}, largest |fit/measured - 1| "
         f"{x['max_rel_error']:.2f}"
     )
-    a, b, g = model["alpha"], model["beta"], model["gamma"]
+    a, b, g, d = model["alpha"], model["beta"], model["gamma"], model.get("delta", 0.0)
     print0(
         f"alpha = {a * 1e6:.2f} us   beta = {b * 1e12:.1f} ps/B ({1 / b / 1e9 if b else 0:.2f} "
-        f"GB/s)   gamma = {g * 1e12:.1f} ps/B ({1 / g / 1e9 if g else 0:.2f} GB/s)"
+        f"GB/s)   gamma = {g * 1e12:.1f} ps/B ({1 / g / 1e9 if g else 0:.2f} GB/s)   "
+        f"delta = {d * 1e12:.1f} ps/B ({1 / d / 1e9 if d else 0:.2f} GB/s)   "
+        f"per call = {model.get('per_call', 0.0) * 1e6:.2f} us"
     )
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = Parser(prog="minidp bench calibrate", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--ping-sizes", default=PING_SIZES, help="ping-pong bytes (K/M suffixes)")
-    parser.add_argument("--reduce-sizes", default=REDUCE_SIZES, help="reduction bytes")
+    parser.add_argument("--ping-sizes", default=PING_SIZES, help="message bytes (K/M suffixes)")
+    parser.add_argument("--reduce-sizes", default=REDUCE_SIZES, help="add and copy bytes")
     parser.add_argument("--sizes", default=CHECK_SIZES, help="the check's bytes; empty: no check")
     parser.add_argument("--iters", type=int, default=15, help="timed repetitions (default 15)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed ones (default 2)")
@@ -238,27 +292,36 @@ def main(argv: list[str] | None = None) -> int:
             model = json.load(f)
         print0(f"# α, β, γ from {args.calibration} ({model['date']}, P = {model['nprocs']})")
     else:
-        model = calibrate(group.comm, args)
+        model = calibrate(group, args)
         if group.rank == 0:
             os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
             with open(args.out, "w") as f:
                 json.dump(model, f, indent=1)
-        print0(f"# fitted on ranks 0 and 1 of {group.size}, saved to {args.out}")
+        print0(f"# fitted on all {group.size} ranks at once, saved to {args.out}")
     print_fit(model)
     sizes = [parse_size(s) for s in args.sizes.split(",") if s]
     if sizes:
         rows = check(group, model, sizes, args.warmup, args.iters)
         if group.rank == 0:
             print0(
-                f"# {group.size} ranks on {os.cpu_count()} cores, float32, checks off, median "
-                f"of {args.iters} after {args.warmup} warm-up; ratio = predicted / measured"
+                f"# {group.size} ranks on {os.cpu_count()} cores, float32, checks off, calls back "
+                f"to back, median of {args.iters} after {args.warmup} warm-up; ratio = "
+                "predicted / measured"
             )
             print_table(rows, COLUMNS)
             ok = sum(r["ok"] == "yes" for r in rows)
             print0(f"# within {WITHIN:.0%}: {ok} of {len(rows)} rows")
             write_json(
                 args.json,
-                [{**r, "model": {k: model[k] for k in "alpha beta gamma".split()}} for r in rows],
+                [
+                    {
+                        **r,
+                        "model": {
+                            k: model.get(k, 0.0) for k in ("alpha", "beta", "gamma", "delta")
+                        },
+                    }
+                    for r in rows
+                ],
             )
     group.free()
     return 0

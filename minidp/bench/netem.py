@@ -6,13 +6,13 @@
 
 This machine's shared memory moves a message in microseconds at GB/s; the MINIDP_NET_*
 variables make every message minidp sends wait α_e + n·β_e first. The model then prices a
-message at (α₀ + α_e) + n·(β₀ + β_e): α₀, β₀ and γ are the machine's own, fitted here as
-`bench calibrate` fits them (a ping-pong of raw MPI messages, which the emulation does not
-touch, and NumPy's add), or read from its saved --calibration FILE.
+message at (α₀ + α_e) + n·(β₀ + β_e): α₀, β₀, γ and δ are the machine's own, fitted here as
+`bench calibrate` fits them (a ring step of raw MPI messages, which the emulation does not
+touch, NumPy's add and copy), or read from its saved --calibration FILE.
 
 Each algorithm of --ops at each of --sizes is timed as `bench calibrate` times its check
-(checks off, buffers allocated once, the slowest rank's time, the algorithms alternated in
-rotated rounds, medians) beside minidp.cost.time's prediction; ratio = predicted / measured.
+(checks off, buffers allocated once, each algorithm's calls back to back, the slowest
+rank's time, medians) beside minidp.cost.time's prediction; ratio = predicted / measured.
 Then, per size, the algorithm that was fastest and the one the model says is fastest, and
 the tree's time over the ring's (measured and predicted): above 1, the ring wins.
 """
@@ -40,18 +40,18 @@ from minidp.parser import Parser
 
 
 def with_network(model: dict, net) -> dict:
-    """The machine's α₀, β₀ (and the exchange's) plus the emulated network's α_e, β_e."""
+    """The machine's α₀, β₀ (and the ping-pong's) plus the emulated network's α_e, β_e."""
     if net is None:
         return model
-    exchange = model["exchange"]
+    ping_pong = model["ping_pong"]
     return {
         **model,
         "alpha": model["alpha"] + net.latency_s,
         "beta": model["beta"] + net.seconds_per_byte,
-        "exchange": {
-            **exchange,
-            "intercept": exchange["intercept"] + net.latency_s,
-            "slope": exchange["slope"] + net.seconds_per_byte,
+        "ping_pong": {
+            **ping_pong,
+            "intercept": ping_pong["intercept"] + net.latency_s,
+            "slope": ping_pong["slope"] + net.seconds_per_byte,
         },
     }
 
@@ -121,10 +121,10 @@ def main(argv: list[str] | None = None) -> int:
             base = json.load(f)
     else:
         args.ping_sizes, args.reduce_sizes = PING_SIZES, REDUCE_SIZES
-        base = calibrate(group.comm, args)
+        base = calibrate(group, args)
     net = network()
     print0(f"# {net.describe() if net else 'no emulated network'} (MINIDP_NET_*)")
-    print0("# the machine's own (α₀, β₀, γ):")
+    print0("# the machine's own (α₀, β₀, γ, δ):")
     print_fit(base)
     model = with_network(base, net)
     sizes = [parse_size(s) for s in args.sizes.split(",") if s]

@@ -1,13 +1,14 @@
 """The cost of every collective algorithm of minidp.comm, without running it.
 
     sent("allreduce", "ring", p=4, rank=1, n=10)   -> Traffic(messages=6, bytes=120)
-    time("allreduce", "ring", p=4, n=1 << 20, alpha=5e-6, beta=1e-10, gamma=1e-10)
+    time("allreduce", "ring", p=4, n=1 << 20, alpha=5e-6, beta=1e-10, gamma=1e-10, delta=8e-11)
 
 `sent` is exact: the messages and bytes rank `rank` of p sends in one call, the same
 numbers `group.counters[collective]` adds up ("messages_sent", "bytes_sent"; the tests check
 every algorithm at p = 2..7). It walks each algorithm's step table (messages.py). `time` is
 the α-β-γ model of the whole call, the slowest rank's path (formulas.py, one formula a
-function); None for "mpi" and "shm", which are not made of minidp's messages.
+function), plus δ per byte it copies in memory beside its messages (`copied`); None for
+"mpi" and "shm", which are not made of minidp's messages.
 
 n is the whole vector in elements (the gathered result for allgather, gather, scatter and
 alltoall), itemsize its bytes per element; `root` matters to the rooted collectives only.
@@ -142,12 +143,34 @@ def time(
     alpha: float,
     beta: float,
     gamma: float = 0.0,
+    delta: float = 0.0,
+    in_place: bool = False,
 ) -> float | None:
-    """Seconds for the whole call in the α-β-γ model (formulas.py); None: no model."""
+    """Seconds for the whole call in the α-β-γ model (formulas.py); None: no model.
+
+    delta: seconds per byte copied in memory (`copied`: an allgather's own chunk, unless
+    in_place, recursive halving's result, an alltoall's own row), which the messages'
+    formulas do not count; in_place=True: the allgather's own chunk already lies in out."""
     algo = resolve(collective, algo, p, n * itemsize)
     if p == 1:
         return 0.0
-    return COSTS[collective][algo].time(Terms(p, n, itemsize), alpha, beta, gamma)
+    terms = Terms(p, n, itemsize)
+    seconds = COSTS[collective][algo].time(terms, alpha, beta, gamma)
+    if seconds is not None:
+        seconds += copied(collective, algo, terms, in_place) * delta
+    return seconds
 
 
-__all__ = ["COSTS", "Model", "Traffic", "resolve", "sent", "time"]
+def copied(collective: str, algo: str, t: Terms, in_place: bool = False) -> float:
+    """Bytes a call copies in memory beside its messages, on its slowest path: an allgather
+    its own chunk into out (collectives.allgather, unless it is there already), recursive
+    halving its reduced chunk out of its accumulator (recursive.py), an alltoall its own row
+    (alltoall.py). Not counted: gather's and scatter's own row (and the root's rotation)."""
+    if collective == "allgather":
+        return 0 if in_place else t.C
+    if (collective, algo) == ("reduce_scatter", "recursive_halving"):
+        return t.C
+    return t.M if collective == "alltoall" else 0
+
+
+__all__ = ["COSTS", "Model", "Traffic", "copied", "resolve", "sent", "time"]

@@ -56,6 +56,7 @@ class Call(NamedTuple):
     n: int  # elements (the gathered whole for allgather, the whole vector for reduce_scatter)
     itemsize: int
     phase: str  # "forward", "backward" or "after"
+    in_place: bool = False  # an allgather into the array that holds this rank's chunk
 
 
 class Shapes(NamedTuple):
@@ -143,7 +144,7 @@ def data_parallel(layout, shapes: Shapes, itemsize: int) -> list[Call]:
     calls.append(NORM._replace(n=2) if hybrid else NORM)
     if stage in (1, 2):
         calls += [Call("dp", "reduce_scatter", algo, n, itemsize, "backward") for n in segments]
-        calls += [Call("dp", "allgather", algo, n, itemsize, "after") for n in segments]
+        calls += [Call("dp", "allgather", algo, n, itemsize, "after", True) for n in segments]
         return calls
     for _ in range(K):  # stage 3: every micro-batch gathers and reduce-scatters every unit
         calls += [Call("dp", "allgather", algo, n, itemsize, "forward") for n in shapes.units]

@@ -1,7 +1,7 @@
 """Time of each collective algorithm in the α-β-γ model (Thakur, Rabenseifner & Gropp 2005).
 
     α  seconds per message (latency)        β  seconds per byte sent
-    γ  seconds per byte reduced (the op)
+    γ  seconds per byte reduced (the op)    δ  seconds per byte copied in memory
 
 The time is the critical path: a step costs α plus β for the largest message sent in it,
 plus γ for what is reduced after it, and steps follow one another. With
@@ -14,9 +14,10 @@ plus γ for what is reduced after it, and steps follow one another. With
     C' = ceil(n/p')·s     the largest chunk over the p' virtual ranks (N/p' when p' | n)
     V                     the largest chunk a virtual rank answers for (two real ones at most)
 
-every algorithm's time is the formula in its function's docstring. "mpi" (inside MPI) and "shm" (no
-messages: loads from shared memory, bounded by memory bandwidth, not by α and β) have no
-formula here: their time is None.
+every algorithm's time is the formula in its function's docstring. δ is not in them:
+cost.time adds δ per byte a call copies in memory beside its messages (cost.copied). "mpi"
+(inside MPI) and "shm" (no messages: loads from shared memory, bounded by memory bandwidth,
+not by α and β) have no formula here: their time is None.
 """
 
 from minidp.chunks import chunk_bounds

@@ -94,6 +94,7 @@ class Network(NamedTuple):
     gamma: float = 0.0  # seconds per byte reduced
     cores: int = 0  # cores the ranks share (0: each rank a core of its own)
     per_call: float = 0.0  # seconds each collective call adds beyond α β γ (measured)
+    delta: float = 0.0  # seconds per byte copied in memory (an allgather's own chunk)
 
 
 class Prediction(NamedTuple):
@@ -128,7 +129,10 @@ def call_time(call, p: int, net: Network) -> float:
         rounds = (p - 1).bit_length()
         t = 3 * 2 * rounds * net.alpha + loaded * net.beta + call.n * call.itemsize * net.gamma
     else:
-        t = cost.time(call.collective, call.algo, p, call.n, call.itemsize, **_abg(net)) or 0.0
+        t = cost.time(
+            call.collective, call.algo, p, call.n, call.itemsize, **_abg(net),
+            delta=net.delta, in_place=call.in_place,
+        ) or 0.0  # fmt: skip
     return t + net.per_call
 
 

@@ -46,7 +46,7 @@ from minidp.training.predict_compute import measure_compute, runs_alone
 from minidp.training.tasks import Task
 
 CALIBRATION = "runs/calibration.json"
-DEFAULT_NETWORK = {"alpha": 2e-6, "beta": 6e-10, "gamma": 7e-10}  # this VM's order, 2026-12
+DEFAULT_NETWORK = {"alpha": 2e-6, "beta": 6e-10, "gamma": 7e-10, "delta": 1e-10}  # this VM's order
 COVERED = ("dp", "zero", "tp", "hybrid", "pp", "ps")
 
 
@@ -115,13 +115,15 @@ def load_network(path: str | None, cores: int) -> tuple[Network, str]:
     try:
         alpha, beta, gamma = (float(fit[k]) for k in ("alpha", "beta", "gamma"))
         per_call = float(fit.get("per_call", 0.0))
+        delta = float(fit.get("delta", 0.0))  # calibrations before 2026-12-04 have none
     except (KeyError, TypeError, ValueError):
         raise BadConfig(f"{chosen}: not a calibration (alpha, beta, gamma numbers)") from None
-    if not (alpha >= 0 and beta > 0 and gamma > 0 and per_call >= 0):
+    if not (alpha >= 0 and beta > 0 and gamma > 0 and per_call >= 0 and delta >= 0):
         raise BadConfig(
-            f"{chosen}: alpha {alpha}, beta {beta}, gamma {gamma}: need a >= 0, b, g > 0"
+            f"{chosen}: alpha {alpha}, beta {beta}, gamma {gamma}, delta {delta}: "
+            "need a, d >= 0 and b, g > 0"
         )
-    return Network(alpha, beta, gamma, cores, per_call), source
+    return Network(alpha, beta, gamma, cores, per_call, delta), source
 
 
 def run_prediction(

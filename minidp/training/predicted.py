@@ -121,15 +121,15 @@ def tensor_parallel_compute(config, group, layout, threads: int) -> Compute:
 def shared_network(group) -> Network:
     """Collective: rank 0's calibration (runs/calibration.json) on every rank; the built-in
     defaults if it has none, or one it cannot read (a run never fails for its prediction)."""
-    numbers = np.zeros(4)
+    numbers = np.zeros(5)
     if group.rank == 0:
         try:
             network, _ = load_network(None, 0)
         except (BadConfig, OSError, ValueError, KeyError, TypeError):
             network = Network(**DEFAULT_NETWORK)
-        numbers[:] = network.alpha, network.beta, network.gamma, network.per_call
-    alpha, beta, gamma, per_call = comm.broadcast(numbers, root=0, group=group)
-    return Network(alpha, beta, gamma, 0, per_call)
+        numbers[:] = network.alpha, network.beta, network.gamma, network.per_call, network.delta
+    alpha, beta, gamma, per_call, delta = comm.broadcast(numbers, root=0, group=group)
+    return Network(alpha, beta, gamma, 0, per_call, delta)
 
 
 def for_run(config, group, measured_step_s: float, steps: int) -> dict:

@@ -10,9 +10,10 @@ pipeline's bubbles are parallel/pipeline/simulate.py's). At P = 2 and 4 the step
 are exactly step.py's, the model `predict` checks against measured runs.
 
 The network: α from --latency-us, β from --bandwidth-gbs (GB/s, bytes), γ from --reduce-gbs;
---calibration FILE takes all three from `bench calibrate`'s fit instead, and a flag given
-on the command line still wins. The defaults are a cluster's, not this machine's: 5 µs and
-25 GB/s (a 200 Gb/s InfiniBand link a GPU, as in a DGX A100), reductions at 100 GB/s.
+--calibration FILE takes all three (and δ, an allgather's local copy) from `bench
+calibrate`'s fit instead, and a flag given on the command line still wins. The defaults are
+a cluster's, not this machine's: 5 µs and 25 GB/s (a 200 Gb/s InfiniBand link a GPU, as in
+a DGX A100), reductions and copies at 100 GB/s.
 The compute: 6·Ψ FLOPs a token (forward 2Ψ, backward 4Ψ) at --tflops (default 100: a
 recent GPU's sustained rate, ~40% of its bf16 peak), --tokens-per-rank per step (default
 2,048: one sequence; 1,024 ranks then take 2M tokens a step, GPT-3's batch sizes); AdamW
@@ -74,8 +75,8 @@ def parser() -> Parser:
 
 
 def network(args) -> Network:
-    """α, β, γ: the flags, else --calibration's, else the defaults (module docstring)."""
-    fit = {"alpha": 5e-6, "beta": 1 / 25e9, "gamma": 1 / 100e9}
+    """α, β, γ (δ): the flags, else --calibration's, else the defaults (module docstring)."""
+    fit = {"alpha": 5e-6, "beta": 1 / 25e9, "gamma": 1 / 100e9, "delta": 1 / 100e9}
     if args.calibration:
         try:
             fit = load_network(args.calibration, cores=0)[0]._asdict()
@@ -87,7 +88,7 @@ def network(args) -> Network:
         fit["beta"] = 1 / (args.bandwidth_gbs * 1e9)
     if args.reduce_gbs is not None:
         fit["gamma"] = 1 / (args.reduce_gbs * 1e9)
-    return Network(fit["alpha"], fit["beta"], fit["gamma"])
+    return Network(fit["alpha"], fit["beta"], fit["gamma"], delta=fit["delta"])
 
 
 def check(args) -> None:
