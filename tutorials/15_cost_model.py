@@ -34,10 +34,14 @@ from dataclasses import replace
 import numpy as np
 from threadpoolctl import threadpool_limits
 
-from minidp import comm, cost, data
+from minidp import comm, cost, cross_entropy, data, nn, optim
+from minidp.autograd import Tensor
+from minidp.chunks import chunk_range
 from minidp.comm import netem, p2p
 from minidp.cost import calls, report, scale, step
+from minidp.cost.compute import measure
 from minidp.log import print0
+from minidp.parallel import DistributedDataParallel
 from minidp.plots import pyplot, save
 from minidp.training.config import TrainConfig
 from minidp.training.loop import train
@@ -160,6 +164,56 @@ print0(
 for axis, sent in final["bytes_sent_by_axis"].items():
     assert sent == final["predicted_bytes_by_axis"][axis], (axis, sent)
 print0(f"bytes by axis, counted = predicted: {final['bytes_sent_by_axis']}")
+
+# %% [markdown]
+# ### On a model you built
+#
+# The step model is a pure function of a model's shapes and of one step timed on it, so it
+# prices your own model as well: `calls.model_shapes` lists its trainable parameters (a
+# tied weight once, a frozen one not at all) and the units FSDP would gather, and
+# `cost.compute.measure` times a step on this process. Below, a small MLP whose last layer
+# reuses the first one's weight, priced under DDP and under FSDP (ZeRO stage 3), then
+# wrapped in DDP for one step: it sends the bytes the model said it would.
+
+
+# %%
+class TiedMLP(nn.Module):
+    def __init__(self):
+        rng = np.random.default_rng(0)
+        self.first, self.middle, self.last = (nn.Linear(64, 64, rng=rng) for _ in range(3))
+        self.last.weight = self.first.weight  # tied
+        self.middle.bias.requires_grad = False  # frozen
+
+    def forward(self, x):
+        return self.last(self.middle(self.first(x, relu=True), relu=True))
+
+
+mlp, rng = TiedMLP(), np.random.default_rng(1)
+x, y = rng.standard_normal((32, 64)).astype(np.float32), rng.integers(0, 64, 32)
+trainable = [p for p in mlp.parameters() if p.requires_grad]
+compute = measure(
+    trainable, lambda a, b: cross_entropy(mlp(Tensor(a)), b), [(x, y)], optim.AdamW(trainable)
+)
+shapes, network = calls.model_shapes(mlp), step.Network(alpha, beta, gamma)
+with_ddp = step.Layout("dp", dp=P, algo="ring", shm=False)
+for name, layout in (("DDP", with_ddp), ("FSDP", step.Layout("zero", dp=P, zero_stage=3))):
+    mine = step.predict(layout, shapes, compute, network, batch_size=len(x))
+    print0(
+        f"{name} on {P} ranks: {mine.step_s * 1e3:.2f} ms a step, "
+        f"{mine.bytes_by_axis['dp']:,} B sent a rank, {sum(mine.memory_bytes.values()):,} B held"
+    )
+ddp = DistributedDataParallel(TiedMLP(), group.dup(), algo="ring")
+lo, hi = chunk_range(len(x), P, group.rank)
+cross_entropy(ddp(Tensor(x[lo:hi])), y[lo:hi]).backward()
+ddp.finish_gradient_sync()
+predicted = sum(  # every DP call of the step but the training loop's own loss allreduce
+    cost.sent(c.collective, c.algo, P, group.rank, c.n, c.itemsize).bytes
+    for c in calls.data_parallel(with_ddp, shapes, 4)
+    if c is not calls.LOSS
+)
+sent = sum(g.counters["allreduce"]["bytes_sent"] for g in (ddp.comm_group, ddp.group))
+assert sent == predicted, (sent, predicted)  # the buckets' group, and the reached flags' one
+print0(f"DDP's step on the tied MLP sent {predicted:,} B a rank, as predicted")
 
 # %% [markdown]
 # ## 4 · A slower network

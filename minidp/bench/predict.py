@@ -11,14 +11,15 @@ for every layout in turn (so that the machine's other load falls on all of them 
                 measurement) and the per-call cost is timed on them
     alone       training/predict.py's `run_prediction` as `python -m minidp predict --world P`
                 makes it on one process: compute measured here, stretched by P / cores when
-                the P ranks outnumber the cores, no per-call cost (α β γ only)
+                the P ranks outnumber the cores, the calibration's per-call cost (its
+                Python layer, checks off, on a quiet machine: no waits for a peer)
     measured    the run's step time: the median over its log windows (--log-every 5) after
                 the first (step 0 warms up), from the records' tokens per second
     in_run      the prediction the run's own --json record carries (made as `predicted`, on
                 the run's ranks after its last step)
 
 ratio = predicted / measured per round; the table shows the medians over rounds, `ok` when
-within 25%. α, β, γ: runs/calibration.json (`mpiexec -n 2 python -m minidp bench calibrate`).
+within 25%. α, β, γ, δ: runs/calibration.json (`mpiexec -n 2 python -m minidp bench calibrate`).
 For ps under ASP/SSP, a line each: the staleness histograms of its rounds' runs summed,
 their mean beside the model's (cost/ps_step.py's mean_staleness).
 """

@@ -195,16 +195,22 @@ def probe(group, source: int = ANY_SOURCE, tag: int = ANY_TAG, timeout: float | 
     """Wait until a message from `source` with `tag` can be received, without receiving it;
     return its Arrival, or None when `timeout` seconds pass first (None: wait forever).
 
-    The wait is patient: `Iprobe`, a few quick polls, then naps that double from 50 us to
-    1 ms, so a rank that waits for long (a parameter server between pushes) leaves the core
-    to the ranks that compute, yet answers a message within about a millisecond."""
+    `Iprobe`, a few quick polls, then, as `poll` waits: a patient group (`group.patient`)
+    naps, doubling from 50 us to 1 ms, so a rank that waits for long (a parameter server
+    between pushes) leaves the core to the ranks that compute, yet answers a message within
+    about a millisecond; any other group yields the core between polls and answers at once
+    (a pipeline stage waiting for its neighbour: the naps cost a 2-stage GPipe step about
+    2 ms of 28 here, measured 2026-12-04)."""
     status, nap, polls = group.statuses[0], _NAP_S, 0
     start = time.monotonic()
     while not group.comm.Iprobe(source, tag, status):
         polls += 1
         if polls > _SPIN:
-            time.sleep(nap)
-            nap = min(2 * nap, _MAX_NAP_S)
+            if group.patient:
+                time.sleep(nap)
+                nap = min(2 * nap, _MAX_NAP_S)
+            else:
+                os.sched_yield()
             if timeout is not None and time.monotonic() - start > timeout:
                 return None
     return Arrival(status.Get_source(), status.Get_tag(), status.Get_count(BYTE))

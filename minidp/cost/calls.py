@@ -40,13 +40,15 @@ What each strategy runs in one step of K micro-batches (strategies/*.py, step.py
 
 Sizes come from `Shapes`: this rank's parameter tensors in the model's order (a TP shard
 for tp and hybrid), the ZeRO-3 units, the GPT's tokens and channels. `gpt_shapes` makes
-them for minidp's GPT from its configuration, without building it (pure Python).
+them for minidp's GPT from its configuration, without building it (pure Python);
+`model_shapes` for any model a user built, from its parameters.
 """
 
 import math
 from typing import NamedTuple
 
 from minidp.chunks import chunk_bounds
+from minidp.units import units_of
 
 
 class Call(NamedTuple):
@@ -91,6 +93,17 @@ def gpt_shapes(n_layer: int, n_embd: int, vocab: int, block_size: int, tp: int =
     # wpe; per block ln1 (w, b), proj's bias, ln2 (w, b), fc_proj's bias; ln_f (w, b)
     replicated = (T * C, *[C] * (6 * n_layer), C, C) if tp > 1 else ()
     return Shapes(params, units, replicated, n_layer, C, T, V, dims)
+
+
+def model_shapes(model) -> Shapes:
+    """Shapes of a model a user built (any minidp.nn.Module, tied and frozen parameters
+    included), as the data-parallel pieces take it: its trainable parameters, each once, in
+    parameters() order (DDP's buckets, ZeRO's segments, PowerSGD's matrices), and ZeRO-3's
+    and FSDP's units (minidp.units.units_of); frozen ones are never sent. No TP terms:
+    tensor parallelism is minidp's GPT's (`gpt_shapes`)."""
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    units = [sum(p.size for p in params) for _, _, params in units_of(model)]
+    return Shapes([p.size for p in trainable], units, dims=tuple(p.shape for p in trainable))
 
 
 def bucket_members(params: list[int], cap_bytes: float, itemsize: int) -> list[list[int]]:

@@ -30,10 +30,10 @@ from minidp.parallel.zero.flat import (
     pieces,
 )
 from minidp.parallel.zero.sharded import ShardedModel
-from minidp.parallel.zero.stage3 import units_of
 from minidp.strategies.dp import OVERLAP
 from minidp.strategies.protocol import Clock
 from minidp.strategies.step import Step
+from minidp.units import units_of
 
 
 class ZeROAxis:

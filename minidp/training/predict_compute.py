@@ -20,13 +20,12 @@ against runs.
 """
 
 import contextlib
-import statistics
-import time
 
 import numpy as np
 
 from minidp import optim
 from minidp.chunks import chunk_bounds
+from minidp.cost.compute import measure
 from minidp.cost.step import Compute
 
 
@@ -63,35 +62,14 @@ def measure_compute(
     task, config, examples: int, warmup: int = 2, steps: int = 7, *, micro: int = 1, inside=None
 ) -> Compute:
     """Compute (forward, backward, clip and optimizer seconds, medians of `steps` after
-    `warmup`) of the model on `examples` examples, in `micro` micro-batches as the run cuts
-    them, on this process. `inside()`: seconds spent inside collectives so far (a group's
-    `seconds`), taken out of forward and backward; None: nothing to take out."""
-    model = task.model
-    params = model.parameters()
+    `warmup`) of the task's model on `examples` examples, in `micro` micro-batches as the
+    run cuts them, on this process (cost.compute.measure). `inside()`: seconds spent inside
+    collectives so far (a group's `seconds`), taken out of forward and backward."""
+    params = task.model.parameters()
     optimizer = optim.make_optimizer(config.optimizer, params, config.lr, config.weight_decay)
-    kept = [p.data.copy() for p in params]  # the measurement leaves the model as it was
     bounds = chunk_bounds(examples, micro)
     batches = [task.batch(np.arange(lo, hi)) for lo, hi in zip(bounds, bounds[1:])]
-    clock = inside or (lambda: 0.0)
-    times = []
-    for _ in range(warmup + steps):
-        for p in params:
-            p.grad = None
-        forward = backward = 0.0
-        for batch in batches:
-            t0, c0 = time.perf_counter(), clock()
-            loss = task.loss(*batch)
-            t1, c1 = time.perf_counter(), clock()
-            loss.backward()
-            t2, c2 = time.perf_counter(), clock()
-            forward, backward = forward + t1 - t0 - (c1 - c0), backward + t2 - t1 - (c2 - c1)
-        t2 = time.perf_counter()
-        if config.grad_clip:  # the clip runs in the step's optimizer span too
-            optim.clip_grad_norm(params, config.grad_clip)
-        optimizer.step()
-        times.append((forward, backward, time.perf_counter() - t2))
-    for p, data in zip(params, kept):
-        p.data[...] = data
-        p.grad = None
-    f, b, o = (statistics.median(t[i] for t in times[warmup:]) for i in range(3))
-    return Compute(f, b, o, examples, sum(p.size for p in params))
+    return measure(
+        params, task.loss, batches, optimizer,
+        clip=config.grad_clip, warmup=warmup, steps=steps, inside=inside,
+    )  # fmt: skip

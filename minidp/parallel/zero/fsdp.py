@@ -13,7 +13,7 @@ table).
 
 Units. Each direct child of the model that owns trainable parameters is a unit (PyTorch
 wraps each in an FSDP unit with one flat parameter); the parameters outside them, or shared
-by two of them (a tied weight), make a unit of the model itself (stage3.units_of). Unit u's
+by two of them (a tied weight), make a unit of the model itself (minidp.units.units_of). Unit u's
 parameters, end to end, are segment u of the flat vector, and rank r owns chunk r of every
 segment (chunk_bounds: Ψ need not divide by N, an edge may fall inside a tensor):
 
@@ -71,7 +71,7 @@ from minidp.parallel.across_ranks import clip_global_norm
 from minidp.parallel.same_model import check_same_model
 from minidp.parallel.zero.flat import allgather_flat, gather_whole, pieces, slices_in
 from minidp.parallel.zero.sharded import ALGOS, ShardedModel
-from minidp.parallel.zero.stage3 import units_of
+from minidp.units import units_of
 
 SHARDINGS = ("full", "grad_op")  # PyTorch's FULL_SHARD and SHARD_GRAD_OP
 

@@ -25,9 +25,10 @@ with slot[u % 2] when u gathers into it. Held at any time: 2 slots of the larges
 (PyTorch FSDP gets the same effect by resizing a gathered tensor's storage to zero.)
 
 Parameters outside the children, or shared by two of them (a tied weight), form a unit of
-the model itself (units_of), first in forward order: its gather wraps the model's forward,
-so it is held through the whole forward (and, gathered again by the output's pre_backward,
-through the whole backward), in a third slot of its own; it is reduce-scattered last.
+the model itself (minidp.units.units_of), first in forward order: its gather wraps the
+model's forward, so it is held through the whole forward (and, gathered again by the
+output's pre_backward, through the whole backward), in a third slot of its own; it is
+reduce-scattered last.
 
 `gathered_peak` is measured: the largest number of bytes held at once, during any step, by
 the distinct live arrays a gather wrote into (followed by weak references), not the formula.
@@ -43,28 +44,6 @@ from minidp.autograd import op
 from minidp.nn import Module
 from minidp.parallel.across_ranks import stand_in
 from minidp.parallel.zero.flat import ShardLayout, gather_whole
-
-
-def units_of(model: Module) -> list[tuple[str, Module, list]]:
-    """The layers gathered one at a time, in forward order: (name, module, its trainable
-    parameters). Each direct child of the model that owns trainable parameters is a unit,
-    with those no other child holds. What is left (the model's own parameters, and those
-    two children share: a tied weight) is a unit of the model itself, put first: it is
-    gathered for the whole forward, as PyTorch FSDP's root unit. Frozen parameters
-    (requires_grad False) are in no unit: they stay whole on every rank."""
-    children = list(model.children())
-    holders: dict[int, set[str]] = {}
-    for name, child in children:
-        for p in child.parameters():
-            holders.setdefault(id(p), set()).add(name)
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    rest = [p for p in trainable if len(holders.get(id(p), ())) != 1]
-    units = [("", model, rest)] if rest else []
-    for name, child in children:
-        own = [p for p in child.parameters() if p.requires_grad and holders[id(p)] == {name}]
-        if own:
-            units.append((name, child, own))
-    return units
 
 
 class GatheredUnits:
