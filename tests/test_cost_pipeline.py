@@ -165,6 +165,30 @@ def test_asp_steps_at_a_workers_own_pace_or_the_servers_and_ssp_0_waits_as_bsp()
     assert many.exposed_comm_s == pytest.approx(many.step_s - many.compute_s)
 
 
+def test_a_sleeping_worker_slows_asp_only_itself_and_bsp_and_ssp_everyone():
+    """--ps-slow-worker-ms: the last worker sleeps 50 ms a step. ASP: rank 0 steps as
+    before, the sleeper 50 ms slower; BSP and SSP: every clock (or, over a run, the pace)
+    waits for it; staleness: the others run ahead of it, up to K clocks under SSP:K."""
+    compute = Compute(0.01, 0.02, 0.004, examples=6, params=10_000)
+    net = Network(alpha=2e-6, beta=1e-9)
+    kw = dict(servers=1, params=10_000, compute=compute, net=net, batch_size=16, clip=True)
+    sleeper = 0.03 * 5 / 6 + 0.05  # chunks 6, 5, 5: the last worker's 5 examples, asleep
+    for bound in (None, math.inf, 0, 2):
+        awake, slowed = (ps_step.predict_ps(workers=3, **kw, bound=bound, slow_s=s)
+                         for s in (0.0, 0.05))  # fmt: skip
+        if bound == math.inf:
+            assert slowed.step_s == awake.step_s
+            last = ps_step.predict_ps(workers=3, **kw, bound=bound, rank=2, slow_s=0.05)
+            assert last.compute_s == pytest.approx(sleeper)
+        else:
+            assert slowed.step_s == pytest.approx(awake.step_s - 0.03 + sleeper), bound
+            assert slowed.step_s == pytest.approx(slowed.compute_s + slowed.exposed_comm_s)
+    asp = ps_step.predict_ps(workers=3, **kw, bound=math.inf)
+    each = ps_step.paces(asp, 3, 16, 0, math.inf, slow_s=0.05)
+    assert each[2] == pytest.approx(each[1] + 0.05) and each[0] < each[2]
+    assert ps_step.mean_staleness(each, 41, 2) <= 2 < ps_step.mean_staleness(each, 41, math.inf)
+
+
 def test_staleness_is_w_minus_1_over_w_taking_turns_and_grows_with_unequal_shares():
     equal = [0.02] * 3
     assert [ps_step.mean_staleness(equal, 11, b) for b in (None, 0, 1, math.inf)] == pytest.approx(

@@ -171,7 +171,6 @@ def test_a_calibration_that_cannot_be_read_is_refused_by_predict_and_skipped_by_
 @pytest.mark.parametrize(
     "args, message",
     [
-        (["--strategy", "ps", "--ps-slow-worker-ms", "5", "--world", "3"], "--ps-slow-worker"),
         (["--strategy", "ps", "--consistency", "ssp", "--world", "3"], "--consistency 'ssp'"),
         (["--world", "-1"], "--world must be a number of ranks >= 1"),
         (["--strategy", "hybrid", "--dp", "3", "--world", "4"], "--world 4: the mesh dp x tp"),

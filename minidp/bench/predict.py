@@ -1,5 +1,6 @@
 """Predicted against measured step time, for dp, zero 1-3, tp, hybrid (each of these two also
-with sequence parallelism), pp, ps and compressed dp at P = 2 and 4.
+with sequence parallelism), pp, ps (also with a sleeping worker) and compressed dp at P = 2
+and 4.
 
     python -m minidp bench predict [--rounds 3] [--steps 31] [--procs 2,4] [--json FILE]
 
@@ -34,6 +35,7 @@ from minidp.bench._common import median, print_table, write_json
 from minidp.log import die
 from minidp.parser import Parser
 
+SLOW = ["--ps-slow-worker-ms", "10"]  # a straggler: the last worker sleeps 10 ms a step
 LAYOUTS = {  # name -> (train flags, the P it runs at)
     "dp": (["--strategy", "dp"], (2, 4)),
     "zero1": (["--strategy", "zero", "--zero-stage", "1"], (2, 4)),
@@ -48,6 +50,9 @@ LAYOUTS = {  # name -> (train flags, the P it runs at)
     "ps": (["--strategy", "ps", "--servers", "1"], (2, 4)),  # BSP: 1 or 3 workers
     "ps-asp": (["--strategy", "ps", "--servers", "1", "--consistency", "asp"], (2, 4)),
     "ps-ssp": (["--strategy", "ps", "--servers", "1", "--consistency", "ssp:2"], (2, 4)),
+    "ps-slow": (["--strategy", "ps", "--servers", "1", *SLOW], (4,)),  # the last of 3 sleeps
+    "ps-asp-slow": (["--strategy", "ps", "--servers", "1", "--consistency", "asp", *SLOW], (4,)),
+    "ps-ssp-slow": (["--strategy", "ps", "--servers", "1", "--consistency", "ssp:2", *SLOW], (4,)),
     "dp-topk": (["--strategy", "dp", "--compress", "topk:0.01"], (2, 4)),
     "dp-fp16": (["--strategy", "dp", "--compress", "fp16"], (2, 4)),
     "dp-sign": (["--strategy", "dp", "--compress", "sign"], (2, 4)),

@@ -41,12 +41,17 @@ shard: that server is the last to answer) and u = the measured optimizer step sc
       K >= 1    workers the bound never binds in steady state: the step is ASP's. With
                 unequal shares (B / W not whole) the slowest sets everyone's pace over a
                 run: compute is the largest share's (rank 0's: chunk_bounds gives it the
-                extra examples). --ps-slow-worker-ms (one worker slowed on purpose) is
-                not modelled
+                extra examples)
       K = 0     every pull waits for every push, as BSP; each push is its own update,
                 applied as it comes, so only the last one's is in the wait (measured
                 here: ssp:0 steps within 2% of bsp):
                     step = compute + 2W·m + u + per call
+
+    a sleeper   --ps-slow-worker-ms: the last worker sleeps slow_s before each forward,
+                a slow worker on purpose. Under ASP it slows that worker alone (its
+                compute + slow_s); under BSP and SSP:0 every clock waits for its push, and
+                under SSP:K the others run at most K clocks ahead, so over a run its pace
+                is everyone's: compute = max(compute, the sleeper's compute + slow_s)
 
     step = that · stretch (ranks sharing cores); exposed communication = step - compute
     (the worker waits through the rest)
@@ -120,16 +125,21 @@ def examples_of(rank: int, workers: int, batch_size: int, bound: float | None) -
     return chunks[rank + 1] - chunks[rank] if own else chunks[1]
 
 
-def paces(p: Prediction, workers: int, batch_size: int, rank: int, bound: float) -> list:
+def paces(
+    p: Prediction, workers: int, batch_size: int, rank: int, bound: float, slow_s: float = 0.0
+) -> list:
     """Each worker's own step under ASP/SSP, from rank `rank`'s prediction `p`: its compute
-    scaled to each worker's share, the messages and update alike; the server's step for all
-    when the server sets the pace."""
+    scaled to each worker's share (the last worker's sleep, slow_s, added to its own), the
+    messages and update alike; the server's step for all when the server sets the pace."""
     rest = p.comm_s + p.optimizer_s
     if p.step_s > (p.compute_s + rest) * (1 + 1e-9):  # the server's pace: everyone's
         return [p.step_s] * workers
     used = examples_of(rank, workers, batch_size, bound)
     chunks = chunk_bounds(batch_size, workers)
-    return [p.compute_s * (chunks[w + 1] - chunks[w]) / used + rest for w in range(workers)]
+    work = p.forward_s + p.backward_s  # on `used` examples
+    own = [work * (chunks[w + 1] - chunks[w]) / used + rest for w in range(workers)]
+    own[-1] += slow_s  # --ps-slow-worker-ms: the last worker sleeps every step
+    return own
 
 
 def mean_staleness(paces: list, steps: int, bound: float | None = None) -> float:
@@ -161,13 +171,18 @@ def predict_ps(
     activations: int = 0,
     rank: int = 0,
     bound: float | None = None,
+    slow_s: float = 0.0,
 ) -> Prediction:
     """The predicted step of rank `rank`; bound: None for BSP, K for SSP:K, math.inf for
-    ASP (the module docstring says each term). clip: the servers' norm allreduce (BSP)."""
+    ASP (the module docstring says each term). clip: the servers' norm allreduce (BSP).
+    slow_s: the last worker sleeps this long every step (--ps-slow-worker-ms)."""
     W, S = workers, servers
     examples = examples_of(rank, W, batch_size, bound)
     scale = compute.fixed + (1 - compute.fixed) * examples / compute.examples
     forward, backward = compute.forward_s * scale, compute.backward_s * scale
+    chunks = chunk_bounds(batch_size, W)
+    last = compute.fixed + (1 - compute.fixed) * (chunks[W] - chunks[W - 1]) / compute.examples
+    slowest = (compute.forward_s + compute.backward_s) * last + slow_s  # the sleeper's
     shard = max(shard_sizes(params, S))
     message = 2 * net.alpha + (HEADER_BYTES + shard * itemsize) * net.beta
     update = compute.optimizer_s * shard / compute.params
@@ -175,6 +190,10 @@ def predict_ps(
     norm = norm + net.per_call if clip and S > 1 and bound is None else 0.0
     stretch = max(1.0, (W + S) / net.cores) if net.cores else 1.0
     compute_s = forward + backward
+    if slow_s and bound == math.inf:  # ASP: each at its own pace; the sleeper's is its own
+        compute_s += slow_s if rank == W - 1 else 0.0
+    elif slow_s:  # BSP, SSP: the clock (or, over a run, the pace) waits for the sleeper
+        compute_s = max(compute_s, slowest)
     if not bound:  # BSP, SSP:0: W pushes, one update (SSP:0: the last push's), W replies
         messages, optimizer = 2 * W * message, update
         step = compute_s + messages + optimizer + norm  # (no norm but BSP's)

@@ -5,7 +5,8 @@
 
 As predict.py does for the others: the whole model's forward, backward and optimizer step
 measured here on one worker's examples (B / W); the optimizer's time scaled to the largest
-shard (the servers step it). --ps-slow-worker-ms (one worker slowed on purpose) is refused.
+shard (the servers step it); --ps-slow-worker-ms, the last worker's sleep, added as
+ps_step.py says.
 """
 
 import numpy as np
@@ -22,8 +23,6 @@ def ps_layout(config, world: int) -> Layout:
     staleness_bound(config.consistency)  # a bad --consistency: one line
     if not 1 <= config.servers < world:
         raise BadConfig(f"--servers {config.servers} in a world of {world}: 1 to {world - 1}")
-    if config.ps_slow_worker_ms:
-        raise BadConfig("predict does not model --ps-slow-worker-ms")
     return Layout("ps", dp=world - config.servers, servers=config.servers,
                   clip=config.grad_clip > 0, consistency=config.consistency)  # fmt: skip
 
@@ -51,4 +50,5 @@ def run_ps_prediction(config, layout: Layout, *, network, threads: int, rank: in
         activations=activation_estimate(config, examples, 1),
         rank=rank,
         bound=None if config.consistency == "bsp" else staleness_bound(config.consistency),
+        slow_s=config.ps_slow_worker_ms / 1e3,
     )

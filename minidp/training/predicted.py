@@ -153,6 +153,7 @@ def for_run(config, group, measured_step_s: float, steps: int) -> dict:
             workers, config.servers, group.rank
         )
         bound = staleness_bound(config.consistency)  # beside the record's histogram; bsp: 0
-        each = paces(prediction, workers, config.batch_size, group.rank, bound) if bound else []
+        slow, batch = config.ps_slow_worker_ms / 1e3, config.batch_size
+        each = paces(prediction, workers, batch, group.rank, bound, slow) if bound else []
         record["predicted_staleness_mean"] = mean_staleness(each, config.steps, bound)
     return record
