@@ -11,7 +11,8 @@ docstrings' closed forms.
 import numpy as np
 import pytest
 
-from minidp import cost
+from minidp import comm, cost
+from minidp.cost.formulas import Terms
 from minidp.names import ALGORITHMS
 
 BIG = 2 * 1024 * 1024  # float64 elements: 16 MiB
@@ -174,3 +175,45 @@ def test_what_has_no_model_says_so():
     assert cost.time("allreduce", "ring", 1, 100, alpha=A, beta=B) == 0.0
     with pytest.raises(ValueError, match="unknown algo"):
         cost.sent("allreduce", "bogus", 4, 0, 100)
+
+
+COPIED = (
+    [  # (collective, algorithm): every one with a formula whose call copies or may
+        ("allreduce", a) for a in ("ring", "recursive_doubling", "rabenseifner", "tree", "naive")
+    ]
+    + [("reduce_scatter", a) for a in ("ring", "recursive_halving", "naive")]
+    + [("allgather", a) for a in ("ring", "recursive_doubling", "naive")]
+    + [("alltoall", "pairwise"), ("alltoall", "naive")]
+)
+
+
+@pytest.mark.parallel(nprocs=[2, 3])
+@pytest.mark.timeout(60)
+def test_copied_is_what_the_slowest_rank_copies_in_memory(monkeypatch):
+    """Every np.copyto the comm code makes during one call, counted on each rank: the most
+    any rank copies is cost.copied's bytes (the slowest path's)."""
+    group = comm.Group(comm.world().comm.Dup(), checks=False)
+    p, n = group.size, 12 * 35  # elements; float64
+    copied = [0]
+    real = np.copyto
+
+    def counting(dst, src, *args, **kwargs):
+        copied[0] += np.asarray(dst).nbytes
+        return real(dst, src, *args, **kwargs)
+
+    monkeypatch.setattr(np, "copyto", counting)
+    x = np.arange(n, dtype=np.float64) + group.rank
+    for collective, algo in COPIED:
+        copied[0] = 0
+        if collective == "allreduce":
+            comm.allreduce(x, algo=algo, group=group, out=np.empty_like(x))
+        elif collective == "reduce_scatter":
+            comm.reduce_scatter(x, algo=algo, group=group, out=np.empty(n // p))
+        elif collective == "allgather":
+            comm.allgather(x[: n // p], algo=algo, group=group, out=np.empty(n))
+        else:
+            comm.alltoall(x.reshape(p, -1), algo=algo, group=group, out=np.empty((p, n // p)))
+        most = comm.allreduce(np.array(copied), op="max", group=group)[0]
+        want = cost.copied(collective, algo, Terms(p, n, 8))
+        assert most == want, (collective, algo, most, want)
+    group.free()

@@ -168,25 +168,36 @@ def test_asp_steps_at_a_workers_own_pace_or_the_servers_and_ssp_0_waits_as_bsp()
 def test_a_sleeping_worker_slows_asp_only_itself_and_bsp_and_ssp_everyone():
     """--ps-slow-worker-ms: the last worker sleeps 50 ms a step. ASP: rank 0 steps as
     before, the sleeper 50 ms slower; BSP and SSP: every clock (or, over a run, the pace)
-    waits for it; staleness: the others run ahead of it, up to K clocks under SSP:K."""
+    waits for it; the sleep frees its core, so ranks sharing cores stretch its compute,
+    not its sleep; staleness: the others run ahead of it, up to K clocks under SSP:K."""
     compute = Compute(0.01, 0.02, 0.004, examples=6, params=10_000)
+    kw = dict(servers=1, params=10_000, compute=compute, batch_size=16, clip=True)
+    for cores, stretch in ((0, 1.0), (2, 2.0)):  # 4 ranks on 2 cores: compute twice as long
+        net = Network(alpha=2e-6, beta=1e-9, cores=cores)
+        sleeper = 0.03 * 5 / 6 * stretch + 0.05  # chunks 6, 5, 5: the last worker's 5
+        for bound in (None, math.inf, 0, 2):
+            awake, slowed = (ps_step.predict_ps(workers=3, **kw, net=net, bound=bound, slow_s=s)
+                             for s in (0.0, 0.05))  # fmt: skip
+            if bound == math.inf:
+                assert slowed.step_s == awake.step_s
+                last = ps_step.predict_ps(workers=3, **kw, net=net, bound=bound, rank=2,
+                                          slow_s=0.05)  # fmt: skip
+                assert last.compute_s == pytest.approx(0.03 * 5 / 6 * stretch + 0.05)
+            else:
+                want = awake.step_s - 0.03 * stretch + sleeper
+                assert slowed.step_s == pytest.approx(want), (cores, bound)
+                assert slowed.step_s == pytest.approx(slowed.compute_s + slowed.exposed_comm_s)
     net = Network(alpha=2e-6, beta=1e-9)
-    kw = dict(servers=1, params=10_000, compute=compute, net=net, batch_size=16, clip=True)
-    sleeper = 0.03 * 5 / 6 + 0.05  # chunks 6, 5, 5: the last worker's 5 examples, asleep
-    for bound in (None, math.inf, 0, 2):
-        awake, slowed = (ps_step.predict_ps(workers=3, **kw, bound=bound, slow_s=s)
-                         for s in (0.0, 0.05))  # fmt: skip
-        if bound == math.inf:
-            assert slowed.step_s == awake.step_s
-            last = ps_step.predict_ps(workers=3, **kw, bound=bound, rank=2, slow_s=0.05)
-            assert last.compute_s == pytest.approx(sleeper)
-        else:
-            assert slowed.step_s == pytest.approx(awake.step_s - 0.03 + sleeper), bound
-            assert slowed.step_s == pytest.approx(slowed.compute_s + slowed.exposed_comm_s)
-    asp = ps_step.predict_ps(workers=3, **kw, bound=math.inf)
-    each = ps_step.paces(asp, 3, 16, 0, math.inf, slow_s=0.05)
-    assert each[2] == pytest.approx(each[1] + 0.05) and each[0] < each[2]
-    assert ps_step.mean_staleness(each, 41, 2) <= 2 < ps_step.mean_staleness(each, 41, math.inf)
+    ssp = ps_step.predict_ps(workers=3, **{**kw, "batch_size": 15}, net=net, bound=2)
+    plain, slowed = (ps_step.paces(ssp, 3, 15, 0, 2, slow_s=s) for s in (0.0, 0.05))
+    assert slowed[2] == pytest.approx(plain[2] + 0.05) and slowed[:2] == plain[:2]
+    calm, behind = (ps_step.mean_staleness(each, 41, 2) for each in (plain, slowed))
+    assert calm == pytest.approx(2 * 40 / 123)  # equal shares (5, 5, 5): one clock, in turn
+    assert behind == pytest.approx(2 * (1 + 39 * 2) / 123)  # the others 2 clocks ahead
+    assert ps_step.mean_staleness(slowed, 41, math.inf) > 2 * behind  # ASP: no bound
+    server_bound = ps_step.predict_ps(workers=100, **kw, net=net, bound=math.inf)
+    each = ps_step.paces(server_bound, 100, 16, 0, math.inf, slow_s=10.0)
+    assert each[:99] == [server_bound.step_s] * 99 and each[99] > 10.0  # slower than it
 
 
 def test_staleness_is_w_minus_1_over_w_taking_turns_and_grows_with_unequal_shares():

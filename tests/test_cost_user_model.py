@@ -30,6 +30,7 @@ def test_a_users_model_counts_a_tied_weight_once_and_no_frozen_one():
     assert sum(shapes.params) == 204 and len(shapes.params) == 8
     assert shapes.units == [4 + 7 + 81, 6 * 9 + 9, 9, 9 * 4 + 4]
     assert (9, 9) in shapes.dims and (9,) in shapes.dims and len(shapes.dims) == 8
+    assert shapes.frozen == 9  # fc2's bias: on every rank, whole, under any scheme
 
 
 def test_measure_times_a_step_and_leaves_the_model_as_it_was():
@@ -48,9 +49,9 @@ def test_measure_times_a_step_and_leaves_the_model_as_it_was():
         Layout("zero", dp=4, zero_stage=3), model_shapes(model), compute,
         Network(2e-6, 1e-10, 1e-10), batch_size=len(x), itemsize=8,
     )  # fmt: skip
-    assert step.memory_bytes["parameters"] == 8 * sum(
-        chunk_range(u, 4, 0)[1] - chunk_range(u, 4, 0)[0] for u in model_shapes(model).units
-    )
+    units = model_shapes(model).units
+    chunks = sum(chunk_range(u, 4, 0)[1] - chunk_range(u, 4, 0)[0] for u in units)
+    assert step.memory_bytes["parameters"] == 8 * (chunks + 9)  # + the frozen bias, whole
 
 
 def sent_by_collective(calls, p: int, rank: int) -> dict:

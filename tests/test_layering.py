@@ -1,7 +1,7 @@
 """Layering that reads bottom up: what imports without MPI, and who may import whom.
 
     engine   chunks  autograd  tensor_ops  functional  grad_mode  weight_grads  nn  gpt
-             optim  data  log  prune/  parser  plots  backend        no MPI
+             units  optim  data  log  prune/  parser  plots  backend        no MPI
              (torch_ref, backend_torch: torch, not MPI)
     comm     comm/  trace                                          on MPI (mpi4py)
              cost/ (no MPI until it resolves algo="auto" through comm/auto.py)
@@ -45,6 +45,10 @@ NO_MPI_MODULES = (
     "minidp.prune.magnitude",
     "minidp.prune.functions",
     "minidp.cost",
+    "minidp.cost.calls",
+    "minidp.cost.compute",
+    "minidp.cost.step",
+    "minidp.units",
 )
 BLOCK_MPI4PY = """
 import sys

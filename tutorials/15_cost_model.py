@@ -91,8 +91,10 @@ for algo in ("ring", "tree", "recursive_doubling", "rabenseifner", "naive"):
 #
 # Ranks 0 and 1 exchange a 4-byte and a 4 MiB message (one `sendrecv` each way, as a ring's
 # step does): the small one's time is α, the slope is β. γ is NumPy adding two 4 MiB
-# vectors. (`python -m minidp bench calibrate` does this properly, least squares over many
-# sizes, and saves the fit for `predict`; this is the idea in six lines.)
+# vectors, δ copying one (what an algorithm copies in memory beside its messages: an
+# allgather its own chunk into its output). (`python -m minidp bench calibrate` does this
+# properly, least squares over many sizes, and saves the fit for `predict`; this is the
+# idea in a few lines.)
 
 # %%
 small, big = np.zeros(1, np.float32), np.zeros(1 << 20, np.float32)
@@ -110,7 +112,11 @@ t_big = timed(lambda: exchange(big, got_big), reps=9, inner=5)
 alpha, beta = t_small, (t_big - t_small) / big.nbytes
 a, b = np.ones(1 << 20, np.float32), np.ones(1 << 20, np.float32)
 gamma = timed(lambda: np.add(a, b, out=a), reps=9, inner=5) / a.nbytes
-print0(f"α = {alpha * 1e6:.1f} µs   β = {beta * 1e12:.0f} ps/B   γ = {gamma * 1e12:.0f} ps/B")
+delta = timed(lambda: np.copyto(a, b), reps=9, inner=5) / a.nbytes  # a copy in memory
+print0(
+    f"α = {alpha * 1e6:.1f} µs   β = {beta * 1e12:.0f} ps/B   γ = {gamma * 1e12:.0f} ps/B   "
+    f"δ = {delta * 1e12:.0f} ps/B"
+)
 
 # Predict the ring and the tree on 4 MiB, then measure them.
 rows = []
@@ -194,7 +200,7 @@ trainable = [p for p in mlp.parameters() if p.requires_grad]
 compute = measure(
     trainable, lambda a, b: cross_entropy(mlp(Tensor(a)), b), [(x, y)], optim.AdamW(trainable)
 )
-shapes, network = calls.model_shapes(mlp), step.Network(alpha, beta, gamma)
+shapes, network = calls.model_shapes(mlp), step.Network(alpha, beta, gamma, delta=delta)
 with_ddp = step.Layout("dp", dp=P, algo="ring", shm=False)
 for name, layout in (("DDP", with_ddp), ("FSDP", step.Layout("zero", dp=P, zero_stage=3))):
     mine = step.predict(layout, shapes, compute, network, batch_size=len(x))

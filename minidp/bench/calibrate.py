@@ -4,7 +4,7 @@
     mpiexec -n 4 python -m minidp bench calibrate --out runs/calibration4.json
 
 The α-β-γ model (Thakur, Rabenseifner & Gropp 2005) prices a message of n bytes at α + nβ
-and a reduction at γ per byte; δ prices a byte copied in memory (an allgather's own chunk).
+and a reduction at γ per byte; δ a byte copied in memory (cost.copied: an allgather's own).
 Each is measured as a collective's step runs it, on every rank of the launch at once:
 
     α, β   a ring step: every rank sends n bytes to its right neighbour while receiving n
@@ -22,9 +22,10 @@ Each is measured as a collective's step runs it, on every rank of the launch at 
 
 Every rank at once, because that is how a ring's or a butterfly's steps run: they share the
 memory bus, and where ranks outnumber cores (P = 3, 4 here) they share the cores, which a
-ping-pong between two ranks while the others wait would not see. So fit at the P you will
-run. The textbook ping-pong (ranks 0 and 1, one way = round trip / 2) is fitted too and
-printed beside it, with `ratio_ping_pong`: the check's ratio with its α and β instead.
+ping-pong between two ranks while the others wait would not see: the check fits at its own
+P (`predict` reads one file, fitted at P = 2, and times the cores' sharing on the ranks, in
+its per-call cost). The textbook ping-pong (ranks 0 and 1, one way = round trip / 2) is
+fitted too and printed beside it, `ratio_ping_pong`: the check's ratio with its α and β.
 
 Fit quality: the largest |fit / measured - 1| over the sizes, and R² of the line in seconds.
 
@@ -222,13 +223,14 @@ def check(
             for algo in algos:
                 call = contenders(op, algo, nbytes, dtype, group)[0]
                 measured = slowest_median(call, group.comm, warmup, iters)
-                ratio = predicted(model, op, algo, p, n, dtype.itemsize) / measured
+                model_s = predicted(model, op, algo, p, n, dtype.itemsize)
                 textbook = predicted(model, op, algo, p, n, dtype.itemsize, "ping_pong")
+                ratio = model_s / measured
                 rows.append(
                     {
                         "op": op, "algo": algo, "bytes": n * dtype.itemsize,
                         "size": human(n * dtype.itemsize), "nprocs": p,
-                        "measured_us": measured * 1e6, "predicted_us": ratio * measured * 1e6,
+                        "measured_us": measured * 1e6, "predicted_us": model_s * 1e6,
                         "ratio": ratio, "ok": "yes" if abs(ratio - 1) <= WITHIN else "no",
                         "ratio_ping_pong": textbook / measured,
                     }
@@ -291,7 +293,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.calibration:
         with open(args.calibration) as f:
             model = json.load(f)
-        print0(f"# α, β, γ from {args.calibration} ({model['date']}, P = {model['nprocs']})")
+        print0(f"# α, β, γ, δ from {args.calibration} ({model['date']}, P = {model['nprocs']})")
     else:
         model = calibrate(group, args)
         if group.rank == 0:

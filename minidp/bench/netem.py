@@ -100,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sizes", default="64K,1M,4M,16M", help="bytes (K/M suffixes)")
     parser.add_argument("--iters", type=int, default=7, help="timed rounds (default 7)")
     parser.add_argument("--warmup", type=int, default=1, help="untimed ones (default 1)")
-    parser.add_argument("--calibration", metavar="FILE", help="α₀, β₀, γ from FILE, else fit")
+    parser.add_argument("--calibration", metavar="FILE", help="α₀, β₀, γ, δ from FILE, else fit")
     parser.add_argument("--json", metavar="FILE", help="write the rows as JSON lines")
     args = parser.parse_args(argv)
     from threadpoolctl import threadpool_limits

@@ -20,8 +20,8 @@ measured bubble is `measured_bubble` (idle over the step's window, every rank), 
 median over --steps steps. p = 4 runs on the 4 ranks; p = 2 on the sub-group of ranks
 0 and 1 (ranks 2 and 3 wait). Interleaved has V = 2 (one layer per virtual stage: each
 rank does twice the work, as the formula assumes). What the measurement adds to the
-model: the receives' probe (it naps up to ~1 ms on a long wait), Python's per-action
-overhead, and sleep's oversleeping (tens of microseconds a call).
+model: each message's cost (the receives' probe yields the core between polls), Python's
+per-action overhead, and sleep's oversleeping (tens of microseconds a call).
 
 Memory (_pp_memory.py). A tiny GPT (float32, one block per stage) runs one step of each
 schedule at p = 4, m = 8, with and without recomputation; each stage's `peak_in_flight`

@@ -149,8 +149,8 @@ def time(
     """Seconds for the whole call in the α-β-γ model (formulas.py); None: no model.
 
     delta: seconds per byte copied in memory (`copied`: an allgather's own chunk, unless
-    in_place, recursive halving's result, an alltoall's own row), which the messages'
-    formulas do not count; in_place=True: the allgather's own chunk already lies in out."""
+    in_place, a reduce-scatter's result out of an accumulator, an alltoall's own row), which
+    the messages' formulas do not count; in_place=True: the allgather's chunk lies in out."""
     algo = resolve(collective, algo, p, n * itemsize)
     if p == 1:
         return 0.0
@@ -164,11 +164,13 @@ def time(
 def copied(collective: str, algo: str, t: Terms, in_place: bool = False) -> float:
     """Bytes a call copies in memory beside its messages, on its slowest path: an allgather
     its own chunk into out (collectives.allgather, unless it is there already), recursive
-    halving its reduced chunk out of its accumulator (recursive.py), an alltoall its own row
-    (alltoall.py). Not counted: gather's and scatter's own row (and the root's rotation)."""
+    halving and the naive root their reduced chunk out of an accumulator (recursive.py,
+    naive.py), an alltoall its own row (alltoall.py). tests/test_cost.py counts the comm
+    code's copies against these. Not counted: gather's and scatter's own row (and the root's
+    rotation)."""
     if collective == "allgather":
         return 0 if in_place else t.C
-    if (collective, algo) == ("reduce_scatter", "recursive_halving"):
+    if collective == "reduce_scatter" and algo in ("recursive_halving", "naive"):
         return t.C
     return t.M if collective == "alltoall" else 0
 

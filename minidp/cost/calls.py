@@ -72,6 +72,7 @@ class Shapes(NamedTuple):
     block_size: int = 0  # TP: tokens T per example
     vocab: int = 0  # TP: the vocabulary (hybrid ZeRO broadcasts when tp does not divide it)
     dims: tuple = ()  # the parameters' shapes, as params (PowerSGD factors each matrix)
+    frozen: int = 0  # elements of frozen parameters: whole on every rank, never sent
 
 
 def gpt_shapes(n_layer: int, n_embd: int, vocab: int, block_size: int, tp: int = 1, rank=0):
@@ -99,11 +100,14 @@ def model_shapes(model) -> Shapes:
     """Shapes of a model a user built (any minidp.nn.Module, tied and frozen parameters
     included), as the data-parallel pieces take it: its trainable parameters, each once, in
     parameters() order (DDP's buckets, ZeRO's segments, PowerSGD's matrices), and ZeRO-3's
-    and FSDP's units (minidp.units.units_of); frozen ones are never sent. No TP terms:
-    tensor parallelism is minidp's GPT's (`gpt_shapes`)."""
+    and FSDP's units (minidp.units.units_of); frozen ones are never sent, and every rank
+    holds them whole (`frozen`, in memory's parameters). No TP terms: tensor parallelism is
+    minidp's GPT's (`gpt_shapes`)."""
     trainable = [p for p in model.parameters() if p.requires_grad]
     units = [sum(p.size for p in params) for _, _, params in units_of(model)]
-    return Shapes([p.size for p in trainable], units, dims=tuple(p.shape for p in trainable))
+    frozen = sum(p.size for p in model.parameters() if not p.requires_grad)
+    return Shapes([p.size for p in trainable], units, dims=tuple(p.shape for p in trainable),
+                  frozen=frozen)  # fmt: skip
 
 
 def bucket_members(params: list[int], cap_bytes: float, itemsize: int) -> list[list[int]]:

@@ -117,6 +117,12 @@ def bytes_per_run(workers, servers, rank=0) -> int:
     return mask + (workers * workers * 8 if s == 0 else 0)
 
 
+def share(compute: Compute, examples: int) -> float:
+    """The fraction of the measured forward and backward that `examples` examples take
+    (step.py's scaling: the fixed part whole, the rest in proportion)."""
+    return compute.fixed + (1 - compute.fixed) * examples / compute.examples
+
+
 def examples_of(rank: int, workers: int, batch_size: int, bound: float | None) -> int:
     """The examples whose compute sets rank `rank`'s step: under ASP a worker's own share,
     else the largest (BSP waits for it; SSP's slowest sets the pace; a server's clock)."""
@@ -132,13 +138,13 @@ def paces(
     scaled to each worker's share (the last worker's sleep, slow_s, added to its own), the
     messages and update alike; the server's step for all when the server sets the pace."""
     rest = p.comm_s + p.optimizer_s
-    if p.step_s > (p.compute_s + rest) * (1 + 1e-9):  # the server's pace: everyone's
-        return [p.step_s] * workers
     used = examples_of(rank, workers, batch_size, bound)
     chunks = chunk_bounds(batch_size, workers)
     work = p.forward_s + p.backward_s  # on `used` examples
     own = [work * (chunks[w + 1] - chunks[w]) / used + rest for w in range(workers)]
     own[-1] += slow_s  # --ps-slow-worker-ms: the last worker sleeps every step
+    if p.step_s > (p.compute_s + rest) * (1 + 1e-9):  # the server's pace: everyone's
+        return [max(p.step_s, mine) for mine in own]  # (the sleeper's, if slower still)
     return own
 
 
@@ -177,12 +183,10 @@ def predict_ps(
     ASP (the module docstring says each term). clip: the servers' norm allreduce (BSP).
     slow_s: the last worker sleeps this long every step (--ps-slow-worker-ms)."""
     W, S = workers, servers
-    examples = examples_of(rank, W, batch_size, bound)
-    scale = compute.fixed + (1 - compute.fixed) * examples / compute.examples
+    scale = share(compute, examples_of(rank, W, batch_size, bound))
     forward, backward = compute.forward_s * scale, compute.backward_s * scale
     chunks = chunk_bounds(batch_size, W)
-    last = compute.fixed + (1 - compute.fixed) * (chunks[W] - chunks[W - 1]) / compute.examples
-    slowest = (compute.forward_s + compute.backward_s) * last + slow_s  # the sleeper's
+    sleeper = (compute.forward_s + compute.backward_s) * share(compute, chunks[W] - chunks[W - 1])
     shard = max(shard_sizes(params, S))
     message = 2 * net.alpha + (HEADER_BYTES + shard * itemsize) * net.beta
     update = compute.optimizer_s * shard / compute.params
@@ -190,25 +194,27 @@ def predict_ps(
     norm = norm + net.per_call if clip and S > 1 and bound is None else 0.0
     stretch = max(1.0, (W + S) / net.cores) if net.cores else 1.0
     compute_s = forward + backward
-    if slow_s and bound == math.inf:  # ASP: each at its own pace; the sleeper's is its own
-        compute_s += slow_s if rank == W - 1 else 0.0
-    elif slow_s:  # BSP, SSP: the clock (or, over a run, the pace) waits for the sleeper
-        compute_s = max(compute_s, slowest)
     if not bound:  # BSP, SSP:0: W pushes, one update (SSP:0: the last push's), W replies
         messages, optimizer = 2 * W * message, update
         step = compute_s + messages + optimizer + norm  # (no norm but BSP's)
     else:  # ASP, SSP:K>=1: the worker's own round trip, or the server's pace
         messages, optimizer = 2 * message, update
         step = max(compute_s + messages + optimizer, W * (messages + optimizer))
-    step = (step + net.per_call) * stretch
+    step, compute_s = (step + net.per_call) * stretch, compute_s * stretch
+    if slow_s:  # the sleep frees the core: it is not stretched
+        if bound == math.inf:  # ASP: each at its own pace; the sleeper's is its own
+            lag = slow_s if rank == W - 1 else 0.0
+        else:  # BSP, SSP: the clock (or, over a run, the pace) waits for the sleeper
+            lag = max(0.0, sleeper * stretch + slow_s - compute_s)
+        step, compute_s = step + lag, compute_s + lag
     on_server = rank >= W
     mine = shard_sizes(params, S)[rank - W] if on_server else params
     held = (W if bound is None else 1) if on_server else 2  # pushes held; a worker's two
     return Prediction(
         step_s=step,
-        compute_s=compute_s * stretch,
+        compute_s=compute_s,
         comm_s=(messages + norm + net.per_call) * stretch,
-        exposed_comm_s=step - compute_s * stretch,
+        exposed_comm_s=step - compute_s,
         bytes_by_axis=bytes_by_axis(W, S, params, itemsize, rank, clip and bound is None),
         memory_bytes={
             "parameters": itemsize * mine,

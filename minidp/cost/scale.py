@@ -28,10 +28,7 @@ from minidp.cost.step import Compute, Layout, Network, memory, predict
 
 def seconds(net: Network, collective: str, algo: str, p: int, n: int, itemsize: int) -> float:
     """cost.time with the network's α, β, γ, δ."""
-    return cost.time(
-        collective, algo, p, n, itemsize,
-        alpha=net.alpha, beta=net.beta, gamma=net.gamma, delta=net.delta,
-    )  # fmt: skip
+    return cost.time(collective, algo, p, n, itemsize, **net.terms())
 
 
 ALLREDUCE = tuple(

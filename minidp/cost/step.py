@@ -19,7 +19,8 @@ The model of one step on one rank, term by term:
                 whole, the rest (the FLOPs) scales to this rank's examples (B / dp) and is
                 divided by tp (each TP rank computes 1/tp of every matmul); optimizer: its
                 measured time scaled to the parameters this rank steps (a TP shard, a chunk)
-    comm        every collective of calls.py priced by minidp.cost.time with α, β, γ; "shm"
+    comm        every collective of calls.py priced by minidp.cost.time with α, β, γ and δ
+                (what a call copies in memory, cost.copied); "shm"
                 (DDP's buckets in shared memory) has no α-β formula: its loads priced at β
                 and its three synchronizations as three 2-rank barriers' worth of α per round
     overlap     backward-phase calls hide behind backward only when the strategy overlaps
@@ -96,6 +97,10 @@ class Network(NamedTuple):
     per_call: float = 0.0  # seconds each collective call adds beyond α β γ (measured)
     delta: float = 0.0  # seconds per byte copied in memory (an allgather's own chunk)
 
+    def terms(self) -> dict:
+        """α, β, γ, δ as minidp.cost.time takes them."""
+        return {"alpha": self.alpha, "beta": self.beta, "gamma": self.gamma, "delta": self.delta}
+
 
 class Prediction(NamedTuple):
     step_s: float
@@ -121,7 +126,7 @@ def fixed_part(whole: Compute, half: Compute) -> float:
 
 
 def call_time(call, p: int, net: Network) -> float:
-    """Seconds of one call on p ranks: its α-β-γ time, and the per-call cost."""
+    """Seconds of one call on p ranks: its α-β-γ(-δ) time, and the per-call cost."""
     if p == 1:
         return 0.0
     if call.algo == "shm":
@@ -130,8 +135,8 @@ def call_time(call, p: int, net: Network) -> float:
         t = 3 * 2 * rounds * net.alpha + loaded * net.beta + call.n * call.itemsize * net.gamma
     else:
         t = cost.time(
-            call.collective, call.algo, p, call.n, call.itemsize, **_abg(net),
-            delta=net.delta, in_place=call.in_place,
+            call.collective, call.algo, p, call.n, call.itemsize, **net.terms(),
+            in_place=call.in_place,
         ) or 0.0  # fmt: skip
     return t + net.per_call
 
@@ -144,10 +149,6 @@ def compressing(layout: Layout, shapes: Shapes, compute: Compute, net: Network, 
         return compute.compress_s
     values = sum(shapes.params)  # every bucket's, once
     return compute.compress_s + (layout.dp - 1) * 2 * itemsize * values * net.gamma
-
-
-def _abg(net: Network) -> dict:
-    return {"alpha": net.alpha, "beta": net.beta, "gamma": net.gamma}
 
 
 def step_calls(layout: Layout, shapes: Shapes, itemsize: int, batch_size: int, dp_rank=0):
@@ -192,7 +193,7 @@ def memory(layout: Layout, shapes: Shapes, itemsize: int, activations: int, rank
         segments = buckets(shapes.params, max(1, int(layout.bucket_mb * 2**20)), itemsize)
     shard = sum(chunk_bounds(s, n)[d + 1] - chunk_bounds(s, n)[d] for s in segments)
     return {
-        "parameters": itemsize * (shard if stage == 3 else psi),
+        "parameters": itemsize * ((shard if stage == 3 else psi) + shapes.frozen),
         "gradients": itemsize * (shard if stage >= 2 else psi),
         "optimizer": 2 * itemsize * (shard if stage >= 1 else psi),  # AdamW: m and v
         "activations_peak": activations,

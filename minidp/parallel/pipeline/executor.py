@@ -25,8 +25,8 @@ what runs when (nothing is scheduled twice), as torch.distributed.pipelining's
                waiting. Every such wait adds to the group's clock, `group.seconds`
 
 So a wait for a neighbour is idle time between spans, never inside one, and the bubble
-read off the spans is the schedule's (plus up to ~1 ms a wait: the probe naps when the
-wait is long, leaving the core to the ranks that compute).
+read off the spans is the schedule's (plus what a message costs: the probe yields the
+core between polls and answers at once; it napped up to 1 ms a wait before 2026-12-04).
 
 Why it cannot deadlock: lowering places every RECV right before its compute action and
 every SEND right after its compute action, and the stage sends with a non-blocking
