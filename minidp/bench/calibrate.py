@@ -53,6 +53,7 @@ from minidp import comm, cost
 from minidp.bench._common import environment, median, print_table, timed, write_json
 from minidp.bench.collectives import contenders, human, parse_size
 from minidp.comm.reduce_ops import combine
+from minidp.cost.step import Network
 from minidp.log import die, print0
 from minidp.parser import Parser
 
@@ -204,11 +205,8 @@ def predicted(model: dict, op: str, algo: str, p: int, n: int, itemsize: int, fi
     alpha, beta = model["alpha"], model["beta"]
     if fit:
         alpha, beta = model[fit]["intercept"], model[fit]["slope"]
-    seconds = cost.time(
-        op, algo, p, n, itemsize,
-        alpha=alpha, beta=beta, gamma=model["gamma"], delta=model.get("delta", 0.0),
-    )  # fmt: skip
-    return seconds + model.get("per_call", 0.0)
+    net = Network(alpha, beta, model["gamma"], delta=model.get("delta", 0.0))
+    return cost.time(op, algo, p, n, itemsize, **net.terms()) + model.get("per_call", 0.0)
 
 
 def check(

@@ -51,7 +51,8 @@ shard: that server is the last to answer) and u = the measured optimizer step sc
                 a slow worker on purpose. Under ASP it slows that worker alone (its
                 compute + slow_s); under BSP and SSP:0 every clock waits for its push, and
                 under SSP:K the others run at most K clocks ahead, so over a run its pace
-                is everyone's: compute = max(compute, the sleeper's compute + slow_s)
+                is everyone's: compute = max(compute, the sleeper's compute + slow_s).
+                The sleep frees its core: ranks sharing cores stretch the compute, not it
 
     step = that · stretch (ranks sharing cores); exposed communication = step - compute
     (the worker waits through the rest)
