@@ -195,6 +195,9 @@ def test_a_sleeping_worker_slows_asp_only_itself_and_bsp_and_ssp_everyone():
     assert calm == pytest.approx(2 * 40 / 123)  # equal shares (5, 5, 5): one clock, in turn
     assert behind == pytest.approx(2 * (1 + 39 * 2) / 123)  # the others 2 clocks ahead
     assert ps_step.mean_staleness(slowed, 41, math.inf) > 2 * behind  # ASP: no bound
+    busy, sleepy = (ps_step.predict_ps(workers=100, **kw, net=net, bound=2, slow_s=s)
+                    for s in (0.0, 0.01))  # fmt: skip
+    assert sleepy.step_s == busy.step_s  # the server's pace (0.4 s) hides a 10 ms sleep
     server_bound = ps_step.predict_ps(workers=100, **kw, net=net, bound=math.inf)
     each = ps_step.paces(server_bound, 100, 16, 0, math.inf, slow_s=10.0)
     assert each[:99] == [server_bound.step_s] * 99 and each[99] > 10.0  # slower than it

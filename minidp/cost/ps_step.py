@@ -194,20 +194,18 @@ def predict_ps(
     norm = cost.time("allreduce", "auto", S, 1, 8, alpha=net.alpha, beta=net.beta) or 0.0
     norm = norm + net.per_call if clip and S > 1 and bound is None else 0.0
     stretch = max(1.0, (W + S) / net.cores) if net.cores else 1.0
-    compute_s = forward + backward
+    own = (forward + backward) * stretch  # the compute that sets this rank's step
+    if slow_s and bound == math.inf:  # ASP: each at its own pace; the sleeper's is its own
+        own += slow_s if rank == W - 1 else 0.0
+    elif slow_s:  # BSP, SSP: the clock (or, over a run, the pace) waits for the sleeper
+        own = max(own, sleeper * stretch + slow_s)  # the sleep frees its core: not stretched
     if not bound:  # BSP, SSP:0: W pushes, one update (SSP:0: the last push's), W replies
         messages, optimizer = 2 * W * message, update
-        step = compute_s + messages + optimizer + norm  # (no norm but BSP's)
+        step = own + (messages + optimizer + norm) * stretch  # (no norm but BSP's)
     else:  # ASP, SSP:K>=1: the worker's own round trip, or the server's pace
         messages, optimizer = 2 * message, update
-        step = max(compute_s + messages + optimizer, W * (messages + optimizer))
-    step, compute_s = (step + net.per_call) * stretch, compute_s * stretch
-    if slow_s:  # the sleep frees the core: it is not stretched
-        if bound == math.inf:  # ASP: each at its own pace; the sleeper's is its own
-            lag = slow_s if rank == W - 1 else 0.0
-        else:  # BSP, SSP: the clock (or, over a run, the pace) waits for the sleeper
-            lag = max(0.0, sleeper * stretch + slow_s - compute_s)
-        step, compute_s = step + lag, compute_s + lag
+        step = max(own + (messages + optimizer) * stretch, W * (messages + optimizer) * stretch)
+    step, compute_s = step + net.per_call * stretch, own
     on_server = rank >= W
     mine = shard_sizes(params, S)[rank - W] if on_server else params
     held = (W if bound is None else 1) if on_server else 2  # pushes held; a worker's two
