@@ -130,12 +130,12 @@ for algo in ("ring", "tree"):
 print0(report.table(["4 MiB allreduce", "predicted ms", "measured ms", "predicted/measured"], rows))
 
 # %% [markdown]
-# Where the two differ, the difference is work these six lines do not measure: here each
+# Where the two differ, the difference is work these few lines do not measure: here each
 # call's result is a fresh array, touched for the first time; a message of data its sender
 # has just reduced costs more than one of old data; two ranks exchanging while the others
 # wait see none of the sharing of cores that 3 or 4 ranks on 2 cores cause. `bench
 # calibrate` measures as a collective runs: every rank sends its step's freshly written
-# chunk at once, over many sizes, at the P you will run; it adds δ for what an algorithm
+# chunk at once, over many sizes, at the P it is launched with; it adds δ for what an algorithm
 # copies in memory (an allgather's own chunk) and the Python cost of a call, and tables
 # predicted against measured for every algorithm at P = 2, 3, 4 (docs/collectives.md),
 # with what the model misses.
@@ -219,7 +219,8 @@ predicted = sum(  # every DP call of the step but the training loop's own loss a
 )
 sent = sum(g.counters["allreduce"]["bytes_sent"] for g in (ddp.comm_group, ddp.group))
 assert sent == predicted, (sent, predicted)  # the buckets' group, and the reached flags' one
-loop = cost.sent("allreduce", "auto", P, group.rank, 1, 8).bytes  # the loop's own loss
+loss = calls.LOSS  # the training loop's own allreduce of its loss
+loop = cost.sent(loss.collective, loss.algo, P, group.rank, loss.n, loss.itemsize).bytes
 print0(f"DDP's step on the tied MLP sent {predicted:,} B a rank, as predicted ({loop} B less:")
 print0("the training loop's loss allreduce, which this hand-written step does not make)")
 

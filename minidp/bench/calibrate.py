@@ -157,17 +157,18 @@ def in_memory(group, sizes: list[int], warmup: int, iters: int, copy=False) -> l
     return times
 
 
-def per_call(group, alpha: float, warmup: int, iters: int) -> float:
+def per_call(group, alpha: float, beta: float, warmup: int, iters: int) -> float:
     """Seconds a call of minidp's collectives costs beyond its messages (the Python layer:
     the arguments' checks, the pick, the group's counters): a one-element ring allreduce on
-    `group`, the slowest rank's median, less its 2(p - 1)α."""
+    `group`, the slowest rank's median, less its cost.time (2(p - 1)α and a few bytes)."""
     machine = comm.Group(group.comm.Dup(), checks=False)
     machine.wire = machine.comm  # the machine's own wire, as α and β: no emulated delay
     one, out = np.ones(1, np.float32), np.empty(1, np.float32)
     call = partial(comm.allreduce, one, algo="ring", group=machine, out=out)
     seconds = slowest_median(call, machine.comm, warmup, iters)
     machine.free()
-    return max(0.0, seconds - 2 * (group.size - 1) * alpha)
+    messages = cost.time("allreduce", "ring", group.size, 1, 4, alpha=alpha, beta=beta)
+    return max(0.0, seconds - messages)
 
 
 def calibrate(group, args) -> dict:
@@ -187,7 +188,7 @@ def calibrate(group, args) -> dict:
         "beta": link["slope"],
         "gamma": add["slope"],
         "delta": copy["slope"],
-        "per_call": per_call(group, link["intercept"], args.warmup, 3 * args.iters),
+        "per_call": per_call(group, link["intercept"], link["slope"], args.warmup, 3 * args.iters),
         "ring_step": link,
         "reduction": add,
         "copy": copy,
