@@ -18,10 +18,11 @@ import importlib
 import pkgutil
 import re
 import sys
+import time
 import types
 
 from minidp.allocator import keep_freed_memory
-from minidp.log import JobError, die, print0
+from minidp.log import JobError, RunStopped, die, print0
 from minidp.parser import Parser  # below cli.py: the benchmarks take it from there
 from minidp.training.config import BadConfig, TrainConfig, config_fields
 
@@ -210,14 +211,14 @@ def main(argv: list[str] | None = None) -> int:
             end_job(error)
             raise
     config = parse_train_args(argv)
-    from minidp.training.loop import TrainingDiverged, train
+    from minidp.training.loop import train
 
     try:
         final = train(config)
     except BadConfig as error:  # found on every rank alike: one line, every rank exits
         raise die(str(error)) from None
-    except TrainingDiverged as error:  # judged on global values: every rank alike
-        raise die(str(error), code=1) from None
+    except RunStopped as error:  # a divergence, a failed save, a signal: every rank alike
+        raise die(str(error), code=error.code, label=error.label) from None
     except BaseException as error:
         end_job(error)
         raise
@@ -232,12 +233,15 @@ def end_without(workers: list[int]) -> None:
     MPI_Abort(0) (exit code 0: the run itself finished). The other ranks wait in Finalize."""
     from mpi4py import MPI
 
+    from minidp.comm.abort import SPEAK_S, abort_job
+
     if MPI.COMM_WORLD.Get_rank() == 0:
         print0(
             f"minidp: dropped worker(s) {', '.join(map(str, workers))} never ended; ending the "
             "job (MPI_Abort, code 0) now that everything is written"
         )
-        MPI.COMM_WORLD.Abort(0)
+        time.sleep(SPEAK_S)  # the launcher forwards the line before the abort
+        abort_job("", 0)
 
 
 def check_environment() -> None:
@@ -257,33 +261,36 @@ def end_job(error: BaseException) -> None:
     """An error on one rank ends the whole job at once (MPI_Abort), its cause printed once.
 
     Without this the other ranks would wait forever in their next collective. The cause is
-    the rank's traceback, or for a JobError its one line. A rank whose error another rank
+    one line for a JobError (its message says all) and for a CollectiveTimeout (it names the
+    peer never heard from), else the rank's traceback. A rank whose error another rank
     reports (`reported_elsewhere`) prints nothing and gives that rank time to abort first.
-    Alone (no other rank to stop) it returns, and a JobError becomes one line, exit code 1."""
-    one_line = isinstance(error, JobError)
+    What several ranks may find at once (a timeout, a bug every rank runs into) is said by
+    the lowest of them (comm/abort.py). Alone (no other rank to stop) it returns, and a
+    one-line error becomes one line, exit code 1."""
+    from minidp.comm import CollectiveTimeout
+
+    one_line = isinstance(error, JobError | CollectiveTimeout)
+    code = getattr(error, "code", 1) if isinstance(error, JobError) else 1
     if not _other_ranks_running():
         if one_line:
-            raise die(str(error), code=1) from None
+            raise die(str(error), code=code) from None
         return
-    import os
-    import time
     import traceback
 
-    from mpi4py import MPI
+    from minidp.comm.abort import abort_job
 
-    rank = MPI.COMM_WORLD.Get_rank()
     if getattr(error, "reported_elsewhere", False):
-        report, grace = "", 10.0  # the rank that found it prints and aborts: that ends us
-    elif one_line:
-        report, grace = f"minidp: error: {error}\n", 0.5
+        time.sleep(10.0)  # the rank that found it speaks and aborts: that ends us
+        abort_job("", 1)
+    elif one_line:  # a JobError has one reporter; a timeout is seen by every neighbour
+        several = isinstance(error, CollectiveTimeout) or error.several
+        abort_job(f"minidp: error: {error}", code, stagger=several)
     else:
+        from mpi4py import MPI
+
+        rank = MPI.COMM_WORLD.Get_rank()
         report = f"minidp: rank {rank} failed; aborting all ranks. Root cause:\n"
-        report, grace = report + traceback.format_exc(), 0.5
-    sys.stderr.flush()
-    os.write(2, report.encode())  # one write, unbuffered
-    time.sleep(grace)  # let the launcher forward it before the abort tears the job down
-    MPI.COMM_WORLD.Abort(1)
-    os._exit(1)  # Abort may return before the launcher kills us: print nothing more
+        abort_job(report + traceback.format_exc(), 1, stagger=True)
 
 
 def _other_ranks_running() -> bool:

@@ -1,7 +1,7 @@
 """Printing in a many-process job: rank 0 talks to the terminal, every rank may keep a log.
 
-Public: `print0`, `die`, `JobError`, `RankLog` and `world_rank` (tutorials and benchmarks use
-them).
+Public: `print0`, `die`, `JobError`, `RunStopped`, `RankLog` and `world_rank` (tutorials
+and benchmarks use them).
 
 Who prints how, so lines never interleave across ranks:
 - the library, the command line and the multi-rank tutorials (03-05) print progress with
@@ -34,12 +34,20 @@ def print0(*args, rank: int | None = None, **kwargs) -> None:
         print(*args, **kwargs, flush=True)
 
 
-def die(message: str, code: int = 2) -> "SystemExit":
+def die(message: str, code: int = 2, label: str = "error") -> "SystemExit":
     """One clear line on stderr (from rank 0 only: every rank finds the same bad input) and
     an exit code, for bad input. No traceback. Raise what it returns."""
     if world_rank() == 0:
-        print(f"minidp: error: {message}", file=sys.stderr, flush=True)
+        print(f"minidp: {label}: {message}", file=sys.stderr, flush=True)
     return SystemExit(code)
+
+
+class RunStopped(RuntimeError):
+    """The run stopped for a reason every rank found alike, at the same step (a loss that
+    diverged, a save that failed, a signal they agreed on): the command line prints the
+    one line from rank 0 and every rank exits with `code`, no abort needed."""
+
+    code, label = 1, "error"
 
 
 class JobError(RuntimeError):
@@ -49,6 +57,9 @@ class JobError(RuntimeError):
 
     `reported_elsewhere=True` marks a rank that learned of it from the rank that found it:
     that one prints, this one stays silent, so the cause is printed once."""
+
+    code = 1  # the job's exit code
+    several = False  # True: other ranks may find the same at once (the lowest one says it)
 
     def __init__(self, message: str, *, reported_elsewhere: bool = False):
         super().__init__(message)

@@ -43,6 +43,9 @@ def one_error_line(result) -> str:
         (["--model", "mlp", "--hidden", "3000000"], "--hidden 3000000 needs about"),
         (["--prune", "0.8", "--steps", "60", "--prune-end", "60"], "--prune-end 60 is past"),
         (["--warmup", "-1"], "--warmup must be >= 0"),
+        (["--steps", "99999999999999999999"], "--steps 99999999999999999999 is more than can"),
+        (["--warmup", "1000000001"], "--warmup 1000000001 is more than can run: at most 1,0"),
+        (["--log-every", "10000000000"], "--log-every 10000000000 is more than can run"),
     ],
 )  # fmt: skip
 def test_a_bad_value_is_one_line_naming_it(args, words, capsys):

@@ -4,6 +4,8 @@ scheme's own) as 4 uninterrupted steps, in float32, for every strategy, with com
 pruning; once end to end through the command line in new processes. Then the refusals, one
 line each, and resharding over another number of ranks, equal to one process in float64."""
 
+import contextlib
+import io
 import json
 import os
 import subprocess
@@ -49,11 +51,13 @@ def check_resumes_bit_exact(group, what: str, **flags) -> None:
     a, b = os.path.join(root, "a"), os.path.join(root, "b")
     whole = train(TrainConfig(**TINY, **flags, save_dir=a, save_every=2, json=a + ".json"), group)
     resumed = TrainConfig(**TINY, **flags, save_dir=b, resume=a, json=b + ".json")
-    with pytest.warns(UserWarning, match="step_000004"):  # ... the newest: made incomplete
-        if group.rank == 0:
-            os.rename(f"{a}/step_000004/{checkpoint.MANIFEST}", f"{a}/step_000004/gone")
-        comm.barrier(group=group)
+    if group.rank == 0:  # the newest made incomplete: skipped, said once (by rank 0)
+        os.rename(f"{a}/step_000004/{checkpoint.MANIFEST}", f"{a}/step_000004/gone")
+    comm.barrier(group=group)
+    with contextlib.redirect_stderr(io.StringIO()) as said:
         again = train(resumed, group)
+    skipped = "step_000004 has no manifest.json (an unfinished save): skipped"
+    assert (skipped in said.getvalue()) == (group.rank == 0), said.getvalue()
     assert again["param_l2"] == whole["param_l2"], what
     assert again["final_loss"] == whole["final_loss"], what
     for counted in ("bytes_sent_per_rank", "bytes_sent_by_axis", "skipped_steps"):
@@ -128,18 +132,29 @@ def refused(argv: list[str], words: str, capsys) -> None:
 
 
 def test_a_checkpoint_that_cannot_resume_this_run_is_refused_in_one_line(tmp_path, capsys):
-    main(["--steps", "2", *SMALL, "--save-dir", str(tmp_path)])
-    path = tmp_path / "step_000002"
-    refused(["--resume", str(path), "--steps", "4", "--n-embd", "32"], "--n-embd 16", capsys)
-    refused(["--resume", str(path), "--steps", "4", "--strategy", "zero", "--zero-stage", "1"],
+    main(["--steps", "4", *SMALL, "--save-dir", str(tmp_path), "--save-every", "2"])
+    path, steps = tmp_path / "step_000002", ["--steps", "4"]
+    refused(["--resume", str(path), *steps, "--n-embd", "32"], "--n-embd 16", capsys)
+    refused(["--resume", str(path), *steps, "--strategy", "zero", "--zero-stage", "1"],
             "saved as --strategy dp over 1 ranks, this is --strategy zero", capsys)  # fmt: skip
-    refused(["--resume", str(path)], "at step 2, --steps 2 leaves nothing", capsys)
+    # the flags that make another run from the saved step on, the learning rate first
+    another = "saved with --lr 0.003, this run has 0.01: another run from step 2 on"
+    refused(["--resume", str(path), *steps, "--lr", "0.01"], another, capsys)
+    refused(["--resume", str(path), "--steps", "6"], "saved with --steps 4, this run has 6", capsys)
+    refused(["--resume", str(path), *steps, "--optimizer", "sgd"],
+            "saved with --optimizer adamw, this run has sgd", capsys)  # fmt: skip
+    last = str(tmp_path / "step_000004")
+    refused(["--resume", last, *steps], "at step 4, --steps 4 leaves nothing", capsys)
     shard = path / "shard_00000.safetensors"
     shard.write_bytes(shard.read_bytes()[:-10])
-    refused(["--resume", str(path), "--steps", "4"], f"{shard} is truncated or grown", capsys)
+    refused(["--resume", str(path), *steps], f"{shard} is truncated or grown", capsys)
     (path / checkpoint.MANIFEST).unlink()
-    with pytest.warns(UserWarning, match="step_000002 has no manifest.json"):
-        refused(["--resume", str(tmp_path), "--steps", "4"], "has no manifest.json", capsys)
+    (tmp_path / "step_000004" / checkpoint.MANIFEST).unlink()
+    with pytest.raises(SystemExit):
+        main([*SMALL, "--resume", str(tmp_path), *steps])
+    err = capsys.readouterr().err.splitlines()  # each skipped save said once, then the refusal
+    assert len(err) == 3 and "has no manifest.json" in err[-1], err
+    assert err[0].endswith("step_000004 has no manifest.json (an unfinished save): skipped")
     refused(["--save-every", "2"], "--save-every needs --save-dir", capsys)
 
 

@@ -140,12 +140,13 @@ def test_skipping_ends_when_training_does_not_recover():
     """The SKIPS_IN_A_ROW-th skip in a row ends the run; a finite step in between resets it."""
     from types import SimpleNamespace
 
+    from minidp import comm
     from minidp.training.nonfinite import SKIPS_IN_A_ROW, TrainingDiverged, nonfinite_step
 
-    config = SimpleNamespace(skip_nonfinite=True, strategy="ps", lr=1e-3)  # ps: no message
+    config = SimpleNamespace(skip_nonfinite=True, strategy="dp", lr=1e-3)
     result = SimpleNamespace(loss=float("nan"), local_loss=float("nan"))
     log = SimpleNamespace(write=lambda line: None)
-    n = SKIPS_IN_A_ROW
-    assert nonfinite_step(n, result, config, None, print, log, list(range(1, n - 1))) == n
+    n, alone = SKIPS_IN_A_ROW, comm.world().split(comm.world().rank)  # a group of one
+    assert nonfinite_step(n, result, config, alone, print, log, list(range(1, n - 1))) == n
     with pytest.raises(TrainingDiverged, match=f"the {n}th step skipped in a row"):
-        nonfinite_step(n, result, config, None, print, log, list(range(1, n)))
+        nonfinite_step(n, result, config, alone, print, log, list(range(1, n)))

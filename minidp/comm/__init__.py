@@ -19,6 +19,7 @@ this order, every module of it:
   around them       group.py (Group: the communicator, counters, deadline), buffers.py
                     (scratch a Group reuses), checks.py (cross-rank fingerprints),
                     watchdog.py (the deadline of the data exchange: a thread that aborts),
+                    abort.py (ending the job from one rank: one line, then MPI_Abort),
                     netem.py (an emulated slower network: MINIDP_NET_*, off by default)
   the public calls  auto.py (algo="auto" by size), args.py (local argument checks),
                     collectives.py and rooted.py (the functions and their contract),

@@ -14,30 +14,28 @@ NCCL's watchdog and PyTorch's async error handling do:
     data exchange: group.waiting_on = peer     if since is set and now - since > timeout:
       (MPI's blocking calls, GIL released)       print one line: the collective, the
     group.exchanging_since = None                group, this rank, the peer it waits on;
-                                                 wait GRACE_S (the other ranks print
-                                                 theirs), then MPI_Abort the job
+                                                 then MPI_Abort the job (abort.py:
+                                                 the lowest rank that saw it speaks)
 
 The hot path pays two attribute writes per collective and one per message (`waiting_on`,
 set by p2p.py's blocking calls); the thread wakes POLL_S apart and reads a few attributes.
-It cannot know without messages which ranks have finished the call, so each rank names
-itself and the peer it waits on: the frozen rank is the one named by its neighbour and
-silent itself. A slow rank within the deadline is never taken for a frozen one: the
+It cannot know without messages which ranks have finished the call, so the rank names
+itself and the peer it waits on: when several ranks are past the deadline at once, the
+lowest of them speaks and its abort ends the others (abort.py's stagger), so the line is
+printed once. A slow rank within the deadline is never taken for a frozen one: the
 deadline is `group.timeout` (MINIDP_TIMEOUT) from the start of the data exchange, and the
 watchdog fires only past it. Groups whose waits poll against a deadline themselves
 (checks off with a timeout: `group.deadline` set) or have none (`group.timeout` None) are
 left alone.
 """
 
-import os
-import sys
 import threading
 import time
 import weakref
 
-from mpi4py import MPI
+from minidp.comm.abort import abort_job
 
 POLL_S = 0.25  # how often the watchdog looks: it fires within POLL_S of the deadline
-GRACE_S = 1.0  # between its line and the abort: the other ranks' lines get out too
 
 _groups: "weakref.WeakSet" = weakref.WeakSet()
 _started = threading.Lock()
@@ -95,12 +93,4 @@ def _run() -> None:
             except Exception:  # a group freed or changing meanwhile: look again next time
                 continue
             if line is not None:
-                _abort(line)
-
-
-def _abort(line: str) -> None:
-    sys.stderr.flush()
-    os.write(2, line.encode())  # one write: lines of several ranks never interleave
-    time.sleep(GRACE_S)
-    MPI.COMM_WORLD.Abort(1)
-    os._exit(1)
+                abort_job(line, 1, stagger=True)

@@ -111,6 +111,8 @@ class ParameterServer(Strategy):
         if self.is_server:
             loss = self.server.serve_until(self.clock, last)
             self.clock += 1
+            if self.server.bsp and not last:  # every worker holds the next clock's shard:
+                self.server.serve_pulls(self.clock)  # a collective between steps is safe
             self.keep_live_ranks(last)
             return StepResult(loss, 0.0)
         if self.worker.stopped:  # a server dropped this worker: it trains no more

@@ -101,6 +101,12 @@ class TrainConfig(Flags):
     save_dir: str | None = flag(None, "write checkpoints here (DIR/step_NNNNNN)")
     save_every: int = flag(0, "save every N steps (0: once, at the end)", with_="save_dir")
     resume: str | None = flag(None, "resume from DIR's newest complete checkpoint, or DIR/step_N")
+    save_signal: str = flag(
+        "none",
+        "a signal that, like SIGTERM and SIGINT, makes every rank finish its step, save it "
+        "to --save-dir and stop (SLURM's --signal=USR1@120; training/preemption.py)",
+        choices=("none", "SIGUSR1", "SIGUSR2", "SIGHUP"),
+    )
 
     # faults (docs/faults.md)
     skip_nonfinite: bool = flag(

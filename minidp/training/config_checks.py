@@ -45,6 +45,10 @@ POSITIVE = (
     "bucket_mb",
 )
 """The flags that must be > 0 and finite."""
+MOST = 10**9
+"""The largest count a flag may hold (steps, examples, layers, ...): more would never end
+(--steps 99999999999999999999 trained forever at a learning rate of 4.5e-22). --seed is
+not a count: any integer >= 0 seeds NumPy."""
 
 
 def check_config(config) -> None:
@@ -53,6 +57,12 @@ def check_config(config) -> None:
         value = getattr(config, name)
         if not (0 < value < math.inf):
             raise BadConfig(f"{flag_name(name)} must be positive and finite, got {value}")
+    resolved = config.resolved()
+    for f in fields(config):
+        value = getattr(resolved, f.name)
+        counted = isinstance(value, int) and not isinstance(value, bool) and f.name != "seed"
+        if counted and value > MOST:
+            raise BadConfig(f"{flag_name(f.name)} {value} is more than can run: at most {MOST:,}")
     check_belonging(config)
     check_ranges(config)
     check_parameter_server(config)

@@ -13,6 +13,7 @@ group's rank 0 prints, writes the JSON records and the sample; every rank may ke
 """
 
 import functools
+import signal
 
 import numpy as np
 
@@ -29,6 +30,7 @@ from minidp.training.meter import StepMeter, Window
 from minidp.training.nonfinite import TrainingDiverged as TrainingDiverged  # re-exported
 from minidp.training.nonfinite import nonfinite_step
 from minidp.training.predicted import for_run
+from minidp.training.preemption import Preempted, Preemption
 from minidp.training.records import Records
 from minidp.training.tasks import Task
 
@@ -43,10 +45,15 @@ def blas_threads_per_rank(requested: int) -> int:
 
 def train(config: TrainConfig, group: comm.Group | None = None) -> dict:
     """Train as `config` says over `group` (default: every rank); print progress from the
-    group's rank 0; return the final record."""
+    group's rank 0; return the final record. NumPy's floating-point warnings are off: an
+    overflow on the way to a NaN would print a dozen lines before the loop's own check
+    names the step (training/nonfinite.py)."""
     from threadpoolctl import threadpool_limits
 
-    with threadpool_limits(limits=blas_threads_per_rank(config.threads), user_api="blas"):
+    with (
+        threadpool_limits(limits=blas_threads_per_rank(config.threads), user_api="blas"),
+        np.errstate(over="ignore", invalid="ignore", divide="ignore"),
+    ):
         return _train(config, group or comm.world())
 
 
@@ -57,7 +64,12 @@ def _train(config: TrainConfig, group: comm.Group) -> dict:
         raise BadConfig(f"--strategy {config.strategy!r}: choose from {', '.join(STRATEGIES)}")
     task = Task(config, np.dtype(config.dtype))
     timeline = Timeline(enabled=config.trace is not None)
-    with STRATEGIES[config.strategy](task, config, group, timeline) as strategy:
+    # a signal before the saves' group exists stops at once: there is nothing to save yet
+    with (
+        Preemption(group=None, extra=config.save_signal) as preemption,
+        resume.own_save_dir(config, group),  # one job at a time in --save-dir
+        STRATEGIES[config.strategy](task, config, group, timeline) as strategy,
+    ):
         sampler = None
         if strategy.data_shard is not None:  # None: this rank reads no data
             try:
@@ -77,12 +89,14 @@ def _train(config: TrainConfig, group: comm.Group) -> dict:
         start, before = resume.resume(config, strategy, group, task)  # 0, {} or the saved
         # the saves talk on a group of their own: what they send is not training's traffic
         saves = resume.saves_group(group) if config.save_dir is not None else None
+        preemption.group = saves  # from here a signal stops after a step, saved
         log = RankLog(config.log_dir, group.rank)
         meter = StepMeter(strategy)
         records = Records(config.json if group.rank == 0 else None, keep_before=start)
         skipped = []  # steps with a non-finite loss or gradient (--skip-nonfinite)
         try:
             for step in range(start, config.steps):
+                preemption.step = step
                 lr = optim.warmup_cosine(
                     step, config.lr, config.warmup, config.steps, config.min_lr_ratio
                 )
@@ -104,7 +118,11 @@ def _train(config: TrainConfig, group: comm.Group) -> dict:
                     records.write(log_line(step, loss, lr, meter.window(), task, config, say))
                 counters = functools.partial(resume.so_far, meter, skipped, before)
                 with meter.aside():
-                    resume.save_if_due(config, strategy, saves, task, step + 1, counters)
+                    done = step + 1
+                    saved = resume.save_if_due(config, strategy, saves, task, done, counters)
+                    if signum := preemption.agreed():  # collective, with --save-dir
+                        saved = saved or resume.save(config, strategy, saves, task, done, counters)
+                        raise stopped(signum, done, saved, config, records)
         except BaseException:
             records.close()  # what was logged stays, each line whole
             raise
@@ -153,6 +171,18 @@ def _train(config: TrainConfig, group: comm.Group) -> dict:
         timeline.save(config.trace, strategy.group)
         say(f"timeline: {config.trace} (open in ui.perfetto.dev)")
     return final
+
+
+def stopped(signum: int, done: int, path: str, config, records: Records) -> Preempted:
+    """What ends a run that every rank agreed to stop after `done` steps, saved at `path`:
+    the record that says so, and the one line."""
+    name = signal.Signals(signum).name
+    records.write({"stopped_by": name, "steps_done": done, "checkpoint": path})
+    return Preempted(
+        f"{name} after {done} of {config.steps} steps; saved {path} (to go on, the same "
+        f"command with --resume {config.save_dir})",
+        signum,
+    )
 
 
 def log_line(step: int, loss: float, lr: float, w: Window, task: Task, config, say) -> dict:

@@ -137,7 +137,7 @@ def run_prediction(
     from threadpoolctl import threadpool_limits
 
     layout = layout or layout_of(config, world)
-    if layout.pp > 1 or layout.strategy == "ps":
+    if layout.pp > 1 or layout.strategy in ("pp", "ps"):
         from minidp.training.predict_pp import run_pipeline_prediction
         from minidp.training.predict_ps import run_ps_prediction
 

@@ -10,8 +10,8 @@ What a checkpoint holds, per rank (the format: minidp.parallel.checkpoint):
                step t is a pure function of (seed, t) (data.DistributedSampler reshuffles
                per epoch from (seed, epoch)), so neither holds state of its own, given the
                same flags: another --seed or --batch-size is refused (another order of the
-               data); another --steps, --lr or --warmup is taken as asked, and moves the
-               learning rate from the resumed step on
+               data), and so is another --steps, --lr, --warmup, optimizer or any flag of
+               SAME_RUN (another run from that step on)
     rng        the state of every np.random.Generator the strategy reaches (the task's, the
                model's dropout, TP's per-rank dropout streams), by its attribute path
     strategy   strategy.state_dict(): model, optimizer, and the scheme's own state
@@ -24,20 +24,32 @@ A strategy that says how its arrays are cut (`state_layout()`) can be resumed ov
 number of ranks; what it does not declare is its ranks' own and reshards nowhere.
 """
 
+import contextlib
 import os
+import sys
 import time
+import warnings
 
 import numpy as np
 
 from minidp import comm
 from minidp.autograd import Tensor
-from minidp.log import print0
+from minidp.log import RunStopped, print0
 from minidp.parallel import checkpoint
 from minidp.parallel.checkpoint.reshard import describe_layout
 from minidp.training.config import BadConfig
 
 MODEL_FIELDS = ("model", "n_layer", "n_head", "n_embd", "block_size", "hidden", "dtype")
 """What makes another model: a checkpoint saved with another value is refused."""
+SAME_RUN = (
+    *("steps", "lr", "warmup", "min_lr_ratio"),  # the learning rate at every step
+    *("optimizer", "ps_optimizer", "weight_decay", "grad_clip"),  # what each step does
+    *("dropout", "compress", "compress_warmup", "compress_on"),
+    *("prune", "prune_start", "prune_end", "prune_every", "prune_scope"),
+)
+"""What makes another run from the resumed step on, the model and the data being the same:
+refused too (Megatron-LM refuses another learning-rate schedule in the same way). What only
+changes where the work runs (the world size, the mesh, buckets, threads, logs) may differ."""
 
 
 def generators(root) -> dict[str, np.random.Generator]:
@@ -110,6 +122,19 @@ def layout_of(strategy) -> dict:
     }
 
 
+@contextlib.contextmanager
+def own_save_dir(config, group: comm.Group):
+    """Collective: hold --save-dir's lock while the run goes on (checkpoint/lock.py); one
+    line on every rank if another job holds it. Nothing without --save-dir."""
+    with contextlib.ExitStack() as held:
+        if config.save_dir is not None:
+            try:
+                held.enter_context(checkpoint.folder_lock(config.save_dir, group))
+            except checkpoint.FolderInUse as error:
+                raise BadConfig(f"--save-dir {error}") from None
+        yield
+
+
 def saves_group(group: comm.Group) -> comm.Group:
     """Collective: the group the loop's saves talk on: a dup (what they send is not
     training's traffic), without fingerprint checks (a save's few calls are fixed by its
@@ -121,12 +146,24 @@ def saves_group(group: comm.Group) -> comm.Group:
     return saves
 
 
-def save_if_due(config, strategy, group: comm.Group, task, done: int, counters=dict) -> None:
+class SaveFailed(RunStopped):
+    """A checkpoint could not be written (a full disk, say), found alike on every rank:
+    checkpoint.save gives every rank the first failing rank's reason. The checkpoints saved
+    before stay whole (a save commits with its manifest, written last)."""
+
+
+def save_if_due(config, strategy, group: comm.Group, task, done: int, counters=dict):
     """Collective: after `done` steps, save to --save-dir if --save-every says so (and at
-    the end), with `counters()` (so_far's) to carry into a resumed run's final record."""
+    the end); return the checkpoint's path (None: none was due)."""
     every = config.save_every
     if config.save_dir is None or not (done == config.steps or (every and done % every == 0)):
-        return
+        return None
+    return save(config, strategy, group, task, done, counters)
+
+
+def save(config, strategy, group: comm.Group, task, done: int, counters=dict) -> str:
+    """Collective: save the loop's state after `done` steps to --save-dir, with
+    `counters()` (so_far's) to carry into a resumed run's final record; its path."""
     path = checkpoint.step_directory(config.save_dir, done)
     metadata = {
         "config": vars(config),
@@ -136,8 +173,14 @@ def save_if_due(config, strategy, group: comm.Group, task, done: int, counters=d
     start = time.perf_counter()
     state, layout = loop_state(strategy, done), layout_of(strategy)
     state["counters"] = counters()  # after state_dict(), whose traffic a run that goes on counts
-    checkpoint.save(state, path, group, step=done, layout=layout, metadata=metadata)
+    try:
+        checkpoint.save(state, path, group, step=done, layout=layout, metadata=metadata)
+    except checkpoint.CheckpointError as error:
+        raise SaveFailed(
+            f"the checkpoint of step {done} was not saved: {error} (those saved before are whole)"
+        ) from None
     print0(f"saved {path} in {time.perf_counter() - start:.3f}s", rank=group.rank)
+    return path
 
 
 def resume(config, strategy, group: comm.Group, task) -> tuple[int, dict]:
@@ -148,7 +191,11 @@ def resume(config, strategy, group: comm.Group, task) -> tuple[int, dict]:
         return 0, {}
     path = config.resume
     if not os.path.exists(os.path.join(path, checkpoint.MANIFEST)):
-        path = checkpoint.latest(config.resume) or path  # DIR: its newest complete one
+        with warnings.catch_warnings(record=True) as skipped:  # said once, not by every rank
+            warnings.simplefilter("always")
+            path = checkpoint.latest(config.resume) or path  # DIR: its newest complete one
+        for warning in skipped:
+            print0(f"minidp: warning: {warning.message}", rank=group.rank, file=sys.stderr)
     try:
         manifest = checkpoint.agreed_manifest(path, group)
         check_same_run(manifest, config, task, group)
@@ -196,6 +243,13 @@ def check_same_run(manifest: dict, config, task, group: comm.Group) -> None:
             raise checkpoint.CheckpointError(
                 f"saved with --{name.replace('_', '-')} {saved[name]}, this run has "
                 f"{getattr(config, name)}: another order of the data"
+            )
+    for name in SAME_RUN:
+        if name in saved and saved[name] != getattr(config, name):
+            raise checkpoint.CheckpointError(
+                f"saved with --{name.replace('_', '-')} {saved[name]}, this run has "
+                f"{getattr(config, name)}: another run from step {manifest['step']} on (a "
+                "resumed run goes on with the flags it was saved with)"
             )
     here = layout_words(config, group)
     if saved.get("strategy") != config.strategy:

@@ -8,9 +8,11 @@
 state_dict()). Read in this order: tree.py (a tree as named arrays and a JSON skeleton: no
 pickle anywhere), shards.py (one rank's safetensors file, hashed as written, checked before it is
 read), store.py (save, load, latest, the manifest as commit marker), reshard.py (a
-checkpoint saved over one layout cut into another's slices).
+checkpoint saved over one layout cut into another's slices), lock.py (one job at a time in
+a folder).
 """
 
+from minidp.parallel.checkpoint.lock import FolderInUse, folder_lock
 from minidp.parallel.checkpoint.reshard import LayoutMismatch, Slice
 from minidp.parallel.checkpoint.shards import CheckpointError
 from minidp.parallel.checkpoint.store import (
@@ -27,9 +29,11 @@ from minidp.parallel.checkpoint.store import (
 __all__ = [
     "MANIFEST",
     "CheckpointError",
+    "FolderInUse",
     "LayoutMismatch",
     "Slice",
     "agreed_manifest",
+    "folder_lock",
     "latest",
     "load",
     "read_manifest",

@@ -28,9 +28,11 @@ bytes read (np.frombuffer): data, never code.
 """
 
 import contextlib
+import errno
 import json
 import math
 import os
+import stat
 import struct
 
 import numpy as np
@@ -154,7 +156,7 @@ def read_shard(directory: str, info: dict) -> tuple[dict[str, np.ndarray], dict]
     ):
         raise CheckpointError(f"{path}: its manifest entry does not add up, {expected}")
     try:
-        with open(path, "rb") as f, Hasher(hashing_threads(size, piece_bytes)) as hasher:
+        with open_regular(path) as f, Hasher(hashing_threads(size, piece_bytes)) as hasher:
             found = os.fstat(f.fileno()).st_size
             if found != size:
                 raise CheckpointError(f"{path} is truncated or grown: {found} bytes, {expected}")
@@ -177,6 +179,22 @@ def read_shard(directory: str, info: dict) -> tuple[dict[str, np.ndarray], dict]
         return parse(data)
     except (ValueError, KeyError, TypeError, AttributeError) as error:
         raise CheckpointError(f"{path}: a malformed header ({error}); {expected}") from None
+
+
+def open_regular(path: str):
+    """`path` opened for reading if it is a regular file; CheckpointError for anything else
+    (a FIFO or a device would block or never end; a symbolic link may lead anywhere). The
+    open itself never blocks (O_NONBLOCK) nor follows a link (O_NOFOLLOW)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0))
+    except OSError as error:
+        if error.errno == errno.ELOOP:
+            raise CheckpointError(f"{path} is a symbolic link: a shard is a regular file") from None
+        raise
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise CheckpointError(f"{path} is not a regular file: a shard is one")
+    return os.fdopen(fd, "rb")
 
 
 def parse(data: bytearray) -> tuple[dict[str, np.ndarray], dict]:

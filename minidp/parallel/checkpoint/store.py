@@ -25,7 +25,9 @@ own (a residual), which only the layout it was saved in loads back.
 
 The load reads the manifest, then (every rank) the shards it needs, each checked against
 its size and its pieces' SHA-256 before anything is parsed; any rank's refusal is every
-rank's, one line.
+rank's, one line. A manifest names its shards by plain file names: one with a separator or
+`..` (a path out of the folder) is refused, and a shard that is not a regular file (a
+FIFO, a device, a symbolic link) is refused without blocking on it (shards.open_regular).
 With the layout it was saved in, a rank reads its own shard; with another, `layout` says
 what this rank holds now and reshard.py cuts it from the shards that hold it.
 """
@@ -198,6 +200,14 @@ def read_manifest(path: str) -> dict:
             f"{path}/{MANIFEST} is incomplete: it needs {', '.join(fields)} and, for each of "
             f"world_size shards, {', '.join(SHARD_KEYS)}"
         )
+    for index, shard in enumerate(shards):  # a name in this folder, never a path elsewhere
+        name = shard["file"]
+        plain = isinstance(name, str) and name not in ("", ".", "..")
+        if not plain or any(c in name for c in "/\\\0"):
+            raise CheckpointError(
+                f"{path}/{MANIFEST}: shard {index}'s file {name!r} is not a plain file name "
+                "in the checkpoint's folder (a manifest may not point elsewhere)"
+            )
     return manifest
 
 

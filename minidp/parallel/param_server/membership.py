@@ -16,9 +16,10 @@ broadcast from the servers, the record). So after the last clock:
 
 With no worker dropped nothing is sent and the group stays as it was. Then, in the record
 (`account`): who was dropped and when, and which dropped workers did not end (a dropped
-worker that still runs says BYE as it ends; the first server waits `timeout` for it): the
-command line ends the job with MPI_Abort once all is written, since a stopped rank would
-hold MPI_Finalize forever.
+worker that still runs says BYE as it ends; the first server waits `timeout` for it, and
+the live ranks' group deadline, MINIDP_TIMEOUT, is lengthened by as much so that the
+collective after it does not give up first): the command line ends the job with MPI_Abort
+once all is written, since a stopped rank would hold MPI_Finalize forever.
 """
 
 import numpy as np
@@ -73,6 +74,8 @@ def account(
     if stopped:
         messages.say_bye(ps, W, timeout)
     dropped = [w for w in range(W) if w not in live_ranks]
+    if dropped and group.timeout is not None:  # the first server listens up to `timeout`
+        group.timeout += timeout  # for BYEs before it joins: the others' deadline allows it
     lost = np.full(2 * W + 1, -1, np.int64)  # - | clock each was dropped at | silent?
     if server is not None:
         for w, clock in server.dropped_at.items():

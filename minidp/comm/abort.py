@@ -1,0 +1,69 @@
+"""Ending the whole job from one rank: its one line on the terminal, then MPI_Abort.
+
+A rank that finds a fault the others cannot see (a peer that never answered, an error of
+its own, a signal) must end the job, or the other ranks would wait for it forever. Three
+things make that end readable and clean:
+
+    once      the neighbours of a frozen rank all time out, within a moment of each other,
+              and each would print the same cause. With `stagger`, rank r waits
+              min(r, 4) x STAGGER_S before it speaks: the lowest rank that found the fault
+              speaks first, and its abort ends the others before they do.
+    alone     MPICH prints its own line for MPI_Abort ("Abort(1) on node 0 ..."): ours
+              already said why, so stderr goes to /dev/null just before the abort.
+    clean     MPICH keeps its shared-memory segment in /dev/shm (mpich_shm_*) until
+              MPI_Finalize, which an aborted job never reaches: each rank removes the
+              names of the segments it maps itself (this job's, no one else's) before it
+              aborts. Processes that map them keep their memory; only the names go.
+
+A job killed from outside (SIGKILL, a launcher that tears it down) runs none of this: its
+segment stays behind (docs/faults.md says how to find such leftovers).
+"""
+
+import os
+import sys
+import time
+
+from minidp.log import world_rank
+
+STAGGER_S = 1.0  # between two ranks' turns to speak: more than SPEAK_S and the abort's spread
+SPEAK_S = 0.5  # after the line, before the abort: the launcher forwards the line first
+SHM_PREFIX = "/dev/shm/mpich_shm_"
+
+
+def own_shared_memory() -> list[str]:
+    """The /dev/shm files of MPICH's that this process maps (its job's segment)."""
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = {line.split()[-1] for line in maps if SHM_PREFIX in line}
+    except OSError:  # no /proc (not Linux): nothing to find
+        return []
+    return sorted(p for p in paths if p.startswith(SHM_PREFIX))
+
+
+def remove_own_shared_memory() -> None:
+    for path in own_shared_memory():
+        try:
+            os.unlink(path)
+        except OSError:  # another rank of the job removed it first
+            pass
+
+
+def abort_job(line: str = "", code: int = 1, *, stagger: bool = False) -> None:
+    """Print `line` (one line, "" for none) on stderr and end every rank of the job with
+    MPI_Abort(code). `stagger`: other ranks may be about to say the same (see above)."""
+    from mpi4py import MPI
+
+    if stagger:
+        time.sleep(min(world_rank(), 4) * STAGGER_S)
+    sys.stderr.flush()
+    if line:
+        try:
+            os.write(2, (line.rstrip("\n") + "\n").encode())  # one write: never interleaved
+        except OSError:  # no one reads stderr any more: end all the same
+            pass
+        time.sleep(SPEAK_S)
+    remove_own_shared_memory()
+    quiet = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(quiet, 2)  # MPICH's "Abort(1) on node ..." line after ours
+    MPI.COMM_WORLD.Abort(code)
+    os._exit(code)  # Abort may return before the launcher ends us: nothing more runs
