@@ -214,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
     from minidp.training.loop import train
 
     try:
-        final = train(config)
+        final = train(config, signals=True)  # SIGTERM & co. stop it: training/preemption.py
     except BadConfig as error:  # found on every rank alike: one line, every rank exits
         raise die(str(error)) from None
     except RunStopped as error:  # a divergence, a failed save, a signal: every rank alike
@@ -264,16 +264,15 @@ def end_job(error: BaseException) -> None:
     one line for a JobError (its message says all) and for a CollectiveTimeout (it names the
     peer never heard from), else the rank's traceback. A rank whose error another rank
     reports (`reported_elsewhere`) prints nothing and gives that rank time to abort first.
-    What several ranks may find at once (a timeout, a bug every rank runs into) is said by
-    the lowest of them (comm/abort.py). Alone (no other rank to stop) it returns, and a
-    one-line error becomes one line, exit code 1."""
+    What several ranks may find at once (a bug every rank runs into, a timeout) is said
+    once, by the rank whose turn comes first (comm/abort.py). Alone (no other rank to stop)
+    it returns, and a one-line error becomes one line, exit code 1."""
     from minidp.comm import CollectiveTimeout
 
-    one_line = isinstance(error, JobError | CollectiveTimeout)
-    code = getattr(error, "code", 1) if isinstance(error, JobError) else 1
+    timeout = isinstance(error, CollectiveTimeout)
     if not _other_ranks_running():
-        if one_line:
-            raise die(str(error), code=code) from None
+        if timeout or isinstance(error, JobError):
+            raise die(str(error), code=1) from None
         return
     import traceback
 
@@ -282,15 +281,16 @@ def end_job(error: BaseException) -> None:
     if getattr(error, "reported_elsewhere", False):
         time.sleep(10.0)  # the rank that found it speaks and aborts: that ends us
         abort_job("", 1)
-    elif one_line:  # a JobError has one reporter; a timeout is seen by every neighbour
-        several = isinstance(error, CollectiveTimeout) or error.several
-        abort_job(f"minidp: error: {error}", code, stagger=several)
-    else:
+    elif timeout:  # every neighbour of the silent rank finds it
+        abort_job(f"minidp: error: {error}", 1, turn="timeout")
+    elif isinstance(error, JobError):  # found by the one rank that reports it
+        abort_job(f"minidp: error: {error}", 1)
+    else:  # a bug: maybe on every rank
         from mpi4py import MPI
 
         rank = MPI.COMM_WORLD.Get_rank()
         report = f"minidp: rank {rank} failed; aborting all ranks. Root cause:\n"
-        abort_job(report + traceback.format_exc(), 1, stagger=True)
+        abort_job(report + traceback.format_exc(), 1, turn="error")
 
 
 def _other_ranks_running() -> bool:

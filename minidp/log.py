@@ -58,9 +58,6 @@ class JobError(RuntimeError):
     `reported_elsewhere=True` marks a rank that learned of it from the rank that found it:
     that one prints, this one stays silent, so the cause is printed once."""
 
-    code = 1  # the job's exit code
-    several = False  # True: other ranks may find the same at once (the lowest one says it)
-
     def __init__(self, message: str, *, reported_elsewhere: bool = False):
         super().__init__(message)
         self.reported_elsewhere = reported_elsewhere

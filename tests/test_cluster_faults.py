@@ -72,6 +72,32 @@ def test_a_second_job_on_the_same_save_dir_is_refused_and_a_crashed_ones_folder_
     leaked_shm(began)  # SIGKILL from outside: MPICH's file is left (docs/faults.md)
 
 
+def test_the_folder_lock_as_a_piece(tmp_path, monkeypatch, capsys):
+    """checkpoint.folder_lock in a script: held, refused while held, free after; on a
+    filesystem that keeps no locks, a warning and no lock rather than no save."""
+    import errno
+    import fcntl
+
+    from minidp import comm
+    from minidp.parallel import checkpoint
+
+    alone = comm.world().split(comm.world().rank)
+    with checkpoint.folder_lock(str(tmp_path), alone):
+        with pytest.raises(checkpoint.FolderInUse, match=f"process {os.getpid()} on "):
+            with checkpoint.folder_lock(str(tmp_path), alone):
+                pass
+    with checkpoint.folder_lock(str(tmp_path), alone):  # released: taken again
+        pass
+
+    def no_locks(fd, operation):
+        raise OSError(errno.EOPNOTSUPP, os.strerror(errno.EOPNOTSUPP))
+
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    with checkpoint.folder_lock(str(tmp_path), alone):
+        pass
+    assert "this filesystem keeps no locks" in capsys.readouterr().err
+
+
 # ---- preemption ----------------------------------------------------------------------------
 @pytest.mark.timeout(120)
 def test_sigterm_saves_the_step_reached_and_the_resume_is_bit_exact(tmp_path):
@@ -80,7 +106,10 @@ def test_sigterm_saves_the_step_reached_and_the_resume_is_bit_exact(tmp_path):
     job = launch(2, *flags, "--save-dir", str(folder), "--save-every", "100000",
                  "--log-dir", str(logs), "--json", str(tmp_path / "a.json"))  # fmt: skip
     wait_for_step(logs / "rank1.log", 20, job)
-    job.send_signal(signal.SIGTERM)  # to mpiexec, which forwards it to every rank
+    # to mpiexec, which forwards it to every rank, and to the ranks themselves, as a
+    # scheduler that signals every process does: one warning, not a second "stop now"
+    for pid in [job.pid, *rank_pids(job).values()]:
+        os.kill(pid, signal.SIGTERM)
     out, err, seconds = finish(job, 30)
     assert job.returncode == 128 + signal.SIGTERM and seconds < 10, (job.returncode, err)
     line = one_line(err, "minidp: stopped: SIGTERM after ")
@@ -155,7 +184,7 @@ def test_a_frozen_asp_worker_is_dropped_and_the_job_finishes_past_minidp_timeout
     assert "dropped worker(s) 1 never ended" in out
     final = records(tmp_path / "r.json")[-1]
     assert final["dropped_workers"] == [1] and final["workers_not_ended"] == [1]
-    leaked_shm(began)  # the stopped worker's (Abort(0) ends it from outside)
+    assert leaked_shm(began) == []  # rank 0's abort removed the job's segment
 
 
 # ---- manifests -----------------------------------------------------------------------------
@@ -208,6 +237,30 @@ def test_a_frozen_rank_under_pp_and_hybrid_is_one_line_printed_once(strategy, tm
     # the watchdog, or the rendezvous's deadline, or the pipeline's wait, names rank 1
     one_line(err, "(world 1)", "heard nothing from rank 1")
     assert leaked_shm(began) == []
+
+
+@pytest.mark.timeout(60)
+def test_a_ranks_own_error_is_what_is_printed_not_its_neighbours_timeout():
+    """Rank 3 fails 2.5 s in while ranks 0-2 wait for it in an allreduce (deadline 5 s):
+    its traceback ends the job, before any neighbour would name it as silent."""
+    code = (
+        "import time, numpy as np\n"
+        "from minidp import comm\n"
+        "from minidp.cli import end_job\n"
+        "g = comm.world()\n"
+        "try:\n"
+        "    if g.rank == 3:\n"
+        "        time.sleep(2.5)\n"
+        "        raise ValueError('a bug of rank 3 alone')\n"
+        "    comm.allreduce(np.ones(4), group=g)\n"
+        "except BaseException as error:\n"
+        "    end_job(error)\n"
+    )
+    env = dict(os.environ, MINIDP_TIMEOUT=str(TIMEOUT_S))
+    job = subprocess.run(["mpiexec", "-n", "4", sys.executable, "-c", code],
+                         capture_output=True, text=True, timeout=60, env=env)  # fmt: skip
+    assert job.returncode != 0 and "ValueError: a bug of rank 3 alone" in job.stderr, job.stderr
+    assert job.stderr.count("Root cause") == 1 and "heard nothing" not in job.stderr, job.stderr
 
 
 @pytest.mark.timeout(60)

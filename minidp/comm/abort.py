@@ -4,10 +4,21 @@ A rank that finds a fault the others cannot see (a peer that never answered, an 
 its own, a signal) must end the job, or the other ranks would wait for it forever. Three
 things make that end readable and clean:
 
-    once      the neighbours of a frozen rank all time out, within a moment of each other,
-              and each would print the same cause. With `stagger`, rank r waits
-              min(r, 4) x STAGGER_S before it speaks: the lowest rank that found the fault
-              speaks first, and its abort ends the others before they do.
+    once      several ranks often find one fault: every neighbour of a frozen rank times
+              out, every rank may run into the same bug. Each waits its turn before it
+              speaks, and the first abort ends the others before theirs:
+
+                  turn         rank r speaks after         for
+                  "now"        0 s                         a fault only this rank reports
+                  "error"      0 s on rank 0, else         an error of its own (a bug:
+                               STAGGER_S                   rank 0's abort ends the rest)
+                  "timeout"    min(r, 4) x STAGGER_S       a peer never heard from
+
+              An error speaks within STAGGER_S of happening, so the line gives the real
+              cause, not a neighbour's "heard nothing from rank 3", unless that
+              neighbour's deadline (MINIDP_TIMEOUT from when it began to wait) falls in
+              that second. Among timeouts the lowest rank speaks first (ranks from 4 up
+              share a turn: two of them alone print two lines).
     alone     MPICH prints its own line for MPI_Abort ("Abort(1) on node 0 ..."): ours
               already said why, so stderr goes to /dev/null just before the abort.
     clean     MPICH keeps its shared-memory segment in /dev/shm (mpich_shm_*) until
@@ -48,13 +59,14 @@ def remove_own_shared_memory() -> None:
             pass
 
 
-def abort_job(line: str = "", code: int = 1, *, stagger: bool = False) -> None:
-    """Print `line` (one line, "" for none) on stderr and end every rank of the job with
-    MPI_Abort(code). `stagger`: other ranks may be about to say the same (see above)."""
+def abort_job(line: str = "", code: int = 1, *, turn: str = "now") -> None:
+    """Print `line` (one line, "" for none) on stderr once this rank's `turn` has come
+    ("now", "error" or "timeout": see above), and end every rank of the job with
+    MPI_Abort(code)."""
     from mpi4py import MPI
 
-    if stagger:
-        time.sleep(min(world_rank(), 4) * STAGGER_S)
+    rank = world_rank()
+    time.sleep({"now": 0, "error": min(rank, 1), "timeout": min(rank, 4)}[turn] * STAGGER_S)
     sys.stderr.flush()
     if line:
         try:

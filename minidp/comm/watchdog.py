@@ -21,7 +21,7 @@ The hot path pays two attribute writes per collective and one per message (`wait
 set by p2p.py's blocking calls); the thread wakes POLL_S apart and reads a few attributes.
 It cannot know without messages which ranks have finished the call, so the rank names
 itself and the peer it waits on: when several ranks are past the deadline at once, the
-lowest of them speaks and its abort ends the others (abort.py's stagger), so the line is
+lowest of them speaks and its abort ends the others (abort.py's turns), so the line is
 printed once. A slow rank within the deadline is never taken for a frozen one: the
 deadline is `group.timeout` (MINIDP_TIMEOUT) from the start of the data exchange, and the
 watchdog fires only past it. Groups whose waits poll against a deadline themselves
@@ -93,4 +93,4 @@ def _run() -> None:
             except Exception:  # a group freed or changing meanwhile: look again next time
                 continue
             if line is not None:
-                abort_job(line, 1, stagger=True)
+                abort_job(line, 1, turn="timeout")

@@ -154,8 +154,9 @@ def check_checkpoints(config) -> None:
     must exist; the parameter server saves under BSP only."""
     if config.save_every < 0:
         raise BadConfig(f"--save-every must be >= 0 (0: at the end), got {config.save_every}")
-    if config.is_set("save_every") and config.save_dir is None:
-        raise BadConfig("--save-every needs --save-dir DIR: where would it save?")
+    for name in ("save_every", "save_signal"):
+        if config.is_set(name) and config.save_dir is None:
+            raise BadConfig(f"{flag_name(name)} needs --save-dir DIR: where would it save?")
     if config.save_dir is not None:
         check_can_create("--save-dir", config.save_dir)
         if config.strategy == "ps" and config.consistency != "bsp":

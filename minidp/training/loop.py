@@ -12,8 +12,8 @@ step (forward, backward, communication, clipping, optimizer); log; report. Who w
 group's rank 0 prints, writes the JSON records and the sample; every rank may keep a log.
 """
 
+import contextlib
 import functools
-import signal
 
 import numpy as np
 
@@ -43,30 +43,30 @@ def blas_threads_per_rank(requested: int) -> int:
     return requested or max(1, int(cores_per_rank()))
 
 
-def train(config: TrainConfig, group: comm.Group | None = None) -> dict:
+def train(config: TrainConfig, group: comm.Group | None = None, signals: bool = False) -> dict:
     """Train as `config` says over `group` (default: every rank); print progress from the
-    group's rank 0; return the final record. NumPy's floating-point warnings are off: an
-    overflow on the way to a NaN would print a dozen lines before the loop's own check
-    names the step (training/nonfinite.py)."""
+    group's rank 0; return the final record. `signals`: SIGTERM, SIGINT and --save-signal
+    stop the run (training/preemption.py; the command line's runs), else they are left to
+    the caller. NumPy's floating-point warnings are off: an overflow on the way to a NaN
+    would print a dozen lines before the loop's own check names the step (nonfinite.py)."""
     from threadpoolctl import threadpool_limits
 
     with (
         threadpool_limits(limits=blas_threads_per_rank(config.threads), user_api="blas"),
         np.errstate(over="ignore", invalid="ignore", divide="ignore"),
+        Preemption(config.save_signal) if signals else contextlib.nullcontext() as preemption,
     ):
-        return _train(config, group or comm.world())
+        return _train(config, group or comm.world(), preemption or Preemption())
 
 
-def _train(config: TrainConfig, group: comm.Group) -> dict:
+def _train(config: TrainConfig, group: comm.Group, preemption: Preemption) -> dict:
     config = config.resolved()  # the step-counted flags left unset follow --steps
     say = functools.partial(print0, rank=group.rank)  # one writer: the group's rank 0
     if config.strategy not in STRATEGIES:
         raise BadConfig(f"--strategy {config.strategy!r}: choose from {', '.join(STRATEGIES)}")
     task = Task(config, np.dtype(config.dtype))
     timeline = Timeline(enabled=config.trace is not None)
-    # a signal before the saves' group exists stops at once: there is nothing to save yet
     with (
-        Preemption(group=None, extra=config.save_signal) as preemption,
         resume.own_save_dir(config, group),  # one job at a time in --save-dir
         STRATEGIES[config.strategy](task, config, group, timeline) as strategy,
     ):
@@ -89,7 +89,10 @@ def _train(config: TrainConfig, group: comm.Group) -> dict:
         start, before = resume.resume(config, strategy, group, task)  # 0, {} or the saved
         # the saves talk on a group of their own: what they send is not training's traffic
         saves = resume.saves_group(group) if config.save_dir is not None else None
-        preemption.group = saves  # from here a signal stops after a step, saved
+        if saves is not None:
+            preemption.arm(saves)  # from here a signal stops the run after a step, saved
+        else:
+            preemption.disarm("nothing is saved without --save-dir")
         log = RankLog(config.log_dir, group.rank)
         meter = StepMeter(strategy)
         records = Records(config.json if group.rank == 0 else None, keep_before=start)
@@ -120,13 +123,17 @@ def _train(config: TrainConfig, group: comm.Group) -> dict:
                 with meter.aside():
                     done = step + 1
                     saved = resume.save_if_due(config, strategy, saves, task, done, counters)
-                    if signum := preemption.agreed():  # collective, with --save-dir
+                    # collective when armed; the last step ends the run anyway, saved
+                    if done < config.steps and (signum := preemption.agreed()):
                         saved = saved or resume.save(config, strategy, saves, task, done, counters)
-                        raise stopped(signum, done, saved, config, records)
+                        stop = Preempted(signum, done, config.steps, saved, config.save_dir)
+                        records.write(stop.record)
+                        raise stop
         except BaseException:
             records.close()  # what was logged stays, each line whole
             raise
         finally:
+            preemption.disarm("the run is past its last step; what it saved is whole")
             log.close()
             if saves is not None:
                 saves.free()
@@ -171,18 +178,6 @@ def _train(config: TrainConfig, group: comm.Group) -> dict:
         timeline.save(config.trace, strategy.group)
         say(f"timeline: {config.trace} (open in ui.perfetto.dev)")
     return final
-
-
-def stopped(signum: int, done: int, path: str, config, records: Records) -> Preempted:
-    """What ends a run that every rank agreed to stop after `done` steps, saved at `path`:
-    the record that says so, and the one line."""
-    name = signal.Signals(signum).name
-    records.write({"stopped_by": name, "steps_done": done, "checkpoint": path})
-    return Preempted(
-        f"{name} after {done} of {config.steps} steps; saved {path} (to go on, the same "
-        f"command with --resume {config.save_dir})",
-        signum,
-    )
 
 
 def log_line(step: int, loss: float, lr: float, w: Window, task: Task, config, say) -> dict:

@@ -16,20 +16,25 @@ that saves takes the folder first:
 So a folder whose job crashed is free again: the .lock file stays, but no one holds it, and
 the next job takes it over (its contents name the job that crashed). flock is advisory:
 only programs that ask for it are kept out. On NFS, Linux takes it as a lock on the server
-(NFSv4 byte-range locks), so jobs on different machines exclude each other too.
+(NFSv4 byte-range locks), so jobs on different machines exclude each other too; on a
+filesystem that keeps no locks at all (Lustre mounted without `flock`), rank 0 says so in a
+warning and the job goes on unlocked rather than not saving.
 """
 
 import contextlib
+import errno
 import fcntl
 import json
 import os
 import socket
+import sys
 import time
 
 from minidp import comm
 from minidp.parallel.checkpoint.shards import CheckpointError
 
 LOCK = ".lock"
+UNSUPPORTED = (errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOLCK)  # flock's "no locks here"
 
 
 class FolderInUse(CheckpointError):
@@ -47,7 +52,16 @@ def folder_lock(path: str, group: comm.Group):
         except FolderInUse as error:
             verdict = str(error)
         except OSError as error:
-            verdict = f"cannot lock {os.path.join(path, LOCK)}: {error.strerror}"
+            name = os.path.join(path, LOCK)
+            if error.errno not in UNSUPPORTED:
+                verdict = f"cannot lock {name}: {error.strerror}"
+            else:  # a filesystem without locks (Lustre mounted without flock): go on
+                print(
+                    f"minidp: warning: cannot lock {name} ({error.strerror}): this filesystem "
+                    "keeps no locks, so nothing stops a second job saving into this folder",
+                    file=sys.stderr,
+                    flush=True,
+                )
     verdict = comm.broadcast_text(verdict, root=0, group=group)
     if verdict:
         raise FolderInUse(verdict)

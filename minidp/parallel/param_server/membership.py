@@ -74,8 +74,9 @@ def account(
     if stopped:
         messages.say_bye(ps, W, timeout)
     dropped = [w for w in range(W) if w not in live_ranks]
-    if dropped and group.timeout is not None:  # the first server listens up to `timeout`
-        group.timeout += timeout  # for BYEs before it joins: the others' deadline allows it
+    deadline = group.timeout
+    if dropped and deadline is not None:  # the first server listens up to `timeout` for
+        group.timeout = deadline + timeout  # BYEs before it joins: the others wait as long
     lost = np.full(2 * W + 1, -1, np.int64)  # - | clock each was dropped at | silent?
     if server is not None:
         for w, clock in server.dropped_at.items():
@@ -83,6 +84,7 @@ def account(
     if dropped and ps.rank == W and not stopped:  # the first server listens for BYEs
         lost[1 + W + np.array(messages.hear_byes(ps, dropped, timeout), np.int64)] = 1
     lost = comm.allreduce(lost, op="max", group=group)
+    group.timeout = deadline  # every live rank is here: the group's own deadline again
     resends = np.array([server.duplicates if server is not None else 0], np.int64)
     lost[0] = comm.allreduce(resends, group=group)[0]  # summed over every server
     at = {str(w): int(lost[1 + w]) for w in range(W) if lost[1 + w] >= 0}

@@ -58,8 +58,9 @@ class Header(NamedTuple):
         return cls(w, c, lo, hi, v, float(buf[5]), float(buf[6]), float(buf[7]))
 
 
-class ServerLost(RuntimeError):
-    """A server did not answer within the timeout: it died or hangs."""
+class ServerLost(CollectiveTimeout):
+    """A server did not answer within the timeout: it died or hangs (a timeout: the command
+    line says it in one line, as it does a collective's)."""
 
 
 def empty_header() -> np.ndarray:
