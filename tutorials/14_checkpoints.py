@@ -7,7 +7,7 @@
 # ---
 
 # %% [markdown]
-# # 14 · Checkpoints: save, resume bit for bit, reshard, refuse a corrupt shard
+# # 14 · Checkpoints: save, resume bit for bit, reshard, refuse a corrupt shard, one job a folder
 #
 # Launch line:
 #
@@ -17,7 +17,8 @@
 # if nothing had happened. `minidp.parallel.checkpoint` writes one safetensors shard per rank
 # (data, never pickle) and, last, a manifest that is the commit marker; loading checks each
 # shard's SHA-256 first. We save a data-parallel run and resume it bit for bit, reshard a
-# ZeRO run from 4 ranks to 2, and watch a flipped bit refused.
+# ZeRO run from 4 ranks to 2, watch a flipped bit refused, and see a folder kept to one
+# job.
 
 # %%
 import os
@@ -129,6 +130,25 @@ try:  # the same through the command line's loop: one line naming the flag
     train(TrainConfig(**tiny, resume=f"{root}/nothing-here"), world)
 except BadConfig as error:
     print0(f"refused: {error}")
+
+# %% [markdown]
+# ## One job at a time in a folder
+#
+# Two jobs saving into one folder would overwrite each other's checkpoints, and a resume
+# would go on from the other job's weights. A run with `--save-dir` holds the folder's lock
+# (`checkpoint.folder_lock`: rank 0's flock, dropped by the kernel however the job ends)
+# while it runs; a second holder, here a second `with`, is refused on every rank. And a
+# scheduler's SIGTERM makes every rank finish its step and save it: send it to the
+# `mpiexec` of `mpiexec -n 4 python -m minidp --steps 3000 --save-dir run`, then run the
+# same command with `--resume run` (docs/checkpoints.md).
+
+# %%
+with checkpoint.folder_lock(root, world):
+    try:
+        with checkpoint.folder_lock(root, world):
+            raise AssertionError("two jobs held one folder")
+    except checkpoint.FolderInUse as error:
+        print0(f"refused: {error}")
 comm.barrier(group=world)
 if rank == 0:
     shutil.rmtree(root)
