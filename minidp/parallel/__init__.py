@@ -3,11 +3,13 @@ other ranks only through minidp.comm and taking plain arguments (never the comma
 
     data_parallel/     plain.py (one allreduce per parameter) -> ddp.py (buckets, overlap)
                        -> its speed tricks beside it: shm_arena, coalesce, gil, host_stage
-    zero/              optimizer.py (stage 1, ZeroRedundancyOptimizer) -> flat.py -> grads.py
+    zero/              plain.py (stage 3, one layer whole at a time) -> optimizer.py (stage 1,
+                       ZeroRedundancyOptimizer) -> flat.py -> grads.py
                        -> stage3.py -> sharded.py -> fsdp.py (stages 2 and 3 as a piece)
     tensor_parallel/   communications.py (Megatron's f and g) -> layers.py -> vocab.py -> gpt.py
     param_server/      messages.py -> server.py -> pieces.py (the worker and the server loop)
-    pipeline/          schedules as checked data (actions, schedules, lowering, validate,
+    pipeline/          plain.py (GPipe, one stage per rank, blocking messages) -> schedules
+                       as checked data (actions, schedules, lowering, validate,
                        dry_run, simulate, diagram) -> the stage (communications, split,
                        recompute, backward_split, stage.py: PipelineStage) -> executor.py
     compression/       base.py (error feedback) -> cast, sparse, quant, lowrank -> table.py;
@@ -38,6 +40,7 @@ from minidp.parallel.data_parallel.plain import SimpleDistributedDataParallel
 from minidp.parallel.mesh import Mesh
 from minidp.parallel.param_server.pieces import ParameterServerWorker, serve
 from minidp.parallel.pipeline.executor import run_schedule, split_batch
+from minidp.parallel.pipeline.plain import SimpleGPipe
 from minidp.parallel.pipeline.schedules import (
     Schedule1F1B,
     ScheduleGPipe,
@@ -62,6 +65,7 @@ from minidp.parallel.tensor_parallel.vocab import (
 )
 from minidp.parallel.zero.fsdp import FullyShardedDataParallel
 from minidp.parallel.zero.optimizer import ZeroRedundancyOptimizer
+from minidp.parallel.zero.plain import SimpleZeRO3
 
 __all__ = [
     "BF16",
@@ -91,6 +95,8 @@ __all__ = [
     "Sign",
     "SignNoEF",
     "SimpleDistributedDataParallel",
+    "SimpleGPipe",
+    "SimpleZeRO3",
     "TensorParallelGPT",
     "TopK",
     "VocabParallelEmbedding",

@@ -1,0 +1,129 @@
+"""ZeRO stage 3, the plain idea (Rajbhandari et al., "ZeRO", SC 2020): no rank holds the
+whole model. Each rank keeps 1/N of every layer's parameters (its chunk) and the optimizer
+state of that chunk only; a layer is whole on a rank only while it runs.
+
+    mpiexec -n 4 python examples/zero.py          (FSDP, the full version, on your model)
+
+    zero3 = SimpleZeRO3(model)                    # every rank keeps its chunk of each layer
+    opt = optim.AdamW(zero3.parameters(), lr)     # the chunks: Ψ/N numbers per rank
+    loss = cross_entropy(zero3(x), y)             # each layer gathered, run, freed
+    loss.backward()                               # ... gathered again, gradients
+    opt.step()                                    #     reduce-scattered into the chunks
+
+Per layer u (each direct child of the model: its parameters flattened into one vector of
+n_u numbers, rank r's chunk = chunk_bounds(n_u, N)[r]):
+
+    forward    allgather u's chunks -> whole weights; y = u(x), recording nothing; free
+    backward   allgather again; y = u(x) once more, recording; backprop dL/dy through it;
+               reduce-scatter u's gradients (the mean over ranks) -> my chunk's gradient;
+               free
+
+So one layer is whole at a time, and 3(N-1)/N·Ψ numbers cross per step (two allgathers and
+a reduce-scatter of every layer): 1.5x data parallelism's allreduce. Running u's forward a
+second time in its backward is the plain way to free u in between: the graph of the first
+run would otherwise keep u's gathered weights alive (its ops hold the arrays they read)
+until backward, and every layer would be whole again at the end of the forward. stage3.py
+and fsdp.py (FullyShardedDataParallel, the full version) avoid that recomputation with two
+gather slots reused in turn, and add what this file leaves out: parameters outside the
+children or shared by two (a tied weight), uneven batches, gradient accumulation, overlap.
+
+Each layer is one op of the autograd engine whose parents are its input and its chunk (a
+Parameter): backward hands the chunk its gradient, and the optimizer steps the chunks.
+"""
+
+import numpy as np
+
+from minidp import comm
+from minidp.autograd import Tensor, no_grad, op
+from minidp.chunks import chunk_bounds
+from minidp.nn import Module, Parameter
+from minidp.parallel.across_ranks import stand_in
+
+
+class SimpleZeRO3:
+    """Shard `model` over `group` (default: the world), layer by layer (see above). Every
+    trainable parameter must belong to exactly one direct child of the model, and each child
+    takes and returns one Tensor; frozen parameters stay whole on every rank."""
+
+    def __init__(self, model: Module, group: comm.Group | None = None):
+        self.model, self.group = model, group or comm.world()
+        self.layers = [child for _, child in model.children()]
+        owned = [[p for p in layer.parameters() if p.requires_grad] for layer in self.layers]
+        held = [id(p) for params in owned for p in params]
+        trainable = [id(p) for p in model.parameters() if p.requires_grad]
+        if sorted(held) != sorted(trainable) or len(set(held)) != len(held):
+            raise ValueError(
+                "every trainable parameter must belong to exactly one direct child of the "
+                "model (FullyShardedDataParallel handles the others)"
+            )
+        N, r = self.group.size, self.group.rank
+        self.params, self.chunks = [], []  # per sharded layer: its parameters, my chunk
+        for layer, params in zip(self.layers, owned):
+            if not params:  # nothing to shard (an activation, a frozen layer): left alone
+                continue
+            for p in params:  # every rank starts from rank 0's weights
+                comm.broadcast(p.data, root=0, group=self.group)
+            whole = np.concatenate([p.data.ravel() for p in params])
+            bounds = chunk_bounds(whole.size, N)
+            self.params.append(params)
+            self.chunks.append(Parameter(whole[bounds[r] : bounds[r + 1]].copy()))
+            self._free(params)
+            layer.forward = self._sharded(len(self.chunks) - 1, layer.forward)
+
+    def __call__(self, *args, **kwargs):
+        return self.model(*args, **kwargs)
+
+    def parameters(self) -> list[Parameter]:
+        """This rank's chunks, one per layer: what its optimizer steps."""
+        return [chunk for chunk in self.chunks if chunk.size]
+
+    def full_state_dict(self) -> dict[str, np.ndarray]:
+        """Collective: every parameter whole, by name, on every rank (copies)."""
+        for u in range(len(self.chunks)):
+            self._gather(u)
+        state = self.model.state_dict()
+        for params in self.params:
+            self._free(params)
+        return state
+
+    def _sharded(self, u: int, forward):
+        """Layer u's forward as one op: gathered, run, freed (see the module's table)."""
+
+        def run(x):
+            x = x if isinstance(x, Tensor) else Tensor(x)
+            self._gather(u)
+            with no_grad():
+                y = forward(x).data  # no graph: nothing keeps the whole weights
+            self._free(self.params[u])
+
+            def backward(dy):
+                self._gather(u)
+                leaf = Tensor(x.data, requires_grad=x.requires_grad)
+                forward(leaf).backward(dy)  # the same ops again, recorded, then backprop
+                grads = [np.zeros(p.shape) if p.grad is None else p.grad for p in self.params[u]]
+                flat = np.concatenate([g.ravel() for g in grads])  # None: this input skipped p
+                mine = comm.reduce_scatter(flat, op="avg", group=self.group)
+                for p in self.params[u]:
+                    p.grad = None
+                self._free(self.params[u])
+                return leaf.grad, mine.astype(self.chunks[u].dtype, copy=False)
+
+            return op(y, (x, self.chunks[u]), backward)
+
+        return run
+
+    def _gather(self, u: int) -> None:
+        """Every rank's chunk of layer u, in rank order: the whole flat vector, viewed back
+        into the parameters' shapes."""
+        params = self.params[u]
+        whole = np.empty(sum(p.size for p in params), self.chunks[u].dtype)
+        comm.allgather(self.chunks[u].data, group=self.group, out=whole)
+        start = 0
+        for p in params:
+            p.data = whole[start : start + p.size].reshape(p.shape)
+            start += p.size
+
+    @staticmethod
+    def _free(params) -> None:
+        for p in params:
+            p.data = stand_in(p)  # its shape, one element of memory
