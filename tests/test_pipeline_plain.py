@@ -5,6 +5,7 @@ not divide into the micro-batches too; bad arguments name themselves."""
 
 import numpy as np
 import pytest
+from user_models import Block
 
 from minidp import Tensor, comm, cross_entropy, nn, optim
 from minidp.parallel import PipelineStage, ScheduleGPipe, SimpleGPipe, run_schedule, split_batch
@@ -12,24 +13,12 @@ from minidp.parallel import PipelineStage, ScheduleGPipe, SimpleGPipe, run_sched
 F64, WIDTH, CLASSES = np.float64, 6, 3
 
 
-class Block(nn.Module):
-    """A residual MLP block, as a user writes one: x + fc2(relu(fc1(norm(x))))."""
-
-    def __init__(self, rng):
-        self.norm = nn.LayerNorm(WIDTH, dtype=F64)
-        self.fc1 = nn.Linear(WIDTH, 2 * WIDTH, rng=rng, dtype=F64)
-        self.fc2 = nn.Linear(2 * WIDTH, WIDTH, rng=rng, dtype=F64)
-
-    def forward(self, x: Tensor) -> Tensor:
-        return x + self.fc2(self.fc1(self.norm(x)).relu())
-
-
 class Stage(nn.Module):
     """A slice of the model: an input layer on the first, blocks, a head on the last."""
 
     def __init__(self, s: int, num_stages: int, rng):
         self.input = nn.Linear(4, WIDTH, rng=rng, dtype=F64) if s == 0 else None
-        self.blocks = [Block(rng) for _ in range(2)]
+        self.blocks = [Block(WIDTH, rng) for _ in range(2)]
         self.head = nn.Linear(WIDTH, CLASSES, rng=rng, dtype=F64) if s == num_stages - 1 else None
 
     def forward(self, x):

@@ -5,21 +5,12 @@ whole; a model it cannot shard is refused naming the full version."""
 
 import numpy as np
 import pytest
+from user_models import Block
 
 from minidp import Tensor, comm, cross_entropy, nn, optim
 from minidp.parallel import FullyShardedDataParallel, SimpleZeRO3
 
 F64, WIDTH, CLASSES, BATCH = np.float64, 6, 3, 12
-
-
-class Block(nn.Module):
-    def __init__(self, rng):
-        self.norm = nn.LayerNorm(WIDTH, dtype=F64)
-        self.fc1 = nn.Linear(WIDTH, 2 * WIDTH, rng=rng, dtype=F64)
-        self.fc2 = nn.Linear(2 * WIDTH, WIDTH, rng=rng, dtype=F64)
-
-    def forward(self, x: Tensor) -> Tensor:
-        return x + self.fc2(self.fc1(self.norm(x)).relu())
 
 
 class Net(nn.Module):
@@ -28,7 +19,7 @@ class Net(nn.Module):
     def __init__(self):
         rng = np.random.default_rng(5)
         self.input = nn.Linear(4, WIDTH, rng=rng, dtype=F64)
-        self.blocks = [Block(rng) for _ in range(2)]
+        self.blocks = [Block(WIDTH, rng) for _ in range(2)]
         self.head = nn.Linear(WIDTH, CLASSES, rng=rng, dtype=F64)
 
     def forward(self, x) -> Tensor:
