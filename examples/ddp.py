@@ -5,6 +5,8 @@
 Every rank builds the same model, reads its slice of each global batch, and the ranks
 average the gradients during backward (in buckets), so every replica takes the step one
 process takes on the whole batch. The check at the end trains that one process and compares.
+Where PyTorch's DDP ends the reduction inside backward(), minidp's ends it in
+finish_gradient_sync(); the `with` block stops its communication thread.
 """
 
 import numpy as np

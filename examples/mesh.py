@@ -63,7 +63,7 @@ with DistributedDataParallel(mine, mesh.dp_group, overlap=False) as ddp:  # wrap
         opt.zero_grad()
         with ddp.no_sync():  # the micro-batches' gradients add up, then one reduction
             losses = run_schedule(schedule, {p: stage}, micro_x, micro_y, shares)
-        ddp.finish_gradient_sync()
+        ddp.finish_gradient_sync()  # (PyTorch: a last backward outside no_sync reduces)
         opt.step()
         copy_loss = comm.broadcast(np.array([sum(losses, 0.0)]), root=1, group=mesh.pp_group)
         loss = comm.allreduce(copy_loss, op="avg", group=mesh.dp_group)[0]
@@ -77,5 +77,12 @@ with DistributedDataParallel(mine, mesh.dp_group, overlap=False) as ddp:  # wrap
         opt_alone.step()
         assert abs(loss - want.item()) < 1e-10, (step, loss, want.item())
         print0(f"step {step} | loss {loss:.6f} (one process {want.item():.6f})")
-print0(f"{mesh.describe()}: every step's loss equals one process's")
+# and the parameters: this rank's slices of fc1 (columns) and fc2 (rows), the rest whole
+t, ref = mesh.coords["tp"], parts[p]
+cols = slice(t * 64, (t + 1) * 64)  # ColumnParallelLinear's chunk of 128 outputs
+pairs = [(mine.fc1.weight, ref.fc1.weight.data[:, cols])]
+pairs += [(mine.fc2.weight, ref.fc2.weight.data[cols])]
+pairs += [(mine.fc_in.weight, ref.fc_in.weight.data), (mine.fc2.bias, ref.fc2.bias.data)]
+assert max(np.abs(a.data - b).max() for a, b in pairs) < 1e-10
+print0(f"{mesh.describe()}: every step's loss and the parameters equal one process's")
 mesh.close()

@@ -1,7 +1,11 @@
-"""The plain ZeRO-3 (parallel/zero/plain.py) on a model the test builds: a few AdamW steps
-over N ranks, each on its slice of the batch, equal one process on the whole batch
-(float64, 1e-12) and the full version, FullyShardedDataParallel; between the ops no layer is
-whole; a model it cannot shard is refused naming the full version."""
+"""The plain ZeRO-3 (parallel/zero/plain.py) on models the test builds: AdamW steps over N
+ranks, each on its slice of the batch, equal one process on the whole batch and the full
+version, FullyShardedDataParallel, case by case (float64 and float32, token ids into an
+Embedding, two backward passes accumulated); on one rank with Dropout, the same bits as one
+process (the rerun draws the first run's masks); outside its op no layer is whole; a
+model it cannot shard is refused naming the full version."""
+
+import contextlib
 
 import numpy as np
 import pytest
@@ -10,91 +14,116 @@ from user_models import Block
 from minidp import Tensor, comm, cross_entropy, nn, optim
 from minidp.parallel import FullyShardedDataParallel, SimpleZeRO3
 
-F64, WIDTH, CLASSES, BATCH = np.float64, 6, 3, 12
+WIDTH, CLASSES, BATCH, VOCAB = 6, 3, 12, 20
 
 
 class Net(nn.Module):
-    """An input layer, two residual blocks, a head: four layers to shard."""
+    """An input layer (features, or token ids into an Embedding), two residual blocks, a
+    head: four layers to shard; `dropout` between the blocks."""
 
-    def __init__(self):
+    def __init__(self, dtype=np.float64, tokens=False, dropout=0.0):
         rng = np.random.default_rng(5)
-        self.input = nn.Linear(4, WIDTH, rng=rng, dtype=F64)
-        self.blocks = [Block(WIDTH, rng) for _ in range(2)]
-        self.head = nn.Linear(WIDTH, CLASSES, rng=rng, dtype=F64)
+        self.input = (
+            nn.Embedding(VOCAB, WIDTH, rng=rng, dtype=dtype, std=1.0)
+            if tokens
+            else nn.Linear(4, WIDTH, rng=rng, dtype=dtype)
+        )
+        self.blocks = [Block(WIDTH, rng, dtype) for _ in range(2)]
+        self.drop = nn.Dropout(dropout, rng=np.random.default_rng(1))
+        self.head = nn.Linear(WIDTH, CLASSES, rng=rng, dtype=dtype)
 
     def forward(self, x) -> Tensor:
-        x = self.input(Tensor(x))
-        for block in self.blocks:
-            x = block(x)
-        return self.head(x)
+        x = self.input(x if isinstance(self.input, nn.Embedding) else Tensor(x))
+        return self.head(self.drop(self.blocks[1](self.drop(self.blocks[0](x)))))
 
 
-def batches(steps: int = 3):
+CASES = {  # name: (Net's arguments, backward passes a step, rtol)
+    "float64": ({}, 1, 1e-12),
+    "float32": ({"dtype": np.float32}, 1, 2e-5),
+    "token ids": ({"tokens": True}, 1, 1e-12),
+    "two backwards a step": ({}, 2, 1e-12),
+}
+
+
+def batches(tokens: bool, steps: int = 3):
     rng = np.random.default_rng(9)
-    return [
-        (rng.standard_normal((BATCH, 4)), rng.integers(0, CLASSES, BATCH)) for _ in range(steps)
-    ]
+    x = [rng.integers(0, VOCAB, BATCH) if tokens else rng.standard_normal((BATCH, 4))]
+    return [(x[0] + 0 * s, rng.integers(0, CLASSES, BATCH)) for s in range(steps)]
 
 
-def train(wrap, group, mine: slice):
-    """AdamW steps of wrap(Net()) on this rank's slice; (losses, the whole model's state)."""
-    piece = wrap(Net())
+def train(piece, mine: slice, passes: int, tokens: bool) -> dict:
+    """AdamW steps of `piece` on this rank's slice; the whole model's state after."""
     opt = optim.AdamW(piece.parameters(), lr=1e-2)
-    losses = []
-    for x, y in batches():
+    for x, y in batches(tokens):
         opt.zero_grad()
-        loss = cross_entropy(piece(x[mine]), y[mine])
-        loss.backward()
+        for half in range(passes):  # `passes` micro-batches of the slice, each its share
+            part = np.array_split(np.arange(BATCH)[mine], passes)[half]
+            # FSDP reduces at each backward unless told to wait: the plain one always does
+            wait = half < passes - 1 and hasattr(piece, "no_sync")
+            with piece.no_sync() if wait else contextlib.nullcontext():
+                loss = cross_entropy(piece(x[part]), y[part]) * (len(part) / len(x[mine]))
+                loss.backward()
         if hasattr(piece, "finish_gradient_sync"):
             piece.finish_gradient_sync()
         opt.step()
-        total = comm.allreduce(np.array([loss.item()]), op="avg", group=group)
-        losses.append(total[0])
-    return losses, piece.full_state_dict(), piece
-
-
-@pytest.mark.parallel(nprocs=[2, 3])
-@pytest.mark.timeout(120)
-def test_plain_zero3_equals_one_process_and_fsdp():
-    group = comm.world()
-    per = BATCH // group.size
-    mine = slice(group.rank * per, (group.rank + 1) * per)
-    want, whole, _ = train(lambda net: Alone(net), group, slice(None))
-    got, state, zero3 = train(lambda net: SimpleZeRO3(net, group), group, mine)
-    np.testing.assert_allclose(got, want, rtol=1e-12)
-    for name, value in whole.items():
-        np.testing.assert_allclose(state[name], value, rtol=1e-12, atol=1e-14, err_msg=name)
-    _, full, _ = train(lambda net: FullyShardedDataParallel(net, group, "full"), group, mine)
-    for name, value in full.items():
-        np.testing.assert_allclose(state[name], value, rtol=1e-12, atol=1e-14, err_msg=name)
-    # between the ops no layer is whole: every parameter is a stand-in of one element
-    zero3(batches()[0][0][mine])
-    assert all(p.data.strides == (0,) * p.ndim for p in zero3.model.parameters())
-    n = sum(p.size for p in zero3.model.parameters())
-    assert sum(c.size for c in zero3.parameters()) in range(n // group.size, n // group.size + 5)
+    return piece.full_state_dict()
 
 
 class Alone:
     """One process on the whole batch: the reference, with the pieces' methods."""
 
     def __init__(self, net):
-        self.net = net
+        self.net, self.parameters = net, net.parameters
 
     def __call__(self, x):
         return self.net(x)
-
-    def parameters(self):
-        return self.net.parameters()
 
     def full_state_dict(self):
         return self.net.state_dict()
 
 
+@pytest.mark.parallel(nprocs=[1, 2, 3])
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("case", CASES)
+def test_plain_zero3_equals_one_process_and_fsdp(case):
+    group = comm.world()
+    args, passes, rtol = CASES[case]
+    tokens, per = args.get("tokens", False), BATCH // group.size
+    mine = slice(group.rank * per, (group.rank + 1) * per)
+    want = train(Alone(Net(**args)), slice(None), passes, tokens)
+    zero3 = SimpleZeRO3(Net(**args), group)
+    state = train(zero3, mine, passes, tokens)
+    fsdp = FullyShardedDataParallel(Net(**args), group, "full")
+    full = train(fsdp, mine, passes, tokens)
+    fsdp.close()
+    for name, value in want.items():
+        np.testing.assert_allclose(state[name], value, rtol=rtol, atol=rtol, err_msg=name)
+        np.testing.assert_allclose(state[name], full[name], rtol=rtol, atol=rtol, err_msg=name)
+    # outside its op no layer is whole: after a forward and after a backward alike
+    x, y = batches(tokens)[0]
+    loss = cross_entropy(zero3(x[mine]), y[mine])
+    released = [p for p in zero3.model.parameters() if p.requires_grad]
+    assert all(p.data.strides == (0,) * p.ndim for p in released)
+    loss.backward()
+    assert all(p.data.strides == (0,) * p.ndim and np.isnan(p.data).all() for p in released)
+    n = sum(p.size for p in released)
+    assert sum(c.size for c in zero3.parameters()) in range(n // group.size, n // group.size + 5)
+
+
+def test_with_dropout_the_rerun_draws_the_first_runs_masks():
+    """One rank: the same masks, so the same bits as one process, step after step."""
+    alone = comm.world().split(comm.world().rank)
+    want = train(Alone(Net(dropout=0.3)), slice(None), 1, False)
+    got = train(SimpleZeRO3(Net(dropout=0.3), alone), slice(None), 1, False)
+    for name, value in want.items():
+        np.testing.assert_array_equal(got[name], value, err_msg=name)
+
+
 def test_a_model_it_cannot_shard_is_refused_naming_the_full_version():
     class Tied(nn.Module):
         def __init__(self):
-            self.a = nn.Linear(3, 3, rng=np.random.default_rng(0), dtype=F64)
-            self.b = nn.Linear(3, 3, rng=np.random.default_rng(1), dtype=F64)
+            self.a = nn.Linear(3, 3, rng=np.random.default_rng(0), dtype=np.float64)
+            self.b = nn.Linear(3, 3, rng=np.random.default_rng(1), dtype=np.float64)
             self.b.weight = self.a.weight  # one parameter in two layers
 
     with pytest.raises(ValueError, match="FullyShardedDataParallel handles the others"):

@@ -5,15 +5,15 @@
 The model is cut into P stages, stage s on rank s. The batch is cut into m micro-batches,
 so that stage s + 1 can work on micro-batch j while stage s already does j + 1:
 
-    rank 0   F0 F1 F2 F3 .  .  .  .  .  .  B0 B1 B2 B3        F: forward of micro-batch j
-    rank 1   .  F0 F1 F2 F3 .  .  .  B0 B1 B2 B3 .            B: its backward
-    rank 2   .  .  F0 F1 F2 F3 B0 B1 B2 B3 .  .  .            (P = 3, m = 4)
+    rank 0   F0 F1 F2 F3 .  .  .  .  B0 B1 B2 B3          F: forward of micro-batch j
+    rank 1   .  F0 F1 F2 F3 .  .  B0 B1 B2 B3 .           B: its backward
+    rank 2   .  .  F0 F1 F2 F3 B0 B1 B2 B3 .  .           (P = 3, m = 4, F = B = 1)
 
 Every forward first, then every backward, each in micro-batch order. Between stages one
 tensor crosses per micro-batch: the activations y forward (s -> s + 1), their gradient
 dL/dy back (s + 1 -> s). The ranks idle in the dots: the bubble, (P - 1) / (m + P - 1) of
-the step (here 2/6). Each stage holds all m micro-batches' activations until their
-backward: what 1F1B bounds (schedules.py).
+the step (here 4 of 12 slots). Each stage holds all m micro-batches' activations until
+their backward: what 1F1B bounds (schedules.py).
 
 The last stage weighs micro-batch j's mean loss by its share of the batch, B_j / B, so the
 m weighted losses sum to the batch's mean loss and their gradients to its gradient: the
@@ -33,13 +33,15 @@ from minidp.autograd import Tensor
 from minidp.comm import p2p
 from minidp.nn import Module
 
-HEADER = 8  # an activation's shape before it: int64s, its number of dimensions then each
+HEADER = 8  # before an activation, int64s: its dtype's letter, its ndim, its shape
 
 
 class SimpleGPipe:
     """Stage `group.rank` of a GPipe pipeline over `group` (stage s on rank s), running
     `stage` (this rank's part of the model) on `n_microbatches` micro-batches a step.
-    `loss_fn(output, targets)`: the last stage's loss, a mean over its examples."""
+    `loss_fn(output, targets)`: the last stage's loss, a mean over its examples. The first
+    stage is given the inputs as they are (a Tensor or data, such as token ids); an
+    activation crosses in its own dtype, and its gradient comes back in the same."""
 
     def __init__(self, stage: Module, group: comm.Group, n_microbatches: int,
                  loss_fn=functional.cross_entropy):  # fmt: skip
@@ -47,7 +49,6 @@ class SimpleGPipe:
             raise ValueError(f"n_microbatches must be a positive integer, got {n_microbatches!r}")
         self.stage, self.group, self.m, self.loss_fn = stage, group, n_microbatches, loss_fn
         self.first, self.last = group.rank == 0, group.rank == group.size - 1
-        self.dtype = stage.parameters()[0].dtype  # activations cross in the stages' dtype
 
     def step(self, inputs=None, target=None) -> float:
         """One step's forwards and backwards: `inputs` (the batch) on the first stage,
@@ -62,7 +63,7 @@ class SimpleGPipe:
         cut = [slice(edges[j], edges[j + 1]) for j in range(self.m)]
         received, roots = [], []  # per micro-batch: the input Tensor, the root of backward
         for j in range(self.m):  # every forward
-            x = Tensor(inputs[cut[j]]) if self.first else self._receive_activations()
+            x = inputs[cut[j]] if self.first else self._receive_activations()
             received.append(x)
             y = self.stage(x)
             if self.last:
@@ -76,11 +77,12 @@ class SimpleGPipe:
                 roots[j].backward()
                 loss += roots[j].item()
             else:
-                dy = np.empty(roots[j].shape, roots[j].dtype)
+                dy = np.empty(roots[j].shape, roots[j].dtype)  # in the dtype y went in
                 p2p.recv(self.group, dy, self.group.rank + 1)
                 roots[j].backward(dy)
             if not self.first:
-                p2p.send(self.group, np.ascontiguousarray(received[j].grad), self.group.rank - 1)
+                dx = np.ascontiguousarray(received[j].grad, dtype=received[j].dtype)
+                p2p.send(self.group, dx, self.group.rank - 1)
         total = np.array([loss])
         return float(comm.broadcast(total, root=self.group.size - 1, group=self.group)[0])
 
@@ -96,13 +98,13 @@ class SimpleGPipe:
 
     def _send_activations(self, y: np.ndarray) -> None:
         header = np.zeros(HEADER, np.int64)
-        header[0], header[1 : 1 + y.ndim] = y.ndim, y.shape
+        header[0], header[1], header[2 : 2 + y.ndim] = ord(y.dtype.char), y.ndim, y.shape
         p2p.send(self.group, header, self.group.rank + 1)
-        p2p.send(self.group, np.ascontiguousarray(y, dtype=self.dtype), self.group.rank + 1)
+        p2p.send(self.group, np.ascontiguousarray(y), self.group.rank + 1)
 
     def _receive_activations(self) -> Tensor:
         header = np.empty(HEADER, np.int64)
         p2p.recv(self.group, header, self.group.rank - 1)
-        x = np.empty(tuple(header[1 : 1 + header[0]]), self.dtype)
+        x = np.empty(tuple(header[2 : 2 + header[1]]), np.dtype(chr(header[0])))
         p2p.recv(self.group, x, self.group.rank - 1)
         return Tensor(x, requires_grad=True)

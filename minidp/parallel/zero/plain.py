@@ -2,7 +2,7 @@
 whole model. Each rank keeps 1/N of every layer's parameters (its chunk) and the optimizer
 state of that chunk only; a layer is whole on a rank only while it runs.
 
-    mpiexec -n 4 python examples/zero.py          (FSDP, the full version, on your model)
+    mpiexec -n 4 python examples/zero.py          (beside FSDP, the full version)
 
     zero3 = SimpleZeRO3(model)                    # every rank keeps its chunk of each layer
     opt = optim.AdamW(zero3.parameters(), lr)     # the chunks: Ψ/N numbers per rank
@@ -22,10 +22,16 @@ So one layer is whole at a time, and 3(N-1)/N·Ψ numbers cross per step (two al
 a reduce-scatter of every layer): 1.5x data parallelism's allreduce. Running u's forward a
 second time in its backward is the plain way to free u in between: the graph of the first
 run would otherwise keep u's gathered weights alive (its ops hold the arrays they read)
-until backward, and every layer would be whole again at the end of the forward. stage3.py
-and fsdp.py (FullyShardedDataParallel, the full version) avoid that recomputation with two
-gather slots reused in turn, and add what this file leaves out: parameters outside the
-children or shared by two (a tied weight), uneven batches, gradient accumulation, overlap.
+until backward, and every layer would be whole again at the end of the forward. The rerun
+must draw what the first run drew: a Dropout's generator is set back for it, then returned
+to where the step had taken it. stage3.py and fsdp.py (FullyShardedDataParallel, the full
+version) avoid the rerun with two gather slots reused in turn, and add what this file leaves
+out: parameters outside the children or shared by two (a tied weight), uneven batches,
+micro-batches accumulated without communication (no_sync), overlap.
+
+Between its forward and its backward a layer's parameters are NaN stand-ins (their shape,
+one element of memory): a read elsewhere (a weight tied by hand in the parent's forward,
+model.state_dict()) gives NaN, not a silently wrong number; full_state_dict() gathers them.
 
 Each layer is one op of the autograd engine whose parents are its input and its chunk (a
 Parameter): backward hands the chunk its gradient, and the optimizer steps the chunks.
@@ -36,14 +42,14 @@ import numpy as np
 from minidp import comm
 from minidp.autograd import Tensor, no_grad, op
 from minidp.chunks import chunk_bounds
-from minidp.nn import Module, Parameter
-from minidp.parallel.across_ranks import stand_in
+from minidp.nn import Dropout, Module, Parameter
 
 
 class SimpleZeRO3:
     """Shard `model` over `group` (default: the world), layer by layer (see above). Every
-    trainable parameter must belong to exactly one direct child of the model, and each child
-    takes and returns one Tensor; frozen parameters stay whole on every rank."""
+    trainable parameter must belong to exactly one direct child of the model, in one dtype
+    per child; each child takes one input (a Tensor, or data such as token ids) and returns
+    one Tensor. Frozen parameters stay whole on every rank."""
 
     def __init__(self, model: Module, group: comm.Group | None = None):
         self.model, self.group = model, group or comm.world()
@@ -56,19 +62,21 @@ class SimpleZeRO3:
                 "every trainable parameter must belong to exactly one direct child of the "
                 "model (FullyShardedDataParallel handles the others)"
             )
+        for p in model.parameters():  # every rank starts from rank 0's weights
+            comm.broadcast(p.data, root=0, group=self.group)
         N, r = self.group.size, self.group.rank
         self.params, self.chunks = [], []  # per sharded layer: its parameters, my chunk
         for layer, params in zip(self.layers, owned):
             if not params:  # nothing to shard (an activation, a frozen layer): left alone
                 continue
-            for p in params:  # every rank starts from rank 0's weights
-                comm.broadcast(p.data, root=0, group=self.group)
+            if len({p.dtype for p in params}) > 1:
+                raise ValueError(f"a layer's parameters must share one dtype: {type(layer)}")
             whole = np.concatenate([p.data.ravel() for p in params])
             bounds = chunk_bounds(whole.size, N)
             self.params.append(params)
             self.chunks.append(Parameter(whole[bounds[r] : bounds[r + 1]].copy()))
             self._free(params)
-            layer.forward = self._sharded(len(self.chunks) - 1, layer.forward)
+            layer.forward = self._sharded(len(self.chunks) - 1, layer, layer.forward)
 
     def __call__(self, *args, **kwargs):
         return self.model(*args, **kwargs)
@@ -86,11 +94,12 @@ class SimpleZeRO3:
             self._free(params)
         return state
 
-    def _sharded(self, u: int, forward):
+    def _sharded(self, u: int, layer: Module, forward):
         """Layer u's forward as one op: gathered, run, freed (see the module's table)."""
+        rngs = [m.rng for m in modules_in(layer) if isinstance(m, Dropout)]
 
         def run(x):
-            x = x if isinstance(x, Tensor) else Tensor(x)
+            drawn = [g.bit_generator.state for g in rngs]  # where the first run starts
             self._gather(u)
             with no_grad():
                 y = forward(x).data  # no graph: nothing keeps the whole weights
@@ -98,17 +107,24 @@ class SimpleZeRO3:
 
             def backward(dy):
                 self._gather(u)
-                leaf = Tensor(x.data, requires_grad=x.requires_grad)
+                now = [g.bit_generator.state for g in rngs]
+                for g, state in zip(rngs, drawn):  # the rerun draws the first run's masks
+                    g.bit_generator.state = state
+                leaf = Tensor(x.data, requires_grad=x.requires_grad) if tensor else x
                 forward(leaf).backward(dy)  # the same ops again, recorded, then backprop
-                grads = [np.zeros(p.shape) if p.grad is None else p.grad for p in self.params[u]]
+                for g, state in zip(rngs, now):
+                    g.bit_generator.state = state
+                dtype = self.chunks[u].dtype
+                grads = [np.zeros(p.shape, dtype) if p.grad is None else p.grad for p in params]
                 flat = np.concatenate([g.ravel() for g in grads])  # None: this input skipped p
                 mine = comm.reduce_scatter(flat, op="avg", group=self.group)
-                for p in self.params[u]:
+                for p in params:
                     p.grad = None
-                self._free(self.params[u])
-                return leaf.grad, mine.astype(self.chunks[u].dtype, copy=False)
+                self._free(params)
+                return (leaf.grad, mine) if tensor else (mine,)
 
-            return op(y, (x, self.chunks[u]), backward)
+            params, tensor = self.params[u], isinstance(x, Tensor)
+            return op(y, (x, self.chunks[u]) if tensor else (self.chunks[u],), backward)
 
         return run
 
@@ -125,5 +141,10 @@ class SimpleZeRO3:
 
     @staticmethod
     def _free(params) -> None:
-        for p in params:
-            p.data = stand_in(p)  # its shape, one element of memory
+        for p in params:  # its shape, one element of memory, NaN wherever it is read
+            p.data = np.broadcast_to(np.array(np.nan, p.dtype), p.shape)
+
+
+def modules_in(module: Module) -> list[Module]:
+    """`module` and every module inside it, depth first."""
+    return [module] + [m for _, child in module.children() for m in modules_in(child)]
