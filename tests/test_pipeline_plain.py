@@ -97,7 +97,7 @@ def full(group, args: dict, batch: int, m: int):
     return mine
 
 
-@pytest.mark.parallel(nprocs=[1, 2, 3])
+@pytest.mark.parallel(nprocs=[1, 3])  # one rank, and first, middle and last stages
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("case", CASES)
 def test_plain_gpipe_equals_one_process_and_the_full_schedule(case):

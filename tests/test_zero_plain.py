@@ -82,7 +82,7 @@ class Alone:
         return self.net.state_dict()
 
 
-@pytest.mark.parallel(nprocs=[1, 2, 3])
+@pytest.mark.parallel(nprocs=[1, 3])  # a group of one and a non-power of two
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("case", CASES)
 def test_plain_zero3_equals_one_process_and_fsdp(case):
