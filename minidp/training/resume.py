@@ -223,34 +223,28 @@ def vocabulary(task) -> str | None:
 
 
 def check_same_run(manifest: dict, config, task, group: comm.Group) -> None:
-    """Refuse another model, vocabulary, strategy or a step past --steps (every rank
-    reads the same manifest: the same decision everywhere)."""
+    """Refuse another model, order of the data, run (SAME_RUN), vocabulary, strategy or a
+    step past --steps (every rank reads the same manifest: the same decision everywhere)."""
     saved = manifest["metadata"].get("config", {})
-    for name in MODEL_FIELDS:
-        if name in saved and saved[name] != getattr(config, name):
-            raise checkpoint.CheckpointError(
-                f"saved with --{name.replace('_', '-')} {saved[name]}, this run has "
-                f"{getattr(config, name)}: another model"
-            )
+    another = (
+        (MODEL_FIELDS, "another model"),
+        (("seed", "batch_size"), "another order of the data"),  # the step is its position
+        (SAME_RUN, f"another run from step {manifest['step']} on (a resumed run goes on "
+                   "with the flags it was saved with)"),
+    )  # fmt: skip
+    for names, what in another:
+        for name in names:
+            if name in saved and saved[name] != getattr(config, name):
+                raise checkpoint.CheckpointError(
+                    f"saved with --{name.replace('_', '-')} {saved[name]}, this run has "
+                    f"{getattr(config, name)}: {what}"
+                )
     vocab = manifest["metadata"].get("vocab")
     if vocab != vocabulary(task):
         raise checkpoint.CheckpointError(
             f"saved with a vocabulary of {len(vocab or '')} symbols, this run's has "
             f"{len(vocabulary(task) or '')} (another text)"
         )
-    for name in ("seed", "batch_size"):  # the sampler's order: the step is its position
-        if name in saved and saved[name] != getattr(config, name):
-            raise checkpoint.CheckpointError(
-                f"saved with --{name.replace('_', '-')} {saved[name]}, this run has "
-                f"{getattr(config, name)}: another order of the data"
-            )
-    for name in SAME_RUN:
-        if name in saved and saved[name] != getattr(config, name):
-            raise checkpoint.CheckpointError(
-                f"saved with --{name.replace('_', '-')} {saved[name]}, this run has "
-                f"{getattr(config, name)}: another run from step {manifest['step']} on (a "
-                "resumed run goes on with the flags it was saved with)"
-            )
     here = layout_words(config, group)
     if saved.get("strategy") != config.strategy:
         raise checkpoint.LayoutMismatch(f"saved as {describe_layout(manifest)}, this is {here}")

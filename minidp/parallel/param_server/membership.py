@@ -75,8 +75,9 @@ def account(
         messages.say_bye(ps, W, timeout)
     dropped = [w for w in range(W) if w not in live_ranks]
     deadline = group.timeout
-    if dropped and deadline is not None:  # the first server listens up to `timeout` for
-        group.timeout = deadline + timeout  # BYEs before it joins: the others wait as long
+    longer = bool(dropped) and deadline is not None  # the first server listens up to
+    if longer:  # `timeout` for BYEs before it joins: the others wait as long
+        group.timeout = deadline + timeout
     lost = np.full(2 * W + 1, -1, np.int64)  # - | clock each was dropped at | silent?
     if server is not None:
         for w, clock in server.dropped_at.items():
@@ -84,7 +85,8 @@ def account(
     if dropped and ps.rank == W and not stopped:  # the first server listens for BYEs
         lost[1 + W + np.array(messages.hear_byes(ps, dropped, timeout), np.int64)] = 1
     lost = comm.allreduce(lost, op="max", group=group)
-    group.timeout = deadline  # every live rank is here: the group's own deadline again
+    if longer:  # every live rank is here: the group's own deadline again
+        group.timeout = deadline
     resends = np.array([server.duplicates if server is not None else 0], np.int64)
     lost[0] = comm.allreduce(resends, group=group)[0]  # summed over every server
     at = {str(w): int(lost[1 + w]) for w in range(W) if lost[1 + w] >= 0}
