@@ -15,8 +15,8 @@ import tempfile
 import numpy as np
 
 from minidp import Tensor, comm, cross_entropy, data, nn, optim
-from minidp.log import print0
 from minidp.parallel import DistributedDataParallel, checkpoint
+from minidp.tools.log import print0
 
 
 class Net(nn.Module):

@@ -12,8 +12,8 @@ finish_gradient_sync(); the `with` block stops its communication thread.
 import numpy as np
 
 from minidp import Tensor, comm, cross_entropy, data, nn, optim
-from minidp.log import print0
 from minidp.parallel import DistributedDataParallel
+from minidp.tools.log import print0
 
 
 class Net(nn.Module):

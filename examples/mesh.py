@@ -12,7 +12,6 @@ PipelineStage, DistributedDataParallel. The check: every step's loss equals one 
 import numpy as np
 
 from minidp import Tensor, comm, cross_entropy, data, nn, optim
-from minidp.log import print0
 from minidp.parallel import (
     ColumnParallelLinear,
     DistributedDataParallel,
@@ -23,6 +22,7 @@ from minidp.parallel import (
     run_schedule,
     split_batch,
 )
+from minidp.tools.log import print0
 
 
 class Stage(nn.Module):

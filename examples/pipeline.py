@@ -12,8 +12,8 @@ at once. Both end where one process ends.
 import numpy as np
 
 from minidp import Tensor, comm, cross_entropy, data, nn, optim
-from minidp.log import print0
 from minidp.parallel import PipelineStage, Schedule1F1B, SimpleGPipe, run_schedule, split_batch
+from minidp.tools.log import print0
 
 
 class Stage(nn.Module):

@@ -12,8 +12,8 @@ of one process, step for step.
 import numpy as np
 
 from minidp import Tensor, comm, cross_entropy, data, nn, optim
-from minidp.log import print0
 from minidp.parallel import ColumnParallelLinear, RowParallelLinear
+from minidp.tools.log import print0
 
 
 class Net(nn.Module):

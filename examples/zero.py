@@ -13,14 +13,14 @@ ends, and prints what its rank 0 holds.
 import numpy as np
 
 from minidp import Tensor, comm, cross_entropy, data, nn, optim
-from minidp.log import print0
-from minidp.memory import nbytes, optimizer_bytes
 from minidp.parallel import (
     DistributedDataParallel,
     FullyShardedDataParallel,
     SimpleZeRO3,
     ZeroRedundancyOptimizer,
 )
+from minidp.tools.log import print0
+from minidp.tools.memory import nbytes, optimizer_bytes
 
 
 class Net(nn.Module):

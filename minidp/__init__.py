@@ -4,22 +4,29 @@
     x = minidp.Tensor([[1.0, 2.0]], requires_grad=True)
     (x * x).sum().backward()          # x.grad == 2 x
 
-Modules, bottom up: chunks (how a vector is cut into one piece per rank), autograd (Tensor,
-backward, op), tensor_ops (Tensor's arithmetic, reductions, shapes), ops (matmul,
-nonlinearities, losses), weight_grads (deferred weight gradients, a speed trick), nn (layers),
-gpt (the GPT, re-exported by nn), optim, data, log (print0: printing from rank 0), config;
-then, on MPI: comm (hand-written collectives), trace (the Timeline of what each rank did),
-parallel (the training strategies), train. Everything below
-comm imports without MPI. Public: what these modules document, except names that start
-with "_" (minidp.comm's docstring says which of its modules are public).
+The layers, bottom up, one folder each (arrows point down only: tests/test_layering.py):
 
-A new op (a communication op of a parallel scheme, say) is written with `minidp.op`, the
-public `minidp.autograd.op`; autograd.py's docstring states its contract.
+    engine/     Tensor + op + backward, functional, nn, optim: plain, no MPI, no speed tricks
+    fast/       the engine's speed tricks, switched in by the engine's table (registry.py)
+    tools/      log, names, chunks, plots, memory, info
+    models/     the GPT, the PyTorch reference, the data and the sampler, pruning's masks
+    comm/       hand-written collectives on MPI point to point; the trace of what ranks did
+    cost/       the cost model: a layout priced without running it
+    parallel/   the pieces a user wraps around their own model, one folder per scheme
+    cli/        the command line: its config, the one loop, the --strategy recipes
+
+Everything below comm/ imports without MPI. `minidp.nn`, `minidp.optim` and
+`minidp.functional` are the engine's modules under PyTorch's names (`import minidp.nn as
+nn` works); `minidp.nn.GPT` and `minidp.nn.GPTConfig` name the model of models/gpt.py.
+A new op (a communication op of a parallel scheme, say) is written with `minidp.op`:
+engine/tensor.py's docstring states its contract.
 """
 
-from minidp import autograd, functional, nn, optim
-from minidp.autograd import Tensor, is_grad_enabled, no_grad, op
-from minidp.functional import (
+import sys
+
+from minidp import fast  # noqa: F401 (fills the engine's table: fast/__init__.py)
+from minidp.engine import functional, nn, optim
+from minidp.engine.functional import (
     concatenate,
     cross_entropy,
     dropout,
@@ -28,7 +35,17 @@ from minidp.functional import (
     stack,
     where,
 )
-from minidp.weight_grads import Product, defer_weight_grads
+from minidp.engine.tensor import Tensor, is_grad_enabled, no_grad, op
+from minidp.fast.weight_grads import Product, defer_weight_grads
+from minidp.models import data
+from minidp.models.gpt import GPT, Block, CausalSelfAttention, GPTConfig
+
+# PyTorch's names for the engine's modules: `import minidp.nn as nn`, `from minidp.optim
+# import AdamW`. And the GPT under nn, as the contract has it (engine/nn.py cannot import
+# models/gpt.py, which is built from it).
+nn.GPT, nn.GPTConfig, nn.Block, nn.CausalSelfAttention = GPT, GPTConfig, Block, CausalSelfAttention
+for _name, _module in (("nn", nn), ("optim", optim), ("functional", functional)):
+    sys.modules[f"minidp.{_name}"] = _module
 
 __version__ = "0.1.0"
 
@@ -39,10 +56,10 @@ __all__ = [
     "is_grad_enabled",
     "defer_weight_grads",
     "Product",
-    "autograd",
     "nn",
     "functional",
     "optim",
+    "data",
     "concatenate",
     "stack",
     "split",
@@ -50,5 +67,7 @@ __all__ = [
     "dropout",
     "cross_entropy",
     "mse",
+    "GPT",
+    "GPTConfig",
     "__version__",
 ]

@@ -1,6 +1,6 @@
-"""`python -m minidp`: hands over to the command line (minidp/cli.py)."""
+"""`python -m minidp`: hands over to the command line (minidp/cli/commands.py)."""
 
-from minidp.cli import main
+from minidp.cli.commands import main
 
 if __name__ == "__main__":
     raise SystemExit(main())

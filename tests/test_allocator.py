@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from minidp import allocator
+from minidp.fast import allocator
 
 ROOT = Path(__file__).parent.parent
 
@@ -17,7 +17,7 @@ ROOT = Path(__file__).parent.parent
 THIRD_ROUND_FAULTS = """
 import resource, sys
 import numpy as np
-from minidp.allocator import keep_freed_memory
+from minidp.fast.allocator import keep_freed_memory
 
 took = keep_freed_memory()
 def round_faults():

@@ -22,23 +22,13 @@ import numpy as np
 import pytest
 from gradcheck import SETTINGS, check_gradients, output_weight
 from hypothesis import given, settings
+from minidp.nn import MLP, LayerNorm, Linear, linear
 
 import minidp
-from minidp import (
-    Tensor,
-    concatenate,
-    cross_entropy,
-    functional,
-    fused,
-    mse,
-    no_grad,
-    split,
-    stack,
-    where,
-)
-from minidp.fused_attention import causal_self_attention
-from minidp.gpt import composed_attention
-from minidp.nn import MLP, LayerNorm, Linear, linear
+from minidp import Tensor, concatenate, cross_entropy, functional, mse, no_grad, split, stack, where
+from minidp.fast import fused
+from minidp.fast.fused_attention import causal_self_attention
+from minidp.models.gpt import composed_attention
 
 try:
     import torch
@@ -369,8 +359,8 @@ def mul_exp(a: Tensor, b: Tensor) -> Tensor:
 
     def backward(g):  # d(a e^b)/da = e^b, d(a e^b)/db = a e^b
         return (
-            minidp.autograd.unbroadcast(g * e, a.shape),
-            minidp.autograd.unbroadcast(g * a.data * e, b.shape),
+            minidp.engine.tensor.unbroadcast(g * e, a.shape),
+            minidp.engine.tensor.unbroadcast(g * a.data * e, b.shape),
         )
 
     return minidp.op(a.data * e, (a, b), backward)
@@ -501,11 +491,16 @@ OPS = [
     Op("tanh", method("tanh"), method("tanh"), unary()),
     Op("sigmoid", method("sigmoid"), method("sigmoid"), unary()),
     Op("relu", method("relu"), method("relu"), unary("nonzero")),
-    Op("gelu", Tensor.gelu, lambda x: F.gelu(x, approximate="tanh"), unary()),
-    Op("softmax", lambda x, axis: x.softmax(axis), lambda x, axis: x.softmax(dim=axis), with_axis),
+    Op("gelu", functional.gelu, lambda x: F.gelu(x, approximate="tanh"), unary()),
+    Op(
+        "softmax",
+        lambda x, axis: functional.softmax(x, axis),
+        lambda x, axis: x.softmax(dim=axis),
+        with_axis,
+    ),
     Op(
         "log_softmax",
-        lambda x, axis: x.log_softmax(axis),
+        lambda x, axis: functional.log_softmax(x, axis),
         lambda x, axis: x.log_softmax(dim=axis),
         with_axis,
     ),
@@ -518,7 +513,7 @@ OPS = [
     ),
     Op(
         "masked_fill",
-        lambda x, mask: x.masked_fill(mask, -3.0),
+        lambda x, mask: functional.masked_fill(x, mask, -3.0),
         lambda x, mask: x.masked_fill(torch.as_tensor(mask), -3.0),
         masked_fill_example,
     ),
@@ -621,7 +616,7 @@ FUSED = [
     ("layer_norm_linear_fused", composed_layer_norm_linear, False),
     ("layer_norm_linear_no_bias_fused", composed_layer_norm_linear, False),
     ("linear_residual_fused", lambda r, x, W, b: r + linear(x, W, b), True),
-    ("gelu_fused", Tensor.gelu, False),  # constants grouped otherwise: to rounding
+    ("gelu_fused", functional.gelu, False),  # constants grouped otherwise: to rounding
     (
         "causal_self_attention_fused",
         lambda qkv, n_head: composed_attention(qkv, n_head, future(qkv.shape[1]), lambda a: a),
@@ -856,7 +851,7 @@ def test_no_grad_in_another_thread_leaves_the_main_thread_recording():
 
 
 def test_the_op_api_is_public_and_one_function():
-    assert minidp.op is minidp.autograd.op
+    assert minidp.op is minidp.engine.tensor.op
     x, y = Tensor(np.ones(2), requires_grad=True), Tensor(np.ones(2))
     assert minidp.op(x.data, (y,), lambda g: (g,)).requires_grad is False  # no parent needs grad
     with no_grad():
@@ -1118,7 +1113,7 @@ def test_softmax_and_log_softmax_are_stable_for_huge_inputs():
 
 def test_fused_embedding_reads_negative_ids_as_the_lookup_does():
     """-1 is row V - 1 in the lookup, so its gradient adds into that row's, as weight[ids]'s."""
-    from minidp.fused import embedding
+    from minidp.fast.fused import embedding
 
     rng = np.random.default_rng(0)
     ids = np.array([[0, -1, 4, 4]])

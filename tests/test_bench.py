@@ -14,7 +14,7 @@ import pytest
 from mpi4py import MPI
 
 from minidp import comm
-from minidp.bench._common import median_ratio, per_timed_step_ms, rotated_rounds
+from minidp_bench._common import median_ratio, per_timed_step_ms, rotated_rounds
 
 TINY_MLP = ("--sizes", "784,32,10", "--batch", "16")
 ONE_ROUND = ("--iters", "1", "--warmup", "1")
@@ -157,7 +157,7 @@ def test_bench_fused_has_a_row_per_op_and_per_phase(tmp_path):
 
 @pytest.mark.timeout(60)
 def test_bench_calibrate_saves_alpha_beta_gamma_and_a_row_per_algorithm_and_size(tmp_path):
-    from minidp.bench.calibrate import PLAN
+    from minidp_bench.calibrate import PLAN
 
     fit, rows = tmp_path / "calibration.json", tmp_path / "check.json"
     tiny = ("--ping-sizes", "0,1K,4K", "--reduce-sizes", "4K,16K", "--sizes", "4K,8K")
@@ -215,7 +215,7 @@ def test_bench_mesh_has_every_layout_and_bytes_on_exactly_its_axes(tmp_path):
 BROKEN_RING = """
 import sys
 from minidp.comm import collectives
-from minidp.cli import main
+from minidp.cli.commands import main
 
 collectives.ALLREDUCE["ring"] = lambda group, src, dst, op: None  # a ring that does nothing
 sys.exit(main(sys.argv[1:]))

@@ -13,7 +13,7 @@ import pytest
 
 from minidp.parallel.pipeline.schedules import build_schedule
 from minidp.parallel.pipeline.simulate import summary
-from minidp.plots import pyplot
+from minidp.tools.plots import pyplot
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
 

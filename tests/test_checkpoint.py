@@ -404,7 +404,7 @@ def test_the_early_writeback_writes_the_plain_writes_bytes(tmp_path, monkeypatch
 def test_the_saves_group_has_no_fingerprints_and_keeps_the_deadline(monkeypatch):
     """training/resume.py's saves_group: a dup without checks, whose deadline is the one
     the group had (timeout follows checks unless set: 300 s with, none without)."""
-    from minidp.training.resume import saves_group
+    from minidp.cli.training.resume import saves_group
 
     for timeout in (None, "7"):
         if timeout is None:

@@ -9,9 +9,9 @@ import sys
 
 import pytest
 
-from minidp.cli import benchmarks, main
-from minidp.memory import estimated_bytes
-from minidp.training.config import TrainConfig
+from minidp.cli.commands import benchmarks, main
+from minidp.cli.training.config import TrainConfig
+from minidp.tools.memory import estimated_bytes
 
 
 def minidp(*args: str, nprocs: int = 1, env=None, timeout: float = 120):
@@ -87,7 +87,7 @@ def test_a_bad_seed_is_one_line_at_two_ranks():
 def test_the_memory_estimate_is_within_2x_of_what_the_graph_holds():
     """estimated_bytes against the parameters, gradients, AdamW moments and activations that
     one process measures for the same GPT and batch (training/loop.py's memory report)."""
-    from minidp.training.loop import train
+    from minidp.cli.training.loop import train
 
     config = TrainConfig(steps=1, batch_size=4, sample_tokens=0, eval_batches=1, threads=1)
     memory = train(config)["memory_bytes"]
@@ -150,7 +150,7 @@ def test_every_help_reads_whole(command, capsys):
 MISMATCH = """
 import sys
 from minidp import comm
-from minidp.cli import main
+from minidp.cli.commands import main
 
 if comm.world().rank == 1:  # rank 1 broadcasts where rank 0 allgathers: a mismatch on both
     comm.allgather = lambda x, group=None, **kw: comm.broadcast(x, root=0, group=group)

@@ -17,11 +17,12 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from minidp import comm, names
+from minidp import comm
+from minidp.cli.training import config
 from minidp.comm import collectives, rooted
 from minidp.comm.errors import MessageSizeMismatch
 from minidp.comm.p2p import irecv
-from minidp.training import config
+from minidp.tools import names
 
 
 def group(timeout: float = 2.0, checks: bool = True) -> comm.Group:

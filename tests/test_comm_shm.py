@@ -7,8 +7,7 @@ with no message; what "auto" picks; disagreements between ranks; freeing; DDP's 
 import numpy as np
 import pytest
 
-from minidp import comm, nn
-from minidp.autograd import Tensor
+from minidp import Tensor, comm, nn
 from minidp.comm import shm, shm_memory
 from minidp.comm.shm import SharedMemory
 from minidp.parallel import DistributedDataParallel

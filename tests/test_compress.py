@@ -8,13 +8,13 @@ import numpy as np
 import pytest
 
 from minidp import comm
+from minidp.cli.training.config import BadConfig, TrainConfig
+from minidp.cli.training.loop import train
 from minidp.parallel.compression.cast import from_bf16, to_bf16
 from minidp.parallel.compression.lowrank import orthogonalize
 from minidp.parallel.compression.quant import pack_codes, unpack_codes
 from minidp.parallel.compression.sparse import top_k_indices
 from minidp.parallel.compression.table import COMPRESSORS, make_compressor, parse_compress
-from minidp.training.config import BadConfig, TrainConfig
-from minidp.training.loop import train
 
 
 def compress_once(spec: str, x: np.ndarray, shapes=None, compressor=None, key=0) -> np.ndarray:
@@ -225,7 +225,7 @@ def test_compression_is_a_flag_of_data_parallelism_only():
 
 
 def test_the_command_line_says_a_bad_value_in_one_line_and_exits_2(capsys):
-    from minidp.cli import main
+    from minidp.cli.commands import main
 
     with pytest.raises(SystemExit) as done:
         main(["--compress", "powersgd:0", "--steps", "1", "--model", "mlp", "--hidden", "8"])

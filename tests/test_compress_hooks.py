@@ -6,8 +6,7 @@ its state_dict resumes bit for bit; a bad argument is a ValueError that names it
 import numpy as np
 import pytest
 
-from minidp import comm, cross_entropy, nn, optim
-from minidp.autograd import Tensor
+from minidp import Tensor, comm, cross_entropy, nn, optim
 from minidp.parallel import (
     BF16,
     FP16,

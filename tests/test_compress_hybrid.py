@@ -11,9 +11,9 @@ from test_compress_parallel import TINY_GPT
 from test_strategy import run as steps  # one step per index: the global losses
 
 from minidp import comm
-from minidp.strategies.tp import Hybrid
-from minidp.training.config import TrainConfig
-from minidp.training.tasks import Task
+from minidp.cli.strategies.tp import Hybrid
+from minidp.cli.training.config import TrainConfig
+from minidp.cli.training.tasks import Task
 
 
 @pytest.mark.parallel(nprocs=[4])

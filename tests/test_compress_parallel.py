@@ -10,13 +10,13 @@ import pytest
 from test_strategy import run as steps  # one step per index, lr 1e-2: the global losses
 
 from minidp import comm
+from minidp.cli.strategies import DataParallel
+from minidp.cli.training.config import TrainConfig
+from minidp.cli.training.loop import train
+from minidp.cli.training.tasks import Task
 from minidp.parallel.compression.sparse import kept
 from minidp.parallel.compression.table import COMPRESSORS, make_compressor
 from minidp.parallel.data_parallel.comm_thread import allreduce_hook
-from minidp.strategies import DataParallel
-from minidp.training.config import TrainConfig
-from minidp.training.loop import train
-from minidp.training.tasks import Task
 
 SPECS = ["fp16", "bf16", "topk:0.05", "randomk:0.05", "sign", "sign-noef", "qsgd:3", "powersgd:2"]
 TINY_GPT = dict(

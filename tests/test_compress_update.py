@@ -12,13 +12,13 @@ from test_compress_parallel import TINY_GPT, params
 from test_strategy import run as steps  # one step per index: the global losses
 
 from minidp import comm, optim
-from minidp.data import DistributedSampler
+from minidp.cli.strategies import DataParallel
+from minidp.cli.training.config import BadConfig, TrainConfig
+from minidp.cli.training.tasks import Task
+from minidp.models.data import DistributedSampler
 from minidp.parallel import DistributedDataParallel
 from minidp.parallel.compression.table import make_compressor
 from minidp.parallel.compression.update import CompressedUpdate, LocalGradients
-from minidp.strategies import DataParallel
-from minidp.training.config import BadConfig, TrainConfig
-from minidp.training.tasks import Task
 
 
 def test_update_path_is_the_gradient_path_at_one_rank():

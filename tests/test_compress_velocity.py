@@ -14,12 +14,12 @@ from test_compress_update import by_hand
 from test_strategy import run as steps  # one step per index, lr 1e-2: the global losses
 
 from minidp import comm, optim
+from minidp.cli.strategies import DataParallel
+from minidp.cli.training.config import BadConfig, TrainConfig
+from minidp.cli.training.tasks import Task
 from minidp.parallel.compression.table import make_compressor
 from minidp.parallel.compression.velocity import MomentumCorrectedSGD, MomentumCorrection
 from minidp.parallel.data_parallel.buckets import Bucket
-from minidp.strategies import DataParallel
-from minidp.training.config import BadConfig, TrainConfig
-from minidp.training.tasks import Task
 
 VELOCITY = dict(optimizer="momentum", compress_on="velocity", weight_decay=0.1)
 

@@ -13,7 +13,7 @@ import pytest
 
 from minidp import comm, cost
 from minidp.cost.formulas import Terms
-from minidp.names import ALGORITHMS
+from minidp.tools.names import ALGORITHMS
 
 BIG = 2 * 1024 * 1024  # float64 elements: 16 MiB
 
@@ -21,7 +21,7 @@ BIG = 2 * 1024 * 1024  # float64 elements: 16 MiB
 def run(collective: str, algo: str, group, n: int, root: int) -> None:
     """One call of the collective on n float64 elements in all (as cost.sent counts n)."""
     from minidp import comm
-    from minidp.chunks import chunk_bounds
+    from minidp.tools.chunks import chunk_bounds
 
     p, r = group.size, group.rank
     x = np.ones(n)

@@ -10,15 +10,15 @@ import pytest
 from test_cost_step import real_runs  # the runs, and --json's prediction beside them
 
 from minidp import comm
-from minidp.cli import main
+from minidp.cli.commands import main
+from minidp.cli.training.config import TrainConfig
+from minidp.cli.training.loop import train
+from minidp.cli.training.tasks import Task
 from minidp.cost import ps_step
 from minidp.cost.step import Compute, Layout, Network
 from minidp.parallel.pipeline.schedules import build_schedule
 from minidp.parallel.pipeline.simulate import simulate
 from minidp.parallel.pipeline.step_cost import bytes_by_axis, predict_pipeline, stage_params
-from minidp.training.config import TrainConfig
-from minidp.training.loop import train
-from minidp.training.tasks import Task
 
 TINY = dict(
     n_embd=16, n_head=4, block_size=8, batch_size=10, bucket_mb=0.002, steps=2,

@@ -7,13 +7,13 @@ import numpy as np
 import pytest
 
 from minidp import comm, nn
-from minidp.cli import main
+from minidp.cli.commands import main
+from minidp.cli.training.config import TrainConfig
+from minidp.cli.training.loop import train
+from minidp.cli.training.tasks import Task
 from minidp.cost.calls import gpt_shapes
 from minidp.cost.step import Compute, Layout, Network, bytes_by_axis, fixed_part, memory, predict
-from minidp.memory import activation_estimate
-from minidp.training.config import TrainConfig
-from minidp.training.loop import train
-from minidp.training.tasks import Task
+from minidp.tools.memory import activation_estimate
 
 TINY = dict(
     n_layer=1, n_embd=16, n_head=4, block_size=8, batch_size=10, bucket_mb=0.002,
@@ -150,8 +150,8 @@ def test_a_calibration_that_cannot_be_read_is_refused_by_predict_and_skipped_by_
 ):
     """predict names the file; a training run falls back to the built-in defaults: its
     final record is written (a run never fails for its prediction)."""
-    from minidp.training.predict import DEFAULT_NETWORK
-    from minidp.training.predicted import shared_network
+    from minidp.cli.training.predict import DEFAULT_NETWORK
+    from minidp.cli.training.predicted import shared_network
 
     bad = tmp_path / "runs" / "calibration.json"
     bad.parent.mkdir()

@@ -7,13 +7,12 @@ import numpy as np
 import pytest
 from test_fsdp import Net, mlp_batch
 
-from minidp import comm, cost, cross_entropy, nn, optim
-from minidp.autograd import Tensor
-from minidp.chunks import chunk_range
+from minidp import Tensor, comm, cost, cross_entropy, nn, optim
 from minidp.cost.calls import LOSS, NORM, data_parallel, gpt_shapes, model_shapes
 from minidp.cost.compute import measure
 from minidp.cost.step import Layout, Network, predict
 from minidp.parallel import DistributedDataParallel, FullyShardedDataParallel
+from minidp.tools.chunks import chunk_range
 
 
 def test_a_gpt_built_is_shaped_as_its_configuration_says():

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from minidp import data
-from minidp.data import CharTokenizer, DistributedSampler
+from minidp.models.data import CharTokenizer, DistributedSampler
 
 
 # ---- synthetic classification -----------------------------------------------------------------

@@ -7,16 +7,15 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
-
-from minidp import comm, nn, optim
-from minidp.autograd import Tensor
-from minidp.data import DistributedSampler
 from minidp.nn import Module, Parameter
+
+from minidp import Tensor, comm, nn, optim
+from minidp.cli.strategies import DataParallel
+from minidp.cli.training.config import TrainConfig
+from minidp.cli.training.tasks import Task
+from minidp.models.data import DistributedSampler
 from minidp.parallel import DistributedDataParallel, ModelMismatch
 from minidp.parallel.across_ranks import replica_spread
-from minidp.strategies import DataParallel
-from minidp.training.config import TrainConfig
-from minidp.training.tasks import Task
 
 STEPS = 3
 TINY = dict(n_layer=1, n_embd=16, n_head=2, block_size=8, hidden=16, seed=3)

@@ -5,14 +5,13 @@ whatever the buckets, with overlap on and off.
 
 import numpy as np
 import pytest
+from minidp.nn import Module, Parameter
 from test_data_parallel import assert_replicas_bitwise_identical
 
-from minidp import comm, cross_entropy, nn, optim
-from minidp.autograd import Tensor
-from minidp.chunks import chunk_range
-from minidp.nn import Module, Parameter
+from minidp import Tensor, comm, cross_entropy, nn, optim
 from minidp.parallel import DistributedDataParallel, ModelMismatch
 from minidp.parallel.data_parallel.buckets import bucket_groups
+from minidp.tools.chunks import chunk_range
 
 B, STEPS = 7, 4  # 7 examples: 4 + 3 at 2 ranks
 # the examples flagged "rare" at each step (rank 0 reads 0-3, rank 1 reads 4-6): `rare` is

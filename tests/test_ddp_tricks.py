@@ -10,8 +10,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from minidp import comm, nn, optim
-from minidp.autograd import Tensor
+from minidp import Tensor, comm, nn, optim
 from minidp.parallel import DistributedDataParallel
 from minidp.parallel.data_parallel import ddp as dp
 from minidp.parallel.data_parallel.plain import SimpleDistributedDataParallel
@@ -146,9 +145,9 @@ def test_an_unknown_trick_is_refused_by_name():
 def test_host_staging_gives_the_bits_of_plain_staging(monkeypatch):
     """--backend torch, overlap and micro-batches: the same losses and parameters, bit for
     bit, with DDP's host buffers (HostStage) and without (PlainStage: a view on the CPU)."""
-    from minidp import backend
-    from minidp.torch_train import minidp_losses
-    from minidp.training.config import TrainConfig
+    from minidp.cli.torch_train import minidp_losses
+    from minidp.cli.training.config import TrainConfig
+    from minidp.engine import backend
 
     config = TrainConfig(
         n_layer=1, n_embd=16, n_head=2, block_size=8, seed=5, batch_size=5, lr=1e-2,

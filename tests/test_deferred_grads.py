@@ -8,11 +8,11 @@ import contextlib
 
 import numpy as np
 import pytest
-
-from minidp import nn, optim, weight_grads
-from minidp.autograd import Tensor
 from minidp.nn import MLP, cross_entropy, linear
-from minidp.weight_grads import Product, defer_weight_grads
+
+from minidp import Tensor, nn, optim
+from minidp.fast import weight_grads
+from minidp.fast.weight_grads import Product, defer_weight_grads
 
 SIZES = [12, 16, 16, 3]  # 12*16 / 28: a stash of up to 6 rows for the first weight
 
@@ -274,10 +274,11 @@ def test_rows_of_another_dtype_than_the_weight_take_no_more_bytes_than_its_gradi
 
 
 def test_zero_stage_2_accumulation_defers_too(monkeypatch):
-    from minidp import comm, weight_grads
-    from minidp.strategies import ZeRO
-    from minidp.training.config import TrainConfig
-    from minidp.training.tasks import Task
+    from minidp import comm
+    from minidp.cli.strategies import ZeRO
+    from minidp.cli.training.config import TrainConfig
+    from minidp.cli.training.tasks import Task
+    from minidp.fast import weight_grads
 
     kept = []
     add = weight_grads.Rows.add

@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 
 from minidp import Tensor, comm, cross_entropy, nn, optim
-from minidp.chunks import chunk_range
-from minidp.memory import nbytes
 from minidp.parallel import FullyShardedDataParallel
 from minidp.parallel.across_ranks import replica_spread
+from minidp.tools.chunks import chunk_range
+from minidp.tools.memory import nbytes
 
 STEPS, BATCH, MAX_NORM = 4, 10, 0.5  # 10 examples: uneven slices over 3 ranks
 ADAMW = dict(lr=0.01, weight_decay=0.1)

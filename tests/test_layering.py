@@ -1,20 +1,20 @@
-"""Layering that reads bottom up: what imports without MPI, and who may import whom.
+"""Layering that reads bottom up: the folders of minidp are its layers, in the order the
+package's docstring lists them; what imports without MPI; who may import whom.
 
-    engine   chunks  autograd  tensor_ops  functional  grad_mode  weight_grads  nn  gpt
-             units  optim  data  log  prune/  parser  plots  backend        no MPI
-             (torch_ref, backend_torch: torch, not MPI)
-    comm     comm/  trace                                          on MPI (mpi4py)
-             cost/ (no MPI until it resolves algo="auto" through comm/auto.py)
-    pieces   parallel/
-    face     training/  strategies/  cli  bench/  (training/config imports without MPI)
+    engine/ fast/ tools/ models/     no MPI (engine/backend_torch and models/torch_ref: torch)
+    comm/                            on MPI (mpi4py)
+    cost/                            no MPI until it resolves algo="auto" (comm/auto.py)
+    parallel/                        the pieces
+    cli/                             the face (cli/training/config and cli/parser: no MPI)
 
 Arrows point down only: a piece never imports the face (it takes plain arguments, never
-TrainConfig), comm never imports a piece, the engine never imports comm.
+TrainConfig), comm never imports a piece, the engine never imports comm or its speed tricks
+(they plug in through engine/registry.py). No two modules import each other at the top.
 
-Everything marked no MPI must import, and tutorials 01 and 02 must run, where mpi4py
-cannot load an MPI library. The tests block mpi4py in a fresh interpreter with a
-`sys.meta_path` finder that refuses it, so a new path from the first row to mpi4py fails
-here, not on a laptop without MPI.
+Everything below comm must import, and tutorials 01 and 02 must run, where mpi4py cannot
+load an MPI library. The tests block mpi4py in a fresh interpreter with a `sys.meta_path`
+finder that refuses it, so a new path from those folders to mpi4py fails here, not on a
+laptop without MPI.
 """
 
 import ast
@@ -26,29 +26,28 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).parent.parent
+BELOW_COMM = ("engine", "fast", "tools", "models")
+NEEDS_TORCH = ("minidp.engine.backend_torch", "minidp.models.torch_ref")
 NO_MPI_MODULES = (
     "minidp",
-    "minidp.chunks",
-    "minidp.data",
+    *(
+        name
+        for folder in BELOW_COMM
+        for path in sorted((ROOT / "minidp" / folder).rglob("*.py"))
+        if (
+            name := ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
+        )
+        not in NEEDS_TORCH
+    ),
     "minidp.nn",
-    "minidp.gpt",
-    "minidp.tensor_ops",
     "minidp.optim",
-    "minidp.training.config",
-    "minidp.log",
-    "minidp.parser",
-    "minidp.plots",
-    "minidp.backend",
-    "minidp.grad_mode",
-    "minidp.weight_grads",
     "minidp.functional",
-    "minidp.prune.magnitude",
-    "minidp.prune.functions",
+    "minidp.cli.training.config",
+    "minidp.cli.parser",
     "minidp.cost",
     "minidp.cost.calls",
     "minidp.cost.compute",
     "minidp.cost.step",
-    "minidp.units",
 )
 BLOCK_MPI4PY = """
 import sys
@@ -92,34 +91,36 @@ def test_lower_modules_do_not_import_mpi4py():
     assert result.returncode == 0, result.stderr
 
 
-LAYERS = {  # a package or module of minidp -> its layer, lowest first
-    "engine": 0,
-    "comm": 1,
-    "trace": 1,
-    "cost": 1,
-    "parallel": 2,
-    "training": 3,
-    "strategies": 3,
-    "cli": 3,
-    "bench": 3,
-    "torch_train": 3,
-    "__main__": 3,
-}
+def folders_in_order() -> list[str]:
+    """The layers, lowest first, as minidp/__init__.py's docstring lists its folders."""
+    import minidp
+
+    return re.findall(r"^    (\w+)/ ", minidp.__doc__, re.M)
 
 
-def layer_of(module: str) -> int:
-    """minidp.parallel.zero.flat -> 2; anything not named in LAYERS is the engine's."""
-    parts = module.split(".")
-    return LAYERS.get(parts[1], 0) if len(parts) > 1 else 0
+def layer_of(module: str, order: list[str]) -> int:
+    """minidp.parallel.zero.flat -> the index of "parallel" in the docstring's order."""
+    return order.index(module.split(".")[1])
+
+
+def test_the_docstring_names_every_folder_and_nothing_lies_loose():
+    """The tree is the layering: each folder of minidp is a layer the docstring names, and
+    no module lies beside them (only the package's __init__ and __main__)."""
+    order = folders_in_order()
+    folders = sorted(p.name for p in (ROOT / "minidp").iterdir() if (p / "__init__.py").exists())
+    assert sorted(order) == folders, f"docstring {order} != folders {folders}"
+    loose = sorted(p.name for p in (ROOT / "minidp").glob("*.py"))
+    assert loose == ["__init__.py", "__main__.py"], f"modules outside a layer's folder: {loose}"
 
 
 def test_arrows_point_down_only():
     """Every import inside minidp (at the top or inside a function) names a module of the
-    same layer or one below it."""
+    same layer (folder) or one below it, in the docstring's order."""
+    order = folders_in_order()
     upward = []
     for path in sorted((ROOT / "minidp").rglob("*.py")):
         module = ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
-        if module == "minidp":  # the package's face re-exports the engine only
+        if module in ("minidp", "minidp.__main__"):  # the package's face; the CLI's entry
             continue
         for node in ast.walk(ast.parse(path.read_text())):
             names = []
@@ -130,9 +131,53 @@ def test_arrows_point_down_only():
             elif isinstance(node, ast.Import):
                 names = [a.name for a in node.names]
             for name in names:
-                if name.startswith("minidp.") and layer_of(name) > layer_of(module):
+                if name == "minidp" or not name.startswith("minidp."):
+                    continue
+                if name.split(".")[1] not in order:  # minidp.nn: an alias of the package's
+                    upward.append(f"{module} line {node.lineno} imports {name}, not a layer")
+                elif layer_of(name, order) > layer_of(module, order):
                     upward.append(f"{module} line {node.lineno} imports {name}")
     assert not upward, "\n".join(upward)
+
+
+def top_level_imports(path: Path, module: str, known: set) -> set:
+    """The modules of minidp that `module` imports at its top level (not inside functions)."""
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    found = set()
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            base = node.module if not node.level else f"{package}.{node.module}"
+            found |= {
+                f"{base}.{a.name}" if f"{base}.{a.name}" in known else base for a in node.names
+            }
+    return (found & known) - {module}
+
+
+def test_no_module_level_import_cycles():
+    """Two modules that import each other at the top (directly or round a loop) work only in
+    one import order: there are none. A depth-first walk meets a module still on its path."""
+    paths = {
+        ".".join(p.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__"): p
+        for p in (ROOT / "minidp").rglob("*.py")
+    }
+    graph = {m: top_level_imports(p, m, set(paths)) for m, p in paths.items()}
+    done, loops = set(), []
+
+    def walk(module, path):
+        if module in path:
+            loops.append(" -> ".join([*path[path.index(module) :], module]))
+            return
+        if module in done:
+            return
+        for name in sorted(graph[module]):
+            walk(name, [*path, module])
+        done.add(module)
+
+    for module in sorted(graph):
+        walk(module, [])
+    assert not loops, "\n".join(loops)
 
 
 def test_every_module_reads_in_one_sitting():
@@ -146,16 +191,18 @@ def test_every_module_reads_in_one_sitting():
 
 
 def test_chunks_stay_reexported_by_comm():
-    from minidp import chunks, comm
+    from minidp import comm
+    from minidp.tools import chunks
 
     assert comm.chunk_bounds is chunks.chunk_bounds and comm.chunk_range is chunks.chunk_range
 
 
 def test_benchmarks_do_not_import_the_command_line():
-    """A benchmark takes its Parser from minidp.parser, below cli.py (and the trainer)."""
-    names = sorted(p.stem for p in (ROOT / "minidp" / "bench").glob("[!_]*.py"))
-    code = imports(f"minidp.bench.{n}" for n in names) + (
-        'import sys\nassert "minidp.cli" not in sys.modules, "a benchmark imports minidp.cli"\n'
+    """A benchmark takes its Parser from minidp.cli.parser, below cli.py (and the trainer)."""
+    names = sorted(p.stem for p in (ROOT / "minidp_bench").glob("[!_]*.py"))
+    code = imports(f"minidp_bench.{n}" for n in names) + (
+        'import sys\nassert "minidp.cli.commands" not in sys.modules, '
+        '"a benchmark imports minidp.cli.commands"\n'
     )
     result = python(code)
     assert result.returncode == 0, result.stderr

@@ -5,8 +5,8 @@ import os
 
 import pytest
 
-from minidp import cli
-from minidp.loss_curves import main
+from minidp.cli import commands as cli
+from minidp.cli.loss_curves import main
 
 
 def write_run(path, losses, final=None):

@@ -108,8 +108,8 @@ def test_a_diverging_run_under_mpiexec_exits_1_on_every_rank():
 FAIL_ON_RANK_1 = """
 import sys
 from mpi4py import MPI
-from minidp import autograd
-from minidp.cli import main
+from minidp.engine import tensor as autograd
+from minidp.cli.commands import main
 
 if MPI.COMM_WORLD.rank == 1:  # rank 1's third backward raises: mid-training, inside the CLI
     backward, calls = autograd.Tensor.backward, []

@@ -8,8 +8,6 @@ computes x W + b; torch's stores (out, in), so its weight is our W.T (and so is 
 import numpy as np
 import pytest
 from gradcheck import check_gradients
-
-from minidp import Tensor, cross_entropy, no_grad, optim
 from minidp.nn import (
     GPT,
     MLP,
@@ -22,6 +20,8 @@ from minidp.nn import (
     Parameter,
     linear,
 )
+
+from minidp import Tensor, cross_entropy, no_grad, optim
 
 try:
     import torch
@@ -330,7 +330,7 @@ def test_an_mlp_with_relu_fused_has_the_bits_of_the_plain_mlp(dtype):
 
 def test_an_mlp_records_one_node_per_layer_and_keeps_one_array_per_layer():
     """Linear and ReLU fused (nn.linear(relu=True)): 3 layers, 3 nodes before the loss."""
-    from minidp.memory import activation_bytes
+    from minidp.tools.memory import activation_bytes
 
     model = MLP([6, 5, 4, 3], rng=np.random.default_rng(0), dtype=np.float64)
     out = model(Tensor(np.ones((2, 6))))
@@ -582,7 +582,7 @@ def test_a_users_head_or_linear_in_a_fused_gpt_runs_as_written():
     library's own: a tied head (no bias, E^T), a Linear subclass with its own forward, or a
     forward set on the instance is called as written, and the fused GPT computes what the
     composed one does."""
-    from minidp.gpt import own_forward
+    from minidp.models.gpt import own_forward
 
     class TiedHead(Module):
         def __init__(self, wte):

@@ -1,4 +1,4 @@
-"""`--optimizer adamw|momentum|sgd` (minidp/optim.py, OPTIMIZERS): data parallelism with
+"""`--optimizer adamw|momentum|sgd` (minidp/engine/optim.py, OPTIMIZERS): data parallelism with
 momentum SGD is one process's momentum SGD, split (float64, 1e-10), with torch's weight
 decay added to the gradient; ZeRO builds the same optimizer over its pieces; the velocity is
 in the strategy's state_dict; a strategy that ignores the flag refuses it in one line."""
@@ -10,10 +10,10 @@ import pytest
 from test_strategy import TINY, params
 
 from minidp import comm, optim
-from minidp.data import DistributedSampler
-from minidp.strategies import DataParallel, ZeRO
-from minidp.training.config import BadConfig, TrainConfig
-from minidp.training.tasks import Task
+from minidp.cli.strategies import DataParallel, ZeRO
+from minidp.cli.training.config import BadConfig, TrainConfig
+from minidp.cli.training.tasks import Task
+from minidp.models.data import DistributedSampler
 
 STEPS, LR = 3, 0.05
 BASE = TrainConfig(**{**TINY, "model": "gpt"}, grad_clip=0.0, weight_decay=0.1)

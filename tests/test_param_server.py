@@ -11,14 +11,14 @@ import numpy as np
 import pytest
 
 from minidp import comm, optim
-from minidp.data import DistributedSampler
+from minidp.cli.strategies import ParameterServer
+from minidp.cli.strategies.ps import ps_optimizer
+from minidp.cli.training.config import TrainConfig
+from minidp.cli.training.tasks import Task
+from minidp.models.data import DistributedSampler
 from minidp.parallel.param_server import messages
 from minidp.parallel.param_server.messages import PULL, PUSH, Header
 from minidp.parallel.param_server.server import ShardServer
-from minidp.strategies import ParameterServer
-from minidp.strategies.ps import ps_optimizer
-from minidp.training.config import TrainConfig
-from minidp.training.tasks import Task
 
 TINY = dict(
     n_layer=1, n_embd=16, n_head=2, block_size=8, hidden=16, seed=3, batch_size=10,

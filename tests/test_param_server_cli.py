@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from minidp.cli import main
+from minidp.cli.commands import main
 
 MLP = ["--strategy", "ps", "--model", "mlp", "--hidden", "16", "--steps", "3", "--batch-size", "8"]
 NOT_PS = "is a flag of --strategy dp or tp or hybrid or zero, not of --strategy ps"

@@ -13,12 +13,12 @@ import pytest
 from test_pipeline_stage import MICRO, batches, tiny_gpt, train_whole  # 3 steps of 8, m = 4
 
 from minidp import comm, optim
+from minidp.comm.trace import Timeline
 from minidp.parallel.pipeline.executor import measured_bubble, run_schedule, split_batch
 from minidp.parallel.pipeline.schedules import build_schedule
 from minidp.parallel.pipeline.simulate import summary
 from minidp.parallel.pipeline.split import split_model
 from minidp.parallel.pipeline.stage import PipelineStage
-from minidp.trace import Timeline
 
 F64 = np.float64
 N_LAYER = 4  # interleaved at pp = 2 with V = 2: four stages of one block

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from minidp import comm
-from minidp.strategies import STRATEGIES
+from minidp.cli.strategies import STRATEGIES
 from tests.test_pipeline_strategy import TINY, reference, refused, run
 
 SCHEDULES = [
@@ -62,8 +62,8 @@ def rounds(world_size: int) -> list[list[dict]]:
 @pytest.mark.parallel(nprocs=[8])
 @pytest.mark.timeout(600)
 def test_the_3d_mesh_trains_like_one_process():
-    from minidp.training.config import TrainConfig
-    from minidp.training.tasks import Task
+    from minidp.cli.training.config import TrainConfig
+    from minidp.cli.training.tasks import Task
 
     world = comm.world()
     keys = sorted({(c["n_layer"], c.get("batch_size", TINY["batch_size"])) for c in cases()})
@@ -90,7 +90,7 @@ KEY = ("n_layer", "batch_size")
 def check_resume(s, config, group) -> None:
     """A fresh recipe loaded with each rank's state (after training and gather_model) steps
     as the trained one does, bit for bit."""
-    from minidp.training.tasks import Task
+    from minidp.cli.training.tasks import Task
 
     state = s.state_dict()
     with STRATEGIES["hybrid"](Task(config, np.float64), config, group) as again:
@@ -137,8 +137,8 @@ def test_a_bad_mesh_flag_is_one_line_naming_it(args, words, capsys):
 
 
 def test_a_mesh_that_does_not_fill_the_world_is_refused():
-    from minidp.strategies.pp import pipeline_mesh
-    from minidp.training.config import BadConfig, TrainConfig
+    from minidp.cli.strategies.pp import pipeline_mesh
+    from minidp.cli.training.config import BadConfig, TrainConfig
 
     config = TrainConfig(strategy="hybrid", dp=2, tp=2, pp=2, n_layer=4)
     assert pipeline_mesh(config, 8) == (2, 2, 2)
@@ -157,7 +157,8 @@ def test_make_alike_takes_tp_rank_0s_or_the_sum():
     from types import SimpleNamespace
 
     from minidp.nn import Parameter
-    from minidp.strategies.tp import make_alike
+
+    from minidp.cli.strategies.tp import make_alike
 
     world = comm.world()
     p = Parameter(np.zeros(3))

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from minidp.cli import main, schedule_flags
+from minidp.cli.commands import main, schedule_flags
 from minidp.parallel.pipeline.actions import (
     RECV_B,
     RECV_F,

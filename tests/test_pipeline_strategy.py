@@ -8,13 +8,13 @@ import numpy as np
 import pytest
 
 from minidp import comm
-from minidp.cli import main
-from minidp.data import DistributedSampler
-from minidp.names import PIPELINE_SCHEDULES
+from minidp.cli.commands import main
+from minidp.cli.strategies import STRATEGIES, DataParallel
+from minidp.cli.training.config import TrainConfig
+from minidp.cli.training.tasks import Task
+from minidp.models.data import DistributedSampler
 from minidp.parallel.pipeline.schedules import SCHEDULES
-from minidp.strategies import STRATEGIES, DataParallel
-from minidp.training.config import TrainConfig
-from minidp.training.tasks import Task
+from minidp.tools.names import PIPELINE_SCHEDULES
 
 STEPS = 3
 TINY = dict(

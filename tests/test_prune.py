@@ -1,6 +1,7 @@
-"""Magnitude pruning in one process (minidp/prune/magnitude.py): the masks keep exactly the largest
-magnitudes (as torch.nn.utils.prune computes them), the cubic schedule, masked weights that
-stay exactly zero through AdamW, resuming with the masks, and one clear line per bad flag.
+"""Magnitude pruning in one process (minidp/models/prune/magnitude.py): the masks keep
+exactly the largest magnitudes (as torch.nn.utils.prune computes them), the cubic schedule,
+masked weights that stay exactly zero through AdamW, resuming with the masks, and one clear
+line per bad flag.
 """
 
 import json
@@ -10,20 +11,19 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from minidp import comm, nn, optim
-from minidp.autograd import Tensor
-from minidp.cli import parse_train_args
-from minidp.data import DistributedSampler
-from minidp.prune.magnitude import (
+from minidp import Tensor, comm, nn, optim
+from minidp.cli.commands import parse_train_args
+from minidp.cli.strategies import DataParallel
+from minidp.cli.training.config import BadConfig, TrainConfig
+from minidp.cli.training.tasks import Task
+from minidp.models.data import DistributedSampler
+from minidp.models.prune.magnitude import (
     MagnitudePruner,
     cubic_sparsity,
     is_pruning_step,
     magnitude_masks,
     prunable,
 )
-from minidp.strategies import DataParallel
-from minidp.training.config import BadConfig, TrainConfig
-from minidp.training.tasks import Task
 
 SHAPES = [(6, 5), (4, 7), (3, 3)]
 
@@ -195,7 +195,7 @@ def test_the_command_line_says_it_in_one_line(capsys):
 
 
 def test_bench_prune_smoke(tmp_path, capsys):
-    from minidp.bench import prune as bench
+    from minidp_bench import prune as bench
 
     out = tmp_path / "rows.json"
     tiny = "--steps 6 --sparsities 0,0.5 --widths 16,8 --n-layer 1 --block-size 8 --batch-size 4"
@@ -211,8 +211,8 @@ def test_bench_prune_smoke(tmp_path, capsys):
 
 
 def test_the_pruner_needs_no_mpi():
-    """minidp/prune/magnitude.py sits with nn and optim, below the comm layer (test_layering.py)."""
+    """minidp/models/prune/magnitude.py sits below the comm layer (test_layering.py)."""
     from test_layering import BLOCK_MPI4PY, python
 
-    result = python(BLOCK_MPI4PY + "import minidp.prune.magnitude\n")
+    result = python(BLOCK_MPI4PY + "import minidp.models.prune.magnitude\n")
     assert result.returncode == 0, result.stderr

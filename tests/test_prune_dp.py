@@ -11,17 +11,16 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from minidp import comm, nn, optim
-from minidp.autograd import Tensor
-from minidp.data import DistributedSampler
+from minidp import Tensor, comm, nn, optim
+from minidp.cli.strategies import DataParallel
+from minidp.cli.training.config import TrainConfig
+from minidp.cli.training.tasks import Task
+from minidp.models.data import DistributedSampler
+from minidp.models.prune import functions as prune
+from minidp.models.prune.magnitude import MagnitudePruner, cubic_sparsity
 from minidp.parallel import DistributedDataParallel
 from minidp.parallel.across_ranks import bytes_sent
 from minidp.parallel.pruning import masked_allreduce_hook
-from minidp.prune import functions as prune
-from minidp.prune.magnitude import MagnitudePruner, cubic_sparsity
-from minidp.strategies import DataParallel
-from minidp.training.config import TrainConfig
-from minidp.training.tasks import Task
 
 STEPS = 6
 CONFIG = dict(

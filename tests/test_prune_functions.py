@@ -1,4 +1,4 @@
-"""Pruning as functions, under torch.nn.utils.prune's names (minidp/prune/functions.py): the
+"""Pruning as functions, under torch.nn.utils.prune's names (minidp/models/prune/functions.py): the
 masks are torch's (and a NumPy reference's), repeated calls count among the unpruned, pruned
 weights stay exactly zero through AdamW, remove makes it permanent, bad input is named.
 The same functions under DDP with the kept-gradients hook: tests/test_prune_dp.py.
@@ -7,9 +7,8 @@ The same functions under DDP with the kept-gradients hook: tests/test_prune_dp.p
 import numpy as np
 import pytest
 
-from minidp import nn, optim
-from minidp.autograd import Tensor
-from minidp.prune import functions as prune
+from minidp import Tensor, nn, optim
+from minidp.models.prune import functions as prune
 
 SHAPES = [(6, 5), (4, 7), (3, 3)]
 

@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 
 from minidp import Tensor, comm, cross_entropy, nn, optim
-from minidp.chunks import chunk_range
 from minidp.parallel import ParameterServerWorker, serve
 from minidp.parallel.param_server.pieces import flatten
+from minidp.tools.chunks import chunk_range
 
 STEPS, BATCH, LR = 4, 9, 0.1  # 9 examples: 5 and 4 over the two workers
 WORKERS, SERVERS = [0, 1], [2]

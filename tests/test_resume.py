@@ -16,11 +16,11 @@ import pytest
 from test_checkpoint import remove, shared_directory  # a directory every rank names
 
 from minidp import comm
-from minidp.cli import main
+from minidp.cli.commands import main
+from minidp.cli.training.config import BadConfig, TrainConfig
+from minidp.cli.training.loop import train
 from minidp.parallel import checkpoint
 from minidp.parallel.checkpoint.shards import parse, shard_name
-from minidp.training.config import BadConfig, TrainConfig
-from minidp.training.loop import train
 
 TINY = dict(
     n_layer=2, n_embd=16, n_head=2, block_size=8, batch_size=8, steps=4, log_every=1,

@@ -13,9 +13,9 @@ import math
 import pytest
 
 from minidp import cost
+from minidp.cli.training.simulate import main
 from minidp.cost import chrome, scale
 from minidp.cost.step import Layout, Network, memory, predict
-from minidp.training.simulate import main
 
 NET = Network(alpha=5e-6, beta=1 / 25e9, gamma=1 / 100e9)
 SMALL = scale.GPT(layers=2, hidden=256, heads=2, vocab=512, seq=2048)  # Ψ ≈ 1.8M
@@ -129,7 +129,7 @@ def test_powersgd_breakeven_prices_its_factors_by_the_matrices_shapes():
 
 
 def test_the_trace_has_the_training_traces_fields(tmp_path):
-    from minidp.trace import TRACKS, Timeline
+    from minidp.comm.trace import TRACKS, Timeline
 
     measured = Timeline()
     measured.add("forward", "compute", measured.t0, measured.t0 + 1.0)

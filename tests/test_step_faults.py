@@ -17,10 +17,10 @@ POISON = """
 import sys
 import numpy as np
 from mpi4py import MPI
-from minidp import autograd
-from minidp.cli import main
-from minidp.strategies.step import Step
-from minidp.training.tasks import Task
+from minidp.engine import tensor as autograd
+from minidp.cli.commands import main
+from minidp.cli.strategies.step import Step
+from minidp.cli.training.tasks import Task
 
 where, at = sys.argv[1], int(sys.argv[2])  # "input", "gradient" or "nudge"; the step
 rank, calls, steps = MPI.COMM_WORLD.rank, [], []
@@ -141,7 +141,7 @@ def test_skipping_ends_when_training_does_not_recover():
     from types import SimpleNamespace
 
     from minidp import comm
-    from minidp.training.nonfinite import SKIPS_IN_A_ROW, TrainingDiverged, nonfinite_step
+    from minidp.cli.training.nonfinite import SKIPS_IN_A_ROW, TrainingDiverged, nonfinite_step
 
     config = SimpleNamespace(skip_nonfinite=True, strategy="dp", lr=1e-3)
     result = SimpleNamespace(loss=float("nan"), local_loss=float("nan"))

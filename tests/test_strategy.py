@@ -12,16 +12,16 @@ import numpy as np
 import pytest
 
 from minidp import comm, optim
-from minidp.cli import train_parser
-from minidp.data import DistributedSampler
+from minidp.cli.commands import train_parser
+from minidp.cli.strategies import STRATEGIES, DataParallel, Strategy
+from minidp.cli.training.config import TrainConfig
+from minidp.cli.training.loop import train
+from minidp.cli.training.meter import StepMeter
+from minidp.cli.training.tasks import Task
+from minidp.models.data import DistributedSampler
 from minidp.parallel import DistributedDataParallel
 from minidp.parallel.data_parallel import ddp as dp_module
 from minidp.parallel.data_parallel.comm_thread import allreduce_hook
-from minidp.strategies import STRATEGIES, DataParallel, Strategy
-from minidp.training.config import TrainConfig
-from minidp.training.loop import train
-from minidp.training.meter import StepMeter
-from minidp.training.tasks import Task
 
 TINY = dict(
     model="mlp", n_layer=1, n_embd=16, n_head=2, block_size=8, hidden=16, seed=3,
@@ -123,7 +123,7 @@ def test_a_dropped_ddp_stops_its_thread_and_restores_the_switch_interval():
 
 
 def test_overlap_auto_follows_the_cores(monkeypatch):
-    from minidp import info
+    from minidp.tools import info
 
     monkeypatch.setattr(info, "cores", lambda: 2)  # an unbound rank sees the whole machine
     monkeypatch.setattr(info.os, "cpu_count", lambda: 2)

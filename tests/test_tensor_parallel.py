@@ -14,14 +14,14 @@ import numpy as np
 import pytest
 
 from minidp import comm
-from minidp.cli import main
-from minidp.data import DistributedSampler
-from minidp.memory import nbytes
+from minidp.cli.commands import main
+from minidp.cli.strategies import STRATEGIES, DataParallel
+from minidp.cli.training.config import TrainConfig
+from minidp.cli.training.loop import train
+from minidp.cli.training.tasks import Task
+from minidp.models.data import DistributedSampler
 from minidp.parallel import Mesh
-from minidp.strategies import STRATEGIES, DataParallel
-from minidp.training.config import TrainConfig
-from minidp.training.loop import train
-from minidp.training.tasks import Task
+from minidp.tools.memory import nbytes
 
 STEPS = 3
 TINY = dict(

@@ -8,9 +8,8 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from minidp import comm, nn
-from minidp.autograd import Tensor
-from minidp.chunks import chunk_range
+from minidp import Tensor, comm, nn
+from minidp import functional as F
 from minidp.parallel.mesh import Mesh
 from minidp.parallel.tensor_parallel.communications import sequence_range
 from minidp.parallel.tensor_parallel.gpt import TensorParallelGPT
@@ -24,6 +23,7 @@ from minidp.parallel.tensor_parallel.vocab import (
     VocabParallelEmbedding,
     vocab_parallel_cross_entropy,
 )
+from minidp.tools.chunks import chunk_range
 
 F64 = np.float64
 
@@ -99,7 +99,7 @@ def every_layer(group):
         mlp = ParallelMLP(block.fc, block.fc_proj, group, sequence_parallel=sp)
 
         def block_mlp(t):
-            return block.fc_proj(block.fc(t).gelu())
+            return block.fc_proj(F.gelu(block.fc(t)))
 
         block_mlp.named_parameters = block.named_parameters  # the whole layer's names
         check(block_mlp, mlp, x, group, cut, cut)

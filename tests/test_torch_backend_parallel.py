@@ -12,8 +12,9 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from minidp import backend, comm
-from minidp.training.config import TrainConfig
+from minidp import comm
+from minidp.cli.training.config import TrainConfig
+from minidp.engine import backend
 
 TINY = dict(
     n_layer=1, n_embd=16, n_head=2, block_size=8, seed=5, batch_size=4, warmup=2, lr=1e-2,
@@ -24,7 +25,7 @@ TINY = dict(
 @pytest.mark.torch
 @pytest.mark.parallel(nprocs=[2])
 def test_dp_on_numpy_on_torch_and_pytorch_ddp_match_one_process():
-    from minidp.torch_train import minidp_losses, train_reference
+    from minidp.cli.torch_train import minidp_losses, train_reference
 
     world = comm.world()
     for dtype, rtol in (("float64", 1e-10), ("float32", 1e-4)):

@@ -1,7 +1,7 @@
 """The training loop on one process, and the command line around it.
 
 Runs are tiny (tens of steps, small models) so each takes about a second; the loop is
-called in-process through `minidp.training.loop.train(TrainConfig(...))`, and the command line
+called in-process through `minidp.cli.training.loop.train(TrainConfig(...))`, and the command line
 through a subprocess, as a user would type it.
 """
 
@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 from minidp import optim
-from minidp.training.config import TrainConfig
-from minidp.training.loop import TrainingDiverged, train
+from minidp.cli.training.config import TrainConfig
+from minidp.cli.training.loop import TrainingDiverged, train
 
 MLP_RUN = {"model": "mlp", "steps": 30, "batch_size": 32, "hidden": 32, "warmup": 3, "lr": 1e-2}
 GPT_RUN = {

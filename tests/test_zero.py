@@ -15,15 +15,15 @@ import numpy as np
 import pytest
 
 from minidp import comm, nn, optim
-from minidp.chunks import chunk_bounds
-from minidp.cli import parse_train_args
-from minidp.data import DistributedSampler
+from minidp.cli.commands import parse_train_args
+from minidp.cli.strategies import DataParallel, ZeRO
+from minidp.cli.strategies.zero import model_state_bytes
+from minidp.cli.training.config import BadConfig, TrainConfig
+from minidp.cli.training.loop import train
+from minidp.cli.training.tasks import Task
+from minidp.models.data import DistributedSampler
 from minidp.parallel.zero.flat import ShardLayout
-from minidp.strategies import DataParallel, ZeRO
-from minidp.strategies.zero import model_state_bytes
-from minidp.training.config import BadConfig, TrainConfig
-from minidp.training.loop import train
-from minidp.training.tasks import Task
+from minidp.tools.chunks import chunk_bounds
 
 STEPS = 3
 # batch 10 does not divide by 3 or 4; a tiny bucket cap: many segments, chunk edges in tensors

@@ -12,10 +12,10 @@ import pytest
 from test_tensor_parallel import assert_close, run  # the same loop, the same tolerances
 
 from minidp import comm
-from minidp.cli import main
-from minidp.strategies import STRATEGIES, DataParallel, Hybrid
-from minidp.training.config import TrainConfig
-from minidp.training.tasks import Task
+from minidp.cli.commands import main
+from minidp.cli.strategies import STRATEGIES, DataParallel, Hybrid
+from minidp.cli.training.config import TrainConfig
+from minidp.cli.training.tasks import Task
 
 # batch 8: 2 micro-batches of 2 per DP rank; a tiny bucket cap: many segments, chunk edges
 # inside tensors (run() of test_tensor_parallel: 3 steps at lr 1e-2)

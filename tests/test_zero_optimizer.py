@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 
 from minidp import Tensor, comm, cross_entropy, nn, optim
-from minidp.chunks import chunk_range
 from minidp.parallel import DistributedDataParallel, ZeroRedundancyOptimizer
 from minidp.parallel.across_ranks import replica_spread
+from minidp.tools.chunks import chunk_range
 
 STEPS, BATCH = 4, 10  # 10 examples: uneven slices over 3 ranks
 OPTIMIZERS = {

@@ -14,7 +14,7 @@
 # python tutorials/01_autograd.py
 #
 # Training needs the gradient of a loss with respect to every parameter. minidp's engine
-# (`minidp/autograd.py`) records each operation as it runs, then walks the record backwards,
+# (`minidp/engine/tensor.py`) records each operation as it runs, then walks the record backwards,
 # applying the chain rule once per operation. This tutorial builds that idea up and checks
 # every gradient against **central differences**: (f(x + h) - f(x - h)) / 2h.
 
@@ -148,7 +148,7 @@ assert not out.requires_grad
 # ## 9. Writing a new op
 # An op computes its forward on arrays and hands `minidp.op(data, parents, backward)` a
 # closure mapping the output gradient `g` to one gradient per parent (never writing into
-# `g`; `minidp.autograd.unbroadcast` undoes broadcasting). Here softplus(x) = log(1 + eˣ),
+# `g`; `minidp.engine.tensor.unbroadcast` undoes broadcasting). Here softplus(x) = log(1 + eˣ),
 # whose derivative is the sigmoid, checked by central differences like every op above.
 
 

@@ -90,5 +90,5 @@ out = gpt.generate(np.array([tok.encode("\n")]), 120, rng=np.random.default_rng(
 print(tok.decode(out[0]))
 
 # %% [markdown]
-# The same loop, with flags and a log, is `python -m minidp` (minidp/training/loop.py); with
+# The same loop, with flags and a log, is `python -m minidp` (minidp/cli/training/loop.py); with
 # `mpiexec -n 4` in front it becomes data parallel (tutorial 05).

@@ -24,7 +24,7 @@ import numpy as np
 
 from minidp import comm
 from minidp.comm import p2p
-from minidp.log import print0
+from minidp.tools.log import print0
 
 group = comm.world().dup()  # a private copy of the world: its own counters
 rank, p = group.rank, group.size

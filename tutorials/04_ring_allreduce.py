@@ -24,9 +24,9 @@
 import numpy as np
 
 from minidp import comm
-from minidp.bench.collectives import measure
 from minidp.comm import p2p
-from minidp.log import print0
+from minidp.tools.log import print0
+from minidp_bench.collectives import measure
 
 group = comm.world().dup()
 rank, p = group.rank, group.size

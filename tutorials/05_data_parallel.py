@@ -25,9 +25,9 @@ import tempfile
 import numpy as np
 
 from minidp import Tensor, comm, cross_entropy, data, nn
-from minidp.log import print0
+from minidp.comm.trace import Timeline
 from minidp.parallel import DistributedDataParallel, SimpleDistributedDataParallel
-from minidp.trace import Timeline
+from minidp.tools.log import print0
 
 group = comm.world()
 rank, world = group.rank, group.size

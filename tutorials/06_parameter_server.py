@@ -29,15 +29,15 @@ from dataclasses import replace
 import numpy as np
 
 from minidp import Tensor, comm, cross_entropy, data, nn, optim
-from minidp.chunks import chunk_range
+from minidp.cli.strategies import ParameterServer
+from minidp.cli.training.config import TrainConfig
+from minidp.cli.training.tasks import Task
 from minidp.comm import p2p
-from minidp.log import print0
 from minidp.parallel import ParameterServerWorker, serve
 from minidp.parallel.param_server import messages
-from minidp.plots import pyplot, save
-from minidp.strategies import ParameterServer
-from minidp.training.config import TrainConfig
-from minidp.training.tasks import Task
+from minidp.tools.chunks import chunk_range
+from minidp.tools.log import print0
+from minidp.tools.plots import pyplot, save
 
 group = comm.world()
 rank, world = group.rank, group.size

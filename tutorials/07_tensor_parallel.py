@@ -27,11 +27,14 @@ import os
 import tempfile
 
 import numpy as np
+from minidp.optim import AdamW
 
 from minidp import Tensor, comm, nn
-from minidp.data import DistributedSampler
-from minidp.log import print0
-from minidp.optim import AdamW
+from minidp import functional as F
+from minidp.cli.strategies import DataParallel, TensorParallel
+from minidp.cli.training.config import TrainConfig
+from minidp.cli.training.tasks import Task
+from minidp.models.data import DistributedSampler
 from minidp.parallel import (
     ColumnParallelLinear,
     Mesh,
@@ -43,10 +46,8 @@ from minidp.parallel import (
     vocab_parallel_cross_entropy,
 )
 from minidp.parallel.tensor_parallel.communications import copy_to_tensor_parallel, sequence_range
-from minidp.plots import pyplot, save
-from minidp.strategies import DataParallel, TensorParallel
-from minidp.training.config import TrainConfig
-from minidp.training.tasks import Task
+from minidp.tools.log import print0
+from minidp.tools.plots import pyplot, save
 
 mesh = Mesh(tp=comm.world().size)  # dp 1 x tp p: every rank in one TP group
 group = mesh.tp_group
@@ -115,7 +116,7 @@ cfg = nn.GPTConfig(vocab_size=11, block_size=T, n_layer=1, n_head=4, n_embd=C)
 block = nn.Block(cfg, rng=np.random.default_rng(2), dtype=np.float64)
 x3 = rng.standard_normal((B, T, C))
 xw = Tensor(x3, requires_grad=True)
-(block.fc_proj(block.fc(xw).gelu()) ** 2).sum().backward()
+(block.fc_proj(F.gelu(block.fc(xw))) ** 2).sum().backward()
 mlp = ParallelMLP(block.fc, block.fc_proj, group)
 group.reset_counters()
 xp = Tensor(x3, requires_grad=True)

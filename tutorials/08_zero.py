@@ -27,8 +27,8 @@ import tempfile
 import numpy as np
 
 from minidp import Tensor, comm, cross_entropy, data, nn, optim
-from minidp.chunks import chunk_range
-from minidp.log import print0
+from minidp.cli.strategies.zero import model_state_bytes
+from minidp.comm.trace import Timeline
 from minidp.parallel import (
     DistributedDataParallel,
     FullyShardedDataParallel,
@@ -37,9 +37,9 @@ from minidp.parallel import (
 from minidp.parallel.zero.flat import ShardLayout, pieces
 from minidp.parallel.zero.grads import ShardedGradients
 from minidp.parallel.zero.stage3 import GatheredUnits
-from minidp.plots import pyplot, save
-from minidp.strategies.zero import model_state_bytes
-from minidp.trace import Timeline
+from minidp.tools.chunks import chunk_range
+from minidp.tools.log import print0
+from minidp.tools.plots import pyplot, save
 
 group = comm.world()
 rank, N = group.rank, group.size

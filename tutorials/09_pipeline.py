@@ -31,12 +31,12 @@ import numpy as np
 
 from minidp import Tensor, comm, cross_entropy, data, nn, optim
 from minidp.comm import p2p
-from minidp.log import print0
 from minidp.parallel import PipelineStage, run_schedule, split_batch
 from minidp.parallel.pipeline.diagram import grid, time_diagram
 from minidp.parallel.pipeline.schedules import build_schedule
 from minidp.parallel.pipeline.simulate import formula_bubble, simulate, summary
 from minidp.parallel.pipeline.split import split_model
+from minidp.tools.log import print0
 
 world = comm.world()
 rank, P = world.rank, world.size  # 4 ranks: a pipeline of up to 4 stages

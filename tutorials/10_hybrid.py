@@ -30,8 +30,10 @@ import tempfile
 import numpy as np
 
 from minidp import comm, cross_entropy, nn
-from minidp.data import DistributedSampler
-from minidp.log import print0
+from minidp.cli.strategies import STRATEGIES, DataParallel
+from minidp.cli.training.config import TrainConfig
+from minidp.cli.training.tasks import Task
+from minidp.models.data import DistributedSampler
 from minidp.parallel import (
     DistributedDataParallel,
     Mesh,
@@ -43,10 +45,8 @@ from minidp.parallel import (
     split_model,
 )
 from minidp.parallel.tensor_parallel.gpt import whole_arrays
-from minidp.plots import pyplot, save
-from minidp.strategies import STRATEGIES, DataParallel
-from minidp.training.config import TrainConfig
-from minidp.training.tasks import Task
+from minidp.tools.log import print0
+from minidp.tools.plots import pyplot, save
 
 world = comm.world()
 assert world.size == 8, "run with mpiexec -n 8: a 2 x 2 x 2 mesh"

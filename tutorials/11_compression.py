@@ -35,15 +35,15 @@ from dataclasses import replace
 import numpy as np
 
 from minidp import comm, data, optim
-from minidp.bench.compress import MOMENTUM_LR
-from minidp.log import print0
+from minidp.cli.strategies import DataParallel
+from minidp.cli.training.config import TrainConfig
+from minidp.cli.training.tasks import Task
 from minidp.parallel import DistributedDataParallel, PowerSGD
 from minidp.parallel.compression.sparse import top_k_indices
 from minidp.parallel.compression.table import make_compressor
-from minidp.plots import pyplot, save
-from minidp.strategies import DataParallel
-from minidp.training.config import TrainConfig
-from minidp.training.tasks import Task
+from minidp.tools.log import print0
+from minidp.tools.plots import pyplot, save
+from minidp_bench.compress import MOMENTUM_LR
 
 group = comm.world()
 rank, world = group.rank, group.size

@@ -31,17 +31,17 @@ from dataclasses import replace
 import numpy as np
 
 from minidp import Tensor, comm, nn, optim
-from minidp.data import DistributedSampler
-from minidp.log import print0
+from minidp.cli.strategies import DataParallel
+from minidp.cli.training.config import TrainConfig
+from minidp.cli.training.loop import train
+from minidp.cli.training.tasks import Task
+from minidp.models.data import DistributedSampler
+from minidp.models.prune import functions as prune
+from minidp.models.prune.magnitude import MagnitudePruner, cubic_sparsity, magnitude_masks
 from minidp.parallel import DistributedDataParallel
 from minidp.parallel.pruning import masked_allreduce_hook
-from minidp.plots import pyplot, save
-from minidp.prune import functions as prune
-from minidp.prune.magnitude import MagnitudePruner, cubic_sparsity, magnitude_masks
-from minidp.strategies import DataParallel
-from minidp.training.config import TrainConfig
-from minidp.training.loop import train
-from minidp.training.tasks import Task
+from minidp.tools.log import print0
+from minidp.tools.plots import pyplot, save
 
 group = comm.world()
 

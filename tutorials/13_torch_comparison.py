@@ -15,7 +15,7 @@
 #
 # minidp's engine runs on NumPy arrays, or on torch tensors with `--backend torch` (torch as
 # an array library only: minidp's autograd, torch's switched off). And the same MLP and GPT
-# are written in plain PyTorch (minidp/torch_ref.py), loadable from a minidp state dict. So
+# are written in plain PyTorch (minidp/models/torch_ref.py), loadable from a minidp state dict. So
 # one model, one set of initial weights, one data order can be trained three ways and the
 # losses compared, then data parallel: minidp's DP against PyTorch DDP over gloo.
 
@@ -28,12 +28,12 @@ from dataclasses import replace
 import numpy as np
 import torch
 
-from minidp import backend, comm, functional
-from minidp.autograd import Tensor
-from minidp.log import print0
-from minidp.plots import pyplot, save
-from minidp.torch_train import MinidpRun, minidp_losses, train_reference
-from minidp.training.config import TrainConfig
+from minidp import Tensor, comm, functional
+from minidp.cli.torch_train import MinidpRun, minidp_losses, train_reference
+from minidp.cli.training.config import TrainConfig
+from minidp.engine import backend
+from minidp.tools.log import print0
+from minidp.tools.plots import pyplot, save
 
 group = comm.world()
 alone = group.split(group.rank)  # a group of one: single-process training on each rank

@@ -28,10 +28,10 @@ import tempfile
 import numpy as np
 
 from minidp import Tensor, comm, cross_entropy, data, nn, optim
-from minidp.log import print0
+from minidp.cli.training.config import BadConfig, TrainConfig
+from minidp.cli.training.loop import train
 from minidp.parallel import DistributedDataParallel, checkpoint
-from minidp.training.config import BadConfig, TrainConfig
-from minidp.training.loop import train
+from minidp.tools.log import print0
 
 world = comm.world()
 rank, P = world.rank, world.size

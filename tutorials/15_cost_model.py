@@ -34,19 +34,18 @@ from dataclasses import replace
 import numpy as np
 from threadpoolctl import threadpool_limits
 
-from minidp import comm, cost, cross_entropy, data, nn, optim
-from minidp.autograd import Tensor
-from minidp.chunks import chunk_range
+from minidp import Tensor, comm, cost, cross_entropy, data, nn, optim
+from minidp.cli.training.config import TrainConfig
+from minidp.cli.training.loop import train
+from minidp.cli.training.predict_compress import compressor_seconds
+from minidp.cli.training.tasks import Task
 from minidp.comm import netem, p2p
 from minidp.cost import calls, report, scale, step
 from minidp.cost.compute import measure
-from minidp.log import print0
 from minidp.parallel import DistributedDataParallel
-from minidp.plots import pyplot, save
-from minidp.training.config import TrainConfig
-from minidp.training.loop import train
-from minidp.training.predict_compress import compressor_seconds
-from minidp.training.tasks import Task
+from minidp.tools.chunks import chunk_range
+from minidp.tools.log import print0
+from minidp.tools.plots import pyplot, save
 
 group = comm.world()
 P = group.size

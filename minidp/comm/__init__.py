@@ -5,7 +5,7 @@
     total = comm.allreduce(x, op="sum", algo="ring", group=g)
 
 How a vector is cut into one chunk per rank is pure arithmetic, below this package:
-`minidp/chunks.py` (`chunk_bounds`, `chunk_range`, re-exported here). Read the package in
+`minidp/tools/chunks.py` (`chunk_bounds`, `chunk_range`, re-exported here). Read the package in
 this order, every module of it:
 
   the messages      p2p.py (the only sends and receives), reduce_ops.py (the reduction operators,
@@ -24,6 +24,7 @@ this order, every module of it:
   the public calls  auto.py (algo="auto" by size), args.py (local argument checks),
                     collectives.py and rooted.py (the functions and their contract),
                     text.py (strings over collectives)
+  what ranks did    trace.py (the Timeline: each rank's spans, saved as a Chrome trace)
 
 Public: the names in `__all__` below, and `minidp.comm.p2p` (`send`, `recv`, `sendrecv`,
 `isend`, `irecv`, `waitall`; `probe`, `recv_any`, `waitall_within` for protocols where a
@@ -32,7 +33,6 @@ tutorials build collectives from.
 The other modules are the implementation; import them to read them, not to rely on them.
 """
 
-from minidp.chunks import chunk_bounds, chunk_range
 from minidp.comm.auto import choose
 from minidp.comm.collectives import (
     ALLGATHER,
@@ -68,6 +68,7 @@ from minidp.comm.rooted import (
 from minidp.comm.shm import on_one_machine, shared_zeros
 from minidp.comm.shm_memory import in_shared_memory, peer_arrays, release_shared
 from minidp.comm.text import broadcast_text, gather_text
+from minidp.tools.chunks import chunk_bounds, chunk_range
 
 ALGORITHMS = {
     "allreduce": tuple(ALLREDUCE),

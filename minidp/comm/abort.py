@@ -34,7 +34,7 @@ import os
 import sys
 import time
 
-from minidp.log import world_rank
+from minidp.tools.log import world_rank
 
 STAGGER_S = 1.0  # between two ranks' turns to speak: more than SPEAK_S and the abort's spread
 SPEAK_S = 0.5  # after the line, before the abort: the launcher forwards the line first

@@ -12,7 +12,7 @@ import numpy as np
 
 from minidp.comm.auto import choose
 from minidp.comm.reduce_ops import MOVE_KINDS
-from minidp.names import AUTO
+from minidp.tools.names import AUTO
 
 
 def flat(x, name: str = "x") -> np.ndarray:

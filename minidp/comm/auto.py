@@ -22,10 +22,10 @@ machine (one run's table is in docs/collectives.md):
     barrier          dissemination
 
 Rerun the benchmark to retune these for another machine: the crossover moves with α/β.
-Every name choose() can return is one of minidp/names.py's, checked when this module loads.
+Every name choose() can return is one of minidp/tools/names.py's, checked when this module loads.
 """
 
-from minidp.names import ALGORITHMS
+from minidp.tools.names import ALGORITHMS
 
 SHORT = 64 * 1024
 LONG = 8 * 1024 * 1024
@@ -62,7 +62,7 @@ def _check_choices() -> None:
                 if algo not in listed:
                     raise ValueError(
                         f"auto.choose({collective!r}, {nbytes}, {p}) returns {algo!r}, which "
-                        f"minidp/names.py does not list for {collective}: {listed}"
+                        f"minidp/tools/names.py does not list for {collective}: {listed}"
                     )
 
 

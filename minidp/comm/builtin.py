@@ -12,9 +12,9 @@ the MPI has one, as MPICH does; otherwise it is reduced in float32 and rounded o
 import numpy as np
 from mpi4py import MPI
 
-from minidp.chunks import Bounds
 from minidp.comm.errors import MessageSizeMismatch
 from minidp.comm.p2p import waitall
+from minidp.tools.chunks import Bounds
 
 _OPS = {"sum": MPI.SUM, "avg": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN, "prod": MPI.PROD}
 

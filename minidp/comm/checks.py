@@ -11,7 +11,7 @@ truncation error, or, worst, a silently wrong answer. Three guards, all on by de
        seq | collective | algo | op | dtype | root | size | ndim | dims[0..7] | entered
 
    `seq` counts this rank's collectives on the group; collective, algo and op are indices
-   into minidp/names.py's lists. The exchange is done by hand, every rank sending its
+   into minidp/tools/names.py's lists. The exchange is done by hand, every rank sending its
    fingerprint to every other rank (p - 1 tiny messages each way on their own tag, so they
    never match a data message), because that lets each rank see for itself who sent what and
    who never arrived: cost (p - 1)α. `Fingerprints` sets the exchange up once per group
@@ -57,8 +57,8 @@ from mpi4py import MPI
 
 from minidp.comm.errors import CollectiveMismatch, CollectiveTimeout
 from minidp.comm.p2p import BYTE, CHECK_TAG, poll, statuses_for
-from minidp.names import ALGORITHMS, COLLECTIVES
-from minidp.names import OPS as OP_NAMES
+from minidp.tools.names import ALGORITHMS, COLLECTIVES
+from minidp.tools.names import OPS as OP_NAMES
 
 FIELDS = 16
 MAX_DIMS = FIELDS - 8

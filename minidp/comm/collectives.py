@@ -35,7 +35,6 @@ import functools
 
 import numpy as np
 
-from minidp.chunks import chunk_bounds
 from minidp.comm.alltoall import naive_alltoall, pairwise_alltoall
 from minidp.comm.args import flat, pick, result, same_memory, writable
 from minidp.comm.barrier import dissemination_barrier
@@ -58,9 +57,10 @@ from minidp.comm.reduce_ops import check_op, finish
 from minidp.comm.ring import ring_allgather, ring_allreduce, ring_reduce_scatter
 from minidp.comm.shm import in_shared_memory, shm_allreduce, shm_allreduce_many
 from minidp.comm.tree import tree_allreduce
-from minidp.names import table
+from minidp.tools.chunks import chunk_bounds
+from minidp.tools.names import table
 
-# The tables of functions; names.table() checks each against the one list in minidp/names.py.
+# The tables of functions; names.table() checks each against the one list in minidp/tools/names.py.
 ALLREDUCE = table(
     "allreduce",
     {

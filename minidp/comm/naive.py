@@ -17,10 +17,10 @@ fine for two or three ranks.
 
 import numpy as np
 
-from minidp.chunks import Bounds
 from minidp.comm.args import same_memory
 from minidp.comm.p2p import irecv, isend, recv, send, waitall
 from minidp.comm.reduce_ops import combine
+from minidp.tools.chunks import Bounds
 
 
 def _others(group, root: int) -> list[int]:

@@ -33,9 +33,9 @@ one hands its data to the odd one above it and sits out, so p' "virtual" ranks r
 
 import numpy as np
 
-from minidp.chunks import Bounds, chunk_bounds
 from minidp.comm.p2p import recv, send, sendrecv
 from minidp.comm.reduce_ops import combine
+from minidp.tools.chunks import Bounds, chunk_bounds
 
 
 class Fold:

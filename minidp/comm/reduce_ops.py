@@ -13,7 +13,7 @@ division rounds toward minus infinity, as NumPy's `//` does.
 
 import numpy as np
 
-from minidp.names import OPS
+from minidp.tools.names import OPS
 
 REDUCE_DTYPES = tuple(np.dtype(t) for t in (np.float16, np.float32, np.float64, np.int32, np.int64))
 _REDUCIBLE = frozenset(REDUCE_DTYPES)  # for the membership test: a hash, not five compares

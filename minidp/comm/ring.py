@@ -34,9 +34,9 @@ bits. Cost in the α-β-γ model of Thakur, Rabenseifner & Gropp (2005), n bytes
 
 import numpy as np
 
-from minidp.chunks import Bounds, chunk_bounds
 from minidp.comm.p2p import sendrecv
 from minidp.comm.reduce_ops import combine
+from minidp.tools.chunks import Bounds, chunk_bounds
 
 
 def ring_reduce_scatter(

@@ -22,7 +22,6 @@ the chunks gathered at the root: ~2nβ + nγ instead of lg(p)·n(β + γ)). "aut
 
 import numpy as np
 
-from minidp.chunks import chunk_bounds
 from minidp.comm.args import flat, pick, result, root_in, same_memory
 from minidp.comm.builtin import mpi_broadcast, mpi_gather, mpi_reduce, mpi_scatter
 from minidp.comm.group import Group, world
@@ -36,7 +35,8 @@ from minidp.comm.tree import (
     binomial_scatter,
     subtree_chunks,
 )
-from minidp.names import table
+from minidp.tools.chunks import chunk_bounds
+from minidp.tools.names import table
 
 
 def _scatter_allgather_broadcast(group, buf: np.ndarray, root: int) -> None:
@@ -85,7 +85,7 @@ def _tree_scatter(group, rows: np.ndarray | None, row: np.ndarray, root: int) ->
     np.copyto(row, held[:m])
 
 
-# The tables of functions; names.table() checks each against the one list in minidp/names.py.
+# The tables of functions; names.table() checks each against the one list in minidp/tools/names.py.
 BROADCAST = table(
     "broadcast",
     {

@@ -48,7 +48,6 @@ import zlib
 import numpy as np
 from mpi4py import MPI
 
-from minidp.chunks import chunk_bounds
 from minidp.comm.builtin import mpi_allgather, mpi_barrier
 from minidp.comm.errors import CollectiveMismatch
 from minidp.comm.reduce_ops import combine
@@ -63,6 +62,7 @@ from minidp.comm.shm_memory import (  # noqa: F401 (shm.pool: the tests count se
     release_shared,
     take_segment,
 )
+from minidp.tools.chunks import chunk_bounds
 
 _SCRATCH = -1  # the segment number that means: a plain array, copied into the scratch
 

@@ -23,9 +23,9 @@ root other than 0 rotate first.
 
 import numpy as np
 
-from minidp.chunks import Bounds
 from minidp.comm.p2p import isend, recv, send, waitall
 from minidp.comm.reduce_ops import combine
+from minidp.tools.chunks import Bounds
 
 
 def _relative(group, root: int) -> tuple[int, int]:

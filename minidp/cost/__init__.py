@@ -26,7 +26,7 @@ from minidp.cost import formulas as f
 from minidp.cost import messages as m
 from minidp.cost.formulas import Terms
 from minidp.cost.messages import shm_loaded
-from minidp.names import table
+from minidp.tools.names import table
 
 
 class Traffic(NamedTuple):
@@ -105,7 +105,7 @@ COSTS = {
     ),
     "barrier": _costs("barrier", dissemination=(m.dissemination_barrier, f.barrier), mpi=NONE),
 }
-"""collective -> algorithm -> Model, in the order of minidp/names.py."""
+"""collective -> algorithm -> Model, in the order of minidp/tools/names.py."""
 
 
 def resolve(collective: str, algo: str, p: int, nbytes: int) -> str:

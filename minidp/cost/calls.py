@@ -47,8 +47,8 @@ them for minidp's GPT from its configuration, without building it (pure Python);
 import math
 from typing import NamedTuple
 
-from minidp.chunks import chunk_bounds
-from minidp.units import units_of
+from minidp.engine.units import units_of
+from minidp.tools.chunks import chunk_bounds
 
 
 class Call(NamedTuple):
@@ -100,7 +100,7 @@ def model_shapes(model) -> Shapes:
     """Shapes of a model a user built (any minidp.nn.Module, tied and frozen parameters
     included), as the data-parallel pieces take it: its trainable parameters, each once, in
     parameters() order (DDP's buckets, ZeRO's segments, PowerSGD's matrices), and ZeRO-3's
-    and FSDP's units (minidp.units.units_of); frozen ones are never sent, and every rank
+    and FSDP's units (minidp.engine.units.units_of); frozen ones are never sent, and every rank
     holds them whole (`frozen`, in memory's parameters). No TP terms: tensor parallelism is
     minidp's GPT's (`gpt_shapes`)."""
     trainable = [p for p in model.parameters() if p.requires_grad]

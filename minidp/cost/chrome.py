@@ -31,8 +31,8 @@ import json
 from typing import NamedTuple
 
 from minidp import cost
+from minidp.comm.trace import TRACKS
 from minidp.cost.step import call_time, predict, step_calls
-from minidp.trace import TRACKS
 
 
 class Span(NamedTuple):

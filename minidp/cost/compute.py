@@ -16,8 +16,8 @@ steps. The training loop measures the model a strategy runs through this functio
 import statistics
 import time
 
-from minidp import optim
 from minidp.cost.step import Compute
+from minidp.engine import optim
 
 
 def measure(

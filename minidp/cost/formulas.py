@@ -20,7 +20,7 @@ cost.time adds δ per byte a call copies in memory beside its messages (cost.cop
 not by α and β) have no formula here: their time is None.
 """
 
-from minidp.chunks import chunk_bounds
+from minidp.tools.chunks import chunk_bounds
 
 
 class Terms:

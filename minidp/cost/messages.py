@@ -9,12 +9,12 @@ same thing: messages_sent = len(sizes), bytes_sent = sum(sizes) * itemsize.
 n is the whole vector, in elements: x.size for allreduce, reduce_scatter, broadcast and
 reduce; the gathered result for allgather, gather, alltoall and scatter (p rows of n/p; for
 allgather rank i's piece is chunk i of chunk_bounds(n, p), so pieces may differ by one).
-Chunks are chunk_bounds(n, p) (minidp/chunks.py): the first n % p get one element more.
+Chunks are chunk_bounds(n, p) (minidp/tools/chunks.py): the first n % p get one element more.
 
 Pure Python, no MPI: only the names and the chunking are imported.
 """
 
-from minidp.chunks import chunk_bounds
+from minidp.tools.chunks import chunk_bounds
 
 
 def _sizes(bounds) -> list[int]:

@@ -85,8 +85,8 @@ the clock is complete; ASP/SSP: one, applied at once) and two moments of the sha
 import math
 
 from minidp import cost
-from minidp.chunks import chunk_bounds
 from minidp.cost.step import Compute, Network, Prediction
+from minidp.tools.chunks import chunk_bounds
 
 HEADER_BYTES = 64  # messages.Header: eight float64 fields
 

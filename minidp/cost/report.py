@@ -3,14 +3,14 @@
     print(crossover_table(rows))   # markdown, one function a table
     save_all(record, "runs/sim")   # record: the rows `python -m minidp simulate --json` saves
 
-One PNG per figure (minidp.plots: matplotlib's Agg backend, skipped when it is missing):
+One PNG per figure (minidp.tools.plots: matplotlib's Agg backend, skipped when it is missing):
 crossover.png (every allreduce algorithm against size at the largest p), scaling.png (DP's
 efficiency against ranks), breakeven.png (compression's breakeven bandwidth against ranks).
 """
 
 import os
 
-from minidp.plots import pyplot, save
+from minidp.tools.plots import pyplot, save
 
 SHORT = {
     "ring": "ring",

@@ -49,8 +49,8 @@ the activations estimate of memory.py (sequence parallelism splits its LayerNorm
 from typing import NamedTuple
 
 from minidp import cost
-from minidp.chunks import chunk_bounds
 from minidp.cost.calls import GATHERED, Shapes, buckets, data_parallel, tensor_parallel
+from minidp.tools.chunks import chunk_bounds
 
 
 class Layout(NamedTuple):

@@ -14,12 +14,13 @@ other ranks only through minidp.comm and taking plain arguments (never the comma
                        recompute, backward_split, stage.py: PipelineStage) -> executor.py
     compression/       base.py (error feedback) -> cast, sparse, quant, lowrank -> table.py;
                        update.py and velocity.py (the optimizer-side placements)
-    pruning.py         the DDP hook that reduces only the kept gradients (masks: minidp.prune)
+    pruning.py         the DDP hook that reduces only the kept gradients
+                       (the masks: minidp.models.prune)
     checkpoint/        tree.py (a state as arrays and JSON, no pickle) -> shards.py -> store.py
                        (save, load, latest; the manifest last) -> reshard.py (another layout)
     mesh.py            the rank grid and one group per axis; across_ranks.py, same_model.py
 
-The `--strategy` recipes that assemble these pieces from flags live in minidp.strategies.
+The `--strategy` recipes that assemble these pieces from flags live in minidp.cli.strategies.
 """
 
 from minidp.parallel.compression.table import (

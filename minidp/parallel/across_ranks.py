@@ -12,8 +12,9 @@ import zlib
 
 import numpy as np
 
-from minidp import comm, optim
-from minidp.backend import to_numpy
+from minidp import comm
+from minidp.engine import optim
+from minidp.engine.backend import to_numpy
 
 
 def global_l2(arrays, shard_group: comm.Group | None = None) -> float:

@@ -9,7 +9,7 @@
 So a masked weight's gradient is neither sent nor applied, and the bytes each step sends
 fall with the sparsity: a ring allreduce sends 2(N-1)/N · n_kept · itemsize per bucket and
 rank instead of 2(N-1)/N · n · itemsize. Biases and LayerNorm parameters are never masked
-(minidp/prune/magnitude.py), so they are always sent.
+(minidp/models/prune/magnitude.py), so they are always sent.
 
 Why no mask is ever sent: the masks are computed on every rank from the same weights.
 Data-parallel replicas are bitwise identical (every rank starts from rank 0's weights and
@@ -22,18 +22,18 @@ is refused together with --compress (a lossy reduction need not keep replicas id
 The hook goes in through `DistributedDataParallel.register_comm_hook`, as every gradient
 transform does. It reads its masks from a MagnitudePruner
 (`MaskedAllreduce(pruner, ddp.buckets, algo)`; `--prune` builds one so, in
-strategies/dp.py), or from the masks the torch-named functions of minidp/prune/functions.py
+strategies/dp.py), or from the masks the torch-named functions of minidp/models/prune/functions.py
 left on a user's model (`masked_allreduce_hook(ddp)`).
 """
 
 import numpy as np
 
 from minidp import comm
+from minidp.models.prune.functions import ModelMasks
+from minidp.models.prune.magnitude import MagnitudePruner
 from minidp.parallel.across_ranks import bytes_sent
 from minidp.parallel.data_parallel.buckets import Bucket
 from minidp.parallel.data_parallel.ddp import DistributedDataParallel
-from minidp.prune.functions import ModelMasks
-from minidp.prune.magnitude import MagnitudePruner
 
 
 class MaskedAllreduce:

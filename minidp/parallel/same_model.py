@@ -9,7 +9,7 @@ import zlib
 import numpy as np
 
 from minidp import comm
-from minidp.nn import Module
+from minidp.engine.nn import Module
 
 
 class ModelMismatch(RuntimeError):

@@ -23,7 +23,7 @@ On where the OS has posix_fadvise (not macOS) and each rank has a core (`helps`)
 import contextlib
 import os
 
-from minidp.info import cores_per_rank
+from minidp.tools.info import cores_per_rank
 
 
 def available() -> bool:

@@ -19,7 +19,7 @@ byte range, with the SHA-256 it should have.
 import hashlib
 from concurrent.futures import Future, ThreadPoolExecutor
 
-from minidp.info import cores_per_rank
+from minidp.tools.info import cores_per_rank
 
 PIECE_BYTES = 16 << 20  # 16 MiB: a few per thread in a 100 MB shard, each still long to hash
 THREAD_BYTES = 4 << 20  # below this a shard is hashed in line: a thread's start costs more

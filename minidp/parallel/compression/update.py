@@ -32,8 +32,8 @@ the same): `LocalGradients(ddp)`, a synchronizer whose backwards never reduce, a
     opt.step()                                      # u_w, Σ_w (n_w/B)·C(p_w), θ -= Σ
 """
 
+from minidp.comm.trace import Timeline
 from minidp.parallel.data_parallel.ddp import DistributedDataParallel
-from minidp.trace import Timeline
 
 
 class LocalGradients:

@@ -41,9 +41,9 @@ On a user's own DDP, with update.LocalGradients as the synchronizer:
 import numpy as np
 
 from minidp import comm
+from minidp.comm.trace import Timeline
 from minidp.parallel.data_parallel.buckets import Bucket
 from minidp.parallel.data_parallel.ddp import DistributedDataParallel
-from minidp.trace import Timeline
 
 __all__ = ["MomentumCorrection", "MomentumCorrectedSGD"]
 

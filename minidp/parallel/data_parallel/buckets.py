@@ -17,7 +17,7 @@ ddp.py defaults to 0.25 MiB).
 
 import numpy as np
 
-from minidp.backend import namespace
+from minidp.engine.backend import namespace
 
 
 class Bucket:

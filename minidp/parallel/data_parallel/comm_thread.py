@@ -27,10 +27,10 @@ import time
 import numpy as np
 
 from minidp import comm
-from minidp.info import cores_per_rank
+from minidp.comm.trace import Timeline
 from minidp.parallel.data_parallel.buckets import Bucket
 from minidp.parallel.data_parallel.host_stage import HostBucket, HostStage, PlainStage
-from minidp.trace import Timeline
+from minidp.tools.info import cores_per_rank
 
 
 def overlap_helps(group_size: int) -> tuple[bool, str]:

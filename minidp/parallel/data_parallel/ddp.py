@@ -16,7 +16,7 @@ bucket, so a bucket is reduced in place, one message per bucket:
     params   W0 b0 W1 b1 W2 b2            (forward order)
     buckets  [b2 W2 b1] [W1 b0] [W0]      (reverse order, each up to bucket_cap_mb)
 
-Hooks. Each parameter's grad-ready hook (autograd.py) weighs its gradient by n_r / B into
+Hooks. Each parameter's grad-ready hook (engine/tensor.py) weighs its gradient by n_r / B into
 its bucket slot the moment it is final, and counts the bucket down. A bucket is reduced by
 the communication hook `hook(bucket, group)`, by default an allreduce(sum) with `algo`;
 `register_comm_hook` swaps in another (compression).
@@ -47,7 +47,9 @@ import time
 import weakref
 
 from minidp import comm
-from minidp.nn import Module
+from minidp.comm.trace import Timeline
+from minidp.engine.nn import Module
+from minidp.fast.weight_grads import defer_weight_grads, keep_grad_in
 from minidp.parallel.data_parallel import comm_thread as thread
 from minidp.parallel.data_parallel import shm_arena
 from minidp.parallel.data_parallel.buckets import Bucket, assign_buckets
@@ -57,8 +59,6 @@ from minidp.parallel.data_parallel.gil import quick_gil_handover
 from minidp.parallel.data_parallel.host_stage import HostStage, PlainStage
 from minidp.parallel.data_parallel.unused_params import ReachedFlags
 from minidp.parallel.same_model import check_same_model
-from minidp.trace import Timeline
-from minidp.weight_grads import defer_weight_grads
 
 TRICKS = {  # each speed trick, on by default where `bench dp --case tricks` says it pays
     "shared_memory": True,  # shm_arena.py
@@ -223,7 +223,7 @@ class DistributedDataParallel:
     def no_sync(self):
         """Accumulate gradients locally; the next backward outside the block reduces them.
 
-        The block's end moves each gradient into its bucket slot (Tensor.keep_grad_in),
+        The block's end moves each gradient into its bucket slot (weight_grads.keep_grad_in),
         where later micro-batches add up in place; one no micro-batch reached gets its slot,
         zeroed (until the sync: None there if no rank's backward reached it either)."""
         previous, self.sync_enabled = self.sync_enabled, False
@@ -234,7 +234,7 @@ class DistributedDataParallel:
             self.sync_enabled = previous
             for bucket in self.buckets:
                 for p, view in zip(bucket.params, bucket.views):
-                    p.keep_grad_in(view)
+                    keep_grad_in(p, view)
             self._rearm()
 
     # ---- communication --------------------------------------------------------------------

@@ -27,14 +27,14 @@ import time
 
 import numpy as np
 
-from minidp.backend import is_torch
-from minidp.trace import Timeline
+from minidp.comm.trace import Timeline
+from minidp.engine.backend import is_torch
 
 
 def device_aware_mpi() -> bool:
     """Whether the MPI library's version line names CUDA (a hint, not a guarantee; False
     when it cannot say). minidp stages through the host either way."""
-    from minidp.info import mpi_library  # the comm layer alone imports mpi4py
+    from minidp.tools.info import mpi_library  # the comm layer alone imports mpi4py
 
     try:
         return "cuda" in mpi_library().lower()

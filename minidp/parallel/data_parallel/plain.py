@@ -23,7 +23,7 @@ gil.py, host_stage.py).
 """
 
 from minidp import comm
-from minidp.nn import Module
+from minidp.engine.nn import Module
 
 
 class SimpleDistributedDataParallel:

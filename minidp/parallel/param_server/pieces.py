@@ -37,7 +37,6 @@ import math
 
 import numpy as np
 
-from minidp.chunks import chunk_range
 from minidp.comm import Group, p2p
 from minidp.parallel.param_server import messages
 from minidp.parallel.param_server.messages import Header
@@ -47,6 +46,7 @@ from minidp.parallel.param_server.server import (
     consistency_bound,
     lost_message,
 )
+from minidp.tools.chunks import chunk_range
 
 
 class ParameterServerWorker:

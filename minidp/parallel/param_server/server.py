@@ -43,12 +43,12 @@ import time
 
 import numpy as np
 
-from minidp.autograd import Tensor
 from minidp.comm import p2p
-from minidp.log import JobError
+from minidp.engine.tensor import Tensor
 from minidp.parallel.across_ranks import clip_global_norm
 from minidp.parallel.param_server import messages
 from minidp.parallel.param_server.messages import DROPPED, PULL, PUSH, Header
+from minidp.tools.log import JobError
 
 
 def consistency_bound(consistency: str) -> float:

@@ -7,7 +7,7 @@ A layer y = x W has two gradients, and only one of them is on the critical path:
     W  (weight):  dL/dW = x^T dL/dy     nobody waits for it: run it later, in a bubble
 
 `backward_input(root)` walks the graph behind `root` as the engine's backward does
-(autograd.py: reverse topological order, each tensor's gradient complete before it flows
+(engine/tensor.py: reverse topological order, each tensor's gradient complete before it flows
 on), but hands nothing to a parameter: each gradient meant for a leaf is kept, in a list of
 (leaf, gradient), and left uncomputed where the op allows it. nn.linear's backward gives
 its weight's gradient as a `Product` (weight_grads.py): the two factors x and dL/dy, not yet
@@ -28,10 +28,10 @@ Product's factors); the rest of the micro-batch's graph is freed after B.
 
 import numpy as np
 
-from minidp.autograd import LazyGradient, Tensor, op
-from minidp.backend import base_of
-from minidp.memory import nbytes
-from minidp.weight_grads import Product
+from minidp.engine.backend import base_of
+from minidp.engine.tensor import LazyGradient, Tensor, op
+from minidp.fast.weight_grads import Product
+from minidp.tools.memory import nbytes
 
 __all__ = ["backward_input", "backward_weight", "kept_bytes"]
 

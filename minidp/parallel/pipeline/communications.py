@@ -45,8 +45,8 @@ import time
 
 import numpy as np
 
-from minidp.autograd import Tensor, op
 from minidp.comm import p2p
+from minidp.engine.tensor import Tensor, op
 
 FORWARD, BACKWARD = 0, 1
 _TAG_BASE = 10000  # above p2p's DATA_TAG and CHECK_TAG

@@ -37,7 +37,7 @@ COLOURS = {"F": "#4c72b0", "B": "#dd8452", "W": "#55a868"}
 def time_diagram(timeline: Timeline, path: str, title: str = "") -> str | None:
     """Save the timeline as a PNG (one bar per action, rank 0 on top); None without
     matplotlib. Returns the path."""
-    from minidp.plots import pyplot, save
+    from minidp.tools.plots import pyplot, save
 
     plt = pyplot()
     if plt is None:

@@ -42,7 +42,7 @@ first stage, targets for the last) and each micro-batch's `share` of the step's 
 (B_j / B): the last stage's weighted losses then sum to the mean loss over the batch, and
 the gradients to its gradient. `split_batch` cuts a batch for it.
 
-Each compute action is one span on a `minidp.trace.Timeline` (named "F 0.3": forward of
+Each compute action is one span on a `minidp.comm.trace.Timeline` (named "F 0.3": forward of
 stage 0 on micro-batch 3); `measured_bubble` turns a step's spans into the bubble fraction,
 idle over the step's window on every rank, as simulate.py defines it in unit time:
 

@@ -28,10 +28,11 @@ stage.py and executor.py; `ScheduleGPipe` there computes the same bits as this f
 
 import numpy as np
 
-from minidp import comm, functional
-from minidp.autograd import Tensor
+from minidp import comm
 from minidp.comm import p2p
-from minidp.nn import Module
+from minidp.engine import functional
+from minidp.engine.nn import Module
+from minidp.engine.tensor import Tensor
 
 HEADER = 8  # before an activation, int64s: its dtype's letter, its ndim, its shape
 

@@ -20,7 +20,7 @@ hooks), so a stage split into B and W (backward_split.py) computes a recomputed 
 weight gradients during B: W has only the blocks not recomputed.
 """
 
-from minidp.autograd import Tensor, no_grad, op
+from minidp.engine.tensor import Tensor, no_grad, op
 
 __all__ = ["recomputed"]
 

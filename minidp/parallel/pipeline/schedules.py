@@ -36,11 +36,11 @@ Bubble fraction (idle / (pp · length)) in unit time (F = B = 1; split: B = W = 
                                                T_F = 1, T_B = T_W = 1/2; exact when m >= pp
 """
 
-from minidp.names import PIPELINE_SCHEDULES
 from minidp.parallel.pipeline.actions import Action, B, F, W, stage_rank
 from minidp.parallel.pipeline.dry_run import dry_run
 from minidp.parallel.pipeline.lowering import add_send_recv
 from minidp.parallel.pipeline.validate import validate
+from minidp.tools.names import PIPELINE_SCHEDULES
 
 
 class PipelineSchedule:

@@ -15,10 +15,11 @@ would live on two ranks (Megatron-LM allreduces them between the first and last 
 
 import functools
 
-from minidp import nn
-from minidp.autograd import Tensor
-from minidp.chunks import chunk_bounds
+from minidp.engine import nn
+from minidp.engine.tensor import Tensor
+from minidp.models.gpt import GPT
 from minidp.parallel.pipeline.recompute import recomputed
+from minidp.tools.chunks import chunk_bounds
 
 __all__ = ["GPTPart", "MLPPart", "split_model"]
 
@@ -96,7 +97,7 @@ def split_model(model: nn.Module, num_stages: int, *, recompute: bool = False) -
     """The `num_stages` parts of a user's nn.GPT (or its TensorParallelGPT) or nn.MLP, in order.
     ValueError naming `num_stages` when the model has fewer blocks (layers) than stages.
     `recompute` (GPT only): every block recomputed in backward (recompute.py)."""
-    if isinstance(model, nn.GPT) or _is_gpt(model):
+    if isinstance(model, GPT) or _is_gpt(model):
         units, what = len(model.blocks), "blocks"
         part = functools.partial(GPTPart, recompute=recompute)
     elif isinstance(model, nn.MLP):

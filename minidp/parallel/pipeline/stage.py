@@ -21,17 +21,17 @@ to its gradient, as one process on the whole batch computes them.
 The stage keeps each micro-batch's graph from its forward to its backward (the root: the
 weighted loss, or the send's handle) and frees it after: `in_flight` and
 `peak_in_flight` count micro-batches, `held_bytes` and `peak_bytes` the activations
-(`minidp.memory.activation_bytes`, a lower bound: see memory.py), what 1F1B bounds and GPipe
+(`minidp.tools.memory.activation_bytes`, a lower bound: see memory.py), what 1F1B bounds and GPipe
 does not; between a B and its W, what B kept for W (backward_split.kept_bytes) instead,
 the micro-batch still counted in flight until its W (simulate.py's peak activations).
 """
 
-from minidp import functional
-from minidp.autograd import Tensor
-from minidp.memory import activation_bytes
-from minidp.nn import Module
+from minidp.engine import functional
+from minidp.engine.nn import Module
+from minidp.engine.tensor import Tensor
 from minidp.parallel.pipeline import backward_split
 from minidp.parallel.pipeline import communications as msg
+from minidp.tools.memory import activation_bytes
 
 __all__ = ["PipelineStage"]
 

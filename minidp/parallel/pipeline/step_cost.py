@@ -47,12 +47,12 @@ them, chunk sizes rounded), and the schedule's peak
 """
 
 from minidp import cost
-from minidp.chunks import chunk_bounds
 from minidp.cost.calls import Call, Shapes, data_parallel
 from minidp.cost.step import Compute, Layout, Network, Prediction, call_time
 from minidp.parallel.pipeline.actions import B, F, W
 from minidp.parallel.pipeline.schedules import build_schedule
 from minidp.parallel.pipeline.simulate import peak_activations_per_rank, simulate
+from minidp.tools.chunks import chunk_bounds
 
 HEADER_BYTES = 64  # communications._HEADER int64s, before each activation
 

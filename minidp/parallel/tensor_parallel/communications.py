@@ -40,8 +40,8 @@ in the same order with the same shapes: they are collectives.
 import numpy as np
 
 from minidp import comm
-from minidp.autograd import Tensor, op
-from minidp.chunks import chunk_range
+from minidp.engine.tensor import Tensor, op
+from minidp.tools.chunks import chunk_range
 
 
 # ---- f and g -------------------------------------------------------------------------------

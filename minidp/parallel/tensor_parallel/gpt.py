@@ -35,8 +35,10 @@ import copy
 
 import numpy as np
 
-from minidp import comm, nn
-from minidp.autograd import Tensor
+from minidp import comm
+from minidp.engine import nn
+from minidp.engine.tensor import Tensor
+from minidp.models.gpt import GPT, Block
 from minidp.parallel.tensor_parallel.communications import (
     copy_to_tensor_parallel,
     gather_sequence,
@@ -64,7 +66,7 @@ def _replicated_layer_norm(full: nn.LayerNorm, name: str) -> nn.LayerNorm:
     return layer
 
 
-def tied_to_embedding(full: nn.GPT) -> bool:
+def tied_to_embedding(full: GPT) -> bool:
     """Whether `full.head` is tied to `full.wte` (GPT-2's way, logits X E^T); ValueError for
     a head TensorParallelGPT cannot split: neither an nn.Linear nor tied to wte."""
     weight = getattr(full.head, "weight", None)
@@ -86,7 +88,7 @@ def tied_to_embedding(full: nn.GPT) -> bool:
 class ParallelBlock(nn.Module):
     """nn.Block with parallel attention and MLP: x + attn(ln1(x)), then x + mlp(ln2(x))."""
 
-    def __init__(self, full: nn.Block, group: comm.Group, *, name: str, sequence_parallel: bool):
+    def __init__(self, full: Block, group: comm.Group, *, name: str, sequence_parallel: bool):
         sp = sequence_parallel
         self.ln1 = _replicated_layer_norm(full.ln1, name + "ln1.")
         self.attn = ParallelAttention(full.attn, group, name=name + "attn.", sequence_parallel=sp)
@@ -127,7 +129,7 @@ class TensorParallelGPT(nn.Module):
     `full.head` is an nn.Linear (C -> V), or a head tied to `full.wte` (its `weight` is
     `full.wte.weight`, its logits X E^T); anything else is a ValueError."""
 
-    def __init__(self, full: nn.GPT, group: comm.Group, *, sequence_parallel: bool = False):
+    def __init__(self, full: GPT, group: comm.Group, *, sequence_parallel: bool = False):
         cfg = full.config
         if cfg.n_head % group.size or (4 * cfg.n_embd) % group.size:
             raise ValueError(
@@ -191,7 +193,7 @@ class TensorParallelGPT(nn.Module):
         """Collective: {whole name: whole array} of every parameter's `data` (or `grad`)."""
         return whole_arrays(self.parameters(), self.group, which)
 
-    def gather_into(self, full: nn.GPT) -> None:
+    def gather_into(self, full: GPT) -> None:
         """Collective: the whole trained weights into `full` (an nn.GPT of this config), as
         fresh arrays: `full`'s own may be released stand-ins (TensorParallel frees them)."""
         whole = self.gather_whole("data")

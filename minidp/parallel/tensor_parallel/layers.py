@@ -15,11 +15,8 @@ Put together (column, then row) a block needs no communication between its two m
                  └─ X A_p ─ GeLU ─ Y_p B_p ─┘
 
 one allreduce forward (g) and one backward (f). Attention splits the same way along heads:
-the QKV projection is column-parallel (rank i computes the q, k, v of its heads), each rank
-attends with its own heads, and the output projection is row-parallel (ParallelAttention).
-
-With sequence parallelism (communications.py) f becomes gather_sequence and g becomes
-reduce_scatter_sequence: the input and output of each block are the rank's T/p positions.
+QKV column-parallel (each rank its heads), the output projection row-parallel. With sequence
+parallelism (communications.py) f and g become gather_sequence and reduce_scatter_sequence.
 
 Every layer here is built from the *whole* layer of minidp.nn (`ColumnParallelLinear(full,
 group)`): each rank keeps its slice of the same full weights, so a TP model built from
@@ -34,12 +31,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from minidp import comm, nn
-from minidp import fused as fused_ops
-from minidp.autograd import Tensor
-from minidp.chunks import chunk_range
-from minidp.fused import fusable
-from minidp.gpt import attention
+from minidp import comm
+from minidp.engine import functional as F
+from minidp.engine import nn
+from minidp.engine.registry import fast
+from minidp.engine.tensor import Tensor
+from minidp.models.gpt import CausalSelfAttention, attention
 from minidp.parallel.tensor_parallel.communications import (
     copy_to_tensor_parallel,
     gather_last,
@@ -48,6 +45,7 @@ from minidp.parallel.tensor_parallel.communications import (
     reduce_scatter_sequence,
     split_last,
 )
+from minidp.tools.chunks import chunk_range
 
 
 @dataclass(frozen=True)
@@ -181,7 +179,7 @@ class ParallelMLP(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         h = self.fc(x)
-        return self.fc_proj(fused_ops.gelu(h) if self.fused and fusable(h) else h.gelu())
+        return self.fc_proj(((self.fused and fast("gelu", h)) or F.gelu)(h))  # registry.py
 
 
 def head_features(n_head: int, head_size: int, group: comm.Group) -> np.ndarray:
@@ -214,7 +212,7 @@ class ParallelAttention(nn.Module):
 
     def __init__(
         self,
-        full: nn.CausalSelfAttention,
+        full: CausalSelfAttention,
         group: comm.Group,
         *,
         name: str = "",

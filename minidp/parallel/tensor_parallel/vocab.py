@@ -21,8 +21,9 @@ Each allreduce moves N numbers (S and z_t travel together), not the N x V logits
 
 import numpy as np
 
-from minidp import comm, nn
-from minidp.autograd import Tensor, op
+from minidp import comm
+from minidp.engine import nn
+from minidp.engine.tensor import Tensor, op
 from minidp.parallel.tensor_parallel.communications import (
     reduce_from_tensor_parallel,
     reduce_scatter_sequence,

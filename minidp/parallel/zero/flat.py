@@ -25,8 +25,8 @@ SGD are elementwise, so stepping the pieces is stepping those elements of the wh
 import numpy as np
 
 from minidp import comm
-from minidp.autograd import Tensor
-from minidp.chunks import chunk_bounds
+from minidp.engine.tensor import Tensor
+from minidp.tools.chunks import chunk_bounds
 
 
 class ShardLayout:

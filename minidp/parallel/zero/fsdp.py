@@ -13,9 +13,10 @@ table).
 
 Units. Each direct child of the model that owns trainable parameters is a unit (PyTorch
 wraps each in an FSDP unit with one flat parameter); the parameters outside them, or shared
-by two of them (a tied weight), make a unit of the model itself (minidp.units.units_of). Unit u's
-parameters, end to end, are segment u of the flat vector, and rank r owns chunk r of every
-segment (chunk_bounds: Ψ need not divide by N, an edge may fall inside a tensor):
+by two of them (a tied weight), make a unit of the model itself
+(minidp.engine.units.units_of). Unit u's parameters, end to end, are segment u of the flat
+vector, and rank r owns chunk r of every segment (chunk_bounds: Ψ need not divide by N, an
+edge may fall inside a tensor):
 
     segments  | unit 0: W0 (12), b0 (3)           | unit 1: W1 (4), b1 (2) |  Ψ = 21, N = 3
     chunks    | 0 1 2 3 4 | 5 6 7 8 9 | 10 ... 14 | 15 16 | 17 18 | 19 20  |
@@ -66,12 +67,12 @@ import contextlib
 import numpy as np
 
 from minidp import comm
-from minidp.nn import Module
+from minidp.engine.nn import Module
+from minidp.engine.units import units_of
 from minidp.parallel.across_ranks import clip_global_norm
 from minidp.parallel.same_model import check_same_model
 from minidp.parallel.zero.flat import allgather_flat, gather_whole, pieces, slices_in
 from minidp.parallel.zero.sharded import ALGOS, ShardedModel
-from minidp.units import units_of
 
 SHARDINGS = ("full", "grad_op")  # PyTorch's FULL_SHARD and SHARD_GRAD_OP
 

@@ -24,11 +24,11 @@ import time
 import numpy as np
 
 from minidp import comm
+from minidp.comm.trace import Timeline
+from minidp.fast.weight_grads import defer_weight_grads
 from minidp.parallel.data_parallel.comm_thread import CommThread, Reducer
 from minidp.parallel.data_parallel.gil import quick_gil_handover
 from minidp.parallel.zero.flat import ShardLayout
-from minidp.trace import Timeline
-from minidp.weight_grads import defer_weight_grads
 
 
 class Staged:

@@ -43,8 +43,9 @@ reduce-scatters each bucket instead of allreducing it, strategies/zero.py.)
 
 import numpy as np
 
-from minidp import comm, optim
-from minidp.autograd import Tensor
+from minidp import comm
+from minidp.engine import optim
+from minidp.engine.tensor import Tensor
 from minidp.parallel.zero.flat import (
     ShardLayout,
     allgather_flat,

@@ -40,9 +40,9 @@ Parameter): backward hands the chunk its gradient, and the optimizer steps the c
 import numpy as np
 
 from minidp import comm
-from minidp.autograd import Tensor, no_grad, op
-from minidp.chunks import chunk_bounds
-from minidp.nn import Dropout, Module, Parameter
+from minidp.engine.nn import Dropout, Module, Parameter
+from minidp.engine.tensor import Tensor, no_grad, op
+from minidp.tools.chunks import chunk_bounds
 
 
 class SimpleZeRO3:

@@ -21,11 +21,11 @@ Communication runs on a duplicate of `group` (`comm_group`), its counters this s
 import numpy as np
 
 from minidp import comm
-from minidp.names import ALGORITHMS
+from minidp.comm.trace import Timeline
 from minidp.parallel.zero.flat import ShardLayout, flat_parameters
 from minidp.parallel.zero.grads import ShardedGradients
 from minidp.parallel.zero.stage3 import GatheredUnits
-from minidp.trace import Timeline
+from minidp.tools.names import ALGORITHMS
 
 # the algorithms both reduce_scatter and allgather accept
 ALGOS = ("auto", *(a for a in ALGORITHMS["reduce_scatter"] if a in ALGORITHMS["allgather"]))

@@ -25,7 +25,7 @@ with slot[u % 2] when u gathers into it. Held at any time: 2 slots of the larges
 (PyTorch FSDP gets the same effect by resizing a gathered tensor's storage to zero.)
 
 Parameters outside the children, or shared by two of them (a tied weight), form a unit of
-the model itself (minidp.units.units_of), first in forward order: its gather wraps the
+the model itself (minidp.engine.units.units_of), first in forward order: its gather wraps the
 model's forward, so it is held through the whole forward (and, gathered again by the
 output's pre_backward, through the whole backward), in a third slot of its own; it is
 reduce-scattered last.
@@ -40,8 +40,8 @@ import weakref
 import numpy as np
 
 from minidp import comm
-from minidp.autograd import op
-from minidp.nn import Module
+from minidp.engine.nn import Module
+from minidp.engine.tensor import op
 from minidp.parallel.across_ranks import stand_in
 from minidp.parallel.zero.flat import ShardLayout, gather_whole
 

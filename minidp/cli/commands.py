@@ -1,0 +1,304 @@
+"""The command line: `python -m minidp [train|bench|info|schedule|plot|predict|simulate] ...`.
+
+    python -m minidp                      # train the tiny GPT on one process (train is the default)
+    mpiexec -n 4 python -m minidp         # the same job, data parallel over 4 ranks
+    python -m minidp bench autograd       # a benchmark (minidp_bench/<name>.py)
+    python -m minidp info                 # versions, BLAS, MPI library, world size
+    python -m minidp schedule --pp 4 --micro-batches 8 --schedule 1f1b   # a pipeline schedule
+    python -m minidp plot dp.jsonl zero.jsonl --png loss.png   # loss curves of --json files
+    python -m minidp predict --strategy zero --zero-stage 2 --world 4     # a step's cost
+    python -m minidp simulate --nprocs 1024 --model-params 1.3e9   # 1,024 ranks, modelled
+
+Flags of `train` are generated from TrainConfig (training/config.py). A bad flag or value is one
+clear line on stderr, never a traceback.
+"""
+
+import argparse
+import importlib
+import pkgutil
+import re
+import sys
+import time
+import types
+
+from minidp.cli.parser import Parser  # below cli.py: the benchmarks take it from there
+from minidp.cli.training.config import BadConfig, TrainConfig, config_fields
+from minidp.fast.allocator import keep_freed_memory
+from minidp.tools.log import JobError, RunStopped, die, print0
+
+SUBCOMMANDS = ("train", "bench", "info", "schedule", "plot", "predict", "simulate")
+
+
+def _field_type(annotation):
+    if isinstance(annotation, types.UnionType):  # `str | None` -> str
+        return next(a for a in annotation.__args__ if a is not type(None))
+    return annotation
+
+
+def train_parser() -> argparse.ArgumentParser:
+    from minidp.cli.strategies import STRATEGIES  # the one table of --strategy names
+
+    parser = Parser(prog="minidp train", description="Train a model (see training/config.py).")
+    for name, default, annotation, meta in config_fields():
+        if name == "strategy":
+            meta = {**meta, "choices": tuple(STRATEGIES)}
+        flag = "--" + name.replace("_", "-")
+        kind = _field_type(annotation)
+        if kind is bool:
+            parser.add_argument(flag, dest=name, action="store_true", help=meta["help"])
+            continue
+        shown = default
+        if "of_steps" in meta:  # unset: a fraction of --steps (training/config.py)
+            numerator, denominator, least = meta["of_steps"]
+            shown = f"{numerator} x " if numerator > 1 else ""
+            shown += f"steps / {denominator}" + (f", at least {least}" if least else "")
+        parser.add_argument(
+            flag,
+            dest=name,
+            type=kind,
+            default=default,
+            choices=meta.get("choices"),
+            metavar=name.upper(),
+            help=f"{meta['help']} (default: {shown})",
+        )
+    return parser
+
+
+def parse_train_args(argv: list[str]) -> TrainConfig:
+    args = train_parser().parse_args(argv)
+    config = TrainConfig(**vars(args))
+    try:
+        config.validate()
+    except BadConfig as error:
+        raise die(str(error)) from None
+    return config
+
+
+def benchmarks() -> list[str]:
+    import minidp_bench
+
+    return sorted(
+        m.name for m in pkgutil.iter_modules(minidp_bench.__path__) if not m.name.startswith("_")
+    )
+
+
+def run_bench(argv: list[str]) -> int:
+    names = benchmarks()
+    if not argv or argv[0] in ("-h", "--help"):
+        print0("usage: python -m minidp bench NAME [options]\n\nbenchmarks: " + ", ".join(names))
+        return 0
+    name, rest = argv[0], argv[1:]
+    if name not in names:
+        raise die(f"unknown benchmark {name!r}; choose from: {', '.join(names)}")
+    module = importlib.import_module(f"minidp_bench.{name}")
+    return module.main(rest) or 0
+
+
+def schedule_parser() -> argparse.ArgumentParser:
+    from minidp.parallel.pipeline.schedules import SCHEDULES
+
+    parser = Parser(
+        prog="minidp schedule",
+        description="Build, lower, check and simulate a pipeline schedule (unit time; no MPI).",
+    )
+    parser.add_argument("--pp", type=int, default=4, help="pipeline ranks (default: 4)")
+    parser.add_argument(
+        "--micro-batches", type=int, default=8, help="micro-batches per step (default: 8)"
+    )
+    parser.add_argument(
+        "--schedule", choices=tuple(SCHEDULES), default="1f1b", help="(default: 1f1b)"
+    )
+    parser.add_argument(
+        "--virtual", type=int, default=None, help="stages per rank, interleaved only (default: 2)"
+    )
+    parser.add_argument("--json", metavar="FILE", help="save the figures and the action lists")
+    parser.add_argument("--png", metavar="FILE", help="save the time diagram")
+    parser.add_argument(
+        "--table",
+        action="store_true",
+        help="instead: every schedule's bubble against its formula, pp 2, 4 and m 1, 2, 4, 8",
+    )
+    return parser
+
+
+SCHEDULE_FLAGS = {"pp": "--pp", "micro_batches": "--micro-batches", "virtual": "--virtual"}
+# an argument the library names with its value ("pp=3") or as the subject of its rule
+# ("virtual must be 1"), never the same word inside a formula ("stage s on rank s % pp")
+_SCHEDULE_ARGUMENT = re.compile(r"(?<![\w-])(pp|micro_batches|virtual)(?==|\s+must\b)")
+
+
+def schedule_flags(message: str) -> str:
+    """A library message about schedule arguments with the arguments named as flags."""
+    return _SCHEDULE_ARGUMENT.sub(lambda m: SCHEDULE_FLAGS[m[1]], message)
+
+
+def schedule_command(argv: list[str]) -> int:
+    """`python -m minidp schedule ...`: the grid, the length, the bubble against its
+    formula, the peak activations per stage; a schedule the library refuses is one line."""
+    import json
+
+    from minidp.parallel.pipeline.diagram import grid, time_diagram
+    from minidp.parallel.pipeline.schedules import build_schedule
+    from minidp.parallel.pipeline.simulate import bubble_table, simulate, summary
+
+    args = schedule_parser().parse_args(argv)
+    virtual = args.virtual
+    if args.table:
+        print0(bubble_table(virtual=virtual or 2))
+        return 0
+    if virtual is None:
+        virtual = 2 if args.schedule == "interleaved" else 1
+    try:
+        schedule = build_schedule(args.schedule, args.pp, args.micro_batches, virtual)
+        lowered = schedule.actions()
+    except ValueError as error:  # the library names its arguments; say the flags
+        raise die(f"--schedule {args.schedule}: {schedule_flags(str(error))}") from None
+    figures = summary(schedule)
+    timeline = simulate(lowered, schedule.pp, schedule.num_stages, schedule.split_backward)
+    unit = "F = 1, B = W = 1/2" if schedule.split_backward else "F = B = 1"
+    holds = "" if figures["formula_holds"] else "; the formula assumes a full pipeline"
+    peaks = " ".join(f"{s}:{n}" for s, n in figures["peak_activations_per_stage"].items())
+    print0(
+        f"{schedule!r}: {schedule.num_stages} stages, stage s on rank s % {schedule.pp}\n"
+        f"{grid(timeline)}\n"
+        f"length: {figures['length']:g} (unit time, {unit})\n"
+        f"idle per rank: {' '.join(f'{r}:{t:g}' for r, t in enumerate(figures['idle_per_rank']))}\n"
+        f"bubble fraction: {figures['bubble_fraction']:.4f} "
+        f"(formula {figures['formula']} = {figures['formula_bubble']:.4f}{holds})\n"
+        f"peak activations per stage (micro-batches held): {peaks}"
+    )
+    if args.json:
+        record = {**figures, "actions": [[str(a) for a in row] for row in lowered]}
+        with open(args.json, "w") as file:
+            json.dump(record, file, indent=1)
+    if args.png:
+        time_diagram(timeline, args.png, title=repr(schedule))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in ("-h", "--help"):
+        print0(__doc__.strip())
+        return 0
+    command = argv.pop(0) if argv and argv[0] in SUBCOMMANDS else "train"
+    check_environment()
+    keep_freed_memory()  # freed arrays stay mapped: no page faults each step (allocator.py)
+    if command == "info":
+        from minidp.tools.info import main as info_main
+
+        return info_main(argv)
+    if command == "schedule":
+        return schedule_command(argv)
+    if command == "plot":
+        from minidp.cli.loss_curves import main as plot_main
+
+        return plot_main(argv)
+    if command == "predict":  # a run's step cost, before running it (training/predict.py)
+        from minidp.cli.training.predict import main as predict_main
+
+        return predict_main(argv)
+    if command == "simulate":  # 1,024 ranks from the cost model (training/simulate.py)
+        from minidp.cli.training.simulate import main as simulate_main
+
+        return simulate_main(argv)
+    if command == "bench":
+        try:
+            return run_bench(argv)
+        except SystemExit:  # die(): bad input, found alike on every rank
+            raise
+        except BaseException as error:
+            end_job(error)
+            raise
+    config = parse_train_args(argv)
+    from minidp.cli.training.loop import train
+
+    try:
+        final = train(config, signals=True)  # SIGTERM & co. stop it: training/preemption.py
+    except BadConfig as error:  # found on every rank alike: one line, every rank exits
+        raise die(str(error)) from None
+    except RunStopped as error:  # a divergence, a failed save, a signal: every rank alike
+        raise die(str(error), code=error.code, label=error.label) from None
+    except BaseException as error:
+        end_job(error)
+        raise
+    if final.get("workers_not_ended"):
+        end_without(final["workers_not_ended"])
+    return 0
+
+
+def end_without(workers: list[int]) -> None:
+    """The job's record is written, but a dropped parameter-server worker never ended (dead
+    or stopped): it would hold MPI_Finalize forever, so world rank 0 ends the job with
+    MPI_Abort(0) (exit code 0: the run itself finished). The other ranks wait in Finalize."""
+    from mpi4py import MPI
+
+    from minidp.comm.abort import SPEAK_S, abort_job
+
+    if MPI.COMM_WORLD.Get_rank() == 0:
+        print0(
+            f"minidp: dropped worker(s) {', '.join(map(str, workers))} never ended; ending the "
+            "job (MPI_Abort, code 0) now that everything is written"
+        )
+        time.sleep(SPEAK_S)  # the launcher forwards the line before the abort
+        abort_job("", 0)
+
+
+def check_environment() -> None:
+    """The variables minidp reads (MINIDP_TIMEOUT, MINIDP_NET_*), checked before any rank
+    uses them: one line and exit code 2 for a bad value, on every rank alike."""
+    from minidp.comm.checks import timeout_from_env
+    from minidp.comm.netem import from_env
+
+    try:
+        timeout_from_env(checks=True)
+        from_env()
+    except ValueError as error:
+        raise die(str(error)) from None
+
+
+def end_job(error: BaseException) -> None:
+    """An error on one rank ends the whole job at once (MPI_Abort), its cause printed once.
+
+    Without this the other ranks would wait forever in their next collective. The cause is
+    one line for a JobError (its message says all) and for a CollectiveTimeout (it names the
+    peer never heard from), else the rank's traceback. A rank whose error another rank
+    reports (`reported_elsewhere`) prints nothing and gives that rank time to abort first.
+    What several ranks may find at once (a bug every rank runs into, a timeout) is said
+    once, by the rank whose turn comes first (comm/abort.py). Alone (no other rank to stop)
+    it returns, and a one-line error becomes one line, exit code 1."""
+    from minidp.comm import CollectiveTimeout
+
+    timeout = isinstance(error, CollectiveTimeout)
+    if not _other_ranks_running():
+        if timeout or isinstance(error, JobError):
+            raise die(str(error), code=1) from None
+        return
+    import traceback
+
+    from minidp.comm.abort import abort_job
+
+    if getattr(error, "reported_elsewhere", False):
+        time.sleep(10.0)  # the rank that found it speaks and aborts: that ends us
+        abort_job("", 1)
+    elif timeout:  # every neighbour of the silent rank finds it
+        abort_job(f"minidp: error: {error}", 1, turn="timeout")
+    elif isinstance(error, JobError):  # found by the one rank that reports it
+        abort_job(f"minidp: error: {error}", 1)
+    else:  # a bug: maybe on every rank
+        from mpi4py import MPI
+
+        rank = MPI.COMM_WORLD.Get_rank()
+        report = f"minidp: rank {rank} failed; aborting all ranks. Root cause:\n"
+        abort_job(report + traceback.format_exc(), 1, turn="error")
+
+
+def _other_ranks_running() -> bool:
+    if "mpi4py.MPI" not in sys.modules:
+        return False
+    from mpi4py import MPI
+
+    return MPI.Is_initialized() and not MPI.Is_finalized() and MPI.COMM_WORLD.Get_size() > 1
+
+
+__all__ = ["main", "parse_train_args", "schedule_command", "train_parser", "end_job"]

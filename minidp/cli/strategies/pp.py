@@ -1,0 +1,288 @@
+"""`--strategy pp` and `--strategy hybrid --pp P`: the GPT's blocks cut into pipeline stages
+over the PP axis of a mesh, TP inside each stage, DDP or ZeRO-1 over the DP axis.
+
+    mpiexec -n 2 python -m minidp --strategy pp --n-layer 4 --micro-batches 4 --schedule 1f1b
+    mpiexec -n 2 python -m minidp --strategy pp --n-layer 4 --schedule interleaved --virtual 2
+    mpiexec -n 8 python -m minidp --strategy hybrid --dp 2 --tp 2 --pp 2 --n-layer 4
+
+Every rank builds the whole nn.GPT from the seed (the task's model). The recipe, pieces
+composed (Megatron-LM's 3-D mesh, Narayanan et al. 2021):
+
+    Mesh(dp, tp, pp)                 rank (d, p, t); one group per axis (mesh.py)
+    TensorParallelGPT on tp_group    each rank's TP slice of every layer (tp > 1 only)
+    split_model(..., pp x V)         the parts; stage s on pp rank s % pp, the others'
+                                     parameters released (parallel/pipeline/split.py)
+    PipelineStage per stage          its messages on pp_group
+    DDP (or ZeRO-1) over dp_group    this rank's stages' parameters, reduced once per step
+    PipelineStep                     the skeleton with the schedule inside (pp_step.py)
+
+`--strategy pp` is the mesh (1, 1, world): one pipeline, dp = tp = 1. Ranks of one
+pipeline read the same examples (the data shard is the DP coordinate, (d, dp)): stage 0
+needs the inputs, the last stage the targets. The gradient norm for clipping:
+||g||^2 = allreduce_pp(allreduce_tp(sharded^2) + replicated^2), each shard counted once.
+"""
+
+import math
+from dataclasses import replace
+
+import numpy as np
+
+from minidp import comm
+from minidp.cli.strategies.dp import DDPAxis
+from minidp.cli.strategies.pp_step import PipelineStep
+from minidp.cli.strategies.protocol import Recipe, exposed_clock
+from minidp.cli.strategies.tp import Hybrid, MeshRecipe, make_alike, mesh_sizes
+from minidp.cli.strategies.zero import check_zero
+from minidp.cli.strategies.zero_over_tp import ZeROOverTP, check_drift
+from minidp.cli.training.config import BadConfig
+from minidp.cli.training.scheme_checks import check_pipeline
+from minidp.engine import functional, nn, optim
+from minidp.parallel.across_ranks import replica_spread, stand_in
+from minidp.parallel.mesh import Mesh
+from minidp.parallel.pipeline.schedules import build_schedule
+from minidp.parallel.pipeline.simulate import formula_bubble
+from minidp.parallel.pipeline.split import split_model
+from minidp.parallel.pipeline.stage import PipelineStage
+from minidp.parallel.tensor_parallel.gpt import TensorParallelGPT, whole_arrays
+
+
+def pipeline_mesh(config, world_size: int) -> tuple[int, int, int]:
+    """(dp, tp, pp) of the mesh `--strategy pp` or `--strategy hybrid --pp P` asks for;
+    BadConfig (one line, alike on every rank) when the flags cannot work."""
+    if config.strategy == "pp":
+        pp = config.pp or world_size
+        check_pipeline(config, pp)
+        if pp != world_size:
+            raise BadConfig(
+                f"--pp {pp} must be the world's {world_size} ranks for --strategy pp; "
+                "--strategy hybrid --dp D --tp T --pp P builds the whole mesh"
+            )
+        return 1, 1, pp
+    pp = config.pp
+    check_pipeline(config, pp)
+    if config.zero_stage not in (0, 1):
+        raise BadConfig(
+            f"--zero-stage {config.zero_stage} with --pp: the pipeline runs ZeRO stage 1 "
+            "only (as Megatron-LM's and DeepSpeed's pipelines do); use --zero-stage 1"
+        )
+    for flag, given, why in (
+        ("--compress", config.compress != "none", "its hooks are DDP's over --strategy dp"),
+        ("--prune", bool(config.prune), "its hooks are DDP's over --strategy dp"),
+        ("--grad-accum", config.grad_accum != 1, "the pipeline's --micro-batches accumulate"),
+    ):
+        if given:
+            raise BadConfig(f"{flag} does not run with --pp ({why})")
+    if world_size % pp:
+        raise BadConfig(f"--pp {pp} does not divide the world's {world_size} ranks")
+    if config.dp == config.tp == 0:  # --pp alone: the rest of the world is data parallel
+        config = replace(config, tp=1)
+    dp, tp = mesh_sizes(config, world_size // pp)
+    if dp * tp * pp != world_size:
+        raise BadConfig(
+            f"mesh: dp x tp x pp = {dp} x {tp} x {pp} = {dp * tp * pp}, but the world has "
+            f"{world_size} ranks; choose --dp, --tp and --pp whose product is {world_size}"
+        )
+    if config.zero_stage:
+        check_zero(config, dp, "hybrid")  # --allreduce: one of reduce-scatter's
+    if config.batch_size // dp < config.micro_batches:
+        raise BadConfig(
+            f"--batch-size {config.batch_size} over {dp} data-parallel ranks leaves "
+            f"{config.batch_size // dp} examples per replica, fewer than --micro-batches "
+            f"{config.micro_batches}"
+        )
+    return dp, tp, pp
+
+
+class RankStages(nn.Module):
+    """This rank's parts (one, or V for interleaving), as one module for DDP or ZeRO: its
+    parameters are the parts', under the parts' own names."""
+
+    def __init__(self, parts: list[nn.Module]):
+        self.parts = parts
+
+    def _every_named_parameter(self, prefix: str):
+        for part in self.parts:
+            yield from part._every_named_parameter(prefix)
+
+
+class Pipeline(MeshRecipe):
+    """`--strategy pp`, the mesh (dp, tp, pp) = (1, 1, world), or `--strategy hybrid --dp D
+    --tp T --pp P [--zero-stage 1]`; see the module doc."""
+
+    name = "pp"
+
+    def __init__(self, task, config, group: comm.Group, timeline=None, optimizer=None):
+        super().__init__(task, config, group, timeline)
+        self.name = config.strategy
+        dp, tp, pp = pipeline_mesh(config, group.size)  # alike on every rank, before messages
+        try:
+            self.schedule = build_schedule(
+                config.schedule, pp, config.micro_batches, config.virtual
+            )
+        except ValueError as error:  # the piece names its argument; say the flag
+            raise BadConfig(f"--schedule {config.schedule}: {error}") from None
+        self.mesh = mesh = Mesh(dp=dp, tp=tp, pp=pp, group=group)
+        self.dp, self.zero = None, None
+        try:
+            self._build(task, config)
+            sync, stepper, after_sync, after_step = self._data_parallel_axis(config, optimizer)
+        except BaseException:
+            mesh.close()
+            raise
+        axis = self.dp.ddp if self.dp else self.zero
+        self.axes = {"dp": [axis.comm_group, mesh.dp_group], "tp": [mesh.tp_group],
+                     "pp": [mesh.pp_group]}  # fmt: skip
+        axis_clock = (self.dp or self.zero).clock
+        self.clocks = [axis_clock, exposed_clock(mesh.tp_group), exposed_clock(mesh.pp_group)]
+        self.data_shard = (mesh.dp_group.rank, dp)
+        sequence_parallel = config.sequence_parallel and tp > 1
+        self.run = PipelineStep(
+            *(self, sync, stepper),
+            clip=self.clip,
+            before_sync=[self.sum_partial] if sequence_parallel else [],
+            after_sync=after_sync,
+            after_step=after_step,
+        )
+
+    def _data_parallel_axis(self, config, optimizer) -> tuple:
+        """DDP over the mesh's DP axis, or ZeRO-1 on the TP shards (zero_over_tp.py): the
+        step's (synchronizer, optimizer, after-sync hooks, after-step hooks)."""
+        if config.zero_stage:
+            mesh = self.mesh
+            self.drifts = check_drift(config, mesh.dp, mesh.tp, self.task.model.config.vocab_size)
+            z = self.zero = ZeROOverTP(self, sum_in_hooks=False)  # sum_partial sums
+            self.optimizer, self.clip_params = z.optimizer, z.pieces
+            return z.sync, z.optimizer, z.after_sync, [*z.after_step, self.broadcast_drift]
+        d = self.dp = DDPAxis(self.model, self.mesh.dp_group, config, self.timeline, optimizer)
+        self.optimizer, self.clip_params = d.optimizer, self.params
+        return d.sync, d.stepper, [self.sync_replicated], []
+
+    def _build(self, task, config) -> None:
+        """This rank's stages of the task's GPT (its TP slices when tp > 1), the others'
+        parameters released."""
+        mesh = self.mesh
+        S, rank = self.schedule.num_stages, mesh.pp_group.rank
+        model = task.model
+        self.tp_model = None
+        if mesh.tp > 1:
+            sp = config.sequence_parallel
+            self.tp_model = model = TensorParallelGPT(
+                task.model, mesh.tp_group, sequence_parallel=sp
+            )
+        self.parts = split_model(model, S, recompute=config.recompute)
+        loss_fn = self.tp_model.criterion if self.tp_model else functional.cross_entropy
+        self.stages = {
+            s: PipelineStage(self.parts[s], s, S, mesh.pp_group, loss_fn=loss_fn)
+            for s in self.schedule.stages_of(rank)
+        }
+        self.model = RankStages([self.parts[s] for s in self.stages])  # what DDP or ZeRO wraps
+        self.params = self.model.parameters()
+        mine = {id(p) for p in self.params}
+        others = task.model.parameters() + (self.tp_model.parameters() if self.tp_model else [])
+        for p in others:  # the whole model's and the other stages': released
+            if id(p) not in mine:
+                p.data = stand_in(p)
+        if self.tp_model:
+            self.sharded = [p for p in self.params if p.placement.axis is not None]
+            self.replicated = [p for p in self.params if p.placement.axis is None]
+        else:
+            self.sharded, self.replicated = [], self.params
+
+    def broadcast_drift(self) -> None:
+        """After ZeRO's step: TP rank 0's replicated parameters, where they may drift (tp.py)."""
+        if self.drifts:
+            self.zero.broadcast_replicated()
+
+    def sum_partial(self) -> None:
+        """Sequence parallelism, after the schedule and before the DP sync: each TP rank's
+        replicated gradients cover its T/p positions; the group sums them."""
+        make_alike(self.replicated, self.mesh, partial=True)
+
+    def sync_replicated(self) -> None:
+        """After DDP's sync: TP's replicated gradients alike on every TP rank (tp.py)."""
+        make_alike(self.replicated, self.mesh, partial=False)
+
+    def norm(self, kind: str) -> float:
+        """sqrt(Σ_pp (Σ_tp sharded² + replicated²)); ZeRO-1: its chunks' sum over DP and TP
+        (zero_over_tp.py), summed over PP."""
+        if self.zero is not None:
+            total = np.array([self.zero.sum_of_squares(kind)])
+            return math.sqrt(float(comm.allreduce(total, group=self.mesh.pp_group)[0]))
+        total = np.array([optim.sum_of_squares(getattr(p, kind) for p in self.sharded)], float)
+        if self.mesh.tp > 1:
+            comm.allreduce(total, out=total, group=self.mesh.tp_group)
+        total += optim.sum_of_squares(getattr(p, kind) for p in self.replicated)
+        return math.sqrt(float(comm.allreduce(total, group=self.mesh.pp_group)[0]))
+
+    def gather_model(self) -> None:
+        """Collective: each stage's parameters whole over TP, then broadcast from its pp
+        rank into task.model, on every rank."""
+        mesh, S = self.mesh, self.schedule.num_stages
+        if self.tp_model:
+            whole = whole_arrays(self.params, mesh.tp_group)
+        else:
+            whole = dict(self.model.named_parameters())
+            whole = {name: np.asarray(p.data) for name, p in whole.items()}
+        target = dict(self.task.model.named_parameters())
+        mine = {id(p) for p in self.params}
+        for s, part in enumerate(split_model(self.task.model, S)):  # the whole model's names
+            names = [name for name, _ in part.named_parameters()]
+            if not names:
+                continue
+            dtype = target[names[0]].dtype
+            if s in self.stages:
+                flat = np.concatenate([np.asarray(whole[n], dtype).ravel() for n in names])
+            else:
+                flat = np.empty(sum(target[n].size for n in names), dtype)
+            comm.broadcast(flat, root=self.schedule.stage_rank(s), group=mesh.pp_group)
+            offset = 0
+            for n in names:
+                p = target[n]
+                if id(p) not in mine:  # this rank's own (tp = 1) keep their arrays: ZeRO's
+                    p.data = flat[offset : offset + p.size].reshape(p.shape).copy()  # views
+                offset += p.size
+
+    def max_param_diff(self) -> float:
+        """After gather_model: the whole model's copies (0.0: every rank holds its bits)."""
+        return replica_spread([p.data for p in self.task.model.parameters()], self.group)
+
+    def describe(self) -> str:
+        s, c = self.schedule, self.config
+        axis = (self.dp or self.zero).describe()
+        return (
+            f"{self.mesh.describe()} | schedule {s.name} | micro-batches {s.micro_batches} | "
+            f"stages {s.num_stages} (V {s.virtual}) | recompute {'on' if c.recompute else 'off'}"
+            f" | {axis}"
+        )
+
+    def record(self) -> dict:
+        s, bubbles, mesh = self.schedule, self.run.bubbles, self.mesh
+        own = self.dp.record(self.run.steps_done) if self.dp else self.zero.record()
+        return {
+            **own,
+            "mesh": {"dp": mesh.dp, "tp": mesh.tp, "pp": mesh.pp},
+            "schedule": s.name,
+            "micro_batches": s.micro_batches,
+            "virtual": s.virtual,
+            "recompute": self.config.recompute,
+            "bubble_fraction": float(np.mean(bubbles)) if bubbles else None,
+            "bubble_fraction_formula": formula_bubble(s.name, s.pp, s.micro_batches, s.virtual),
+        }
+
+    def summary(self) -> str:
+        record = self.record()
+        if record["bubble_fraction"] is None:
+            return ""
+        return (
+            f"pipeline bubble: measured {record['bubble_fraction']:.3f}, "
+            f"formula {record['bubble_fraction_formula']:.3f}"
+        )
+
+
+def hybrid(task, config, group: comm.Group, timeline=None, optimizer=None) -> Recipe:
+    """`--strategy hybrid`: the 3-D mesh (Pipeline) when --pp > 1, else dp x tp (Hybrid)."""
+    recipe = Pipeline if config.pp > 1 else Hybrid
+    return recipe(task, config, group, timeline, optimizer)
+
+
+hybrid.name = "hybrid"

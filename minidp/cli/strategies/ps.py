@@ -1,0 +1,317 @@
+"""`--strategy ps`: a parameter server (Li et al., OSDI 2014), driven by the training loop.
+
+    mpiexec -n 4 python -m minidp --strategy ps --servers 1 [--consistency bsp|asp|ssp:K]
+
+Roles: of P ranks, the last S are servers and the first W = P - S are workers, so rank 0 is
+a worker (it prints, and runs validation and the sample on the trained model). The flat
+parameter vector of Ψ elements (the model's parameters in order, one dtype, so balancing
+bytes is balancing elements) is cut into S contiguous key ranges, chunk_range(Ψ, S, s):
+a tensor may span two servers.
+
+       worker 0     worker 1     worker 2          (the global batch split among workers)
+         │  push g_w[lo_s:hi_s] (clock c)   ▲ pull θ[lo_s:hi_s]
+         ▼                                  │
+       server 0: θ[0:Ψ/2], optimizer   server 1: θ[Ψ/2:Ψ], optimizer
+
+One step on a worker, at its clock c:  forward and backward on its slice of the global
+batch (n_w of B examples) -> push its mean gradient g_w to every server (non-blocking, all
+at once) -> pull every shard for clock c + 1, which the servers answer as --consistency
+allows (parallel/param_server/server.py) -> copy the shards into the model. The push and pull are
+pieces.ParameterServerWorker's, a server is a server.ShardServer (serve() drives one
+for a script): this recipe builds them from the flags and drives them step by step. The
+optimizer (SGD, momentum or AdamW: --ps-optimizer) lives only on the servers, each over its
+own shard, with the lr of the loop's schedule that the worker sends in its push header.
+
+What step() returns. Workers: the global loss of the newest clock that every worker has
+pushed, which the servers sum (Σ n_w/B · loss_w, in worker order) and send with each reply.
+Under BSP that is clock c itself, the same on every rank, as the protocol asks; under
+ASP/SSP it may lag by up to K clocks (ASP: any), since a per-step reduction among workers
+would re-synchronize them; before any clock is complete it is the worker's own loss; the
+last step's pull waits for every push, so the final loss is exact. Servers: clock t's
+global loss (step t serves until clock t is complete). Clipping: BSP clips the global
+gradient by its global norm (the servers allreduce one float); ASP/SSP clip each worker's
+own gradient before it is pushed.
+
+Waiting: servers wait in a patient probe (naps doubling to 1 ms): measured here, a server
+idle for 2 s used 33 ms of CPU (under 2% of a core). Workers wait for replies by polling
+with 50 us naps (a patient group).
+
+A server releases the whole model once its shard is copied (read-only stand-ins). After
+training, gather_model() broadcasts each server's shard to every rank: every rank's
+task.model then holds the servers' copy (a server's in fresh arrays), and max_param_diff()
+is the largest difference between what the workers pulled and that copy (0.0: bitwise the
+same).
+"""
+
+import functools
+import time
+
+import numpy as np
+
+from minidp import comm
+from minidp.cli.strategies.protocol import StepResult, Strategy
+from minidp.cli.training.config import BadConfig, staleness_bound
+from minidp.engine import optim
+from minidp.models import data
+from minidp.parallel.across_ranks import bytes_sent, clip_global_norm, global_l2, stand_in
+from minidp.parallel.param_server.membership import NONE_DROPPED, account, live_group
+from minidp.parallel.param_server.pieces import ParameterServerWorker, flatten, load_flat
+from minidp.parallel.param_server.server import ShardServer
+from minidp.tools.chunks import chunk_range
+from minidp.tools.log import print0
+from minidp.tools.memory import activation_bytes, nbytes, optimizer_bytes
+
+
+class ParameterServer(Strategy):
+    """Servers own shards of the parameters and the optimizer; workers push and pull."""
+
+    name = "ps"
+
+    def __init__(self, task, config, group: comm.Group, timeline=None):
+        super().__init__(task, config, group, timeline)
+        check_config(config, group.size, task.num_examples)  # every rank, before any message
+        P, S = group.size, config.servers
+        staleness_bound(config.consistency)  # a bad --consistency: one line, before any message
+        self.n_workers = W = P - S
+        self.servers = list(range(W, P))
+        self.is_server = group.rank >= W
+        self.params = task.model.parameters()
+        flat = flatten(self.params)
+        self.shards = [chunk_range(flat.size, S, s) for s in range(S)]
+        self.ps = group.dup()  # the PS messages, counted apart; patient: ranks > cores
+        self.ps.patient, self.ps.timeout = True, config.ps_timeout
+        self.server_group = group.split(0 if self.is_server else None)
+        self.histogram = np.zeros(config.steps + 1, dtype=np.int64)  # staleness 0..steps
+        self.mismatch, self.traffic, self.clock = 0.0, None, 0
+        self.steps_run = 0  # by this object: its counters' steps, after a resume too
+        self.drops = dict(NONE_DROPPED)  # gather_model's account: who was dropped, when
+        self.live_ranks = list(range(P))  # after the last clock: those still in the job
+        self.staleness = self.histogram  # this rank's until gather_model sums them
+        self.activations_peak, self._measure = 0, True
+        if self.is_server:
+            lo, hi = self.shards[group.rank - W]
+            optimizer_class, defaults = ps_optimizer(config)
+            self.server = ShardServer(
+                self.ps, lo, hi, flat, W, optimizer_class, defaults, config.steps,
+                config.consistency, config.grad_clip, config.ps_timeout, self.server_group,
+                self.histogram,
+            )  # fmt: skip
+            for p in self.params:  # the shard is a copy: free the whole model's arrays
+                p.data = stand_in(p)  # (read-only stand-ins until gather_model)
+        else:
+            self.data_shard = (group.rank, W)
+            self.worker = ParameterServerWorker(
+                task.model, self.ps, self.servers, config.consistency, config.ps_timeout
+            )
+            self.flat, self.grad = self.worker.flat, self.worker.grad  # pulled, pushed
+            self.slow = config.ps_slow_worker_ms / 1e3 if group.rank == W - 1 else 0.0
+
+    # ---- one step -----------------------------------------------------------------------
+    def step(self, local: np.ndarray | None, lr: float) -> StepResult:
+        last = self.clock == self.config.steps - 1
+        self.steps_run += 1
+        if self.is_server:
+            loss = self.server.serve_until(self.clock, last)
+            self.clock += 1
+            if self.server.bsp and not last:  # every worker holds the next clock's shard:
+                self.server.serve_pulls(self.clock)  # a collective between steps is safe
+            self.keep_live_ranks(last)
+            return StepResult(loss, 0.0)
+        if self.worker.stopped:  # a server dropped this worker: it trains no more
+            self.clock += 1
+            self.keep_live_ranks(last)
+            return StepResult(self.last_loss, 0.0)
+        task, span, config = self.task, self.timeline.span, self.config
+        if self.slow:
+            time.sleep(self.slow)
+        with span("forward"):
+            loss = task.loss(*task.batch(local))
+        if self._measure:
+            self.activations_peak, self._measure = activation_bytes(loss), False
+        for p in self.params:
+            p.grad = None
+        with span("backward"):
+            loss.backward()
+        if config.grad_clip and config.consistency != "bsp":  # the servers clip under BSP
+            clip_global_norm(self.params, config.grad_clip)  # this worker's own gradient
+        local_loss, share = loss.item(), len(local) / config.batch_size
+        start = time.perf_counter()
+        with span("push and pull"):
+            step_loss = self.worker.push_pull(lr, local_loss, share)
+        self.comm_seconds += time.perf_counter() - start
+        self.exposed_seconds = self.comm_seconds
+        self.clock += 1
+        self.last_loss = step_loss
+        self.keep_live_ranks(last)
+        return StepResult(step_loss, local_loss)
+
+    def keep_live_ranks(self, last: bool) -> None:
+        """After the last clock: self.group made of the ranks still in the job (a dropped
+        worker is not: membership.py), for every collective that follows."""
+        if last:
+            self.group, self.live_ranks = live_group(
+                self.group, self.ps, self.n_workers, server=getattr(self, "server", None),
+                stopped=not self.is_server and self.worker.stopped,
+                server_group=self.server_group, timeout=2 * self.config.ps_timeout,
+            )  # fmt: skip
+
+    # ---- after training -------------------------------------------------------------------
+    def gather_model(self) -> None:
+        """Collective over the live ranks: every shard broadcast from its server; the traffic
+        and histogram. A dropped worker keeps what it last pulled."""
+        stopped, W = not self.is_server and self.worker.stopped, self.n_workers
+        server, timeout = getattr(self, "server", None), self.config.ps_timeout
+        self.drops = account(
+            self.group, self.ps, W, self.live_ranks, server=server, stopped=stopped, timeout=timeout
+        )
+        if stopped:
+            return
+        full = np.empty(self.shards[-1][1], dtype=self.params[0].data.dtype)
+        for s, (lo, hi) in enumerate(self.shards):
+            root = self.live_ranks.index(self.servers[s])
+            if self.group.rank == root:
+                full[lo:hi] = self.server.param.data
+            comm.broadcast(full[lo:hi], root=root, group=self.group)
+        if self.is_server:  # fresh arrays in place of the stand-ins
+            for p in self.params:
+                p.data = np.empty(p.shape, p.dtype)
+        else:
+            self.mismatch = float(np.max(np.abs(self.flat - full), initial=0.0))
+        load_flat(self.params, full)
+        self.staleness = comm.allreduce(self.histogram, group=self.group)  # every server's
+        counters = self.ps.counters.get("p2p", {"bytes_sent": 0, "bytes_recv": 0})
+        mine = np.array([counters["bytes_sent"], counters["bytes_recv"]], dtype=np.int64)
+        self.traffic = comm.allgather(mine, group=self.group)
+        say = functools.partial(print0, rank=self.group.rank)
+        say("staleness histogram (clocks: updates): " + staleness_line(self.staleness))
+        for r, (out, into) in zip(self.live_ranks, self.traffic):
+            role = "server" if r in self.servers else "worker"
+            n = max(1, self.steps_run)
+            say(f"  {role} rank {r}: {into / n:,.0f} B in, {out / n:,.0f} B out per step")
+
+    def param_l2(self) -> float:
+        return global_l2([p.data for p in self.params])
+
+    def max_param_diff(self) -> float:
+        return float(comm.allreduce(np.array([self.mismatch]), op="max", group=self.group)[0])
+
+    def bytes_sent_by_axis(self) -> dict[str, int]:
+        """Push, pull and the servers' norm: the data-parallel axis of the mesh contract
+        (the workers split the global batch); the record's ps_traffic splits it by role."""
+        groups = [self.ps] + ([self.server_group] if self.is_server else [])
+        return {"dp": bytes_sent(*groups)}
+
+    def memory_bytes(self) -> dict[str, int]:
+        if self.is_server:  # the shard, and the released model's stand-ins
+            s = self.server
+            return {
+                "parameters": nbytes([s.param.data, *(p.data for p in self.params)]),
+                "gradients": nbytes(s.inbox),
+                "optimizer": optimizer_bytes(s.optimizer),
+                "activations_peak": 0,
+                "buffers": s.scratch.nbytes,
+            }
+        return {
+            "parameters": nbytes(p.data for p in self.params),
+            "gradients": nbytes([self.grad, *(p.grad for p in self.params)]),  # backward's too
+            "optimizer": 0,
+            "activations_peak": self.activations_peak,
+            "buffers": self.flat.nbytes,
+        }
+
+    def describe(self) -> str:
+        W, S = self.n_workers, len(self.servers)
+        keys = ", ".join(f"[{lo}:{hi})" for lo, hi in self.shards)
+
+        def ranks(lo: int, hi: int) -> str:
+            return f"rank {lo}" if lo == hi else f"ranks {lo}-{hi}"
+
+        return (
+            f"parameter server | workers {ranks(0, W - 1)} | servers {ranks(W, W + S - 1)} "
+            f"(keys {keys}) | consistency {self.config.consistency} | "
+            f"optimizer {self.config.ps_optimizer} on the servers"
+        )
+
+    def record(self) -> dict:
+        """The staleness histogram (one count per update per server: a push to S servers is S
+        updates) and, after gather_model, each rank's PS traffic."""
+        counts = {str(s): int(n) for s, n in enumerate(self.staleness) if n}
+        traffic = [
+            {
+                "rank": r,
+                "role": "server" if r in self.servers else "worker",
+                "bytes_out_per_step": int(t[0]) / max(1, self.steps_run),
+                "bytes_in_per_step": int(t[1]) / max(1, self.steps_run),
+            }
+            for r, t in zip(self.live_ranks, self.traffic if self.traffic is not None else [])
+        ]
+        return {
+            "consistency": self.config.consistency,
+            "servers": len(self.servers),
+            "staleness_histogram": counts,
+            "ps_traffic": traffic,
+            **self.drops,  # resends dropped; workers dropped, when, and those that never ended
+        }
+
+    # ---- resuming -------------------------------------------------------------------------
+    # Taken between steps under BSP, every rank is at the same clock and no message is in
+    # flight: that is the state this resumes (under ASP/SSP, the clocks as they stood).
+    def state_dict(self) -> dict:
+        state = {"clock": self.clock, "histogram": self.histogram.copy()}
+        if self.is_server:  # its model is released: the shard is its state
+            s = self.server
+            s.serve_pulls(self.clock)  # the workers' pulls for this clock, still coming
+            state |= {"shard": s.param.data.copy(), "optimizer": s.optimizer.state_dict()}
+            state |= {"done": list(s.done), "complete": s.complete, "losses": list(s.losses)}
+        else:
+            versions = list(self.worker.versions)
+            state |= {"model": self.task.model.state_dict(), "versions": versions}
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        self.clock = state["clock"]
+        self.histogram[...] = state["histogram"]
+        if self.is_server:
+            s = self.server
+            s.param.data[...] = state["shard"]
+            s.optimizer.load_state_dict(state["optimizer"])
+            s.done, s.complete, s.losses = list(state["done"]), state["complete"], state["losses"]
+            s.answered = [self.clock] * len(s.done)
+        else:
+            self.task.model.load_state_dict(state["model"])
+            self.worker.versions, self.worker.clock = list(state["versions"]), self.clock
+            self.flat[...] = flatten(self.params)
+
+    def close(self) -> None:
+        if self.server_group is not None and self.server_group.broken != "freed":
+            self.server_group.free()
+        if self.ps.broken != "freed":
+            self.ps.free()
+
+
+def check_config(config, world_size: int, num_examples: int) -> None:
+    """BadConfig (one line) for what this world cannot run: on every rank alike, servers
+    included, which read no data and so never see the loop's check of the batch. (Data
+    parallelism's flags set under --strategy ps are refused by TrainConfig.validate, which
+    the command line runs; a script that calls train() without it has them ignored.)"""
+    P, S = world_size, config.servers
+    if S >= P:
+        raise BadConfig(f"--servers {S} leaves no worker in a world of {P} ranks: at most {P - 1}")
+    try:  # the workers' sampler, as the loop builds it on each of them
+        data.DistributedSampler(num_examples, config.batch_size, 0, P - S, seed=config.seed)
+    except ValueError as error:
+        raise BadConfig(f"--batch-size {config.batch_size}: {error}") from None
+
+
+def staleness_line(histogram: np.ndarray) -> str:
+    """'0: 120 | 1: 30 | 3: 2': the staleness values that occurred and their counts."""
+    return " | ".join(f"{s}: {int(n)}" for s, n in enumerate(histogram) if n) or "none"
+
+
+def ps_optimizer(config) -> tuple[type, dict]:
+    """--ps-optimizer as (optimizer_class, defaults): the servers' (and a reference run's)."""
+    return {
+        "sgd": (optim.SGD, {"lr": config.lr}),
+        "momentum": (optim.SGD, {"lr": config.lr, "momentum": 0.9}),
+        "adamw": (optim.AdamW, {"lr": config.lr, "weight_decay": config.weight_decay}),
+    }[config.ps_optimizer]

@@ -1,0 +1,283 @@
+"""`--strategy tp` and `--strategy hybrid`: tensor parallelism inside each TP group of the
+mesh, data parallelism across its DP axis.
+
+    mpiexec -n 4 python -m minidp --strategy tp --tp 4                 # dp 1 x tp 4
+    mpiexec -n 4 python -m minidp --strategy hybrid --dp 2 --tp 2      # dp 2 x tp 2
+    mpiexec -n 4 python -m minidp --strategy hybrid --dp 2 --tp 2 --sequence-parallel
+
+Every rank builds the whole nn.GPT from the seed (the task's model) and keeps its TP slice of
+it (parallel/tensor_parallel/gpt.py). Ranks of one TP group read the same examples: the data shard
+is the DP coordinate, (d, dp). The recipe: a Mesh, the TP GPT on its TP group
+(parallel/tensor_parallel/gpt.py), and a data-parallel axis over its DP group, DDP
+(dp.DDPAxis) or, for `--strategy hybrid --zero-stage S`, ZeRO (zero_axis.ZeROAxis,
+zero_over_tp.py): pieces composed, handed to the one step skeleton (step.py). With DDP, one step on
+the TP model:
+
+    forward / backward        f, g (or the sequence pairs) over the TP group, inside the model
+    DDP buckets               allreduce over the DP group: each rank reduces its own shard's
+                              gradients with the ranks that hold the same shard
+    replicated gradients      sequence parallel: each rank saw T/p positions, so the group
+                              sums them (allreduce over TP)
+    clip                      ||g||^2 = allreduce_TP(sum of squares of the shards)
+                                        + sum of squares of the replicated (counted once)
+    AdamW                     on this rank's shard; replicated parameters update alike on
+                              every rank of the group, bit for bit (their gradients are)
+
+Why replicated gradients agree bit for bit without sequence parallelism: every TP rank
+computes them from the same inputs (g's output and f's backward are allreduce results,
+identical on every rank). The DP allreduce then sums the same operands on every TP rank,
+but in an order that depends on the bucket layout, which differs between TP ranks when the
+shards differ in size (an uneven vocabulary). With 2 DP ranks a sum of two is the same
+either way; from 3 on, TP rank 0's replicated gradients are broadcast over the group.
+"""
+
+import contextlib
+import math
+
+import numpy as np
+
+from minidp import comm
+from minidp.cli.strategies.dp import DDPAxis
+from minidp.cli.strategies.protocol import Recipe, exposed_clock
+from minidp.cli.strategies.step import check_micro_batches
+from minidp.cli.strategies.zero import check_zero
+from minidp.cli.strategies.zero_over_tp import ZeROOverTP, check_drift
+from minidp.cli.training.config import BadConfig
+from minidp.engine import optim
+from minidp.parallel.across_ranks import replica_spread, stand_in
+from minidp.parallel.mesh import Mesh
+from minidp.parallel.tensor_parallel.gpt import TensorParallelGPT
+
+
+def mesh_sizes(config, world_size: int) -> tuple[int, int]:
+    """(dp, tp) of the mesh the flags ask for; BadConfig (one line) when they cannot work."""
+    if config.strategy == "tp":
+        dp, tp = 1, config.tp or world_size
+    elif config.dp == config.tp == 0:
+        raise BadConfig("--strategy hybrid needs --dp or --tp (or both)")
+    else:
+        dp = config.dp or max(1, world_size // config.tp)
+        tp = config.tp or max(1, world_size // config.dp)
+    if config.model != "gpt":
+        raise BadConfig(f"--strategy {config.strategy} splits the GPT; --model is {config.model}")
+    for what, n in (("--n-head", config.n_head), ("4 x --n-embd", 4 * config.n_embd)):
+        if n % tp:
+            raise BadConfig(f"--tp {tp} must divide {what} ({n})")
+    if config.sequence_parallel:
+        if tp == 1:
+            raise BadConfig("--sequence-parallel needs a TP group of more than one rank")
+        if config.block_size % tp:
+            raise BadConfig(
+                f"--sequence-parallel: --block-size {config.block_size} must divide by --tp {tp}"
+            )
+    return dp, tp
+
+
+def check_mesh(config, world_size: int, gpt) -> tuple[int, int, bool]:
+    """(dp, tp, drifts): the mesh the tp or hybrid flags ask for, and whether ZeRO must
+    broadcast TP rank 0's replicated parameters after each step (zero_over_tp.py), for the
+    task's `gpt`; BadConfig (one line) when the flags cannot work."""
+    dp, tp = mesh_sizes(config, world_size)
+    drifts = False
+    if config.zero_stage:
+        drifts = check_drift(config, dp, tp, gpt.config.vocab_size)
+    if dp * tp != world_size:  # Mesh would refuse it naming its arguments: say it in flags
+        raise BadConfig(
+            f"mesh: dp x tp x pp = {dp} x {tp} x 1 = {dp * tp}, but the world has {world_size} "
+            f"ranks; choose --dp and --tp whose product is {world_size}"
+        )
+    if config.zero_stage:
+        check_zero(config, dp, "hybrid")
+    else:
+        check_micro_batches(config, dp)
+    return dp, tp, drifts
+
+
+def make_alike(replicated: list, mesh: Mesh, partial: bool, compressed: bool = False) -> None:
+    """After the DP axis's sync: the `replicated` parameters' gradients alike on every rank
+    of `mesh.tp_group`. `partial`: each rank saw its T/p positions (sequence parallelism),
+    so the group sums them. Else the DP sums may differ by rank: in order (dp > 2), or in
+    what a compressor chose from each TP rank's own bucket (top-k, a scale): take rank 0's."""
+    tp_group = mesh.tp_group
+    if tp_group.size == 1 or not replicated:
+        return
+    grads = [p.grad for p in replicated]
+    flat = np.concatenate([g.ravel() for g in grads])
+    if partial:
+        comm.allreduce(flat, out=flat, group=tp_group)
+    elif mesh.dp > 2 or compressed:
+        comm.broadcast(flat, root=0, group=tp_group)
+    else:
+        return
+    offset = 0
+    for g in grads:
+        g[...] = flat[offset : offset + g.size].reshape(g.shape)
+        offset += g.size
+
+
+class MeshRecipe(Recipe):
+    """What a recipe on a Mesh with one data-parallel axis (`self.dp`, a DDPAxis, or
+    `self.zero`, a ZeROAxis) around `self.model` delegates to that axis: the arrays it holds
+    (with the mesh's groups' scratch), its state, and closing it and the mesh. The tp and
+    hybrid recipes (OnTheMesh) and the pipeline's (pp.py) share it."""
+
+    def held(self) -> dict[str, list]:
+        held = (self.dp or self.zero).held()
+        groups = (self.group, *self.mesh.groups().values())
+        held["buffers"] += [g.scratch.nbytes for g in groups]
+        return held
+
+    def state_dict(self) -> dict:
+        return self.dp.state_dict(self.model) if self.dp else self.zero.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        if self.dp:
+            self.dp.load_state_dict(self.model, state)
+        else:
+            self.zero.load_state_dict(state)
+
+    def close(self) -> None:
+        (self.dp or self.zero).close()
+        self.mesh.close()
+
+
+class OnTheMesh(MeshRecipe):
+    """What the tp and hybrid recipes share: the mesh, the TP GPT on its TP group, and the
+    reports (the mesh in the header and the record, bytes per mesh axis, the whole model
+    gathered back). A recipe's __init__ checks its flags, then builds its data-parallel axis
+    inside `with self.on_mesh(dp, tp):` with `use_ddp` or `use_zero`."""
+
+    @contextlib.contextmanager
+    def on_mesh(self, dp: int, tp: int):
+        """The mesh and the TP model; the mesh closed again if what follows fails."""
+        self.mesh = mesh = Mesh(dp=dp, tp=tp, group=self.group)
+        self.dp_group, self.dp, self.zero = mesh.dp_group, None, None
+        try:
+            self.model = TensorParallelGPT(
+                self.task.model, mesh.tp_group, sequence_parallel=self.config.sequence_parallel
+            )
+            self.sharded, self.replicated = self.model.sharded_and_replicated()
+            yield
+        except BaseException:
+            mesh.close()
+            raise
+        self.clocks.append(exposed_clock(mesh.tp_group))  # f and g: on the critical path
+        self.axes = {
+            "dp": [self.comm_group, mesh.dp_group],
+            "tp": [mesh.tp_group],
+            "pp": [mesh.pp_group],
+        }
+        for p in self.task.model.parameters():  # the TP model holds copies of its slices:
+            p.data = stand_in(p)  # free the whole model's (gather_model builds fresh ones)
+        self.data_shard = (mesh.dp_group.rank, mesh.dp_group.size)
+
+    def use_ddp(self, optimizer=None) -> None:
+        """DistributedDataParallel over the DP axis; the replicated gradients made alike."""
+        self.dp = dp = DDPAxis(self.model, self.dp_group, self.config, self.timeline, optimizer)
+        self.ddp, self.optimizer, self.comm_group = dp.ddp, dp.optimizer, dp.ddp.comm_group
+        self.compressor, self.pruning = dp.compressor, dp.pruning
+        self.clocks, self.clip_params = [dp.clock], self.model.parameters()
+        self.run = dp.make_step(self.loss, self.clip, self.timeline, [self.sync_replicated])
+
+    def use_zero(self, make_optimizer=None) -> None:
+        """ZeRO over the DP axis (zero_over_tp.py): rank (d, t) keeps chunk d of TP shard t."""
+        self.zero = z = ZeROOverTP(self, make_optimizer)
+        self.optimizer, self.comm_group, self.gathered = z.optimizer, z.comm_group, z.gathered
+        self.layout, self.pieces, self.shard = z.layout, z.pieces, z.shard
+        self.clocks, self.clip_params = [z.clock], z.pieces
+        self.run = z.make_step(self.loss, self.clip, [self.broadcast_drift])
+
+    def loss(self, indices: np.ndarray):
+        return self.model.loss(*self.task.batch(indices))
+
+    def sync_replicated(self) -> None:
+        """After DDP's sync: the replicated parameters' gradients alike on every TP rank."""
+        partial = self.model.replicated_grads_partial
+        make_alike(self.replicated, self.mesh, partial, self.compressor is not None)
+
+    def broadcast_drift(self) -> None:
+        """After ZeRO's step: TP rank 0's replicated parameters, where they may drift."""
+        if self.drifts:
+            self.zero.broadcast_replicated()
+
+    def norm(self, kind: str) -> float:
+        if self.zero is not None:
+            return self.zero.norm(kind)
+        sharded = [getattr(p, kind) for p in self.sharded]
+        total = np.array([optim.sum_of_squares(sharded)])  # the shards summed over TP, the
+        if self.mesh.tp > 1:  # replicated once: sqrt(Σ_TP shards² + replicated²)
+            comm.allreduce(total, out=total, group=self.mesh.tp_group)
+        replicated = optim.sum_of_squares(getattr(p, kind) for p in self.replicated)
+        return math.sqrt(float(total[0]) + replicated)
+
+    def replicas(self) -> list:
+        """The TP shards alike over the DP axis, the replicated parameters on every rank
+        (under ZeRO the DP axis holds shards: only the replicated ones)."""
+        name = {id(p): n for n, p in self.model.named_parameters()}
+        replicated = [(self.group, [(name[id(p)], p.data) for p in self.replicated])]
+        if self.zero is not None:
+            return replicated
+        return [(self.dp_group, [(name[id(p)], p.data) for p in self.sharded]), *replicated]
+
+    def max_param_diff(self) -> float:
+        if self.zero is not None:  # as ZeRO: the whole model after gather_model
+            return replica_spread([p.data for p in self.task.model.parameters()], self.group)
+        shards = replica_spread([p.data for p in self.sharded], self.mesh.dp_group)
+        return max(shards, replica_spread([p.data for p in self.replicated], self.group))
+
+    def gather_model(self) -> None:
+        """Collective: the TP model whole on each TP rank (ZeRO stage 3 gathers it over DP
+        first), then the whole model in task.model from the TP shards."""
+        if self.zero is not None and self.zero.gathered is not None:
+            self.zero.gathered.materialize()
+        self.model.gather_into(self.task.model)
+
+    def describe(self) -> str:
+        sp = "on" if self.model.sequence_parallel else "off"
+        axis = (self.dp or self.zero).describe()
+        return f"{self.mesh.describe()} | sequence parallel {sp} | {axis}"
+
+    def record(self) -> dict:
+        mesh = self.mesh
+        own = self.dp.record(self.run.steps_done) if self.dp else self.zero.record()
+        return {
+            **own,
+            "mesh": {"dp": mesh.dp, "tp": mesh.tp, "pp": mesh.pp},
+            "sequence_parallel": self.model.sequence_parallel,
+        }
+
+    def summary(self) -> str:
+        return self.dp.summary(self.run.steps_done) if self.dp else ""
+
+    def state_layout(self) -> dict:
+        return self.dp.state_layout(self.model) if self.dp else self.zero.state_layout()
+
+
+class TensorParallel(OnTheMesh):
+    """`--strategy tp`: the TP GPT on the whole group, DDP over a DP axis of one."""
+
+    name = "tp"
+
+    def __init__(self, task, config, group: comm.Group, timeline=None, optimizer=None):
+        super().__init__(task, config, group, timeline)
+        # alike on every rank, before any message (no --zero-stage for tp: no drift)
+        dp, tp, _ = check_mesh(config, group.size, task.model)
+        with self.on_mesh(dp, tp):
+            self.use_ddp(optimizer)
+
+
+class Hybrid(OnTheMesh):
+    """`--strategy hybrid --dp D --tp T`: the TP GPT on a D x T mesh with DDP over its DP
+    axis; with `--zero-stage S`, ZeRO over the DP axis instead."""
+
+    name = "hybrid"
+
+    def __init__(self, task, config, group: comm.Group, timeline=None, optimizer=None):
+        super().__init__(task, config, group, timeline)
+        # alike on every rank, before any message; drifts: see broadcast_drift
+        dp, tp, self.drifts = check_mesh(config, group.size, task.model)
+        with self.on_mesh(dp, tp):
+            if config.zero_stage:
+                self.use_zero(optimizer)  # (a function of the pieces, as ZeRO takes it)
+            else:
+                self.use_ddp(optimizer)

@@ -1,0 +1,289 @@
+"""TrainConfig: every knob of `python -m minidp train`, with its default and its meaning.
+
+The command line is generated from this dataclass (cli.py), so a new field is a new flag;
+the values that cannot work are refused by config_checks.py, one line each.
+
+Default run, the arithmetic:
+  GPT 2 layers x 4 heads x 64 channels, block 64 tokens   ->  ~0.1 M parameters
+  global batch 16 sequences x 64 tokens                   ->  1024 tokens per step
+  300 steps                                               ->  ~0.3 M tokens, well under a minute
+
+Flags counted in steps (`--warmup`, `--prune-start`, `--prune-end`, `--prune-every`) default
+to a fraction of `--steps` (their metadata's "of_steps"): 300 steps warm up for 20 and prune
+from 50 to 200 every 10, 60 steps warm up for 4 and prune from 10 to 40 every 2. Left unset
+they are None here, and `resolved()` fills them in; a value given is kept as it is.
+
+Each field is a `flag(default, help, **metadata)` (flags.py, with the methods every config
+has: `is_set`, `resolved`, `applies`, `header`, `validate`). The metadata keys:
+  choices      the values the command line accepts
+  strategies   the --strategy names it belongs to (none: every one); set under another,
+               it is refused, never silently ignored
+  models       the --model names it belongs to (none: every one)
+  with         the flag that turns its feature on (the header hides it while that is off)
+  of_steps     (numerator, denominator, least): unset, max(least, steps * n // d)
+"""
+
+from dataclasses import dataclass, fields
+
+from minidp.cli.training.config_checks import (
+    TORCH_STRATEGIES,
+    VELOCITY_COMPRESSORS,
+    BadConfig,
+    check_block_size,
+    staleness_bound,
+)
+from minidp.cli.training.flags import Flags, flag
+from minidp.engine.optim import OPTIMIZERS
+from minidp.tools.names import ALGORITHMS, AUTO, PIPELINE_SCHEDULES
+
+DATA_PARALLEL = ("dp", "tp", "hybrid", "zero")
+"""The strategies whose ranks hold replicas (or shards) reduced by allreduce: they read the
+data-parallel flags (allreduce, buckets, overlap, micro-batches); the parameter server not."""
+PP = ("pp", "hybrid")  # the strategies that read the pipeline's flags
+STEPPED = ("dp", "tp", "zero", "pp", "hybrid")  # those that run strategies/step.py
+
+
+@dataclass
+class TrainConfig(Flags):
+    strategy: str = flag(
+        "dp", "how ranks share the work (minidp.cli.strategies.STRATEGIES names them)"
+    )
+    model: str = flag("gpt", "model to train", choices=("gpt", "mlp"))
+    steps: int = flag(300, "optimizer steps")
+    batch_size: int = flag(16, "GLOBAL batch (sequences for gpt, examples for mlp)")
+    lr: float = flag(3e-3, "peak learning rate")
+    warmup: int | None = flag(None, "linear warmup steps, then cosine decay", of_steps=(1, 15, 0))
+    min_lr_ratio: float = flag(0.1, "final lr = lr * this")
+    weight_decay: float = flag(
+        0.01,
+        "weight decay as torch applies it: AdamW's decoupled (w *= 1 - lr wd), "
+        "SGD's added to the gradient (g + wd w)",
+    )
+    grad_clip: float = flag(1.0, "global-norm clip (0 = off)")
+    seed: int = flag(1337, "one seed (>= 0) for init, data and dropout")
+    dtype: str = flag("float32", "compute dtype", choices=("float32", "float64"))
+    log_every: int = flag(25, "log a line every N steps")
+    json: str | None = flag(None, "write JSON-lines records to FILE")
+    # model size (gpt)
+    block_size: int = flag(64, "gpt context length in tokens", models=("gpt",))
+    n_layer: int = flag(2, "gpt transformer blocks", models=("gpt",))
+    n_head: int = flag(4, "gpt attention heads", models=("gpt",))
+    n_embd: int = flag(64, "gpt channels", models=("gpt",))
+    dropout: float = flag(
+        0.0,
+        "dropout probability (> 0: each rank masks its own slice, so data "
+        "parallel losses match one process in distribution, not bit for bit)",
+        models=("gpt",),
+    )
+    # model size (mlp on the synthetic classification set)
+    hidden: int = flag(128, "mlp hidden width", models=("mlp",))
+    eval_batches: int = flag(8, "validation batches at the end")
+    sample_tokens: int = flag(200, "characters to generate (gpt)")
+
+    # data parallelism
+    allreduce: str = flag(
+        "auto",
+        "gradient allreduce algorithm",
+        choices=(AUTO, *ALGORITHMS["allreduce"]),
+        strategies=DATA_PARALLEL,
+    )
+    bucket_mb: float = flag(0.25, "gradient bucket size in MiB", strategies=DATA_PARALLEL)
+    overlap: str = flag(
+        "auto",
+        "reduce gradients during backward (on), after it (off), or on when every "
+        "rank has a spare core (auto)",
+        choices=("auto", "on", "off"),
+        strategies=DATA_PARALLEL,
+    )
+    grad_accum: int = flag(1, "micro-batches per optimizer step", strategies=DATA_PARALLEL)
+    threads: int = flag(0, "BLAS threads per rank (0: cores / ranks on this machine)")
+    trace: str | None = flag(None, "write a Chrome-trace timeline")
+    log_dir: str | None = flag(None, "one log file per rank here")
+    # checkpoints (minidp.parallel.checkpoint; docs/checkpoints.md): DIR/step_000050, ...
+    save_dir: str | None = flag(None, "write checkpoints here (DIR/step_NNNNNN)")
+    save_every: int = flag(0, "save every N steps (0: once, at the end)", with_="save_dir")
+    resume: str | None = flag(None, "resume from DIR's newest complete checkpoint, or DIR/step_N")
+    save_signal: str = flag(
+        "none",
+        "a signal that, like SIGTERM and SIGINT, makes every rank finish its step, save it "
+        "to --save-dir and stop (SLURM's --signal=USR1@120; training/preemption.py; MPICH's "
+        "mpiexec forwards SIGUSR1, not SIGUSR2 or SIGHUP)",
+        choices=("none", "SIGUSR1"),
+        with_="save_dir",
+    )
+
+    # faults (docs/faults.md)
+    skip_nonfinite: bool = flag(
+        False,
+        "a step whose loss or global gradient norm (computed where --grad-clip clips) is "
+        "not finite is skipped by every rank, logged and counted, instead of ending the run",
+        strategies=STEPPED,
+    )
+    check_every: int = flag(
+        0,
+        "every N steps, compare a hash of the parameters among the ranks that should hold "
+        "the same bits, and stop naming the first that differ (0: never; training/drift.py)",
+        strategies=("dp", "tp", "zero", "hybrid"),
+    )
+
+    # Each scheme's own flags go in its section below, with the strategies they belong to.
+
+    # the optimizer of the schemes that hold a whole copy (or a shard) of every parameter:
+    # AdamW by default; momentum (SGD, momentum 0.9, torch.optim.SGD's) is the setting the
+    # compression papers (DGC, PowerSGD, EF-SignSGD) were published with. ps: --ps-optimizer
+    optimizer: str = flag(
+        "adamw",
+        "adamw, momentum (SGD with momentum 0.9) or sgd, with --lr and "
+        "--weight-decay (minidp/engine/optim.py, OPTIMIZERS)",
+        choices=tuple(OPTIMIZERS),
+        strategies=DATA_PARALLEL,
+    )
+
+    # parameter server (--strategy ps): the last S ranks serve, the others work
+    servers: int = flag(1, "server ranks (the last S of the world)", strategies=("ps",))
+    consistency: str = flag(
+        "bsp",
+        "bsp (every clock together), asp (each push as it comes) or ssp:K "
+        "(no worker more than K clocks ahead of the slowest)",
+        strategies=("ps",),
+    )
+    ps_optimizer: str = flag(
+        "adamw",
+        "the servers' optimizer (momentum: SGD with momentum 0.9)",
+        choices=("sgd", "momentum", "adamw"),
+        strategies=("ps",),
+    )
+    ps_slow_worker_ms: float = flag(
+        0.0,
+        "the last worker sleeps this long every step (to show ASP's gain)",
+        strategies=("ps",),
+    )
+    ps_timeout: float = flag(
+        60.0,
+        "seconds a server waits for a silent worker (asp/ssp: dropped; bsp: an "
+        "error) and a worker for a server's reply",
+        strategies=("ps",),
+    )
+
+    # the array backend (minidp/engine/backend.py): NumPy, or torch tensors on the CPU or a GPU
+    backend: str = flag(
+        "numpy",
+        "array library of the engine: numpy, or torch tensors (torch's autograd off)",
+        choices=("numpy", "torch"),
+    )
+    device: str = flag("cpu", "device of --backend torch", choices=("cpu", "cuda"), with_="backend")
+
+    # the rank mesh and tensor parallelism (--strategy tp, hybrid)
+    #   world = dp x tp: mpiexec -n 4 ... --strategy hybrid --dp 2 --tp 2
+    dp: int = flag(
+        0,
+        "data-parallel size of the mesh (0: what the world leaves, world / tp)",
+        strategies=("hybrid",),
+    )
+    tp: int = flag(
+        0,
+        "tensor-parallel size of the mesh (0: what the world leaves, world / dp)",
+        strategies=("tp", "hybrid"),
+    )
+    sequence_parallel: bool = flag(
+        False,
+        "split LayerNorm and dropout regions along the sequence over the TP group",
+        strategies=("tp", "hybrid"),
+    )
+
+    # pipeline parallelism (--strategy pp, hybrid): 4 blocks, --pp 2 --virtual 2: 4 stages
+    #   of 1 block; world = dp x tp x pp: mpiexec -n 8 ... --strategy hybrid --dp 2 --tp 2 --pp 2
+    pp: int = flag(0, "pipeline stages' ranks (pp: 0 the world; hybrid: 0 none)", strategies=PP)
+    micro_batches: int = flag(4, "micro-batches per step (m)", strategies=PP)
+    schedule: str = flag("1f1b", "pipeline schedule", choices=PIPELINE_SCHEDULES, strategies=PP)
+    virtual: int = flag(1, "stages per rank (V > 1: --schedule interleaved)", strategies=PP)
+    recompute: bool = flag(False, "blocks recompute their activations in backward", strategies=PP)
+
+    # ZeRO (--strategy zero, hybrid)
+    zero_stage: int = flag(
+        0,
+        "what ZeRO shards over the data-parallel ranks: 1 the optimizer state, "
+        "2 and the gradients, 3 and the parameters (0: not set)",
+        strategies=("zero", "hybrid"),
+    )
+
+    # gradient compression and pruning (--strategy dp, hybrid)
+    compress: str = flag(
+        "none",
+        "gradient compression NAME[:PARAM]: none, fp16, bf16, topk:DENSITY, "
+        "randomk:DENSITY, sign, sign-noef, qsgd:LEVELS, powersgd:RANK "
+        "(minidp/parallel/compression/table.py)",
+        strategies=("dp", "hybrid"),
+    )
+    compress_warmup: int = flag(
+        0,
+        "the first STEPS reductions of each bucket are the plain allreduce, "
+        "uncompressed, and compression starts from a zero residual after (PyTorch "
+        "PowerSGD's start_powerSGD_iter)",
+        strategies=("dp", "hybrid"),
+        with_="compress",
+    )
+    compress_on: str = flag(
+        "gradient",
+        "what --compress compresses: the summed gradient, before one shared "
+        "optimizer (gradient), each rank's optimizer step, lr-scaled, with error "
+        "feedback on the step as in EF-SignSGD (update; minidp/parallel/compression/update.py), "
+        "or each rank's momentum-SGD velocity, DGC's momentum correction and factor "
+        "masking (velocity, with --optimizer momentum and --compress topk or randomk; "
+        "minidp/parallel/compression/velocity.py)",
+        choices=("gradient", "update", "velocity"),
+        strategies=("dp",),
+    )
+
+    # pruning (minidp/models/prune/magnitude.py): default run, the arithmetic: prune from step
+    # 50 (steps/6) to 200 (2 steps/3) every 10 (steps/30), 16 pruning steps on the cubic
+    # ramp; 114,688 of the GPT's 116,480 values are weight matrices, so --prune 0.9 leaves
+    # ~13,000 of them sent per step (11% of dense)
+    prune: float = flag(
+        0.0,
+        "target sparsity of the weight matrices, in [0, 1) (0 = off; biases "
+        "and LayerNorm stay dense)",
+        strategies=("dp",),
+    )
+    prune_start: int | None = flag(
+        None,
+        "step the cubic pruning ramp starts",
+        strategies=("dp",),
+        of_steps=(1, 6, 0),
+        with_="prune",
+    )
+    prune_end: int | None = flag(
+        None,
+        "step the target sparsity is reached",
+        strategies=("dp",),
+        of_steps=(2, 3, 0),
+        with_="prune",
+    )
+    prune_every: int | None = flag(
+        None, "steps between pruning steps", strategies=("dp",), of_steps=(1, 30, 1), with_="prune"
+    )
+    prune_scope: str = flag(
+        "global",
+        "one magnitude threshold over all weight matrices, or one per matrix",
+        choices=("global", "layer"),
+        strategies=("dp",),
+        with_="prune",
+    )
+
+
+def config_fields():
+    """(name, default, type, metadata) for each TrainConfig field, in order."""
+    return [(f.name, f.default, f.type, f.metadata) for f in fields(TrainConfig)]
+
+
+__all__ = [
+    "DATA_PARALLEL",
+    "TORCH_STRATEGIES",
+    "VELOCITY_COMPRESSORS",
+    "BadConfig",
+    "TrainConfig",
+    "check_block_size",
+    "config_fields",
+    "flag",
+    "staleness_bound",
+]

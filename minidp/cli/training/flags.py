@@ -1,0 +1,70 @@
+"""What a config of flags can say about itself, and `flag()`, the field that declares one.
+
+TrainConfig (config.py) is a dataclass of `flag(...)` fields over `Flags`; the command line is
+generated from its fields (cli.py). The metadata keys `flag` takes are listed in config.py's
+docstring. `Flags` answers, for any such dataclass: a field's default (a step-counted one's
+follows --steps), whether it was set, the config with the unset step counts filled in,
+whether a field applies to this --strategy and --model, the header line, and validate().
+"""
+
+from dataclasses import field, fields, replace
+
+from minidp.cli.training.config_checks import check_config
+
+
+def flag(default, help: str, *, with_: str | None = None, **metadata):
+    """A TrainConfig field: its default, its --help line and its metadata (config.py lists
+    the keys; `with_` is the "with" key, a Python keyword)."""
+    if with_ is not None:
+        metadata["with"] = with_
+    return field(default=default, metadata={"help": help, **metadata})
+
+
+class Flags:
+    """The methods of a config of `flag` fields (see the module doc)."""
+
+    def default_of(self, name: str):
+        """Flag `name`'s default here: a step-counted one's is its fraction of --steps."""
+        meta = type(self).__dataclass_fields__[name].metadata
+        if "of_steps" not in meta:
+            return type(self).__dataclass_fields__[name].default
+        numerator, denominator, least = meta["of_steps"]
+        return max(least, self.steps * numerator // denominator)
+
+    def is_set(self, name: str) -> bool:
+        """Whether flag `name` was given a value other than its default (resolved or not)."""
+        value = getattr(self, name)
+        return value is not None and value != self.default_of(name)
+
+    def resolved(self) -> "Flags":
+        """This config with each step-counted flag left unset filled in from --steps. Resolve
+        last: `replace(config.resolved(), steps=N)` keeps the numbers filled in for the old
+        --steps (replace the unresolved config, then resolve)."""
+        unset = {
+            f.name: self.default_of(f.name)
+            for f in fields(self)
+            if "of_steps" in f.metadata and getattr(self, f.name) is None
+        }
+        return replace(self, **unset) if unset else self
+
+    def applies(self, name: str) -> bool:
+        """Whether field `name` means anything under this --strategy and --model (the header
+        prints only those; setting one that does not is refused by validate)."""
+        meta = type(self).__dataclass_fields__[name].metadata
+        strategies = meta.get("strategies", (self.strategy,))  # no list: every one
+        models = meta.get("models", (self.model,))
+        return self.strategy in strategies and self.model in models
+
+    def header(self) -> str:
+        """The config line of the run's header: the fields that apply to this --strategy and
+        --model, less those of a feature left off (--prune's schedule without --prune, say)."""
+        shown = []
+        for f in fields(self):
+            feature = f.metadata.get("with")  # the flag that turns this one's feature on
+            if self.applies(f.name) and (feature is None or self.is_set(feature)):
+                shown.append(f"{f.name}={getattr(self, f.name)}")
+        return "config: " + " ".join(shown)
+
+    def validate(self) -> None:
+        """Raise BadConfig with one clear line for a value that cannot work (config_checks)."""
+        check_config(self)

@@ -1,0 +1,244 @@
+"""The training loop: `python -m minidp train` (see config.py for every flag).
+
+    python -m minidp                             # the tiny GPT on one process
+    mpiexec -n 4 python -m minidp                # the same job, data parallel over 4 ranks
+    python -m minidp --model mlp --steps 200     # an MLP on the synthetic clusters
+
+One loop for every scheme. It reads top to bottom: build the task (model and data) from one
+seed, so every rank holds the same model; hand it to the strategy that `--strategy` names
+(minidp.cli.strategies.STRATEGIES; the protocol is in strategies/protocol.py); then, for each step,
+take the examples of the global batch this rank computes on and let the strategy do the
+step (forward, backward, communication, clipping, optimizer); log; report. Who writes: the
+group's rank 0 prints, writes the JSON records and the sample; every rank may keep a log.
+"""
+
+import contextlib
+import functools
+
+import numpy as np
+
+from minidp import comm
+from minidp.cli.strategies import STRATEGIES
+from minidp.cli.training import resume
+from minidp.cli.training.config import BadConfig, TrainConfig
+from minidp.cli.training.drift import check_replicas
+from minidp.cli.training.meter import StepMeter, Window
+from minidp.cli.training.nonfinite import TrainingDiverged as TrainingDiverged  # re-exported
+from minidp.cli.training.nonfinite import nonfinite_step
+from minidp.cli.training.predicted import for_run
+from minidp.cli.training.preemption import Preempted, Preemption
+from minidp.cli.training.records import Records
+from minidp.cli.training.tasks import Task
+from minidp.comm.trace import Timeline
+from minidp.engine import optim
+from minidp.models import data
+from minidp.tools.info import blas_info, cores_per_rank, mpi_library
+from minidp.tools.log import RankLog, print0
+from minidp.tools.memory import CATEGORIES
+
+
+def blas_threads_per_rank(requested: int) -> int:
+    """`requested`, or the cores shared fairly among the ranks on this machine.
+
+    Ranks that outnumber cores must not each start a pool of spinning BLAS threads: with 4
+    ranks on 2 cores that alone made training 15x slower here."""
+    return requested or max(1, int(cores_per_rank()))
+
+
+def train(config: TrainConfig, group: comm.Group | None = None, signals: bool = False) -> dict:
+    """Train as `config` says over `group` (default: every rank); print progress from the
+    group's rank 0; return the final record. `signals`: SIGTERM, SIGINT and --save-signal
+    stop the run (training/preemption.py; the command line's runs), else they are left to
+    the caller. NumPy's floating-point warnings are off: an overflow on the way to a NaN
+    would print a dozen lines before the loop's own check names the step (nonfinite.py)."""
+    from threadpoolctl import threadpool_limits
+
+    with (
+        threadpool_limits(limits=blas_threads_per_rank(config.threads), user_api="blas"),
+        np.errstate(over="ignore", invalid="ignore", divide="ignore"),
+        Preemption(config.save_signal) if signals else contextlib.nullcontext() as preemption,
+    ):
+        return _train(config, group or comm.world(), preemption or Preemption())
+
+
+def _train(config: TrainConfig, group: comm.Group, preemption: Preemption) -> dict:
+    config = config.resolved()  # the step-counted flags left unset follow --steps
+    say = functools.partial(print0, rank=group.rank)  # one writer: the group's rank 0
+    if config.strategy not in STRATEGIES:
+        raise BadConfig(f"--strategy {config.strategy!r}: choose from {', '.join(STRATEGIES)}")
+    task = Task(config, np.dtype(config.dtype))
+    timeline = Timeline(enabled=config.trace is not None)
+    with (
+        resume.own_save_dir(config, group),  # one job at a time in --save-dir
+        STRATEGIES[config.strategy](task, config, group, timeline) as strategy,
+    ):
+        sampler = None
+        if strategy.data_shard is not None:  # None: this rank reads no data
+            try:
+                sampler = data.DistributedSampler(
+                    task.num_examples, config.batch_size, *strategy.data_shard, seed=config.seed
+                )
+            except ValueError as error:  # a batch larger than the data: alike on every rank
+                raise BadConfig(f"--batch-size {config.batch_size}: {error}") from None
+        say(
+            f"minidp train | model {config.model} ({task.model.num_parameters():,} parameters)"
+            f" | strategy {config.strategy} | world size {group.size} | "
+            f"numpy {np.__version__} | {blas_info()}"
+        )
+        say(f"MPI: {mpi_library()} | {strategy.describe()}")
+        say(config.header())
+
+        start, before = resume.resume(config, strategy, group, task)  # 0, {} or the saved
+        # the saves talk on a group of their own: what they send is not training's traffic
+        saves = resume.saves_group(group) if config.save_dir is not None else None
+        if saves is not None:
+            preemption.arm(saves)  # from here a signal stops the run after a step, saved
+        else:
+            preemption.disarm("nothing is saved without --save-dir")
+        log = RankLog(config.log_dir, group.rank)
+        meter = StepMeter(strategy)
+        records = Records(config.json if group.rank == 0 else None, keep_before=start)
+        skipped = []  # steps with a non-finite loss or gradient (--skip-nonfinite)
+        try:
+            for step in range(start, config.steps):
+                preemption.step = step
+                lr = optim.warmup_cosine(
+                    step, config.lr, config.warmup, config.steps, config.min_lr_ratio
+                )
+                local = sampler.local_indices(step) if sampler is not None else None
+                result = strategy.step(local, lr)
+                loss, local_loss = result.loss, result.local_loss
+                if not (result.stepped and np.isfinite(loss)):  # alike on every rank
+                    skipped.append(nonfinite_step(step, result, config, group, say, log, skipped))
+                n_local = 0 if local is None else len(local)
+                log.write(
+                    f"step {step} local_examples {n_local} local_loss {local_loss:.6f} "
+                    f"global_loss {loss:.6f}"
+                )
+                meter.count()
+                if config.check_every and (step + 1) % config.check_every == 0:
+                    with meter.aside():  # not a training step's time
+                        check_replicas(strategy, step)  # collective; stops naming a drift
+                if step % config.log_every == 0 or step == config.steps - 1:
+                    records.write(log_line(step, loss, lr, meter.window(), task, config, say))
+                counters = functools.partial(resume.so_far, meter, skipped, before)
+                with meter.aside():
+                    done = step + 1
+                    saved = resume.save_if_due(config, strategy, saves, task, done, counters)
+                    # collective when armed; the last step ends the run anyway, saved
+                    if done < config.steps and (signum := preemption.agreed()):
+                        saved = saved or resume.save(config, strategy, saves, task, done, counters)
+                        stop = Preempted(signum, done, config.steps, saved, config.save_dir)
+                        records.write(stop.record)
+                        raise stop
+        except BaseException:
+            records.close()  # what was logged stays, each line whole
+            raise
+        finally:
+            preemption.disarm("the run is past its last step; what it saved is whole")
+            log.close()
+            if saves is not None:
+                saves.free()
+        # what training sent and held, read before the reports below add their own
+        counts, memory = resume.so_far(meter, skipped, before), strategy.memory_bytes()
+        launch = meter.steady()  # this launch's steps after its first, for the prediction
+        # collective among the ranks still in the job (a dropped ps worker is not)
+        per_rank = memory_per_rank(memory, strategy.group)  # shards differ by rank
+        strategy.gather_model()  # the whole trained model in task.model, for what follows
+        final = {
+            "final_loss": loss,
+            "val_loss": task.validation_loss(),
+            "steps": config.steps,
+            "world_size": group.size,
+            "strategy": config.strategy,
+            "param_l2": strategy.param_l2(),
+            "max_param_diff": strategy.max_param_diff(),
+            "time_s": counts["time_s"],  # with the launches before a resume (resume.so_far)
+            "comm_s": counts["comm_s"],
+            "exposed_comm_s": counts["exposed_comm_s"],
+            "bytes_sent_per_rank": counts["bytes_sent_per_rank"],
+            "bytes_sent_by_axis": counts["bytes_sent_by_axis"],
+            "memory_bytes": memory,
+            "memory_bytes_per_rank": per_rank,
+            "model": config.model,
+            "dtype": config.dtype,
+            "skipped_steps": counts["skipped_steps"],
+            **strategy.record(),
+            **predicted(config, strategy.group, launch),  # the ranks still in the job
+            "config": vars(config),  # every field, those of other strategies too
+        }
+    records.write(final)  # the last line
+    records.close()
+    report(final, config, say)
+    if line := strategy.summary():
+        say(line)
+    if group.rank == 0:
+        sample = task.sample()
+        if sample is not None:
+            say("sample:\n" + sample)
+    if config.trace:
+        timeline.save(config.trace, strategy.group)
+        say(f"timeline: {config.trace} (open in ui.perfetto.dev)")
+    return final
+
+
+def log_line(step: int, loss: float, lr: float, w: Window, task: Task, config, say) -> dict:
+    """Print one progress line for the window that ends at `step`; return its JSON record."""
+    n = w.steps
+    rate = config.batch_size * task.items_per_example * n / w.seconds
+    say(
+        f"step {step:5d} | loss {loss:.4f} | lr {lr:.2e} | "
+        f"{rate:,.0f} {task.unit}/s | comm {1e3 * w.comm_s / n:.1f} ms/step "
+        f"({100 * w.comm_s / w.seconds:.0f}%, exposed {1e3 * w.exposed_s / n:.1f} ms) | "
+        f"{w.bytes_sent / n / 1e6:.2f} MB sent/rank/step"
+    )
+    return {
+        "step": step,
+        "loss": loss,
+        "lr": lr,
+        f"{task.unit}_per_s": rate,
+        "comm_s_per_step": w.comm_s / n,
+        "exposed_comm_s_per_step": w.exposed_s / n,
+        "bytes_sent_per_step": w.bytes_sent / n,
+    }
+
+
+def predicted(config, group: comm.Group, steady: Window) -> dict:
+    """Collective, with --json: the step model's prediction beside the measured mean step
+    after the first (every rank measures its compute at once; training/predicted.py)."""
+    if not config.json or not steady.steps:
+        return {}
+    # the predicted bytes cover every step, as bytes_sent_by_axis does across a resume on
+    # the same layout (on another, those counts mix the two layouts': docs/checkpoints.md)
+    return for_run(config, group, steady.seconds / steady.steps, config.steps)
+
+
+def memory_per_rank(memory: dict, group: comm.Group) -> dict[str, list[int]]:
+    """Collective: {category: [bytes on rank 0, rank 1, ...]} from each rank's memory_bytes
+    (every rank of a strategy reports the same categories, 0 where it holds none)."""
+    names = sorted(memory)
+    mine = np.array([memory[name] for name in names], dtype=np.int64)
+    every = comm.allgather(mine, group=group).reshape(group.size, len(names))
+    return {name: every[:, i].tolist() for i, name in enumerate(names)}
+
+
+def report(final: dict, config, say) -> None:
+    """The closing lines: losses, the spread between replicas, totals."""
+    say(
+        f"done: {config.steps} steps in {final['time_s']:.1f}s | final loss "
+        f"{final['final_loss']:.4f} | validation loss {final['val_loss']:.4f} | "
+        f"param L2 {final['param_l2']:.6f}"
+    )
+    say(
+        f"max |param difference| across ranks: {final['max_param_diff']:.3g} | comm "
+        f"{final['comm_s']:.2f}s (exposed {final['exposed_comm_s']:.2f}s) | "
+        f"{final['bytes_sent_per_rank'] / 1e6:.1f} MB sent per rank ("
+        + ", ".join(f"{axis} {b / 1e6:.1f}" for axis, b in final["bytes_sent_by_axis"].items())
+        + ")"
+    )
+    per_rank = final["memory_bytes_per_rank"]
+    names = [n for n in CATEGORIES if n in per_rank] + [n for n in per_rank if n not in CATEGORIES]
+    say(
+        "memory per rank, MB: "
+        + " | ".join(f"{n} {'/'.join(f'{b / 1e6:.3f}' for b in per_rank[n])}" for n in names)
+    )

@@ -1,0 +1,163 @@
+"""Each scheme's own flags checked: the parameter server's, --prune's, --backend's,
+--compress's and the pipeline's; one line each, as config_checks.py's (which runs them).
+
+Like config_checks.py, this module reads a config's fields and its `is_set`, `resolved`,
+and does not import config.py.
+"""
+
+import math
+
+from minidp.cli.training.bad_config import BadConfig, flag_name
+
+VELOCITY_COMPRESSORS = ("topk", "randomk")  # what --compress-on velocity runs: sparsifiers
+TORCH_STRATEGIES = ("dp",)  # what --backend torch runs; the rest refuse (docs/torch.md)
+
+
+def check_parameter_server(config) -> None:
+    """--servers, --consistency and the parameter server's times."""
+    if config.servers < 1:
+        raise BadConfig(f"--servers must be >= 1, got {config.servers}")
+    staleness_bound(config.consistency)  # raises BadConfig on a bad value
+    for name in ("ps_slow_worker_ms", "ps_timeout"):
+        value = getattr(config, name)
+        if not (0 <= value < math.inf) or (name == "ps_timeout" and value == 0):
+            raise BadConfig(f"{flag_name(name)} must be positive, got {value}")
+
+
+def staleness_bound(consistency: str) -> float:
+    """--consistency as the bound K on how far a worker may run ahead of the slowest:
+    bsp -> 0 (and updates wait for the whole clock), ssp:K -> K, asp -> infinity."""
+    from minidp.parallel.param_server.server import consistency_bound  # the piece's rule
+
+    try:
+        return consistency_bound(consistency)
+    except ValueError:
+        raise BadConfig(
+            f"--consistency {consistency!r}: choose bsp, asp or ssp:K with an integer K >= 0"
+        ) from None
+
+
+def check_prune(config) -> None:
+    """--prune and its schedule (minidp/models/prune/magnitude.py): one line for each way
+    they fail."""
+    schedule = ("prune_start", "prune_end", "prune_every", "prune_scope")
+    if not 0.0 <= config.prune < 1.0:
+        raise BadConfig(f"--prune must be in [0, 1), got {config.prune}")
+    if not config.prune:
+        given = [n for n in schedule if config.is_set(n)]
+        if given:
+            flags = ", ".join(flag_name(n) for n in given)
+            raise BadConfig(f"{flags} shape the schedule of --prune SPARSITY: give --prune")
+        return
+    if config.compress != "none" or config.compress_on != "gradient":
+        raise BadConfig(
+            "--prune together with --compress (or --compress-on update) is not yet "
+            "supported: pick one"
+        )
+    if config.prune_scope not in ("global", "layer"):
+        raise BadConfig(f"--prune-scope must be global or layer, got {config.prune_scope!r}")
+    r = config.resolved()  # the schedule's unset steps follow --steps
+    if r.prune_every < 1:
+        raise BadConfig(f"--prune-every must be >= 1, got {r.prune_every}")
+    if not 0 <= r.prune_start <= r.prune_end:
+        raise BadConfig(
+            f"bad pruning schedule: need 0 <= --prune-start ({r.prune_start}) <= "
+            f"--prune-end ({r.prune_end})"
+        )
+    if r.prune_end >= r.steps:
+        raise BadConfig(
+            f"--prune-end {r.prune_end} is past the last step (--steps {r.steps} "
+            f"runs steps 0 to {r.steps - 1}): lower --prune-end"
+        )
+
+
+def check_backend(config) -> None:
+    """--backend torch runs --strategy dp only (plain or accumulating), on an installed
+    torch and, for --device cuda, a visible GPU: one line otherwise."""
+    from minidp.engine.backend import BackendUnavailable, check
+
+    try:
+        check(config.backend, config.device)
+    except BackendUnavailable as error:
+        raise BadConfig(str(error)) from None
+    if config.backend == "numpy":
+        return
+    if config.strategy not in TORCH_STRATEGIES:
+        raise BadConfig(
+            f"--strategy {config.strategy} does not run on --backend torch yet (it runs "
+            f"--strategy {', '.join(TORCH_STRATEGIES)}): use --backend numpy"
+        )
+    given = ("prune", "compress")  # the DP hooks that do not stage through the host yet
+    extras = [f for f in given if config.is_set(f)]
+    if extras:
+        raise BadConfig(f"--{extras[0]} does not run on --backend torch yet: use --backend numpy")
+
+
+def check_compress(config) -> None:
+    """--compress-warmup needs --compress; --compress-on velocity moves SGD's momentum before
+    a sparsifier."""
+    if config.compress_warmup < 0:
+        raise BadConfig(f"--compress-warmup must be >= 0, got {config.compress_warmup}")
+    if config.skip_nonfinite and (config.compress != "none" or config.compress_on != "gradient"):
+        raise BadConfig(
+            "--skip-nonfinite with --compress: a skipped step's NaN would stay in the "
+            "compressor's residuals (or velocity) and poison every later step; pick one"
+        )
+    if config.compress_on == "velocity":
+        if config.optimizer != "momentum":
+            raise BadConfig(
+                "--compress-on velocity needs --optimizer momentum: it moves SGD's momentum "
+                f"to each rank, before the compression (DGC), not {config.optimizer}'s"
+            )
+        name = config.compress.partition(":")[0]
+        if name not in VELOCITY_COMPRESSORS:
+            raise BadConfig(
+                f"--compress-on velocity clears the coordinates it sent (DGC's momentum factor "
+                f"masking): it needs --compress {' or '.join(VELOCITY_COMPRESSORS)}, not {name}"
+            )
+    if config.compress_warmup and config.compress == "none":
+        raise BadConfig("--compress-warmup needs --compress: it delays the compression")
+    if config.compress != "none" and config.zero_stage:  # hybrid's DP axis under ZeRO
+        raise BadConfig(
+            f"--compress with --zero-stage {config.zero_stage}: the compressors replace "
+            "DDP's bucket allreduce, and ZeRO reduce-scatters its shards instead; drop one"
+        )
+
+
+PIPELINE_FLAGS = ("micro_batches", "schedule", "virtual", "recompute")  # --pp's own
+
+
+def check_pipeline(config, pp: int) -> None:
+    """--strategy pp, or hybrid with --pp > 1: pp x V stages of at least one block each, V
+    of them a rank only for interleaved (which needs pp x V to divide the blocks), 1 <= m <=
+    batch (pp: 0 unknown). Under hybrid without a pipeline, its flags are refused."""
+    if config.strategy == "hybrid" and pp <= 1:
+        given = [n for n in PIPELINE_FLAGS if config.is_set(n)]
+        if pp < 0 or given:
+            what = f"--pp {pp}" if pp < 0 else flag_name(given[0])
+            raise BadConfig(f"{what}: a pipeline needs --strategy hybrid --pp P with P > 1")
+        return
+    if config.strategy not in ("pp", "hybrid"):
+        return
+    V, m, n = config.virtual, config.micro_batches, config.n_layer
+    if config.model != "gpt":
+        raise BadConfig(
+            f"--strategy {config.strategy}{' --pp' * (config.strategy == 'hybrid')} cuts the "
+            f"GPT's blocks into stages, not --model {config.model}"
+        )
+    if pp < 0 or V < 1:
+        raise BadConfig(f"--pp must be >= 0 (0: the world) and --virtual >= 1, got {pp}, {V}")
+    if config.recompute and config.dropout > 0:  # a recomputed forward would draw new masks
+        raise BadConfig(f"--recompute needs --dropout 0, got {config.dropout}")
+    if not 1 <= m <= config.batch_size:
+        raise BadConfig(
+            f"--micro-batches must be in [1, --batch-size {config.batch_size}], got {m}"
+        )
+    if V > 1 and config.schedule != "interleaved":
+        raise BadConfig(f"--virtual {V}: only --schedule interleaved runs several stages a rank")
+    if max(pp, 1) * V > n:
+        raise BadConfig(f"--pp {pp} x --virtual {V} stages are more than --n-layer {n} blocks")
+    if V > 1 and pp and n % (pp * V):
+        raise BadConfig(
+            f"--schedule interleaved: --pp {pp} x --virtual {V} must divide --n-layer {n}"
+        )

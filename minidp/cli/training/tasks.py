@@ -1,0 +1,91 @@
+"""Task: a model together with its data, what the training loop trains.
+
+    task = Task(config, np.float64)         # builds the model from config.seed
+    inputs, targets = task.batch(indices)   # the examples at these positions of the data
+    loss = task.loss(inputs, targets)       # mean cross-entropy over them
+
+Two tasks: "gpt", the tiny character-level GPT on the docstring corpus (an example is a
+window of block_size tokens, so indices are window starts), and "mlp", an MLP on the
+synthetic classification clusters. Every rank builds the same task from the same seed, so
+every rank starts with the same model; which examples a rank reads is the strategy's choice.
+"""
+
+import numpy as np
+
+from minidp.cli.training.config import TrainConfig, check_block_size
+from minidp.engine import backend, nn
+from minidp.engine.tensor import Tensor, no_grad
+from minidp.models import data
+from minidp.models.gpt import GPT, GPTConfig
+from minidp.tools.info import cores_per_rank
+
+
+class Task:
+    """A model with its data: how to read a batch and how to score it."""
+
+    def __init__(self, config: TrainConfig, dtype):
+        self.config = config
+        threads = config.threads or max(1, int(cores_per_rank()))
+        backend.use(config.backend, config.device, threads)  # the model is built on the host
+        if config.model == "gpt":
+            self.train_tokens, self.val_tokens, self.tokenizer = data.char_corpus()
+            check_block_size(config.block_size)  # before the model's T x T mask exists
+            self.gpt_config = GPTConfig(
+                vocab_size=self.tokenizer.vocab_size,
+                block_size=config.block_size,
+                n_layer=config.n_layer,
+                n_head=config.n_head,
+                n_embd=config.n_embd,
+                dropout=config.dropout,
+            )
+            self.model = GPT(self.gpt_config, seed=config.seed, dtype=dtype)
+            self.num_examples = len(self.train_tokens) - config.block_size  # window starts
+            self.unit = "tokens"
+            self.items_per_example = config.block_size
+        else:
+            self.x_train, self.y_train, self.x_val, self.y_val = data.classification(
+                seed=config.seed, dtype=dtype
+            )
+            sizes = [self.x_train.shape[1], config.hidden, config.hidden, 10]
+            self.model = nn.MLP(sizes, rng=np.random.default_rng(config.seed), dtype=dtype)
+            self.num_examples = len(self.x_train)
+            self.unit = "examples"
+            self.items_per_example = 1
+        backend.move_model(self.model)  # then moved (--backend torch; nothing for numpy)
+
+    def batch(self, indices: np.ndarray, split: str = "train"):
+        """(inputs, targets) for the examples at `indices`."""
+        if self.config.model == "gpt":
+            tokens = self.train_tokens if split == "train" else self.val_tokens
+            return data.lm_batch(tokens, indices, self.config.block_size)
+        x, y = (self.x_train, self.y_train) if split == "train" else (self.x_val, self.y_val)
+        return Tensor(backend.to_backend(x[indices], self.config.backend)), y[indices]
+
+    def loss(self, inputs, targets) -> Tensor:
+        return nn.cross_entropy(self.model(inputs), targets)
+
+    def validation_loss(self) -> float:
+        """Mean loss over `eval_batches` fixed batches of the validation split."""
+        rng = np.random.default_rng(self.config.seed + 1)
+        limit = (
+            len(self.val_tokens) - self.config.block_size
+            if self.config.model == "gpt"
+            else len(self.x_val)
+        )
+        self.model.eval()
+        with no_grad():
+            losses = [
+                self.loss(*self.batch(rng.integers(0, limit, self.config.batch_size), "val")).item()
+                for _ in range(self.config.eval_batches)
+            ]
+        self.model.train()
+        return float(np.mean(losses))
+
+    def sample(self) -> str | None:
+        if self.config.model != "gpt" or self.config.sample_tokens == 0:
+            return None
+        prompt = np.array([self.tokenizer.encode("\n")])
+        out = self.model.generate(
+            prompt, self.config.sample_tokens, np.random.default_rng(self.config.seed)
+        )
+        return self.tokenizer.decode(out[0, 1:])

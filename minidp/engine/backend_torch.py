@@ -1,0 +1,149 @@
+"""NumPy's names over torch tensors: the namespace `backend.namespace(t)` returns for torch.
+
+Only the functions minidp's engine, layers and optimizers call, each with NumPy's
+signature and meaning (axis, keepdims, cut indices for split), on the tensor's own device.
+New arrays (zeros, arange, a NumPy mask or index) go to the device `backend.use()` chose.
+No graph is recorded: torch's autograd is off on this path (backend.py says why).
+"""
+
+import numpy as np
+import torch
+
+from minidp.engine import backend
+
+_DTYPES = {
+    np.dtype(np.float32): torch.float32,
+    np.dtype(np.float64): torch.float64,
+    np.dtype(np.float16): torch.float16,
+    np.dtype(np.int64): torch.int64,
+    np.dtype(np.int32): torch.int32,
+    np.dtype(np.bool_): torch.bool,
+}
+
+
+def torch_dtype(dtype):
+    """A torch dtype for a NumPy dtype (or a torch dtype, returned as it is)."""
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    return _DTYPES[np.dtype(dtype)]
+
+
+def asarray(a, dtype=None):
+    """A tensor on the backend's device (no copy when `a` is one already, of that dtype)."""
+    if isinstance(a, torch.Tensor):
+        return a.to(dtype=torch_dtype(dtype) or a.dtype)
+    if isinstance(a, int | float) and dtype is None:
+        return torch.tensor(a, dtype=torch.get_default_dtype(), device=backend.device())
+    host = torch.from_numpy(np.ascontiguousarray(np.asarray(a)))
+    return host.to(device=backend.device(), dtype=torch_dtype(dtype) or host.dtype)
+
+
+def array(a, dtype=None):
+    """A private copy (np.array's copy=True)."""
+    return asarray(a, dtype).clone()
+
+
+def _on(a, like):
+    """`a` (a tensor, NumPy array or number) as a tensor beside `like`."""
+    if isinstance(a, torch.Tensor):
+        return a
+    return torch.as_tensor(np.asarray(a), device=like.device)
+
+
+exp, log, sqrt, tanh = torch.exp, torch.log, torch.sqrt, torch.tanh
+zeros_like, ones_like, broadcast_to = torch.zeros_like, torch.ones_like, torch.broadcast_to
+
+
+def maximum(a, b):
+    return torch.clamp_min(a, b) if isinstance(b, int | float) else torch.maximum(a, b)
+
+
+def where(condition, a, b):
+    like = next(x for x in (a, b, condition) if isinstance(x, torch.Tensor))
+    a = a if isinstance(a, torch.Tensor) else _on(np.asarray(a, like_dtype(like)), like)
+    b = b if isinstance(b, torch.Tensor) else _on(np.asarray(b, like_dtype(like)), like)
+    return torch.where(_on(condition, like), a, b)
+
+
+def like_dtype(t) -> np.dtype:
+    """The NumPy dtype of a tensor's dtype."""
+    return np.dtype(str(t.dtype).removeprefix("torch."))
+
+
+def zeros(shape, dtype=None):
+    return torch.zeros(shape, dtype=torch_dtype(dtype), device=backend.device())
+
+
+def arange(n):
+    return torch.arange(n, device=backend.device())
+
+
+def expand_dims(a, axis):
+    for ax in sorted(axis if isinstance(axis, tuple | list) else (axis,)):
+        a = a.unsqueeze(ax if ax >= 0 else a.ndim + 1 + ax)
+    return a
+
+
+def max(a, axis=None, keepdims=False):  # noqa: A001  (NumPy's name)
+    if axis is None:
+        out = a.max()
+        return out.reshape((1,) * a.ndim) if keepdims else out
+    return torch.amax(a, dim=axis, keepdim=keepdims)
+
+
+def transpose(a, axes):
+    return a.permute(axes)
+
+
+def concatenate(arrays, axis=0):
+    return torch.cat(list(arrays), dim=axis)
+
+
+def stack(arrays, axis=0):
+    return torch.stack(list(arrays), dim=axis)
+
+
+def split(a, cuts, axis=0):
+    """np.split with cut indices: the pieces between consecutive cuts."""
+    edges = [0, *(int(c) for c in cuts), a.shape[axis]]
+    return [a.narrow(axis, lo, hi - lo) for lo, hi in zip(edges[:-1], edges[1:])]
+
+
+def take(a, i, axis=0):
+    return a.select(axis, i)
+
+
+def vdot(a, b):
+    return torch.dot(a.reshape(-1), b.reshape(-1))
+
+
+def index(i):
+    """A NumPy index array (or a tuple of them) as tensors on the device; the rest as is."""
+    if isinstance(i, tuple):
+        return tuple(index(j) for j in i)
+    if isinstance(i, np.ndarray | list):
+        return torch.as_tensor(np.asarray(i), device=backend.device())
+    return i
+
+
+class _Add:
+    """np.add.at(full, index, g): repeated indices add up."""
+
+    @staticmethod
+    def at(full, idx, g):
+        idx = index(idx)
+        full.index_put_(idx if isinstance(idx, tuple) else (idx,), g, accumulate=True)
+
+
+add = _Add()
+
+
+def astype(a, dtype):
+    return asarray(a).to(torch_dtype(dtype))
+
+
+def scalar(value, like):
+    """A Python number as a 0-d tensor beside `like`: of like's dtype when like is a float
+    tensor (x * 2.0 stays float32), else torch's own promotion."""
+    dtype = like.dtype if like.is_floating_point() else None
+    return torch.tensor(value, dtype=dtype, device=like.device)

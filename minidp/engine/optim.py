@@ -1,0 +1,209 @@
+"""Optimizers, gradient clipping and a learning-rate schedule, written as PyTorch defines them
+(so tests can check them against torch.optim step by step).
+
+Every optimizer updates `p.data` in place from `p.grad` and skips parameters whose grad is
+None. On `--backend torch` the arrays are torch tensors, updated in place the same way
+(`xp = namespace(w)` where a NumPy function is called). `state_dict()` holds the
+hyper-parameters and per-parameter state in parameter order.
+"""
+
+import math
+
+import numpy as np
+
+from minidp.engine.backend import copy, namespace
+from minidp.engine.tensor import Tensor
+
+
+class Optimizer:
+    def __init__(self, params, lr: float, **hyper):
+        self.params: list[Tensor] = list(params)
+        if not self.params:
+            raise ValueError(f"{type(self).__name__} got an empty parameter list")
+        if lr <= 0:
+            raise ValueError(f"learning rate must be positive, got {lr}")
+        self.lr = lr
+        self.hyper = hyper
+        self.state: list[dict[str, np.ndarray]] = [{} for _ in self.params]
+        self.step_count = 0
+
+    def zero_grad(self) -> None:
+        for p in self.params:
+            p.grad = None
+
+    def step(self) -> None:
+        self.step_count += 1
+        for p, state in zip(self.params, self.state):
+            if p.grad is not None:
+                self.update(p.data, p.grad, state)
+
+    def update(self, w: np.ndarray, g: np.ndarray, state: dict) -> None:
+        raise NotImplementedError
+
+    def state_dict(self) -> dict:
+        return {
+            "lr": self.lr,
+            "hyper": dict(self.hyper),
+            "step_count": self.step_count,
+            "state": [{k: copy(v) for k, v in s.items()} for s in self.state],
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        if len(state["state"]) != len(self.params):
+            raise ValueError(
+                f"optimizer state has {len(state['state'])} parameters, "
+                f"this optimizer {len(self.params)}"
+            )
+        self.lr, self.hyper = state["lr"], dict(state["hyper"])
+        self.step_count = state["step_count"]
+        self.state = [{k: _own(v) for k, v in s.items()} for s in state["state"]]
+
+
+class SGD(Optimizer):
+    """w -= lr * v, with v = momentum * v + g (first step: v = g), as torch.optim.SGD.
+
+    weight_decay adds wd * w to g first; nesterov uses g + momentum * v instead of v."""
+
+    def __init__(
+        self,
+        params,
+        lr: float,
+        momentum: float = 0.0,
+        weight_decay: float = 0.0,
+        nesterov: bool = False,
+    ):
+        if nesterov and momentum <= 0:
+            raise ValueError("nesterov needs momentum > 0")
+        super().__init__(
+            params, lr, momentum=momentum, weight_decay=weight_decay, nesterov=nesterov
+        )
+
+    def update(self, w, g, state):
+        momentum, wd = self.hyper["momentum"], self.hyper["weight_decay"]
+        if wd:
+            g = g + wd * w
+        if momentum:
+            if "velocity" not in state:
+                state["velocity"] = namespace(g).array(g, dtype=w.dtype)
+            else:
+                v = state["velocity"]
+                v *= momentum
+                v += g
+            v = state["velocity"]
+            g = g + momentum * v if self.hyper["nesterov"] else v
+        w -= self.lr * g
+
+
+class Adam(Optimizer):
+    """Adam (Kingma & Ba, 2015), with L2 weight decay added to the gradient (torch.optim.Adam):
+
+    m = b1 m + (1 - b1) g;   v = b2 v + (1 - b2) g^2
+    w -= lr / (1 - b1^t) * m / (sqrt(v) / sqrt(1 - b2^t) + eps)
+    """
+
+    decoupled = False
+
+    def __init__(
+        self,
+        params,
+        lr: float = 1e-3,
+        betas=(0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+    ):
+        super().__init__(params, lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
+
+    def update(self, w, g, state):
+        (b1, b2), eps, wd = self.hyper["betas"], self.hyper["eps"], self.hyper["weight_decay"]
+        if wd and self.decoupled:
+            w *= 1 - self.lr * wd  # AdamW: decay the weights, not the gradient
+        elif wd:
+            g = g + wd * w
+        xp = namespace(w)  # numpy, or NumPy's names over torch (backend.py)
+        if "m" not in state:
+            state["m"], state["v"] = xp.zeros_like(w), xp.zeros_like(w)
+            state["step"] = np.zeros((), dtype=np.int64)
+        state["step"] += 1  # per parameter, as torch: a step without a gradient does not count
+        m, v, t = state["m"], state["v"], int(state["step"])
+        m *= b1
+        m += (1 - b1) * g
+        v *= b2
+        v += (1 - b2) * (g * g)
+        denom = xp.sqrt(v) / math.sqrt(1 - b2**t) + eps
+        w -= (self.lr / (1 - b1**t)) * m / denom
+
+
+class AdamW(Adam):
+    """Adam with decoupled weight decay (Loshchilov & Hutter, 2019): w *= 1 - lr * wd."""
+
+    decoupled = True
+
+    def __init__(
+        self,
+        params,
+        lr: float = 1e-3,
+        betas=(0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.01,
+    ):
+        super().__init__(params, lr, betas, eps, weight_decay)
+
+
+MOMENTUM = 0.9  # --optimizer momentum, as the papers that compress SGD's gradient use it
+
+OPTIMIZERS = {
+    "adamw": lambda params, lr, wd: AdamW(params, lr=lr, weight_decay=wd),
+    "momentum": lambda params, lr, wd: SGD(params, lr=lr, momentum=MOMENTUM, weight_decay=wd),
+    "sgd": lambda params, lr, wd: SGD(params, lr=lr, weight_decay=wd),
+}
+"""--optimizer NAME -> the optimizer over a list of parameters, with the config's lr and
+weight decay applied as torch applies it: AdamW's decoupled (w *= 1 - lr·wd), SGD's added to
+the gradient (g + wd·w). The one table that dp, tp, hybrid and zero build theirs from."""
+
+
+def make_optimizer(name: str, params, lr: float, weight_decay: float) -> Optimizer:
+    """The optimizer --optimizer NAME builds (OPTIMIZERS)."""
+    return OPTIMIZERS[name](params, lr, weight_decay)
+
+
+def _own(v):
+    """A private copy of a saved state array (a NumPy one as np.array makes it)."""
+    return np.array(v) if isinstance(v, np.ndarray | np.generic) else copy(v)
+
+
+def sum_of_squares(arrays) -> float:
+    """sum of x*x over the arrays (None skipped): each array's in its own dtype (as torch
+    does), their total in float64."""
+    return sum(float(namespace(a).vdot(a, a)) for a in arrays if a is not None)
+
+
+def global_grad_norm(params) -> float:
+    """sqrt(sum of squares of every gradient)."""
+    return math.sqrt(sum_of_squares(p.grad for p in params))
+
+
+def clip_grad_norm(params, max_norm: float, total_norm: float | None = None) -> float:
+    """Scale all gradients by max_norm / norm when the global norm exceeds max_norm.
+
+    Returns the norm before clipping. Pass `total_norm` when it was computed elsewhere
+    (a sharded model sums the squares across ranks first)."""
+    params = list(params)
+    norm = global_grad_norm(params) if total_norm is None else total_norm
+    scale = max_norm / (norm + 1e-6)
+    if scale < 1:
+        for p in params:
+            if p.grad is not None:
+                p.grad *= p.grad.dtype.type(scale) if isinstance(p.grad, np.ndarray) else scale
+    return norm
+
+
+def warmup_cosine(
+    step: int, peak_lr: float, warmup: int, total: int, min_ratio: float = 0.1
+) -> float:
+    """Linear warmup to peak_lr over `warmup` steps, then cosine decay to peak_lr * min_ratio.
+
+    step counts from 0; step = total gives the final rate."""
+    if step < warmup:
+        return peak_lr * (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return peak_lr * (min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))

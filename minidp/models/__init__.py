@@ -1,0 +1,5 @@
+"""Models built from the engine, and their data: the tiny GPT (gpt.py), the same models in
+plain PyTorch for reference (torch_ref.py, needs torch), the embedded datasets and the
+sampler every strategy shares (data.py), and pruning's masks for smaller models (prune/).
+The MLP is the engine's own `nn.MLP`.
+"""

@@ -1,0 +1,210 @@
+"""A tiny character-level GPT (after nanoGPT), built from minidp.nn's layers.
+
+`minidp.nn.GPT` and `minidp.nn.GPTConfig` name it too (minidp/__init__.py). Where a layer
+can run as one fused op (the speed tricks' table, minidp/engine/registry.py), the helpers
+below take it: `fused=False` runs every layer the plain, composed way. Shapes: B batch,
+T positions (<= block_size), C = n_embd channels, H = n_head heads of C / H each.
+"""
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from minidp.engine import functional as F
+from minidp.engine.backend import to_numpy
+from minidp.engine.nn import Dropout, Embedding, LayerNorm, Linear, Module
+from minidp.engine.registry import fast
+from minidp.engine.tensor import Tensor, no_grad
+
+__all__ = [
+    "GPTConfig",
+    "attention",
+    "composed_attention",
+    "norm_linear",
+    "add_linear",
+    "CausalSelfAttention",
+    "Block",
+    "GPT",
+]
+
+
+@dataclass
+class GPTConfig:
+    vocab_size: int = 96
+    block_size: int = 64  # context length T
+    n_layer: int = 2
+    n_head: int = 4
+    n_embd: int = 64  # C; head size = C / n_head
+    dropout: float = 0.0
+
+
+def composed_attention(qkv: Tensor, n_head: int, future: np.ndarray, attn_drop) -> Tensor:
+    """Causal self-attention from the packed projections, (B, T, 3C) -> (B, T, C), op by
+    op: split q, k, v; heads; scores S = q k^T / sqrt(hs); the future masked; softmax;
+    dropout; the weighted sum P v; heads merged. The plain way, and the reference that
+    fused_attention.causal_self_attention is tested against."""
+    B, T, C3 = qkv.shape
+    C, H = C3 // 3, n_head
+    q, k, v = F.split(qkv, 3, axis=2)  # each (B, T, C)
+    q, k, v = (t.reshape(B, T, H, C // H).transpose(0, 2, 1, 3) for t in (q, k, v))
+    att = (q @ k.transpose(0, 1, 3, 2)) * (1.0 / math.sqrt(C // H))  # (B, H, T, T)
+    att = F.softmax(F.masked_fill(att, future[:T, :T], -np.inf), axis=-1)
+    y = attn_drop(att) @ v  # (B, H, T, hs)
+    return y.transpose(0, 2, 1, 3).reshape(B, T, C)
+
+
+def attention(qkv: Tensor, n_head: int, future, attn_drop, fused: bool = True) -> Tensor:
+    """composed_attention, or (fused, NumPy data, no attention dropout at work) the same as
+    one op with its backward written out: the table's "attention"
+    (fast/fused_attention.py causal_self_attention)."""
+    dropping = attn_drop.training and attn_drop.p > 0
+    one_op = fused and not dropping and fast("attention", qkv)
+    if one_op:
+        return one_op(qkv, n_head, future)
+    return composed_attention(qkv, n_head, future, attn_drop)
+
+
+def own_forward(module, cls) -> bool:
+    """`module` is a `cls` whose forward is cls.forward itself (not overridden or wrapped)."""
+    return (
+        isinstance(module, cls)
+        and type(module).forward is cls.forward
+        and "forward" not in vars(module)
+    )
+
+
+def norm_linear(norm: LayerNorm, linear: Linear, x: Tensor, fused: bool = True) -> Tensor:
+    """linear(norm(x)), or (fused, NumPy data) the same as one op, the LayerNorm's scale and
+    shift folded into the Linear's weight: the table's "layer_norm_linear". Only for
+    a LayerNorm and a Linear whose forward is their class's own: not a user's head in the
+    Linear's place (a tied one), a subclass, or a forward wrapped on the instance (FSDP /
+    ZeRO-3 with either a unit of its own gathers its weights around that forward): those
+    are called as they are."""
+    plain = own_forward(norm, LayerNorm) and own_forward(linear, Linear)
+    one_op = (
+        fused and plain and norm.fused and fast("layer_norm_linear", x, norm.weight, linear.weight)
+    )
+    if one_op:
+        return one_op(x, norm.weight, norm.bias, norm.eps, linear.weight, linear.bias)
+    return linear(norm(x))
+
+
+def add_linear(residual: Tensor, linear: Linear, drop, x: Tensor, fused: bool = True) -> Tensor:
+    """residual + drop(linear(x)), or (fused, NumPy data of one dtype, the library's own
+    Dropout and not dropping, the library's own Linear: as norm_linear) the same as one op:
+    the table's "linear_residual" (the residual add into the product's own array)."""
+    one_op = fused and fast("linear_residual", residual, x, linear.weight)
+    if (
+        one_op
+        and own_forward(drop, Dropout)  # the library's own, and not dropping now
+        and not (drop.training and drop.p > 0)
+        and own_forward(linear, Linear)
+        and residual.dtype == x.dtype == linear.weight.dtype
+        and residual.shape == (*x.shape[:-1], linear.weight.shape[1])
+        and (linear.bias is None or linear.bias.dtype == residual.dtype)
+    ):
+        return one_op(residual, x, linear.weight, linear.bias)
+    return residual + drop(linear(x))
+
+
+class CausalSelfAttention(Module):
+    """Multi-head attention where position t attends to positions <= t only."""
+
+    def __init__(self, cfg: GPTConfig, *, rng, dtype=np.float32, fused: bool = True):
+        C, std = cfg.n_embd, 0.02
+        self.n_head = cfg.n_head
+        self.qkv = Linear(C, 3 * C, rng=rng, dtype=dtype, std=std)
+        # residual projections scaled by 1/sqrt(2 n_layer) (GPT-2)
+        self.proj = Linear(C, C, rng=rng, dtype=dtype, std=std / np.sqrt(2 * cfg.n_layer))
+        self.attn_drop = Dropout(cfg.dropout, rng=rng)
+        self.resid_drop = Dropout(cfg.dropout, rng=rng)
+        self.future = np.triu(np.ones((cfg.block_size, cfg.block_size), dtype=bool), k=1)
+        self.fused = fused
+
+    def forward(self, x: Tensor, norm: LayerNorm | None = None, residual=None) -> Tensor:
+        """Attention over x; with `norm`, over norm(x) (its LayerNorm fused with q/k/v's
+        projection: norm_linear); with `residual`, residual + the attention (the add fused
+        with the output projection: add_linear)."""
+        qkv = self.qkv(x) if norm is None else norm_linear(norm, self.qkv, x, self.fused)
+        y = attention(qkv, self.n_head, self.future, self.attn_drop, self.fused)
+        if residual is None:
+            return self.resid_drop(self.proj(y))
+        return add_linear(residual, self.proj, self.resid_drop, y, self.fused)
+
+
+class Block(Module):
+    """Pre-norm transformer block: x + attn(ln(x)), then x + mlp(ln(x))."""
+
+    def __init__(self, cfg: GPTConfig, *, rng, dtype=np.float32, fused: bool = True):
+        C, std = cfg.n_embd, 0.02
+        self.ln1 = LayerNorm(C, dtype=dtype, fused=fused)
+        self.attn = CausalSelfAttention(cfg, rng=rng, dtype=dtype, fused=fused)
+        self.ln2 = LayerNorm(C, dtype=dtype, fused=fused)
+        self.fc = Linear(C, 4 * C, rng=rng, dtype=dtype, std=std)
+        self.fc_proj = Linear(4 * C, C, rng=rng, dtype=dtype, std=std / np.sqrt(2 * cfg.n_layer))
+        self.drop = Dropout(cfg.dropout, rng=rng)
+        self.fused = fused
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = self.attn(x, norm=self.ln1, residual=x)  # x + attn(ln1(x))
+        h = norm_linear(self.ln2, self.fc, x, self.fused)
+        gelu = (self.fused and fast("gelu", h)) or F.gelu
+        h = gelu(h)
+        return add_linear(x, self.fc_proj, self.drop, h, self.fused)  # x + drop(fc_proj(h))
+
+
+class GPT(Module):
+    """Token + position embeddings, n_layer blocks, a final LayerNorm and an output head.
+
+    `fused` (the default): LayerNorm (in a block, with the Linear after it), attention, GELU
+    and the embeddings' backward as the fused ops of minidp/fast/ (docs/memory.md); False: every
+    layer the plain, composed way. ln_f and the head stay two ops: fused, every forward would
+    make a vocabulary-sized w_n * W (GPT-2's: 154 MB in float32) and the head's gradient
+    would skip weight_grads.py's deferral; the gain was ~1% of the tiny GPT's step.
+    The same model and the same results to rounding either way (tests/test_autograd.py)."""
+
+    def __init__(self, cfg: GPTConfig, *, seed: int = 0, dtype=np.float32, fused: bool = True):
+        rng = np.random.default_rng(seed)
+        self.config = cfg
+        self.wte = Embedding(cfg.vocab_size, cfg.n_embd, rng=rng, dtype=dtype, fused=fused)
+        self.wpe = Embedding(cfg.block_size, cfg.n_embd, rng=rng, dtype=dtype, fused=fused)
+        self.drop = Dropout(cfg.dropout, rng=rng)
+        self.blocks = [Block(cfg, rng=rng, dtype=dtype, fused=fused) for _ in range(cfg.n_layer)]
+        self.ln_f = LayerNorm(cfg.n_embd, dtype=dtype, fused=fused)
+        self.head = Linear(cfg.n_embd, cfg.vocab_size, bias=False, rng=rng, dtype=dtype, std=0.02)
+
+    def forward(self, idx: np.ndarray) -> Tensor:
+        """idx: (B, T) token ids -> logits (B, T, vocab_size)."""
+        x = self.embed(idx)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x))  # two ops: fused, the head's C x V would be made again
+
+    def embed(self, idx: np.ndarray) -> Tensor:
+        """idx: (B, T) token ids -> the blocks' input (B, T, n_embd): token + position."""
+        idx = np.asarray(idx)
+        T = idx.shape[-1]
+        if T > self.config.block_size:
+            raise ValueError(
+                f"sequence of {T} tokens is longer than block_size {self.config.block_size}"
+            )
+        return self.drop(self.wte(idx) + self.wpe(np.arange(T)))
+
+    def generate(
+        self, idx: np.ndarray, new_tokens: int, rng: np.random.Generator, temperature: float = 1.0
+    ) -> np.ndarray:
+        """Sample `new_tokens` more tokens after each row of idx (B, T)."""
+        was_training = self.training
+        self.eval()
+        idx = np.array(idx)
+        with no_grad():
+            for _ in range(new_tokens):
+                logits = to_numpy(self(idx[:, -self.config.block_size :]).data[:, -1, :])
+                logits = logits.astype(np.float64) / temperature  # float64: p sums to 1
+                p = np.exp(logits - logits.max(axis=1, keepdims=True))
+                p /= p.sum(axis=1, keepdims=True)
+                nxt = [rng.choice(len(row), p=row) for row in p]
+                idx = np.concatenate([idx, np.array(nxt)[:, None]], axis=1)
+        self.train(was_training)
+        return idx

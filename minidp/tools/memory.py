@@ -1,0 +1,105 @@
+"""Counting memory from the arrays themselves: what a rank holds, by category.
+
+Every strategy reports `memory_bytes()` in the same categories, so schemes can be compared
+rank by rank (ZeRO's point is that some of these shrink with the number of ranks):
+
+    parameters        the model's weights this rank holds
+    gradients         their gradients (data parallelism: the flat buckets)
+    optimizer         the optimizer's state (Adam: two moments per parameter)
+    activations_peak  what the graph of one micro-batch's forward keeps for backward
+    buffers           communication scratch space (the groups' reusable buffers)
+
+Counted from `ndarray.nbytes` (a torch tensor's `.nbytes` alike), never estimated from shapes
+and dtypes by hand; the one estimate, `estimated_bytes` (with `activation_estimate`), is made
+before any array exists, so that a run too large for the machine is refused before it
+allocates. One caveat, said once:
+`activation_bytes` counts the output array of every op in the graph; arrays that an op's
+backward closure keeps besides its output (a dropout mask, a softmax) are not seen, so it is
+a lower bound on what backward holds. Nor are the rows a weight keeps during gradient
+accumulation (weight_grads.defer_weight_grads): at most its gradient's size per weight, from the
+first micro-batch to the last.
+"""
+
+import os
+
+from minidp.engine.backend import base_of
+
+CATEGORIES = ("parameters", "gradients", "optimizer", "activations_peak", "buffers")
+
+
+def nbytes(arrays) -> int:
+    """Bytes of the distinct arrays among `arrays` (None skipped; a view counts its base once)."""
+    seen: dict[int, int] = {}
+    for a in arrays:
+        if a is None:
+            continue
+        base = base_of(a)  # NumPy's .base, torch's ._base
+        seen[id(base)] = base.nbytes
+    return sum(seen.values())
+
+
+def optimizer_bytes(optimizer) -> int:
+    """Bytes of an optimizer's per-parameter state (minidp.optim keeps it in `.state`)."""
+    return nbytes(v for state in optimizer.state for v in state.values())
+
+
+def activation_bytes(loss) -> int:
+    """Bytes of the op outputs in the graph behind `loss` (leaves, such as parameters and
+    inputs, are not activations): what one forward keeps alive until its backward. An output
+    that is a view (a reshape, a transpose, an identity op) shares its base's bytes, counted
+    once."""
+    outputs, leaves, seen, stack = [], set(), set(), [loss]
+    while stack:
+        node = stack.pop()
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        if node._parents:  # an op's output, not a leaf
+            outputs.append(node.data)
+            stack.extend(node._parents)
+        else:
+            leaves.add(id(base_of(node.data)))
+    return nbytes(a for a in outputs if id(base_of(a)) not in leaves)
+
+
+# ---- before any array exists: an estimate, to refuse a run that cannot fit --------------------
+def estimated_bytes(config) -> int:
+    """A rough size of one training step of a TrainConfig: the parameters with their gradients
+    and AdamW's two moments, and the activations the global batch keeps for backward
+    (`activation_estimate`): within 2x of what training/loop.py's report counts
+    (tests/test_cli_input.py checks it)."""
+    itemsize = 8 if config.dtype == "float64" else 4
+    B = config.batch_size
+    if config.model == "gpt":
+        T, C, L, V = (config.block_size, config.n_embd, config.n_layer, 128)
+        params = L * 12 * C * C + (V + T) * C
+        activations = activation_estimate(config, B)
+    else:
+        params = (32 + config.hidden + 10) * config.hidden  # data.classification: 32 features
+        activations = B * 6 * config.hidden * itemsize
+    return 4 * params * itemsize + activations
+
+
+def activation_estimate(config, examples: int, tp: int = 1) -> int:
+    """Bytes the GPT of a TrainConfig keeps for backward over `examples` examples, on one
+    rank of a TP group of `tp`: per layer 3 H T^2 (scores, masked, softmax) + 20 T C, and
+    the T x T causal mask; the vocabulary taken as 128 characters (the corpus has fewer).
+    TP splits the heads' scores and 15 T C (QKV, the heads' outputs, the MLP's 4C); the
+    other 5 T C (the LayerNorms' inputs and outputs, the residual's dropout masks: outside
+    the parallel regions, Korthikanti et al. 2022's 10 of 34 bytes per position and channel)
+    stay whole on every TP rank, and split over it too with --sequence-parallel."""
+    itemsize = 8 if config.dtype == "float64" else 4
+    T, C, H, L = config.block_size, config.n_embd, config.n_head, config.n_layer
+    outside = 5 * T * C // (tp if tp > 1 and config.sequence_parallel else 1)
+    per_example = L * ((3 * H * T * T + 15 * T * C) // tp + outside) + 3 * T * 128
+    return examples * per_example * itemsize + T * T
+
+
+def physical_memory_bytes() -> int | None:
+    """This machine's memory (None if unknown): the same number on every rank of a machine,
+    so a check against it passes or fails on all of them alike (what is free right now would
+    differ from rank to rank)."""
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
