@@ -41,10 +41,11 @@ from minidp.models import data
 from minidp.models.gpt import GPT, Block, CausalSelfAttention, GPTConfig
 
 # PyTorch's names for the engine's modules: `import minidp.nn as nn`, `from minidp.optim
-# import AdamW`. And the GPT under nn, as the contract has it (engine/nn.py cannot import
-# models/gpt.py, which is built from it).
+# import AdamW` (and `from minidp.data import DistributedSampler`, the models' data). And
+# the GPT under nn, as the contract has it (engine/nn.py cannot import models/gpt.py,
+# which is built from it).
 nn.GPT, nn.GPTConfig, nn.Block, nn.CausalSelfAttention = GPT, GPTConfig, Block, CausalSelfAttention
-for _name, _module in (("nn", nn), ("optim", optim), ("functional", functional)):
+for _name, _module in (("nn", nn), ("optim", optim), ("functional", functional), ("data", data)):
     sys.modules[f"minidp.{_name}"] = _module
 
 __version__ = "0.1.0"

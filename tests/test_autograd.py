@@ -22,13 +22,13 @@ import numpy as np
 import pytest
 from gradcheck import SETTINGS, check_gradients, output_weight
 from hypothesis import given, settings
-from minidp.nn import MLP, LayerNorm, Linear, linear
 
 import minidp
 from minidp import Tensor, concatenate, cross_entropy, functional, mse, no_grad, split, stack, where
 from minidp.fast import fused
 from minidp.fast.fused_attention import causal_self_attention
 from minidp.models.gpt import composed_attention
+from minidp.nn import MLP, LayerNorm, Linear, linear
 
 try:
     import torch
@@ -1123,3 +1123,21 @@ def test_fused_embedding_reads_negative_ids_as_the_lookup_does():
     (embedding(fused, ids) * Tensor(g)).sum().backward()
     (composed[ids] * Tensor(g)).sum().backward()
     np.testing.assert_allclose(fused.grad, composed.grad, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("name", ["gelu", "softmax", "log_softmax", "masked_fill"])
+def test_tensor_methods_are_the_functional_ops(name):
+    """x.gelu(), x.softmax(axis), ... (tensor_ops.py, reaching functional.py when called)
+    give functional's values and gradients, bit for bit."""
+    data = np.random.default_rng(5).standard_normal((3, 4))
+    mask = data > 0.5
+    args = {"softmax": (0,), "log_softmax": (0,), "masked_fill": (mask, -2.0)}.get(name, ())
+    seed = np.random.default_rng(6).standard_normal((3, 4))
+    results = []
+    for call in (lambda x: getattr(x, name)(*args), lambda x: getattr(functional, name)(x, *args)):
+        x = Tensor(data, requires_grad=True, dtype=np.float64)
+        y = call(x)
+        y.backward(seed)
+        results.append((y.data, x.grad))
+    (y1, g1), (y2, g2) = results
+    assert np.array_equal(y1, y2) and np.array_equal(g1, g2)

@@ -7,13 +7,13 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
-from minidp.nn import Module, Parameter
 
 from minidp import Tensor, comm, nn, optim
 from minidp.cli.strategies import DataParallel
 from minidp.cli.training.config import TrainConfig
 from minidp.cli.training.tasks import Task
 from minidp.models.data import DistributedSampler
+from minidp.nn import Module, Parameter
 from minidp.parallel import DistributedDataParallel, ModelMismatch
 from minidp.parallel.across_ranks import replica_spread
 

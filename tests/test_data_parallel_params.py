@@ -5,10 +5,10 @@ whatever the buckets, with overlap on and off.
 
 import numpy as np
 import pytest
-from minidp.nn import Module, Parameter
 from test_data_parallel import assert_replicas_bitwise_identical
 
 from minidp import Tensor, comm, cross_entropy, nn, optim
+from minidp.nn import Module, Parameter
 from minidp.parallel import DistributedDataParallel, ModelMismatch
 from minidp.parallel.data_parallel.buckets import bucket_groups
 from minidp.tools.chunks import chunk_range

@@ -8,11 +8,11 @@ import contextlib
 
 import numpy as np
 import pytest
-from minidp.nn import MLP, cross_entropy, linear
 
 from minidp import Tensor, nn, optim
 from minidp.fast import weight_grads
 from minidp.fast.weight_grads import Product, defer_weight_grads
+from minidp.nn import MLP, cross_entropy, linear
 
 SIZES = [12, 16, 16, 3]  # 12*16 / 28: a stash of up to 6 rows for the first weight
 

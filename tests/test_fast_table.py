@@ -13,6 +13,7 @@ import pytest
 
 from minidp import Tensor, cross_entropy, nn
 from minidp.engine.registry import FAST, fast, plain
+from minidp.fast import weight_grads
 
 ROOT = Path(__file__).parent.parent
 ENTRIES = {
@@ -85,10 +86,19 @@ def test_the_gpt_without_the_table_is_the_plain_gpt_bit_for_bit():
         assert np.array_equal(g, plain_grads[name]), name
 
 
-def test_the_gpt_with_the_table_equals_the_plain_gpt_to_rounding():
+def test_the_gpt_with_the_table_equals_the_plain_gpt_to_rounding(monkeypatch):
     """The fused ops keep or regroup the composed graph's arithmetic (fused.py says which):
-    equal to rounding in float64."""
+    equal to rounding in float64. And the default GPT takes every entry of the table."""
+    taken = set()
+    for name, fn in dict(FAST).items():
+
+        def counted(*args, name=name, fn=fn):
+            taken.add(name)
+            return fn(*args)
+
+        monkeypatch.setitem(FAST, name, counted)
     loss, grads = gpt_loss_and_grads(fused=True)
+    assert taken == ENTRIES
     with plain():
         plain_loss, plain_grads = gpt_loss_and_grads(fused=False)
     assert loss == pytest.approx(plain_loss, rel=1e-12)
@@ -96,8 +106,9 @@ def test_the_gpt_with_the_table_equals_the_plain_gpt_to_rounding():
         np.testing.assert_allclose(g, plain_grads[name], rtol=1e-9, atol=1e-12, err_msg=name)
 
 
-def test_an_mlp_step_is_bit_equal_with_and_without_the_table():
-    """One micro-batch: the deferred weight gradient is x^T g itself (weight_grads.py)."""
+def test_an_mlp_step_is_bit_equal_with_and_without_the_deferred_weight_gradient():
+    """One micro-batch: the deferred weight gradient is x^T g itself (weight_grads.py), so
+    with the table holding that entry alone the step's bits are the plain path's."""
 
     def step():
         model = nn.MLP([6, 8, 3], rng=np.random.default_rng(1), dtype=np.float64)
@@ -108,6 +119,28 @@ def test_an_mlp_step_is_bit_equal_with_and_without_the_table():
 
     with plain():
         loss, grads = step()
-    fast_loss, fast_grads = step()
+        FAST["weight_gradient"] = weight_grads.weight_gradient  # plain() restores the table
+        fast_loss, fast_grads = step()
+        assert set(FAST) == {"weight_gradient"}
     assert loss == fast_loss
     assert all(np.array_equal(a, b) for a, b in zip(grads, fast_grads))
+
+
+def test_a_users_module_in_a_linears_place_runs_as_it_is():
+    """models/gpt.py asks the table for a fused op only after it knows the module is the
+    library's own Linear: a module without `.weight` in fc_proj's place is just called."""
+
+    class Scaled(nn.Module):  # a user's own layer: no .weight attribute
+        def __init__(self, inner):
+            self.inner = inner
+
+        def forward(self, x):
+            return self.inner(x) * 0.5
+
+    cfg = nn.GPTConfig(vocab_size=11, block_size=8, n_layer=1, n_head=2, n_embd=16)
+    model = nn.GPT(cfg, seed=3, dtype=np.float64)
+    block = model.blocks[0]
+    block.fc_proj = Scaled(block.fc_proj)
+    block.attn.proj = Scaled(block.attn.proj)
+    tokens = np.random.default_rng(0).integers(0, 11, (2, 8))
+    assert np.isfinite(model(tokens).data).all()

@@ -8,6 +8,8 @@ computes x W + b; torch's stores (out, in), so its weight is our W.T (and so is 
 import numpy as np
 import pytest
 from gradcheck import check_gradients
+
+from minidp import Tensor, cross_entropy, no_grad, optim
 from minidp.nn import (
     GPT,
     MLP,
@@ -20,8 +22,6 @@ from minidp.nn import (
     Parameter,
     linear,
 )
-
-from minidp import Tensor, cross_entropy, no_grad, optim
 
 try:
     import torch

@@ -156,9 +156,8 @@ def test_make_alike_takes_tp_rank_0s_or_the_sum():
     0's (dp > 2, where the DP sums may differ by rank), or left as they are."""
     from types import SimpleNamespace
 
-    from minidp.nn import Parameter
-
     from minidp.cli.strategies.tp import make_alike
+    from minidp.nn import Parameter
 
     world = comm.world()
     p = Parameter(np.zeros(3))

@@ -27,7 +27,6 @@ import os
 import tempfile
 
 import numpy as np
-from minidp.optim import AdamW
 
 from minidp import Tensor, comm, nn
 from minidp import functional as F
@@ -35,6 +34,7 @@ from minidp.cli.strategies import DataParallel, TensorParallel
 from minidp.cli.training.config import TrainConfig
 from minidp.cli.training.tasks import Task
 from minidp.models.data import DistributedSampler
+from minidp.optim import AdamW
 from minidp.parallel import (
     ColumnParallelLinear,
     Mesh,

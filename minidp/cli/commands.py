@@ -21,7 +21,7 @@ import sys
 import time
 import types
 
-from minidp.cli.parser import Parser  # below cli.py: the benchmarks take it from there
+from minidp.cli.parser import Parser  # below commands.py: the benchmarks take it from there
 from minidp.cli.training.config import BadConfig, TrainConfig, config_fields
 from minidp.fast.allocator import keep_freed_memory
 from minidp.tools.log import JobError, RunStopped, die, print0

@@ -1,9 +1,9 @@
 """Parser: the argument parser every minidp command line uses (train, bench NAME, info).
 
-It lives here, below cli.py, so that a benchmark builds its flags without importing the
+It lives here, below commands.py, so that a benchmark builds its flags without importing the
 whole command line (and, through it, the trainer). It needs only log.py:
 
-    log.py  <-  parser.py  <-  cli.py (train flags from TrainConfig)
+    log.py  <-  parser.py  <-  commands.py (train flags from TrainConfig)
                            <-  bench/*.py (each benchmark's flags)
 """
 

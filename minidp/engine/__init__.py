@@ -1,7 +1,8 @@
-"""The engine, plain: Tensor with its ops and backward (tensor.py), grad mode, the functional
-ops, layers (nn.py), optimizers (optim.py), the NumPy/torch array switch (backend.py), and
-the table through which the speed tricks of minidp/fast/ plug in (registry.py). No MPI here,
-and no speed tricks: a reader meets every op as written, micrograd's way, on arrays.
+"""The engine, plain: Tensor and backward (tensor.py) with its ops (tensor_ops.py), grad mode,
+the functional ops, layers (nn.py), optimizers (optim.py), the NumPy/torch array switch
+(backend.py). No MPI here, and no speed tricks: a reader meets every op as written,
+micrograd's way, on arrays. The speed tricks of minidp/fast/ plug in through one table,
+registry.py, which the engine consults and never fills.
 
-Read in this order: tensor.py -> functional.py -> nn.py -> optim.py.
+Read in this order: tensor.py -> tensor_ops.py -> functional.py -> nn.py -> optim.py.
 """

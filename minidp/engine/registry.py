@@ -2,11 +2,12 @@
 
 The engine's code is the plain path, the one a reader meets. `minidp.fast` (fused ops,
 deferred weight gradients) fills `FAST` in when minidp is imported; a layer or op looks its
-entry up by name and, where the table has it and the data are NumPy arrays, calls it with
-the same arguments instead. With the table empty (inside `plain()`) every op runs as
-written in the engine.
-Each entry is tested against the plain path: bit for bit, or within the reassociation its
-module states (tests/test_fast_table.py lists them).
+entry up by name and, where the table has it (and, through `fast()`, the data are NumPy
+arrays), calls it with the same arguments instead. `weight_gradient` is looked up directly:
+its Product multiplies itself out where it cannot defer (torch data included). With the
+table empty (inside `plain()`) every op runs as written in the engine. Each entry is tested
+against the plain path: bit for bit, or within the reassociation its module states
+(tests/test_fast_table.py lists them).
 
     name                 plain path (engine, models)            faster (minidp/fast/)
     row_sums             a.sum(axis=-1)  (cross_entropy)        fused.row_sums

@@ -3,9 +3,8 @@
 A `Tensor` wraps an array (`.data`). Every op computes its forward on arrays and returns
 `op(data, parents, backward)`; `loss.backward()` walks the recorded graph once in reverse
 topological order, so each tensor's gradient is complete before it flows further back.
-Leaves that require a gradient (parameters) accumulate into `.grad`, as in PyTorch, and fire
-their grad-ready hooks the moment that gradient is final: data parallelism launches its
-communication from those hooks while backward goes on.
+Leaves that require a gradient accumulate into `.grad`, as in PyTorch, and fire their
+grad-ready hooks the moment it is final: data parallelism communicates from those hooks.
 
 Writing an op, the contract (for every op here, in functional.py, and outside minidp):
 `backward(g)`, written right beside the forward, maps the gradient of the loss with respect

@@ -39,7 +39,6 @@ from minidp.engine.tensor import Tensor, op
 from minidp.fast.weight_grads import weight_gradient
 
 __all__ = [
-    "fusable",
     "row_sums",
     "row_dots",
     "column_sums",
@@ -49,12 +48,6 @@ __all__ = [
     "gelu",
     "embedding",
 ]
-
-
-def fusable(*tensors: Tensor) -> bool:
-    """The fused ops are written for NumPy arrays; on torch data (--backend torch) the
-    composed graph runs instead."""
-    return all(type(t.data) is np.ndarray for t in tensors)
 
 
 def row_sums(a: np.ndarray) -> np.ndarray:

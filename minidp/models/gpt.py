@@ -94,12 +94,12 @@ def add_linear(residual: Tensor, linear: Linear, drop, x: Tensor, fused: bool = 
     """residual + drop(linear(x)), or (fused, NumPy data of one dtype, the library's own
     Dropout and not dropping, the library's own Linear: as norm_linear) the same as one op:
     the table's "linear_residual" (the residual add into the product's own array)."""
-    one_op = fused and fast("linear_residual", residual, x, linear.weight)
     if (
-        one_op
+        fused
         and own_forward(drop, Dropout)  # the library's own, and not dropping now
         and not (drop.training and drop.p > 0)
-        and own_forward(linear, Linear)
+        and own_forward(linear, Linear)  # (a module without .weight is called as it is)
+        and (one_op := fast("linear_residual", residual, x, linear.weight))
         and residual.dtype == x.dtype == linear.weight.dtype
         and residual.shape == (*x.shape[:-1], linear.weight.shape[1])
         and (linear.bias is None or linear.bias.dtype == residual.dtype)

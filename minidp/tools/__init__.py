@@ -1,5 +1,6 @@
-"""Small tools every layer may use, none of them MPI's: printing from rank 0 and the job's
-errors (log.py), the names all parts agree on (names.py), how a vector is cut into one chunk
-per rank (chunks.py), pictures (plots.py), memory counted by category (memory.py), and what
-this process runs on (info.py, `python -m minidp info`).
+"""Small tools for the layers above the engine (models, comm, the pieces, the face), none
+of them on MPI at import (info.py asks MPI only when its command runs): printing from
+rank 0 and the job's errors (log.py), the names all parts agree on (names.py), how a vector
+is cut into one chunk per rank (chunks.py), pictures (plots.py), memory counted by category
+(memory.py), and what this process runs on (info.py, `python -m minidp info`).
 """

@@ -1,6 +1,6 @@
 """TrainConfig: every knob of `python -m minidp train`, with its default and its meaning.
 
-The command line is generated from this dataclass (cli.py), so a new field is a new flag;
+The command line is generated from this dataclass (cli/commands.py), so a new field is a new flag;
 the values that cannot work are refused by config_checks.py, one line each.
 
 Default run, the arithmetic:

@@ -1,7 +1,7 @@
 """What a config of flags can say about itself, and `flag()`, the field that declares one.
 
 TrainConfig (config.py) is a dataclass of `flag(...)` fields over `Flags`; the command line is
-generated from its fields (cli.py). The metadata keys `flag` takes are listed in config.py's
+generated from its fields (commands.py). The metadata keys `flag` takes are listed in config.py's
 docstring. `Flags` answers, for any such dataclass: a field's default (a step-counted one's
 follows --steps), whether it was set, the config with the unset step counts filled in,
 whether a field applies to this --strategy and --model, the header line, and validate().

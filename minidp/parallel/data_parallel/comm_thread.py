@@ -141,7 +141,7 @@ class CommThread:
     def stop(self, timeout: float = 10.0) -> bool:
         """Ask the thread to end and wait up to `timeout` s. True if it is still stuck (after
         an error elsewhere it may wait on a peer that never comes: the error must still reach
-        MPI_Abort in cli.py rather than hang here)."""
+        MPI_Abort in cli/commands.py rather than hang here)."""
         if self._thread.is_alive():
             self._work.put(None)
             self._thread.join(timeout)
