@@ -11,15 +11,16 @@ The layers, bottom up, one folder each (arrows point down only: tests/test_layer
     tools/      log, names, chunks, plots, memory, info
     models/     the GPT, the PyTorch reference, the data and the sampler, pruning's masks
     comm/       hand-written collectives on MPI point to point; the trace of what ranks did
-    cost/       the cost model: a layout priced without running it
     parallel/   the pieces a user wraps around their own model, one folder per scheme
     cli/        the command line: its config, the one loop, the --strategy recipes
+    cost/       the cost model, a tool beside the face: a layout or a run priced without
+                running it (`python -m minidp predict`, `simulate`, a --json run's record)
 
-Everything below comm/ imports without MPI. `minidp.nn`, `minidp.optim` and
-`minidp.functional` are the engine's modules under PyTorch's names (`import minidp.nn as
-nn` works); `minidp.nn.GPT` and `minidp.nn.GPTConfig` name the model of models/gpt.py.
-A new op (a communication op of a parallel scheme, say) is written with `minidp.op`:
-engine/tensor.py's docstring states its contract.
+Everything below comm/ imports without MPI, and so does cost/'s model (cost/step.py).
+`minidp.nn`, `minidp.optim` and `minidp.functional` are the engine's modules under PyTorch's
+names (`import minidp.nn as nn` works); `minidp.nn.GPT` and `minidp.nn.GPTConfig` name the
+model of models/gpt.py. A new op (a communication op of a parallel scheme, say) is written
+with `minidp.op`: engine/tensor.py's docstring states its contract.
 """
 
 import sys

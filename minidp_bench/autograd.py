@@ -17,8 +17,8 @@ median minor page faults per step of minidp and torch (allocator.py says why the
 
 import time
 
-from minidp.cli.parser import Parser
 from minidp.tools.log import die
+from minidp.tools.parser import Parser
 from minidp_bench._common import (
     environment,
     median,

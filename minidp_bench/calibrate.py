@@ -50,10 +50,10 @@ import numpy as np
 from mpi4py import MPI
 
 from minidp import comm, cost
-from minidp.cli.parser import Parser
 from minidp.comm.reduce_ops import combine
 from minidp.cost.step import Network
 from minidp.tools.log import die, print0
+from minidp.tools.parser import Parser
 from minidp_bench._common import environment, median, print_table, timed, write_json
 from minidp_bench.collectives import contenders, human, parse_size
 

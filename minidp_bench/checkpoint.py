@@ -48,7 +48,7 @@ import time
 
 import numpy as np
 
-from minidp.cli.parser import Parser
+from minidp.tools.parser import Parser
 from minidp_bench._common import (
     environment,
     median,

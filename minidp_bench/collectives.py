@@ -31,9 +31,9 @@ import numpy as np
 from mpi4py import MPI
 
 from minidp import comm
-from minidp.cli.parser import Parser
 from minidp.tools.info import mpi_library
 from minidp.tools.log import die
+from minidp.tools.parser import Parser
 from minidp_bench._common import (
     environment,
     median,

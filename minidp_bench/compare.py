@@ -29,10 +29,10 @@ import os
 from dataclasses import replace
 
 from minidp import comm
-from minidp.cli.parser import Parser
 from minidp.cli.training.config import TrainConfig
 from minidp.engine import backend
 from minidp.tools.log import die, print0
+from minidp.tools.parser import Parser
 from minidp_bench._common import (
     environment,
     median,
@@ -80,7 +80,7 @@ def parse_args(argv: list[str]):
 
 def build(args, world: comm.Group, device: str) -> tuple[dict, dict]:
     """{name: step()} for every contender, and {name: minidp run} for the counters."""
-    from minidp.cli.torch_train import MinidpRun, ReferenceRun, init_gloo
+    from minidp_bench.torch_train import MinidpRun, ReferenceRun, init_gloo
 
     config = TrainConfig(
         model=args.model, n_embd=args.n_embd, n_layer=args.n_layer, n_head=args.n_head,

@@ -37,7 +37,6 @@ import numpy as np
 from mpi4py import MPI
 
 from minidp import comm
-from minidp.cli.parser import Parser
 from minidp.cli.strategies import DataParallel
 from minidp.cli.training.config import BadConfig, TrainConfig
 from minidp.cli.training.loop import blas_threads_per_rank
@@ -47,6 +46,7 @@ from minidp.engine.optim import MOMENTUM, OPTIMIZERS
 from minidp.models import data
 from minidp.parallel.compression.table import make_compressor
 from minidp.tools.log import die, print0
+from minidp.tools.parser import Parser
 from minidp.tools.plots import pyplot, save
 from minidp_bench._common import (
     environment,

@@ -22,12 +22,12 @@ import time
 
 import numpy as np
 
-from minidp.cli.parser import Parser
 from minidp.engine import nn, optim
 from minidp.engine.tensor import Tensor
 from minidp.fast import weight_grads
 from minidp.models.gpt import GPT, GPTConfig
 from minidp.tools.log import die
+from minidp.tools.parser import Parser
 from minidp_bench._common import environment, median, median_ratio, print_table, summary, write_json
 from minidp_bench._mlp import SIZES, make_data, make_model
 

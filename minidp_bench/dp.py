@@ -38,9 +38,9 @@ import numpy as np
 from mpi4py import MPI
 
 from minidp import comm
-from minidp.cli.parser import Parser
 from minidp.parallel.data_parallel.ddp import overlap_helps
 from minidp.tools.log import die, print0
+from minidp.tools.parser import Parser
 from minidp_bench import _dp_shallowspeed, _dp_tricks
 from minidp_bench._common import (
     environment,

@@ -21,12 +21,12 @@ import time
 import numpy as np
 
 from minidp import Tensor, cross_entropy
-from minidp.cli.parser import Parser
 from minidp.engine import nn, optim
 from minidp.fast import fused
 from minidp.fast.fused_attention import causal_self_attention
 from minidp.models.gpt import GPT, GPTConfig, composed_attention
 from minidp.tools.log import die
+from minidp.tools.parser import Parser
 from minidp_bench._common import (
     add_round_options,
     environment,

@@ -24,13 +24,13 @@ import numpy as np
 from mpi4py import MPI
 
 from minidp import comm
-from minidp.cli.parser import Parser
 from minidp.cli.strategies import DataParallel, ZeRO
 from minidp.cli.strategies.zero import model_state_bytes
 from minidp.cli.training.config import TrainConfig
 from minidp.cli.training.tasks import Task
 from minidp.models.data import DistributedSampler
 from minidp.tools.log import die, print0
+from minidp.tools.parser import Parser
 from minidp.tools.plots import pyplot, save
 from minidp_bench._common import (
     environment,

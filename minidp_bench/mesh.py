@@ -36,10 +36,10 @@ import numpy as np
 from mpi4py import MPI
 
 from minidp import comm
-from minidp.cli.parser import Parser
 from minidp.cli.training.config import TrainConfig
 from minidp.tools.log import print0
 from minidp.tools.names import PIPELINE_SCHEDULES
+from minidp.tools.parser import Parser
 from minidp.tools.plots import pyplot, save
 from minidp_bench._common import (
     Contender,

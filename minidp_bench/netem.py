@@ -22,9 +22,9 @@ import json
 from mpi4py import MPI
 
 from minidp import comm
-from minidp.cli.parser import Parser
 from minidp.comm.netem import network
 from minidp.tools.log import die, print0
+from minidp.tools.parser import Parser
 from minidp_bench._common import print_table, write_json
 from minidp_bench.calibrate import (
     COLUMNS,

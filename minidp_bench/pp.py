@@ -39,7 +39,6 @@ import time
 import numpy as np
 
 from minidp import comm
-from minidp.cli.parser import Parser
 from minidp.comm.trace import Timeline as Trace
 from minidp.engine import functional, nn
 from minidp.engine.tensor import op
@@ -53,6 +52,7 @@ from minidp.parallel.pipeline.simulate import summary as simulated
 from minidp.parallel.pipeline.split import split_model
 from minidp.parallel.pipeline.stage import PipelineStage
 from minidp.tools.log import print0
+from minidp.tools.parser import Parser
 from minidp_bench._common import environment, median, print_table, summary, write_json
 from minidp_bench._pp_memory import SCHEDULES, memory_rows, rank_memory_rows, virtual_of
 

@@ -10,7 +10,7 @@ for every layout in turn (so that the machine's other load falls on all of them 
     predicted   `mpiexec -n P python -m minidp predict FLAGS`, just before the run: each of the
                 P ranks measures its compute at once (the core sharing is in the
                 measurement) and the per-call cost is timed on them
-    alone       training/predict.py's `run_prediction` as `python -m minidp predict --world P`
+    alone       cost/predict.py's `run_prediction` as `python -m minidp predict --world P`
                 makes it on one process: compute measured here, stretched by P / cores when
                 the P ranks outnumber the cores, the calibration's per-call cost (its
                 Python layer, checks off, on a quiet machine: no waits for a peer)
@@ -31,8 +31,8 @@ import subprocess
 import sys
 import tempfile
 
-from minidp.cli.parser import Parser
 from minidp.tools.log import die
+from minidp.tools.parser import Parser
 from minidp_bench._common import median, print_table, write_json
 
 SLOW = ["--ps-slow-worker-ms", "10"]  # a straggler: the last worker sleeps 10 ms a step
@@ -110,7 +110,7 @@ def run_once(P: int, flags: list[str], path: str, steps: int = 0) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     from minidp.cli.commands import parse_train_args
-    from minidp.cli.training.predict import load_network, run_prediction
+    from minidp.cost.predict import load_network, run_prediction
 
     parser = Parser(prog="minidp bench predict", description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=3, help="rounds (default 3)")

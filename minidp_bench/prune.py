@@ -30,12 +30,12 @@ from dataclasses import replace
 import numpy as np
 
 from minidp import comm
-from minidp.cli.parser import Parser
 from minidp.cli.training.config import BadConfig, TrainConfig
 from minidp.cli.training.loop import train
 from minidp.cli.training.tasks import Task
 from minidp.models.prune.magnitude import prunable
 from minidp.tools.log import die, print0
+from minidp.tools.parser import Parser
 from minidp.tools.plots import pyplot, save
 from minidp_bench._common import median, print_table, rotated_rounds, summary, write_json
 

@@ -25,13 +25,13 @@ from dataclasses import replace
 import numpy as np
 
 from minidp import comm
-from minidp.cli.parser import Parser
 from minidp.cli.strategies import DataParallel, ParameterServer
 from minidp.cli.training.config import TrainConfig
 from minidp.cli.training.tasks import Task
 from minidp.engine import optim
 from minidp.models.data import DistributedSampler
 from minidp.tools.log import print0
+from minidp.tools.parser import Parser
 from minidp.tools.plots import pyplot, save
 from minidp_bench._common import environment, median, print_table, summary, write_json
 

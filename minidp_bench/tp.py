@@ -31,9 +31,9 @@ import contextlib
 import numpy as np
 
 from minidp import comm
-from minidp.cli.parser import Parser
 from minidp.cli.training.config import TrainConfig
 from minidp.tools.log import print0
+from minidp.tools.parser import Parser
 from minidp.tools.plots import pyplot, save
 from minidp_bench._common import (
     Contender,

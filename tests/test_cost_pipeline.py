@@ -1,4 +1,4 @@
-"""The pipeline in the step model (parallel/pipeline/step_cost.py): the bytes each rank sends
+"""The pipeline in the step model (cost/pp_step.py): the bytes each rank sends
 per axis against what real `--strategy pp` and dp x pp runs count, and the step's length
 against the schedule simulator's in unit time; the parameter server's bytes under BSP, ASP and SSP
 (cost/ps_step.py) against real runs, workers and servers, and its step's terms."""
@@ -15,10 +15,11 @@ from minidp.cli.training.config import TrainConfig
 from minidp.cli.training.loop import train
 from minidp.cli.training.tasks import Task
 from minidp.cost import ps_step
+from minidp.cost.pp_step import bytes_by_axis, predict_pipeline, stage_params
+from minidp.cost.predicted import in_record
 from minidp.cost.step import Compute, Layout, Network
 from minidp.parallel.pipeline.schedules import build_schedule
 from minidp.parallel.pipeline.simulate import simulate
-from minidp.parallel.pipeline.step_cost import bytes_by_axis, predict_pipeline, stage_params
 
 TINY = dict(
     n_embd=16, n_head=4, block_size=8, batch_size=10, bucket_mb=0.002, steps=2,
@@ -116,7 +117,7 @@ def test_parameter_server_bytes_per_rank_are_what_real_runs_count(tmp_path):
         flags = dict(strategy="ps", servers=servers, grad_clip=clip, n_layer=1,
                      consistency=consistency, json=str(tmp_path / f"ps{i}.jsonl"))  # fmt: skip
         config = TrainConfig(**{**TINY, **flags, "bucket_mb": 0.25})
-        final = train(config, group)
+        final = train(config, group, adds=[in_record])  # the prediction, as the CLI's runs
         params = Task(config, np.dtype("float32")).model.num_parameters()
         workers, bsp = ranks - servers, consistency == "bsp"
         per_step = ps_step.bytes_by_axis(workers, servers, params, 4, group.rank, clip and bsp)

@@ -12,6 +12,7 @@ from minidp.cli.training.config import TrainConfig
 from minidp.cli.training.loop import train
 from minidp.cli.training.tasks import Task
 from minidp.cost.calls import gpt_shapes
+from minidp.cost.predicted import in_record
 from minidp.cost.step import Compute, Layout, Network, bytes_by_axis, fixed_part, memory, predict
 from minidp.tools.memory import activation_estimate
 
@@ -68,7 +69,7 @@ def real_runs(cases, tiny: dict, tmp_path):
             continue
         json = str(tmp_path / "run.jsonl") if flags["strategy"] == "hybrid" else None
         config = TrainConfig(**{**tiny, **flags, "json": json})
-        final = train(config, group)
+        final = train(config, group, adds=[in_record])  # as the command line's runs
         if json:  # --json: the prediction beside the measurement, on every rank
             assert final["predicted_bytes_by_axis"] == final["bytes_sent_by_axis"]
             assert final["predicted_step_s"] > 0 and final["measured_step_s"] > 0
@@ -150,8 +151,8 @@ def test_a_calibration_that_cannot_be_read_is_refused_by_predict_and_skipped_by_
 ):
     """predict names the file; a training run falls back to the built-in defaults: its
     final record is written (a run never fails for its prediction)."""
-    from minidp.cli.training.predict import DEFAULT_NETWORK
-    from minidp.cli.training.predicted import shared_network
+    from minidp.cost.predict import DEFAULT_NETWORK
+    from minidp.cost.predicted import shared_network
 
     bad = tmp_path / "runs" / "calibration.json"
     bad.parent.mkdir()

@@ -145,9 +145,9 @@ def test_an_unknown_trick_is_refused_by_name():
 def test_host_staging_gives_the_bits_of_plain_staging(monkeypatch):
     """--backend torch, overlap and micro-batches: the same losses and parameters, bit for
     bit, with DDP's host buffers (HostStage) and without (PlainStage: a view on the CPU)."""
-    from minidp.cli.torch_train import minidp_losses
     from minidp.cli.training.config import TrainConfig
     from minidp.engine import backend
+    from minidp_bench.torch_train import minidp_losses
 
     config = TrainConfig(
         n_layer=1, n_embd=16, n_head=2, block_size=8, seed=5, batch_size=5, lr=1e-2,

@@ -207,7 +207,7 @@ def test_a_stopped_worker_under_asp_is_dropped_and_the_job_finishes(tmp_path):
 def test_a_gpt_under_asp_ends_without_its_stopped_worker_and_predicts_for_the_rest(tmp_path):
     """Two paths the mlp's small messages above do not take: the server's last reply to the
     stopped worker, too big to go eagerly, is left to MPI; --json's prediction is a
-    collective among the ranks still in the job (training/predicted.py)."""
+    collective among the ranks still in the job (cost/predicted.py)."""
     began = time.time()
     args = ["--n-layer", "1", "--n-embd", "16", "--block-size", "8", "--batch-size", "8"]
     args += ["--sample-tokens", "0", "--eval-batches", "1", "--log-every", "1"]

@@ -43,7 +43,7 @@ NO_MPI_MODULES = (
     "minidp.optim",
     "minidp.functional",
     "minidp.cli.training.config",
-    "minidp.cli.parser",
+    "minidp.tools.parser",
     "minidp.cost",
     "minidp.cost.calls",
     "minidp.cost.compute",
@@ -206,7 +206,7 @@ def test_chunks_stay_reexported_by_comm():
 
 
 def test_benchmarks_do_not_import_the_command_line():
-    """A benchmark takes its Parser from minidp.cli.parser, below cli/commands.py (and the
+    """A benchmark takes its Parser from minidp.tools.parser, below cli/commands.py (and the
     trainer)."""
     names = sorted(p.stem for p in (ROOT / "minidp_bench").glob("[!_]*.py"))
     code = imports(f"minidp_bench.{n}" for n in names) + (

@@ -6,7 +6,7 @@ import os
 import pytest
 
 from minidp.cli import commands as cli
-from minidp.cli.loss_curves import main
+from minidp.tools.loss_curves import main
 
 
 def write_run(path, losses, final=None):

@@ -13,8 +13,8 @@ import math
 import pytest
 
 from minidp import cost
-from minidp.cli.training.simulate import main
 from minidp.cost import chrome, scale
+from minidp.cost.simulate import main
 from minidp.cost.step import Layout, Network, memory, predict
 
 NET = Network(alpha=5e-6, beta=1 / 25e9, gamma=1 / 100e9)

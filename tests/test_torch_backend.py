@@ -48,8 +48,8 @@ def one_rank():
     ("model", "dtype", "rtol"), [("gpt", "float64", 1e-10), ("mlp", "float32", 1e-4)]
 )
 def test_numpy_torch_and_pytorch_give_the_same_losses(model, dtype, rtol):
-    from minidp.cli.torch_train import minidp_losses, train_reference
     from minidp.models.torch_ref import minidp_state
+    from minidp_bench.torch_train import minidp_losses, train_reference
 
     config = TrainConfig(model=model, dtype=dtype, steps=STEPS, **TINY)
     group = one_rank()
@@ -72,7 +72,7 @@ def test_numpy_torch_and_pytorch_give_the_same_losses(model, dtype, rtol):
 @pytest.mark.parametrize(("dtype", "rtol"), [("float64", 1e-10), ("float32", 1e-4)])
 def test_the_same_losses_on_cuda(dtype, rtol):
     """The GPU check: minidp on CUDA tensors and PyTorch on CUDA against minidp on NumPy."""
-    from minidp.cli.torch_train import minidp_losses, train_reference
+    from minidp_bench.torch_train import minidp_losses, train_reference
 
     config = TrainConfig(model="gpt", dtype=dtype, steps=STEPS, **TINY)
     group = one_rank()
@@ -113,8 +113,8 @@ def test_the_torch_shim_computes_what_numpy_does_gradients_included():
 
 @pytest.mark.torch
 def test_staging_copies_are_counted_and_drawn(monkeypatch):
-    from minidp.cli.torch_train import MinidpRun
     from minidp.parallel.data_parallel import ddp as data_parallel
+    from minidp_bench.torch_train import MinidpRun
 
     monkeypatch.setitem(data_parallel.TRICKS, "host_stage", True)  # CUDA's way, on the CPU
 

@@ -25,7 +25,7 @@ TINY = dict(
 @pytest.mark.torch
 @pytest.mark.parallel(nprocs=[2])
 def test_dp_on_numpy_on_torch_and_pytorch_ddp_match_one_process():
-    from minidp.cli.torch_train import minidp_losses, train_reference
+    from minidp_bench.torch_train import minidp_losses, train_reference
 
     world = comm.world()
     for dtype, rtol in (("float64", 1e-10), ("float32", 1e-4)):

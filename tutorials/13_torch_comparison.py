@@ -29,11 +29,11 @@ import numpy as np
 import torch
 
 from minidp import Tensor, comm, functional
-from minidp.cli.torch_train import MinidpRun, minidp_losses, train_reference
 from minidp.cli.training.config import TrainConfig
 from minidp.engine import backend
 from minidp.tools.log import print0
 from minidp.tools.plots import pyplot, save
+from minidp_bench.torch_train import MinidpRun, minidp_losses, train_reference
 
 group = comm.world()
 alone = group.split(group.rank)  # a group of one: single-process training on each rank

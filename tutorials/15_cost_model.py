@@ -37,11 +37,12 @@ from threadpoolctl import threadpool_limits
 from minidp import Tensor, comm, cost, cross_entropy, data, nn, optim
 from minidp.cli.training.config import TrainConfig
 from minidp.cli.training.loop import train
-from minidp.cli.training.predict_compress import compressor_seconds
 from minidp.cli.training.tasks import Task
 from minidp.comm import netem, p2p
 from minidp.cost import calls, report, scale, step
 from minidp.cost.compute import measure
+from minidp.cost.predict_compress import compressor_seconds
+from minidp.cost.predicted import in_record
 from minidp.parallel import DistributedDataParallel
 from minidp.tools.chunks import chunk_range
 from minidp.tools.log import print0
@@ -153,7 +154,7 @@ print0(report.table(["4 MiB allreduce", "predicted ms", "measured ms", "predicte
 with tempfile.TemporaryDirectory() as scratch:
     records = comm.broadcast_text(os.path.join(scratch, "zero2.jsonl"), 0, group)  # rank 0's
     config = TrainConfig(strategy="zero", zero_stage=2, steps=40, log_every=20, json=records)
-    train(config, group)
+    train(config, group, adds=[in_record])  # the command line adds the prediction so
     comm.barrier(group=group)  # rank 0 writes the records: read them once it has
     with open(records) as f:
         final = [json.loads(line) for line in f][-1]

@@ -21,10 +21,10 @@ import sys
 import time
 import types
 
-from minidp.cli.parser import Parser  # below commands.py: the benchmarks take it from there
 from minidp.cli.training.config import BadConfig, TrainConfig, config_fields
 from minidp.fast.allocator import keep_freed_memory
 from minidp.tools.log import JobError, RunStopped, die, print0
+from minidp.tools.parser import Parser  # below commands.py: the benchmarks take it from there
 
 SUBCOMMANDS = ("train", "bench", "info", "schedule", "plot", "predict", "simulate")
 
@@ -72,6 +72,19 @@ def parse_train_args(argv: list[str]) -> TrainConfig:
     except BadConfig as error:
         raise die(str(error)) from None
     return config
+
+
+# The tools beside the face, above it in the layers (minidp/__init__.py): the face never
+# imports them; a command names its module here, imported when the command runs.
+TOOLS = {
+    "predict": "minidp.cost.predict",  # a run's step cost, before running it
+    "simulate": "minidp.cost.simulate",  # 1,024 ranks from the cost model
+}
+PREDICTION = "minidp.cost.predicted"  # a --json run's predicted_* fields (in_record)
+
+
+def tool(name: str) -> types.ModuleType:
+    return importlib.import_module(name)
 
 
 def benchmarks() -> list[str]:
@@ -191,17 +204,11 @@ def main(argv: list[str] | None = None) -> int:
     if command == "schedule":
         return schedule_command(argv)
     if command == "plot":
-        from minidp.cli.loss_curves import main as plot_main
+        from minidp.tools.loss_curves import main as plot_main
 
         return plot_main(argv)
-    if command == "predict":  # a run's step cost, before running it (training/predict.py)
-        from minidp.cli.training.predict import main as predict_main
-
-        return predict_main(argv)
-    if command == "simulate":  # 1,024 ranks from the cost model (training/simulate.py)
-        from minidp.cli.training.simulate import main as simulate_main
-
-        return simulate_main(argv)
+    if command in TOOLS:
+        return tool(TOOLS[command]).main(argv)
     if command == "bench":
         try:
             return run_bench(argv)
@@ -214,7 +221,8 @@ def main(argv: list[str] | None = None) -> int:
     from minidp.cli.training.loop import train
 
     try:
-        final = train(config, signals=True)  # SIGTERM & co. stop it: training/preemption.py
+        # SIGTERM & co. stop it (training/preemption.py); the record gains the prediction
+        final = train(config, signals=True, adds=[tool(PREDICTION).in_record])
     except BadConfig as error:  # found on every rank alike: one line, every rank exits
         raise die(str(error)) from None
     except RunStopped as error:  # a divergence, a failed save, a signal: every rank alike

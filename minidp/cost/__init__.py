@@ -17,6 +17,15 @@ allreduce, "shm" only when the array lies in shared memory: pass "shm" then).
 
 Pure Python: this package imports without MPI, except that resolving "auto" reads
 minidp.comm.auto, so that the thresholds live in one place.
+
+Read in this order: messages.py and formulas.py (one collective) -> calls.py (the
+collectives of a step) -> compute.py -> step.py (one training step: Layout, Network,
+predict), ps_step.py and pp_step.py (the parameter server's, the pipeline's) -> scale.py,
+report.py, chrome.py (simulate's sweep, its tables and trace). Then the cost model applied
+to the command line's runs, a tool beside the face (it reads TrainConfig; the face runs it
+by name): predict.py (`python -m minidp predict`, with predict_compute, predict_compress,
+predict_pp, predict_ps), predicted.py (a --json run's predicted_* fields, made on its
+ranks) and simulate.py (`python -m minidp simulate`).
 """
 
 from collections.abc import Callable

@@ -10,7 +10,7 @@ clip with the optimizer's step, each the median of `steps` after `warmup`; it le
 parameters as it found them and their gradients None. cost/step.py scales forward and
 backward to a rank's share of the global batch and the optimizer to the parameters it
 steps. The training loop measures the model a strategy runs through this function too
-(training/predict_compute.py).
+(cost/predict_compute.py).
 """
 
 import statistics

@@ -32,14 +32,14 @@ The model of one step on one rank, term by term:
                 passes over the bucket at γ (the decoded vector, and its addition)
     per call    minidp's own cost of a collective beyond its messages (the Python layer, the
                 checks' fingerprint exchange, a peer not yet scheduled on shared cores):
-                Network.per_call, measured by the run (training/predict.py), 0 by default
+                Network.per_call, measured by the run (cost/predict.py), 0 by default
     cores       ranks that outnumber the machine's cores share them: compute and
                 communication both stretched by ranks / cores (Network.cores; 0: no limit)
 
     step = compute + exposed communication
 
 Bytes by axis are exact for dp, zero 1-3, tp and hybrid, with --compress and with
---sequence-parallel too (the pipeline's: parallel/pipeline/step_cost.py): minidp.cost.sent
+--sequence-parallel too (the pipeline's: cost/pp_step.py): minidp.cost.sent
 of every call, summed per axis, as the run's `bytes_sent_by_axis` counts them for rank
 `rank` (tests/test_cost_step.py checks against real runs). Memory per rank: the parameters,
 gradients and AdamW moments this rank holds (zero.py's table on this rank's TP shard) and
@@ -67,7 +67,7 @@ class Layout(NamedTuple):
     bucket_mb: float = 0.25
     shm: bool = True  # every rank on one machine: DDP's "auto" reduces buckets by loads
     compress: str = "none"  # --compress NAME[:PARAM]: the DP buckets' compressor (calls.py)
-    schedule: str = "1f1b"  # pp > 1: the pipeline's (parallel/pipeline/step_cost.py)
+    schedule: str = "1f1b"  # pp > 1: the pipeline's (cost/pp_step.py)
     micro_batches: int = 1
     virtual: int = 1
     clip: bool = True  # --grad-clip > 0 (the pipeline's norm is an allreduce over pp)
@@ -156,7 +156,7 @@ def step_calls(layout: Layout, shapes: Shapes, itemsize: int, batch_size: int, d
     if layout.strategy not in ("dp", "zero", "tp", "hybrid") or layout.pp != 1:
         raise ValueError(
             f"the step model covers dp, zero, tp and hybrid without pp (the pipeline: "
-            f"parallel/pipeline/step_cost.py); got "
+            f"cost/pp_step.py); got "
             f"{layout.strategy} with pp {layout.pp}"
         )
     bounds = chunk_bounds(batch_size, layout.dp)

@@ -25,7 +25,6 @@ from minidp.cli.training.drift import check_replicas
 from minidp.cli.training.meter import StepMeter, Window
 from minidp.cli.training.nonfinite import TrainingDiverged as TrainingDiverged  # re-exported
 from minidp.cli.training.nonfinite import nonfinite_step
-from minidp.cli.training.predicted import for_run
 from minidp.cli.training.preemption import Preempted, Preemption
 from minidp.cli.training.records import Records
 from minidp.cli.training.tasks import Task
@@ -45,12 +44,18 @@ def blas_threads_per_rank(requested: int) -> int:
     return requested or max(1, int(cores_per_rank()))
 
 
-def train(config: TrainConfig, group: comm.Group | None = None, signals: bool = False) -> dict:
+def train(
+    config: TrainConfig, group: comm.Group | None = None, signals: bool = False, adds=()
+) -> dict:
     """Train as `config` says over `group` (default: every rank); print progress from the
     group's rank 0; return the final record. `signals`: SIGTERM, SIGINT and --save-signal
     stop the run (training/preemption.py; the command line's runs), else they are left to
-    the caller. NumPy's floating-point warnings are off: an overflow on the way to a NaN
-    would print a dozen lines before the loop's own check names the step (nonfinite.py)."""
+    the caller. `adds`: functions `add(config, group, step_s) -> dict` whose fields join the
+    final record, each collective on the ranks still in the job, `step_s` the mean step of
+    this launch after its first (None: none); the command line adds the cost model's
+    prediction this way (minidp/cost/predicted.py), of which the loop knows nothing. NumPy's
+    floating-point warnings are off: an overflow on the way to a NaN would print a dozen
+    lines before the loop's own check names the step (nonfinite.py)."""
     from threadpoolctl import threadpool_limits
 
     with (
@@ -58,10 +63,10 @@ def train(config: TrainConfig, group: comm.Group | None = None, signals: bool = 
         np.errstate(over="ignore", invalid="ignore", divide="ignore"),
         Preemption(config.save_signal) if signals else contextlib.nullcontext() as preemption,
     ):
-        return _train(config, group or comm.world(), preemption or Preemption())
+        return _train(config, group or comm.world(), preemption or Preemption(), adds)
 
 
-def _train(config: TrainConfig, group: comm.Group, preemption: Preemption) -> dict:
+def _train(config: TrainConfig, group: comm.Group, preemption: Preemption, adds) -> dict:
     config = config.resolved()  # the step-counted flags left unset follow --steps
     say = functools.partial(print0, rank=group.rank)  # one writer: the group's rank 0
     if config.strategy not in STRATEGIES:
@@ -141,7 +146,8 @@ def _train(config: TrainConfig, group: comm.Group, preemption: Preemption) -> di
                 saves.free()
         # what training sent and held, read before the reports below add their own
         counts, memory = resume.so_far(meter, skipped, before), strategy.memory_bytes()
-        launch = meter.steady()  # this launch's steps after its first, for the prediction
+        launch = meter.steady()  # this launch's steps after its first, for what `adds` adds
+        step_s = launch.seconds / launch.steps if launch.steps else None
         # collective among the ranks still in the job (a dropped ps worker is not)
         per_rank = memory_per_rank(memory, strategy.group)  # shards differ by rank
         strategy.gather_model()  # the whole trained model in task.model, for what follows
@@ -164,7 +170,7 @@ def _train(config: TrainConfig, group: comm.Group, preemption: Preemption) -> di
             "dtype": config.dtype,
             "skipped_steps": counts["skipped_steps"],
             **strategy.record(),
-            **predicted(config, strategy.group, launch),  # the ranks still in the job
+            **{k: v for add in adds for k, v in add(config, strategy.group, step_s).items()},
             "config": vars(config),  # every field, those of other strategies too
         }
     records.write(final)  # the last line
@@ -201,16 +207,6 @@ def log_line(step: int, loss: float, lr: float, w: Window, task: Task, config, s
         "exposed_comm_s_per_step": w.exposed_s / n,
         "bytes_sent_per_step": w.bytes_sent / n,
     }
-
-
-def predicted(config, group: comm.Group, steady: Window) -> dict:
-    """Collective, with --json: the step model's prediction beside the measured mean step
-    after the first (every rank measures its compute at once; training/predicted.py)."""
-    if not config.json or not steady.steps:
-        return {}
-    # the predicted bytes cover every step, as bytes_sent_by_axis does across a resume on
-    # the same layout (on another, those counts mix the two layouts': docs/checkpoints.md)
-    return for_run(config, group, steady.seconds / steady.steps, config.steps)
 
 
 def memory_per_rank(memory: dict, group: comm.Group) -> dict[str, list[int]]:

@@ -76,7 +76,7 @@ def simulate(
     """Time per-rank compute lists (messages, if any, are skipped: they take no time).
 
     Given `duration(action)` and `delay(need, action)` (numbers in any one unit: the step
-    model's seconds, parallel/pipeline/step_cost.py), each action lasts its duration and
+    model's seconds, cost/pp_step.py), each action lasts its duration and
     starts `delay` after what it needs has ended when that ran on another rank (the
     message); the Timeline's ticks are then that unit (read `length_ticks`)."""
     if duration is None:

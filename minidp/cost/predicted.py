@@ -19,14 +19,14 @@ import numpy as np
 
 from minidp import comm
 from minidp.cli.training.config import BadConfig
-from minidp.cli.training.predict import (
+from minidp.comm import netem
+from minidp.cost.predict import (
     DEFAULT_NETWORK,
     layout_of,
     load_network,
     prediction_record,
     run_prediction,
 )
-from minidp.comm import netem
 from minidp.cost.step import Compute, Network
 
 
@@ -97,8 +97,8 @@ def tensor_parallel_compute(config, group, layout, threads: int) -> Compute:
     loss's own parts) is in it."""
     from threadpoolctl import threadpool_limits
 
-    from minidp.cli.training.predict_compute import Alone, measure_compute
     from minidp.cli.training.tasks import Task
+    from minidp.cost.predict_compute import Alone, measure_compute
     from minidp.parallel.mesh import Mesh
     from minidp.parallel.tensor_parallel.gpt import TensorParallelGPT
 
@@ -130,6 +130,17 @@ def shared_network(group) -> Network:
         numbers[:] = network.alpha, network.beta, network.gamma, network.per_call, network.delta
     alpha, beta, gamma, per_call, delta = comm.broadcast(numbers, root=0, group=group)
     return Network(alpha, beta, gamma, 0, per_call, delta)
+
+
+def in_record(config, group, measured_step_s: float | None) -> dict:
+    """Collective, with --json: the final record's prediction beside the run's measured
+    mean step (after the first of this launch), which the command line adds through the
+    training loop's `adds` (training/loop.py); {} without --json or a steady step. The
+    predicted bytes cover every step, as bytes_sent_by_axis does across a resume on the same
+    layout (on another, those counts mix the two layouts': docs/checkpoints.md)."""
+    if not config.json or measured_step_s is None:
+        return {}
+    return for_run(config, group, measured_step_s, config.steps)
 
 
 def for_run(config, group, measured_step_s: float, steps: int) -> dict:

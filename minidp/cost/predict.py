@@ -25,7 +25,7 @@ The step model is minidp/cost/step.py (pure Python); this module feeds it from a
                 --calibration FILE); without one, built-in defaults, said so in the output;
                 the per-call cost from the file's "per_call" if it has one (else 0)
 
-`--json` of a training run calls `for_run` at its end (training/predicted.py, with what
+`--json` of a training run calls `for_run` at its end (cost/predicted.py, with what
 the run's own ranks see: the per-call cost timed on its group, the emulated network, shared
 memory and overlap as the run decided them); the final record gets the prediction beside
 what the run measured.
@@ -38,10 +38,10 @@ import numpy as np
 
 from minidp import comm
 from minidp.cli.training.config import BadConfig
-from minidp.cli.training.predict_compress import check_compress, compressor_seconds, spelled_out
-from minidp.cli.training.predict_compute import measure_compute, runs_alone
 from minidp.cli.training.tasks import Task
 from minidp.cost.calls import gpt_shapes
+from minidp.cost.predict_compress import check_compress, compressor_seconds, spelled_out
+from minidp.cost.predict_compute import measure_compute, runs_alone
 from minidp.cost.step import Compute, Layout, Network, fixed_part, predict
 from minidp.tools.memory import activation_estimate
 
@@ -53,7 +53,7 @@ COVERED = ("dp", "zero", "tp", "hybrid", "pp", "ps")
 def layout_of(config, world: int) -> Layout:
     """The Layout the flags describe on `world` ranks; BadConfig (one line) if none."""
     from minidp.cli.strategies.tp import mesh_sizes
-    from minidp.cli.training.predict_pp import pipeline_layout, uses_pipeline
+    from minidp.cost.predict_pp import pipeline_layout, uses_pipeline
 
     if config.strategy not in COVERED:
         raise BadConfig(f"predict covers --strategy {', '.join(COVERED)}; got {config.strategy}")
@@ -64,13 +64,13 @@ def layout_of(config, world: int) -> Layout:
     if config.prune:
         raise BadConfig("predict does not model --prune yet")
     if config.compress != "none":
-        check_compress(config)  # training/predict_compress.py
-    if uses_pipeline(config):  # training/predict_pp.py
+        check_compress(config)  # cost/predict_compress.py
+    if uses_pipeline(config):  # cost/predict_pp.py
         if config.sequence_parallel:
             raise BadConfig("predict does not model --sequence-parallel with --pp yet")
         return pipeline_layout(config, world)
-    if config.strategy == "ps":  # training/predict_ps.py
-        from minidp.cli.training.predict_ps import ps_layout
+    if config.strategy == "ps":  # cost/predict_ps.py
+        from minidp.cost.predict_ps import ps_layout
 
         return ps_layout(config, world)
     dp, tp = (world, 1) if config.strategy in ("dp", "zero") else mesh_sizes(config, world)
@@ -138,8 +138,8 @@ def run_prediction(
 
     layout = layout or layout_of(config, world)
     if layout.pp > 1 or layout.strategy in ("pp", "ps"):
-        from minidp.cli.training.predict_pp import run_pipeline_prediction
-        from minidp.cli.training.predict_ps import run_ps_prediction
+        from minidp.cost.predict_pp import run_pipeline_prediction
+        from minidp.cost.predict_ps import run_ps_prediction
 
         run = run_ps_prediction if layout.strategy == "ps" else run_pipeline_prediction
         net = network._replace(cores=cores)
@@ -285,7 +285,7 @@ def _predict(config, world: int, calibration: str | None):
     cores = os.cpu_count() or 1
     network, source = load_network(calibration, cores)
     if launched > 1:
-        from minidp.cli.training.predicted import on_group
+        from minidp.cost.predicted import on_group
 
         prediction, layout, network = on_group(config, comm.world(), network)
         us = network.per_call * 1e6

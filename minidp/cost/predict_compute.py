@@ -15,7 +15,7 @@ process (MPI.COMM_SELF), where f and g move nothing: the same ops on the whole m
 cost/step.py then divides by tp (all but the part measured not to shrink with the work).
 What that still misses is the work TP keeps whole on every rank (LayerNorms, residuals):
 dividing by tp counts it as split. Under mpiexec the ranks measure the TP model itself
-instead (training/predicted.py, `tensor_parallel_compute`); docs/cost_model.md has both
+instead (cost/predicted.py, `tensor_parallel_compute`); docs/cost_model.md has both
 against runs.
 """
 

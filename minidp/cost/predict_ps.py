@@ -31,7 +31,7 @@ def run_ps_prediction(config, layout: Layout, *, network, threads: int, rank: in
     """The Prediction for rank `rank` of a parameter-server run; compute measured here."""
     from threadpoolctl import threadpool_limits
 
-    from minidp.cli.training.predict_compute import measure_compute
+    from minidp.cost.predict_compute import measure_compute
     from minidp.tools.memory import activation_estimate
 
     task = Task(config, np.dtype(config.dtype))

@@ -2,7 +2,7 @@
 `--strategy hybrid --dp D --tp T --pp P [--zero-stage 1]`, the schedule's simulated length
 with F, B, W times from the measured compute.
 
-    from minidp.parallel.pipeline.step_cost import predict_pipeline
+    from minidp.cost.pp_step import predict_pipeline
     layout = Layout("pp", pp=2, schedule="1f1b", micro_batches=4)
     p = predict_pipeline(layout, gpt, compute, network, batch_size=16)  # gpt: (L, C, V, T)
 

@@ -1,5 +1,5 @@
 """`python -m minidp predict` for the pipeline: `--strategy pp`, and `--strategy hybrid
---dp D --tp T --pp P [--zero-stage 1] [--recompute]`, fed to parallel/pipeline/step_cost.py.
+--dp D --tp T --pp P [--zero-stage 1] [--recompute]`, fed to cost/pp_step.py.
 
     python -m minidp predict --strategy pp --world 4 --n-layer 4 --schedule gpipe
     mpiexec -n 2 python -m minidp --strategy pp --micro-batches 4 --json F   # F: predicted_*
@@ -16,8 +16,8 @@ from dataclasses import replace
 import numpy as np
 
 from minidp.cli.training.tasks import Task
+from minidp.cost.pp_step import micro_rows, predict_pipeline
 from minidp.cost.step import Layout, fixed_part
-from minidp.parallel.pipeline.step_cost import micro_rows, predict_pipeline
 from minidp.tools.chunks import chunk_bounds
 
 
@@ -50,7 +50,7 @@ def run_pipeline_prediction(config, layout: Layout, *, network, threads: int, ra
     """The Prediction for mesh rank `rank` of a pipeline run; compute measured here."""
     from threadpoolctl import threadpool_limits
 
-    from minidp.cli.training.predict_compute import measure_compute
+    from minidp.cost.predict_compute import measure_compute
     from minidp.tools.memory import activation_estimate
 
     task = Task(config, np.dtype(config.dtype))

@@ -17,8 +17,8 @@ last step. The numbers are printed too (the picture needs matplotlib, the table 
 import json
 import os
 
-from minidp.cli.parser import Parser
 from minidp.tools.log import die, print0
+from minidp.tools.parser import Parser
 from minidp.tools.plots import pyplot, save
 
 

@@ -23,14 +23,14 @@ blocks, its width the multiple of 128 whose Ψ is nearest --model-params.
 
 import json
 
-from minidp.cli.parser import Parser
 from minidp.cli.training.config import BadConfig
-from minidp.cli.training.predict import load_network
 from minidp.cost import chrome, report, scale
+from minidp.cost.predict import load_network
 from minidp.cost.step import Layout, Network, predict
 from minidp.parallel.pipeline.schedules import SCHEDULES, build_schedule
 from minidp.parallel.pipeline.simulate import summary
 from minidp.tools.log import die, print0
+from minidp.tools.parser import Parser
 
 GROUPS = (2, 3, 4, 6, 8, 16, 32, 64, 100, 128, 256, 512, 1000, 1024)
 SIZES = tuple(1 << k for k in range(10, 31, 2))  # 1 KiB .. 1 GiB, every 4x
