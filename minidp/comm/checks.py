@@ -16,7 +16,7 @@ truncation error, or, worst, a silently wrong answer. Three guards, all on by de
    never match a data message), because that lets each rank see for itself who sent what and
    who never arrived: cost (p - 1)α. `Fingerprints` sets the exchange up once per group
    (persistent requests, each distinct call's fingerprint cached), so a call costs one
-   `Startall` and one wait: about 7 µs on 2 ranks here. Then every rank holds the same table,
+   `Startall` and one wait (docs/collectives.md). Then every rank holds the same table,
    so either all ranks go on or all raise `CollectiveMismatch`, with one line per distinct
    call naming its ranks.
 
@@ -32,8 +32,8 @@ truncation error, or, worst, a silently wrong answer. Three guards, all on by de
    from their entry times (`Fingerprints`). With checks on, the deadline covers the
    fingerprint exchange, the rendezvous: once every rank has shown the same fingerprint and
    none has given up, all are inside the same call with the same arguments, so the data
-   moves on MPI's blocking calls (p2p.py's fast path; polling with a deadline cost 7-9% of
-   the main job's time here), and the watchdog (watchdog.py) holds the deadline there: a
+   moves on MPI's blocking calls (p2p.py's fast path; polling with a deadline cost the main
+   job time: docs/collectives.md), and the watchdog (watchdog.py) holds the deadline there: a
    data exchange still running past it prints one line and aborts the job. With checks
    off and a deadline set, it covers every wait of the call. Without a deadline a wait can
    last forever (MPI's own blocking call).

@@ -23,13 +23,13 @@ What it is not: there is no contention (two ranks sending to one receiver do not
 link), no full-duplex limit (a rank sends and receives at once, as in a sendrecv), no
 topology (every pair is one hop), no jitter, no loss. The wait is a sleep that releases the
 GIL, so computation beside it (DDP's overlap) goes on, as it would beside a real transfer;
-sleep wakes ~70 µs late, so a wait sleeps that much less and spins the rest. (Spinning
-the whole wait instead, as MPI's blocking calls do, measured 1.5-2.4x slower at 4 ranks on
-2 cores: a spinning rank takes the core the rank it waits for needs.) On a machine with
-fewer cores than ranks, a rank that sleeps may wait for a time slice before it runs again:
-the emulated network is then slower than asked; `bench netem` shows by how much. A wait
-lies inside its collective's data exchange, so it counts toward the watchdog's deadline
-(MINIDP_TIMEOUT, watchdog.py) as a slow transfer would.
+sleep wakes late (`sleep_overshoot`), so a wait sleeps that much less and spins the rest.
+(Spinning the whole wait instead, as MPI's blocking calls do, was slower with more ranks
+than cores: a spinning rank takes the core the rank it waits for needs; docs/collectives.md.)
+On a machine with fewer cores than ranks, a rank that sleeps may wait for a time slice
+before it runs again: the emulated network is then slower than asked; `bench netem` shows
+by how much. A wait lies inside its collective's data exchange, so it counts toward the
+watchdog's deadline (MINIDP_TIMEOUT, watchdog.py) as a slow transfer would.
 
 Where: only `Isend` and `Sendrecv`, the calls comm/p2p.py sends data with, through
 `group.wire`, a `Link` when emulation is on and the communicator itself when it is off, so
@@ -110,8 +110,8 @@ def network() -> Network | None:
 
 @cache
 def sleep_overshoot() -> float:
-    """How late time.sleep wakes here (the median of 15 naps of 100 us; ~70 us on Linux,
-    measured once per process): a wait sleeps that much less, then spins to its end."""
+    """How late time.sleep wakes here (the median of 15 naps of 100 us, measured once per
+    process): a wait sleeps that much less, then spins to its end."""
     late = []
     for _ in range(15):
         start = time.perf_counter()

@@ -53,7 +53,7 @@ DATA_TAG = 7001  # data of every algorithm; messages between one pair never over
 CHECK_TAG = 7002  # fingerprints (checks.py), kept apart from the data
 _SPIN = 64  # polls before the waiting loop starts to yield the core
 _NAP_S = 50e-6  # a patient group's nap between polls
-_MAX_NAP_S = 1e-3  # probe's longest nap: idle, a probe costs <2% of a core (measured)
+_MAX_NAP_S = 1e-3  # probe's longest nap: an idle probe leaves the core (docs/parameter_server.md)
 
 
 BYTE = MPI.BYTE  # every message is raw bytes
@@ -199,9 +199,8 @@ def probe(group, source: int = ANY_SOURCE, tag: int = ANY_TAG, timeout: float | 
     naps, doubling from 50 us to 1 ms, so a rank that waits for long (a parameter server
     between pushes) leaves the core to the ranks that compute, yet answers a message within
     about a millisecond; any other group yields the core between polls and answers at once
-    (a pipeline stage waiting for its neighbour: the naps cost a 2-stage GPipe step about
-    2 ms of 28 here, measured 2026-12-04; with 4 stages on 2 cores, yielding instead of
-    napping measured faster too: 45 ms a step down to 32-36)."""
+    (a pipeline stage waiting for its neighbour, where the naps made every hop late:
+    docs/pipeline.md)."""
     status, nap, polls = group.statuses[0], _NAP_S, 0
     start = time.monotonic()
     while not group.comm.Iprobe(source, tag, status):

@@ -2,10 +2,10 @@
 
 Under the default checks (checks.py) a collective's deadline covers the rendezvous, the
 fingerprint exchange; once every rank has shown the same call, the data moves on MPI's
-blocking calls, which have no deadline (polling with one cost 7-9% of the main job's time).
-A rank that freezes *inside* the data exchange (stopped, swapped out, a hung driver) would
-then hold every other rank in its `Sendrecv` forever. The watchdog closes that gap the way
-NCCL's watchdog and PyTorch's async error handling do:
+blocking calls, which have no deadline (polling with one cost the main job time:
+docs/collectives.md). A rank that freezes *inside* the data exchange (stopped, swapped out,
+a hung driver) would then hold every other rank in its `Sendrecv` forever. The watchdog
+closes that gap the way NCCL's watchdog and PyTorch's async error handling do:
 
     main thread, per collective              watchdog thread, one per process
     ---------------------------              --------------------------------

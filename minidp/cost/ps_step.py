@@ -43,8 +43,8 @@ shard: that server is the last to answer) and u = the measured optimizer step sc
                 run: compute is the largest share's (rank 0's: chunk_bounds gives it the
                 extra examples)
       K = 0     every pull waits for every push, as BSP; each push is its own update,
-                applied as it comes, so only the last one's is in the wait (measured
-                here: ssp:0 steps within 2% of bsp):
+                applied as it comes, so only the last one's is in the wait (ssp:0
+                measured as bsp: docs/cost_model.md):
                     step = compute + 2W·m + u + per call
 
     a sleeper   --ps-slow-worker-ms: the last worker sleeps slow_s before each forward,

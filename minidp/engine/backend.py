@@ -10,13 +10,13 @@ adds no dependency for an optional path; (2) the Array API renames NumPy's funct
 (`concat`, `permute_dims`, no `add.at`, `max` without `keepdims` methods), so writing against
 it would change every NumPy call of the engine, the one path whose float bits and speed must
 not move; (3) the subset minidp uses is about twenty functions. So the engine keeps its NumPy
-calls; an op resolves `xp = namespace(data)` once (one `type(...) is` test, ~80 ns, against
-the microseconds of any NumPy call) and calls `xp.<numpy name>`. For NumPy data `xp` *is*
-the numpy module: the same calls as before, so the same bits. For torch data, `xp` is the
-module backend_torch, which gives torch those NumPy names. Array methods that torch shares
-with NumPy (`+`, `@`, `.sum(axis=, keepdims=)`, `.reshape`, `.swapaxes`, indexing) are left
-as they are. Torch is only an array library here: its autograd stays off (`requires_grad`
-is never set on these tensors, so torch records no graph).
+calls; an op resolves `xp = namespace(data)` once (one `type(...) is` test, little against
+the microseconds of any NumPy call: docs/torch.md) and calls `xp.<numpy name>`. For NumPy
+data `xp` *is* the numpy module: the same calls as before, so the same bits. For torch data,
+`xp` is the module backend_torch, which gives torch those NumPy names. Array methods that
+torch shares with NumPy (`+`, `@`, `.sum(axis=, keepdims=)`, `.reshape`, `.swapaxes`,
+indexing) are left as they are. Torch is only an array library here: its autograd stays off
+(`requires_grad` is never set on these tensors, so torch records no graph).
 """
 
 import sys

@@ -23,9 +23,10 @@ def _tensor(x) -> Tensor:
 
 def _amax(a, axis):
     """a.max(axis, keepdims=True): NumPy's method (torch's returns indices too). Along the
-    last axis NumPy finds where the maximum is (argmax) ~3x faster than it finds the
-    maximum: the same value, read from where argmax says (a NaN too: both pick it; of -0.0
-    and +0.0 it may pick the other zero, equal for every use here)."""
+    last axis NumPy finds where the maximum is (argmax) faster than it finds the maximum
+    (docs/memory.md has the times): the same value, read from where argmax says (a NaN
+    too: both pick it; of -0.0 and +0.0 it may pick the other zero, equal for every use
+    here)."""
     if not isinstance(a, np.ndarray):
         return namespace(a).max(a, axis, True)
     if a.size and axis in (-1, a.ndim - 1):

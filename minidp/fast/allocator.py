@@ -4,7 +4,7 @@ A training step allocates the same arrays every step: activations on the way for
 gradients on the way back, all freed by the step's end. Where the memory comes from decides
 what the next step pays:
 
-    step k:   malloc -> fresh pages -> first write faults each 4 KiB page in (~1.5 us each)
+    step k:   malloc -> fresh pages -> first write faults each 4 KiB page in
               free   -> glibc gives the pages back to the OS (munmap, or trims the heap's top)
     step k+1: malloc -> fresh pages again -> the same faults again
 
@@ -12,7 +12,7 @@ glibc serves a request of at least M_MMAP_THRESHOLD bytes (128 KiB at start; it 
 to the largest block freed so far, up to 32 MiB) with its own mmap, unmapped again on
 free; smaller ones come from the heap, whose top is handed back (trimmed) once more than
 M_TRIM_THRESHOLD bytes are free there. The tiny GPT's step frees a few MiB at a time, so
-it faulted 4,000-6,600 times a step, ~10 ms of a ~40 ms step; PyTorch faults far less.
+it faulted thousands of times a step, a large share of its time; PyTorch faults far less.
 Three settings (mallopt(3)) make glibc keep the memory instead: every block below 32 MiB
 from the heap, nothing trimmed below 256 MiB free, and 16 MiB of slack each time the heap
 grows. After the first steps the heap holds what a step needs and the faults stop

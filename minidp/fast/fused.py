@@ -51,8 +51,9 @@ __all__ = [
 
 
 def row_sums(a: np.ndarray) -> np.ndarray:
-    """a.sum(axis=-1), as a matrix-vector product: BLAS sums short rows ~5x faster than
-    NumPy's reduction (the same sum to rounding; a different order of additions)."""
+    """a.sum(axis=-1), as a matrix-vector product: BLAS sums short rows faster than
+    NumPy's reduction (docs/memory.md; the same sum to rounding, a different order of
+    additions)."""
     return a @ np.ones(a.shape[-1], dtype=a.dtype)
 
 
@@ -62,8 +63,8 @@ def row_dots(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 
 
 def column_sums(a: np.ndarray) -> np.ndarray:
-    """a.sum(axis=0) of a 2-D array, as a vector-matrix product (~3x faster here, the same
-    sum to rounding)."""
+    """a.sum(axis=0) of a 2-D array, as a vector-matrix product (faster than NumPy's
+    reduction, docs/memory.md; the same sum to rounding)."""
     return np.ones(len(a), dtype=a.dtype) @ a
 
 
@@ -213,7 +214,7 @@ def blocks(a: np.ndarray) -> list[slice]:
     """Slices of a's first axis, each about CHUNK_BYTES: cache blocking.
 
     A chain of element-wise passes over a 1 MiB array streams it from memory once per
-    pass: past the L2 cache here (2 MiB a core) a write costs ~4x a write into cache
+    pass: past the L2 cache a write costs several times a write into cache
     (docs/memory.md). Running the whole chain on one block, then the next, keeps each block
     in cache from the first pass to the last. Element-wise, or one sequence at a time: the
     same bits as whole arrays (tests/test_autograd.py sets CHUNK_BYTES = 0 to compare)."""
@@ -244,9 +245,9 @@ def gelu(x: Tensor) -> Tensor:
 
     (1 - t^2) = (1 - t)(1 + t) takes the factor (1 + t) out: no difference of two nearly
     equal numbers where t is near ±1. Each line below is one pass over the (B, T, 4C)
-    array, and a pass costs about what tanh does here: 8 forward (9 composed as written),
-    10 backward (13), two arrays each way, each chain run on one cache-sized block at a
-    time (`blocks`: the backward's 10 passes ~25% faster in the GPT's step). The same
+    array, and a pass costs about what tanh does (docs/memory.md): 8 forward (9 composed as
+    written), 10 backward (13), two arrays each way, each chain run on one cache-sized block
+    at a time (`blocks`: the backward's 10 passes run faster so in the GPT's step). The same
     function as functional.gelu, its constants grouped otherwise: equal to rounding, not
     bit for bit."""
     v = x.data.reshape(-1)  # flat: a 0-d input too is an array to write into
@@ -283,9 +284,10 @@ def embedding(weight: Tensor, idx: np.ndarray) -> Tensor:
     """weight[idx]: rows of the table, its backward without np.add.at.
 
     The gradient of row i is the sum of g over the positions where idx == i. np.add.at adds
-    one row at a time (the lookup with it: 2.7x torch's time here); instead: sort the ids,
-    find where each run of equal ids starts, and sum each run with np.add.reduceat. The same
-    sums to rounding (reduceat may add a run pairwise, np.add.at one row after another)."""
+    one row at a time (slowly: docs/memory.md times the lookup with it against torch's);
+    instead: sort the ids, find where each run of equal ids starts, and sum each run with
+    np.add.reduceat. The same sums to rounding (reduceat may add a run pairwise, np.add.at
+    one row after another)."""
     idx = np.asarray(idx)
     shape, dtype = weight.shape, weight.dtype
 

@@ -43,8 +43,8 @@ def causal_self_attention(qkv: Tensor, n_head: int, future: np.ndarray) -> Tenso
 
     One layout trick: S is held transposed, S^T = k q^T s (a matrix product computes either
     at the same cost), so softmax's max and sums run down the columns of S^T, along
-    NumPy's fast axis (a max along the last axis is ~3x slower). The same numbers to
-    rounding as the composed graph (sums in another order).
+    NumPy's fast axis (a max along the last axis is slower: docs/memory.md). The same
+    numbers to rounding as the composed graph (sums in another order).
 
     Cache blocking (fused.blocks): forward and backward run a few sequences at a time,
     each block's (H, T, T) arrays (a quarter MiB at the default shapes) staying in cache

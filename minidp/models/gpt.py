@@ -161,7 +161,8 @@ class GPT(Module):
     and the embeddings' backward as the fused ops of minidp/fast/ (docs/memory.md); False: every
     layer the plain, composed way. ln_f and the head stay two ops: fused, every forward would
     make a vocabulary-sized w_n * W (GPT-2's: 154 MB in float32) and the head's gradient
-    would skip weight_grads.py's deferral; the gain was ~1% of the tiny GPT's step.
+    would skip weight_grads.py's deferral, for a small gain in the tiny GPT's step
+    (docs/memory.md).
     The same model and the same results to rounding either way (tests/test_autograd.py)."""
 
     def __init__(self, cfg: GPTConfig, *, seed: int = 0, dtype=np.float32, fused: bool = True):

@@ -32,9 +32,9 @@ global loss (step t serves until clock t is complete). Clipping: BSP clips the g
 gradient by its global norm (the servers allreduce one float); ASP/SSP clip each worker's
 own gradient before it is pushed.
 
-Waiting: servers wait in a patient probe (naps doubling to 1 ms): measured here, a server
-idle for 2 s used 33 ms of CPU (under 2% of a core). Workers wait for replies by polling
-with 50 us naps (a patient group).
+Waiting: servers wait in a patient probe (naps doubling to 1 ms), so an idle server leaves
+its core to the workers (docs/parameter_server.md measures what it uses). Workers wait for
+replies by polling with 50 us naps (a patient group).
 
 A server releases the whole model once its shard is copied (read-only stand-ins). After
 training, gather_model() broadcasts each server's shard to every rank: every rank's

@@ -39,8 +39,8 @@ from minidp.tools.memory import CATEGORIES
 def blas_threads_per_rank(requested: int) -> int:
     """`requested`, or the cores shared fairly among the ranks on this machine.
 
-    Ranks that outnumber cores must not each start a pool of spinning BLAS threads: with 4
-    ranks on 2 cores that alone made training 15x slower here."""
+    Ranks that outnumber cores must not each start a pool of spinning BLAS threads: that
+    alone makes training many times slower (docs/data_parallel.md)."""
     return requested or max(1, int(cores_per_rank()))
 
 

@@ -15,8 +15,8 @@ fsync waits only for the tail:
 The hashing threads (pieces.py) run beside the write here; after it in the plain
 path, while fsync waits. The file's bytes are the same either way
 (tests/test_checkpoint.py), and fsync still makes them durable before the rename: the
-advice only moves when the disk starts. Measured on this VM: write + fsync of 304 MB
-260 -> 180 ms; a save, bench checkpoint's early_writeback_speedup (docs/checkpoints.md).
+advice only moves when the disk starts. `bench checkpoint` measures what it buys a save
+(early_writeback_speedup; docs/checkpoints.md has the times, and the write + fsync alone).
 On where the OS has posix_fadvise (not macOS) and each rank has a core (`helps`).
 """
 
@@ -32,8 +32,8 @@ def available() -> bool:
 
 def helps() -> bool:
     """Where it paid, measured: a rank with a core of its own. With more ranks than cores
-    (4 on 2) the writeback's kernel work competes with the ranks' hashing, and the save was
-    slower with it (0.67-0.72 of np.save+fsync's rate against 0.75-0.79 without)."""
+    the writeback's kernel work competes with the ranks' hashing, and the save was slower
+    with it (docs/checkpoints.md)."""
     return cores_per_rank() >= 1
 
 

@@ -1,11 +1,11 @@
 """A shard's bytes hashed in fixed pieces, by a few threads at once.
 
-One SHA-256 over a whole file is one core's work (about 1 GB/s here, with the processor's
-SHA instructions), longer than writing the same bytes durably: a save hashed so can never
-run at the disk's rate. So the manifest records, for each shard, the SHA-256 of each
-PIECE_BYTES piece of the file (the last one shorter), and the pieces are hashed by up to
-one thread per core this rank has, while the disk works (shards.write_shard; hashlib
-releases the GIL on buffers this large):
+One SHA-256 over a whole file is one core's work (even with the processor's SHA
+instructions), longer than writing the same bytes durably (docs/checkpoints.md): a save
+hashed so can never run at the disk's rate. So the manifest records, for each shard, the
+SHA-256 of each PIECE_BYTES piece of the file (the last one shorter), and the pieces are
+hashed by up to one thread per core this rank has, while the disk works
+(shards.write_shard; hashlib releases the GIL on buffers this large):
 
     file    |<-- piece 0 -->|<-- piece 1 -->|<-- piece 2 -->|<- 3 ->|
     bytes    header + arrays, in file order (a piece may span several arrays)

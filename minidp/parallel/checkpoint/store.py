@@ -57,8 +57,8 @@ SHARD_KEYS = ("file", "bytes", "piece_bytes", "sha256_pieces")
 def patiently(group: comm.Group):
     """The group's waits nap instead of spinning (p2p.py) while a save or load runs: a rank
     that is done waits on others still writing, hashing or reading, and on a machine with
-    more ranks than cores its spinning would take their cores (4 ranks on 2: a 100 MB save
-    7-13% faster)."""
+    more ranks than cores its spinning would take their cores (docs/checkpoints.md times a
+    save both ways)."""
     patient, group.patient = group.patient, True
     try:
         yield

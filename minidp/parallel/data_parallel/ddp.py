@@ -24,10 +24,10 @@ the communication hook `hook(bucket, group)`, by default an allreduce(sum) with 
 Overlap. Without it every bucket is reduced in `finish_gradient_sync`, all communication
 exposed. With it, the hook that completes a bucket hands it to a communication thread
 (comm_thread.py) that reduces it on its own duplicated group while backward goes on. The
-thread needs a spare core, else it takes backward's (measured: 0.72 weak-scaling efficiency
-with it, 0.90 without, 2 ranks on 2 cores), so `overlap="auto"` turns it on only where
-every rank has one (`overlap_helps`). Buckets go in index order, each once those before it
-have gone (PyTorch's reducer): every rank runs the same collectives in the same order.
+thread needs a spare core, else it takes backward's (docs/data_parallel.md), so
+`overlap="auto"` turns it on only where every rank has one (`overlap_helps`). Buckets go in
+index order, each once those before it have gone (PyTorch's reducer): every rank runs the
+same collectives in the same order.
 
 Speed tricks, each a module of its own, on or off in `TRICKS` (or the `tricks` argument);
 each gives the plain path's bits (test_ddp_tricks.py), `bench dp --case tricks` measures it:
@@ -64,7 +64,7 @@ TRICKS = {  # each speed trick, on by default where `bench dp --case tricks` say
     "shared_memory": True,  # shm_arena.py
     "coalesce": True,  # coalesce.py
     "quick_gil": True,  # gil.py
-    "host_stage": "cuda",  # host_stage.py: on for CUDA tensors; on the CPU it costs 15-35%
+    "host_stage": "cuda",  # host_stage.py: on for CUDA tensors; on the CPU it only adds copies
 }
 
 

@@ -2,10 +2,11 @@
 
 The communication thread (comm_thread.py) and backward take turns holding the GIL for their
 Python code. By default a thread that wants the GIL waits up to 5 ms (sys.getswitchinterval)
-for the other to let go of it: a convoy that cost 10% of an overlapped step here. While any
-communication thread runs, the interval is SWITCH_INTERVAL_S instead, restored when the last
-such thread ends. CommThread takes it as its `around` context (DDP's `quick_gil` trick);
-the bits do not depend on it (test_ddp_tricks.py), and `bench dp --case tricks` measures it.
+for the other to let go of it: a convoy that slows an overlapped step (docs/data_parallel.md).
+While any communication thread runs, the interval is SWITCH_INTERVAL_S instead, restored
+when the last such thread ends. CommThread takes it as its `around` context (DDP's
+`quick_gil` trick); the bits do not depend on it (test_ddp_tricks.py), and `bench dp --case
+tricks` measures it.
 """
 
 import contextlib
