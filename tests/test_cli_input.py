@@ -169,3 +169,19 @@ def test_a_mismatch_every_rank_finds_is_printed_once(tmp_path):
     assert result.returncode == 1, result.stderr
     assert result.stderr.count("Root cause") == 1, result.stderr
     assert result.stderr.count("CollectiveMismatch:") == 1, result.stderr
+
+
+def test_each_flags_metadata_is_well_formed_and_its_default_passes_its_own_check():
+    """A flag's interval and what a resume keeps live in its one definition (config.py):
+    each interval parses, holds the flag's default, and on_resume names a known kind."""
+    from dataclasses import fields
+
+    from minidp.cli.training.config_checks import outside
+
+    config = TrainConfig().resolved()
+    for f in fields(TrainConfig):
+        assert f.metadata.get("on_resume") in (None, "model", "data", "run"), f.name
+        interval = f.metadata.get("interval")
+        if interval is not None:
+            assert not outside(getattr(config, f.name), interval), (f.name, interval)
+            assert outside(float("nan"), interval) and outside(-1, interval), f.name

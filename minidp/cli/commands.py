@@ -91,7 +91,9 @@ def benchmarks() -> list[str]:
     import minidp_bench
 
     return sorted(
-        m.name for m in pkgutil.iter_modules(minidp_bench.__path__) if not m.name.startswith("_")
+        m.name
+        for m in pkgutil.iter_modules(minidp_bench.__path__)
+        if not m.name.startswith("_") and m.name not in minidp_bench.HELPERS
     )
 
 

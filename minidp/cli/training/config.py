@@ -1,17 +1,12 @@
 """TrainConfig: every knob of `python -m minidp train`, with its default and its meaning.
 
-The command line is generated from this dataclass (cli/commands.py), so a new field is a new flag;
-the values that cannot work are refused by config_checks.py, one line each.
-
-Default run, the arithmetic:
-  GPT 2 layers x 4 heads x 64 channels, block 64 tokens   ->  ~0.1 M parameters
-  global batch 16 sequences x 64 tokens                   ->  1024 tokens per step
-  300 steps                                               ->  ~0.3 M tokens, well under a minute
+The command line is generated from this dataclass (cli/commands.py), so a new field is a
+new flag; the values that cannot work are refused by config_checks.py, one line each. The
+default run: a GPT of ~0.1 M parameters, 1024 tokens a step, 300 steps.
 
 Flags counted in steps (`--warmup`, `--prune-start`, `--prune-end`, `--prune-every`) default
-to a fraction of `--steps` (their metadata's "of_steps"): 300 steps warm up for 20 and prune
-from 50 to 200 every 10, 60 steps warm up for 4 and prune from 10 to 40 every 2. Left unset
-they are None here, and `resolved()` fills them in; a value given is kept as it is.
+to a fraction of `--steps` (metadata "of_steps": 300 steps warm up for 20, 60 for 4). Left
+unset they are None here, and `resolved()` fills them in; a value given is kept as it is.
 
 Each field is a `flag(default, help, **metadata)` (flags.py, with the methods every config
 has: `is_set`, `resolved`, `applies`, `header`, `validate`). The metadata keys:
@@ -21,6 +16,14 @@ has: `is_set`, `resolved`, `applies`, `header`, `validate`). The metadata keys:
   models       the --model names it belongs to (none: every one)
   with         the flag that turns its feature on (the header hides it while that is off)
   of_steps     (numerator, denominator, least): unset, max(least, steps * n // d)
+  interval     the values it may take, "[0, 1)" or "[0, inf)": a bracket takes its end in
+               (config_checks.py refuses the rest, NaN too, in one line)
+  on_resume    what a resumed run must keep equal (resume.py refuses another value):
+               "model" (the model), "data" (the order of the data), "run" (what each step
+               does from the saved step on: the learning rate, the optimizer, ...)
+
+A new flag that changes the step is one field here, with its metadata, and the recipe that
+reads it (minidp/cli/strategies/).
 """
 
 from dataclasses import dataclass, fields
@@ -48,37 +51,49 @@ class TrainConfig(Flags):
     strategy: str = flag(
         "dp", "how ranks share the work (minidp.cli.strategies.STRATEGIES names them)"
     )
-    model: str = flag("gpt", "model to train", choices=("gpt", "mlp"))
-    steps: int = flag(300, "optimizer steps")
-    batch_size: int = flag(16, "GLOBAL batch (sequences for gpt, examples for mlp)")
-    lr: float = flag(3e-3, "peak learning rate")
-    warmup: int | None = flag(None, "linear warmup steps, then cosine decay", of_steps=(1, 15, 0))
-    min_lr_ratio: float = flag(0.1, "final lr = lr * this")
+    model: str = flag("gpt", "model to train", choices=("gpt", "mlp"), on_resume="model")
+    steps: int = flag(300, "optimizer steps", on_resume="run")
+    batch_size: int = flag(
+        16, "GLOBAL batch (sequences for gpt, examples for mlp)", on_resume="data"
+    )
+    lr: float = flag(3e-3, "peak learning rate", on_resume="run")
+    warmup: int | None = flag(
+        None,
+        "linear warmup steps, then cosine decay",
+        of_steps=(1, 15, 0),
+        on_resume="run",
+        interval="[0, inf)",
+    )
+    min_lr_ratio: float = flag(0.1, "final lr = lr * this", on_resume="run", interval="[0, 1]")
     weight_decay: float = flag(
         0.01,
         "weight decay as torch applies it: AdamW's decoupled (w *= 1 - lr wd), "
         "SGD's added to the gradient (g + wd w)",
+        on_resume="run",
+        interval="[0, inf)",
     )
-    grad_clip: float = flag(1.0, "global-norm clip (0 = off)")
-    seed: int = flag(1337, "one seed (>= 0) for init, data and dropout")
-    dtype: str = flag("float32", "compute dtype", choices=("float32", "float64"))
+    grad_clip: float = flag(1.0, "global-norm clip (0 = off)", on_resume="run", interval="[0, inf)")
+    seed: int = flag(1337, "one seed (>= 0) for init, data and dropout", on_resume="data")
+    dtype: str = flag("float32", "compute dtype", choices=("float32", "float64"), on_resume="model")
     log_every: int = flag(25, "log a line every N steps")
     json: str | None = flag(None, "write JSON-lines records to FILE")
     # model size (gpt)
-    block_size: int = flag(64, "gpt context length in tokens", models=("gpt",))
-    n_layer: int = flag(2, "gpt transformer blocks", models=("gpt",))
-    n_head: int = flag(4, "gpt attention heads", models=("gpt",))
-    n_embd: int = flag(64, "gpt channels", models=("gpt",))
+    block_size: int = flag(64, "gpt context length in tokens", models=("gpt",), on_resume="model")
+    n_layer: int = flag(2, "gpt transformer blocks", models=("gpt",), on_resume="model")
+    n_head: int = flag(4, "gpt attention heads", models=("gpt",), on_resume="model")
+    n_embd: int = flag(64, "gpt channels", models=("gpt",), on_resume="model")
     dropout: float = flag(
         0.0,
         "dropout probability (> 0: each rank masks its own slice, so data "
         "parallel losses match one process in distribution, not bit for bit)",
         models=("gpt",),
+        on_resume="run",
+        interval="[0, 1)",
     )
     # model size (mlp on the synthetic classification set)
-    hidden: int = flag(128, "mlp hidden width", models=("mlp",))
+    hidden: int = flag(128, "mlp hidden width", models=("mlp",), on_resume="model")
     eval_batches: int = flag(8, "validation batches at the end")
-    sample_tokens: int = flag(200, "characters to generate (gpt)")
+    sample_tokens: int = flag(200, "characters to generate (gpt)", interval="[0, inf)")
 
     # data parallelism
     allreduce: str = flag(
@@ -96,7 +111,9 @@ class TrainConfig(Flags):
         strategies=DATA_PARALLEL,
     )
     grad_accum: int = flag(1, "micro-batches per optimizer step", strategies=DATA_PARALLEL)
-    threads: int = flag(0, "BLAS threads per rank (0: cores / ranks on this machine)")
+    threads: int = flag(
+        0, "BLAS threads per rank (0: cores / ranks on this machine)", interval="[0, inf)"
+    )
     trace: str | None = flag(None, "write a Chrome-trace timeline")
     log_dir: str | None = flag(None, "one log file per rank here")
     # checkpoints (minidp.parallel.checkpoint; docs/checkpoints.md): DIR/step_000050, ...
@@ -124,6 +141,7 @@ class TrainConfig(Flags):
         "every N steps, compare a hash of the parameters among the ranks that should hold "
         "the same bits, and stop naming the first that differ (0: never; training/drift.py)",
         strategies=("dp", "tp", "zero", "hybrid"),
+        interval="[0, inf)",
     )
 
     # Each scheme's own flags go in its section below, with the strategies they belong to.
@@ -137,6 +155,7 @@ class TrainConfig(Flags):
         "--weight-decay (minidp/engine/optim.py, OPTIMIZERS)",
         choices=tuple(OPTIMIZERS),
         strategies=DATA_PARALLEL,
+        on_resume="run",
     )
 
     # parameter server (--strategy ps): the last S ranks serve, the others work
@@ -152,6 +171,7 @@ class TrainConfig(Flags):
         "the servers' optimizer (momentum: SGD with momentum 0.9)",
         choices=("sgd", "momentum", "adamw"),
         strategies=("ps",),
+        on_resume="run",
     )
     ps_slow_worker_ms: float = flag(
         0.0,
@@ -214,6 +234,7 @@ class TrainConfig(Flags):
         "randomk:DENSITY, sign, sign-noef, qsgd:LEVELS, powersgd:RANK "
         "(minidp/parallel/compression/table.py)",
         strategies=("dp", "hybrid"),
+        on_resume="run",
     )
     compress_warmup: int = flag(
         0,
@@ -222,6 +243,7 @@ class TrainConfig(Flags):
         "PowerSGD's start_powerSGD_iter)",
         strategies=("dp", "hybrid"),
         with_="compress",
+        on_resume="run",
     )
     compress_on: str = flag(
         "gradient",
@@ -233,17 +255,17 @@ class TrainConfig(Flags):
         "minidp/parallel/compression/velocity.py)",
         choices=("gradient", "update", "velocity"),
         strategies=("dp",),
+        on_resume="run",
     )
 
-    # pruning (minidp/models/prune/magnitude.py): default run, the arithmetic: prune from step
-    # 50 (steps/6) to 200 (2 steps/3) every 10 (steps/30), 16 pruning steps on the cubic
-    # ramp; 114,688 of the GPT's 116,480 values are weight matrices, so --prune 0.9 leaves
-    # ~13,000 of them sent per step (11% of dense)
+    # pruning (minidp/models/prune/magnitude.py; the default run's schedule: docs/pruning.md)
     prune: float = flag(
         0.0,
         "target sparsity of the weight matrices, in [0, 1) (0 = off; biases "
         "and LayerNorm stay dense)",
         strategies=("dp",),
+        on_resume="run",
+        interval="[0, 1)",
     )
     prune_start: int | None = flag(
         None,
@@ -251,6 +273,7 @@ class TrainConfig(Flags):
         strategies=("dp",),
         of_steps=(1, 6, 0),
         with_="prune",
+        on_resume="run",
     )
     prune_end: int | None = flag(
         None,
@@ -258,9 +281,15 @@ class TrainConfig(Flags):
         strategies=("dp",),
         of_steps=(2, 3, 0),
         with_="prune",
+        on_resume="run",
     )
     prune_every: int | None = flag(
-        None, "steps between pruning steps", strategies=("dp",), of_steps=(1, 30, 1), with_="prune"
+        None,
+        "steps between pruning steps",
+        strategies=("dp",),
+        of_steps=(1, 30, 1),
+        with_="prune",
+        on_resume="run",
     )
     prune_scope: str = flag(
         "global",
@@ -268,6 +297,7 @@ class TrainConfig(Flags):
         choices=("global", "layer"),
         strategies=("dp",),
         with_="prune",
+        on_resume="run",
     )
 
 

@@ -93,6 +93,15 @@ def check_config(config) -> None:
         )
 
 
+def outside(value, interval: str) -> bool:
+    """Whether `value` lies outside `interval` ("[0, 1)", "[0, inf)": a bracket takes its end
+    in, a parenthesis leaves it out). NaN lies outside every interval."""
+    lo, hi = (float(end) for end in interval[1:-1].split(","))
+    above_lo = lo <= value if interval[0] == "[" else lo < value
+    below_hi = value <= hi if interval[-1] == "]" else value < hi
+    return not (above_lo and below_hi)
+
+
 def check_ranges(config) -> None:
     """Sizes, rates and probabilities in their ranges; --threads no more than the cores."""
     if config.model == "gpt" and config.n_embd % config.n_head:
@@ -105,15 +114,12 @@ def check_ranges(config) -> None:
             f"--threads {config.threads} is more than the {cores} cores here: BLAS threads "
             "beyond them only wait for each other (0: the cores shared among the ranks)"
         )
-    if not 0.0 <= config.dropout < 1.0:
-        raise BadConfig(f"--dropout must be in [0, 1), got {config.dropout}")
-    if not 0.0 <= config.min_lr_ratio <= 1.0:
-        raise BadConfig(f"--min-lr-ratio must be in [0, 1], got {config.min_lr_ratio}")
     resolved = config.resolved()
-    for name in ("threads", "warmup", "sample_tokens", "grad_clip", "weight_decay", "check_every"):
-        value = getattr(resolved, name)
-        if not (0 <= value < math.inf):
-            raise BadConfig(f"{flag_name(name)} must be >= 0 and finite, got {value}")
+    for f in fields(config):  # each flag's own interval (its metadata: config.py)
+        value, interval = getattr(resolved, f.name), f.metadata.get("interval")
+        if interval is not None and outside(value, interval):
+            within = f"in {interval}" if interval != "[0, inf)" else ">= 0 and finite"
+            raise BadConfig(f"{flag_name(f.name)} must be {within}, got {value}")
 
 
 def check_belonging(config) -> None:

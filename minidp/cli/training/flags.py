@@ -20,6 +20,11 @@ def flag(default, help: str, *, with_: str | None = None, **metadata):
     return field(default=default, metadata={"help": help, **metadata})
 
 
+def kept_on_resume(config_class, kind: str) -> tuple[str, ...]:
+    """The fields whose metadata says a resumed run keeps them: "model", "data" or "run"."""
+    return tuple(f.name for f in fields(config_class) if f.metadata.get("on_resume") == kind)
+
+
 class Flags:
     """The methods of a config of `flag` fields (see the module doc)."""
 

@@ -33,23 +33,22 @@ import warnings
 import numpy as np
 
 from minidp import comm
-from minidp.cli.training.config import BadConfig
+from minidp.cli.training.config import BadConfig, TrainConfig
+from minidp.cli.training.flags import kept_on_resume
 from minidp.engine.tensor import Tensor
 from minidp.parallel import checkpoint
 from minidp.parallel.checkpoint.reshard import describe_layout
 from minidp.tools.log import RunStopped, print0
 
-MODEL_FIELDS = ("model", "n_layer", "n_head", "n_embd", "block_size", "hidden", "dtype")
+MODEL_FIELDS = kept_on_resume(TrainConfig, "model")
 """What makes another model: a checkpoint saved with another value is refused."""
-SAME_RUN = (
-    *("steps", "lr", "warmup", "min_lr_ratio"),  # the learning rate at every step
-    *("optimizer", "ps_optimizer", "weight_decay", "grad_clip"),  # what each step does
-    *("dropout", "compress", "compress_warmup", "compress_on"),
-    *("prune", "prune_start", "prune_end", "prune_every", "prune_scope"),
-)
-"""What makes another run from the resumed step on, the model and the data being the same:
-refused too (Megatron-LM refuses another learning-rate schedule in the same way). What only
-changes where the work runs (the world size, the mesh, buckets, threads, logs) may differ."""
+DATA_ORDER = kept_on_resume(TrainConfig, "data")  # the step is the data's position
+SAME_RUN = kept_on_resume(TrainConfig, "run")
+"""What makes another run from the resumed step on, the model and the data being the same
+(the learning rate at every step, what each step does): refused too (Megatron-LM refuses
+another learning-rate schedule in the same way). What only changes where the work runs
+(the world size, the mesh, buckets, threads, logs) may differ. Each flag says which it is
+(its metadata's "on_resume", config.py)."""
 
 
 def generators(root) -> dict[str, np.random.Generator]:
@@ -228,7 +227,7 @@ def check_same_run(manifest: dict, config, task, group: comm.Group) -> None:
     saved = manifest["metadata"].get("config", {})
     another = (
         (MODEL_FIELDS, "another model"),
-        (("seed", "batch_size"), "another order of the data"),  # the step is its position
+        (DATA_ORDER, "another order of the data"),
         (SAME_RUN, f"another run from step {manifest['step']} on (a resumed run goes on "
                    "with the flags it was saved with)"),
     )  # fmt: skip

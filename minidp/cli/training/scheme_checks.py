@@ -41,8 +41,6 @@ def check_prune(config) -> None:
     """--prune and its schedule (minidp/models/prune/magnitude.py): one line for each way
     they fail."""
     schedule = ("prune_start", "prune_end", "prune_every", "prune_scope")
-    if not 0.0 <= config.prune < 1.0:
-        raise BadConfig(f"--prune must be in [0, 1), got {config.prune}")
     if not config.prune:
         given = [n for n in schedule if config.is_set(n)]
         if given:
