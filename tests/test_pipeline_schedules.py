@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from minidp.cli.commands import main, schedule_flags
+from minidp.cli.commands import main
+from minidp.cost.schedule import schedule_flags
 from minidp.parallel.pipeline.actions import (
     RECV_B,
     RECV_F,

@@ -16,7 +16,6 @@ clear line on stderr, never a traceback.
 import argparse
 import importlib
 import pkgutil
-import re
 import sys
 import time
 import types
@@ -79,6 +78,7 @@ def parse_train_args(argv: list[str]) -> TrainConfig:
 TOOLS = {
     "predict": "minidp.cost.predict",  # a run's step cost, before running it
     "simulate": "minidp.cost.simulate",  # 1,024 ranks from the cost model
+    "schedule": "minidp.cost.schedule",  # a pipeline schedule in unit time: its bubble
 }
 PREDICTION = "minidp.cost.predicted"  # a --json run's predicted_* fields (in_record)
 
@@ -109,88 +109,6 @@ def run_bench(argv: list[str]) -> int:
     return module.main(rest) or 0
 
 
-def schedule_parser() -> argparse.ArgumentParser:
-    from minidp.parallel.pipeline.schedules import SCHEDULES
-
-    parser = Parser(
-        prog="minidp schedule",
-        description="Build, lower, check and simulate a pipeline schedule (unit time; no MPI).",
-    )
-    parser.add_argument("--pp", type=int, default=4, help="pipeline ranks (default: 4)")
-    parser.add_argument(
-        "--micro-batches", type=int, default=8, help="micro-batches per step (default: 8)"
-    )
-    parser.add_argument(
-        "--schedule", choices=tuple(SCHEDULES), default="1f1b", help="(default: 1f1b)"
-    )
-    parser.add_argument(
-        "--virtual", type=int, default=None, help="stages per rank, interleaved only (default: 2)"
-    )
-    parser.add_argument("--json", metavar="FILE", help="save the figures and the action lists")
-    parser.add_argument("--png", metavar="FILE", help="save the time diagram")
-    parser.add_argument(
-        "--table",
-        action="store_true",
-        help="instead: every schedule's bubble against its formula, pp 2, 4 and m 1, 2, 4, 8",
-    )
-    return parser
-
-
-SCHEDULE_FLAGS = {"pp": "--pp", "micro_batches": "--micro-batches", "virtual": "--virtual"}
-# an argument the library names with its value ("pp=3") or as the subject of its rule
-# ("virtual must be 1"), never the same word inside a formula ("stage s on rank s % pp")
-_SCHEDULE_ARGUMENT = re.compile(r"(?<![\w-])(pp|micro_batches|virtual)(?==|\s+must\b)")
-
-
-def schedule_flags(message: str) -> str:
-    """A library message about schedule arguments with the arguments named as flags."""
-    return _SCHEDULE_ARGUMENT.sub(lambda m: SCHEDULE_FLAGS[m[1]], message)
-
-
-def schedule_command(argv: list[str]) -> int:
-    """`python -m minidp schedule ...`: the grid, the length, the bubble against its
-    formula, the peak activations per stage; a schedule the library refuses is one line."""
-    import json
-
-    from minidp.parallel.pipeline.diagram import grid, time_diagram
-    from minidp.parallel.pipeline.schedules import build_schedule
-    from minidp.parallel.pipeline.simulate import bubble_table, simulate, summary
-
-    args = schedule_parser().parse_args(argv)
-    virtual = args.virtual
-    if args.table:
-        print0(bubble_table(virtual=virtual or 2))
-        return 0
-    if virtual is None:
-        virtual = 2 if args.schedule == "interleaved" else 1
-    try:
-        schedule = build_schedule(args.schedule, args.pp, args.micro_batches, virtual)
-        lowered = schedule.actions()
-    except ValueError as error:  # the library names its arguments; say the flags
-        raise die(f"--schedule {args.schedule}: {schedule_flags(str(error))}") from None
-    figures = summary(schedule)
-    timeline = simulate(lowered, schedule.pp, schedule.num_stages, schedule.split_backward)
-    unit = "F = 1, B = W = 1/2" if schedule.split_backward else "F = B = 1"
-    holds = "" if figures["formula_holds"] else "; the formula assumes a full pipeline"
-    peaks = " ".join(f"{s}:{n}" for s, n in figures["peak_activations_per_stage"].items())
-    print0(
-        f"{schedule!r}: {schedule.num_stages} stages, stage s on rank s % {schedule.pp}\n"
-        f"{grid(timeline)}\n"
-        f"length: {figures['length']:g} (unit time, {unit})\n"
-        f"idle per rank: {' '.join(f'{r}:{t:g}' for r, t in enumerate(figures['idle_per_rank']))}\n"
-        f"bubble fraction: {figures['bubble_fraction']:.4f} "
-        f"(formula {figures['formula']} = {figures['formula_bubble']:.4f}{holds})\n"
-        f"peak activations per stage (micro-batches held): {peaks}"
-    )
-    if args.json:
-        record = {**figures, "actions": [[str(a) for a in row] for row in lowered]}
-        with open(args.json, "w") as file:
-            json.dump(record, file, indent=1)
-    if args.png:
-        time_diagram(timeline, args.png, title=repr(schedule))
-    return 0
-
-
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in ("-h", "--help"):
@@ -203,8 +121,6 @@ def main(argv: list[str] | None = None) -> int:
         from minidp.tools.info import main as info_main
 
         return info_main(argv)
-    if command == "schedule":
-        return schedule_command(argv)
     if command == "plot":
         from minidp.tools.loss_curves import main as plot_main
 
@@ -311,4 +227,4 @@ def _other_ranks_running() -> bool:
     return MPI.Is_initialized() and not MPI.Is_finalized() and MPI.COMM_WORLD.Get_size() > 1
 
 
-__all__ = ["main", "parse_train_args", "schedule_command", "train_parser", "end_job"]
+__all__ = ["main", "parse_train_args", "train_parser", "end_job"]

@@ -25,7 +25,8 @@ report.py, chrome.py (simulate's sweep, its tables and trace). Then the cost mod
 to the command line's runs, a tool beside the face (it reads TrainConfig; the face runs it
 by name): predict.py (`python -m minidp predict`, with predict_compute, predict_compress,
 predict_pp, predict_ps), predicted.py (a --json run's predicted_* fields, made on its
-ranks) and simulate.py (`python -m minidp simulate`).
+ranks), simulate.py (`python -m minidp simulate`) and schedule.py (`python -m minidp
+schedule`: a pipeline schedule's bubble in unit time).
 """
 
 from collections.abc import Callable
