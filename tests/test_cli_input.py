@@ -185,3 +185,21 @@ def test_each_flags_metadata_is_well_formed_and_its_default_passes_its_own_check
         if interval is not None:
             assert not outside(getattr(config, f.name), interval), (f.name, interval)
             assert outside(float("nan"), interval) and outside(-1, interval), f.name
+
+
+def test_what_a_resume_keeps_is_written_down_here_too():
+    """The flags whose metadata makes them part of the model, the order of the data or the
+    run (resume.py refuses another value): a new flag joins one of these on purpose, or
+    may change across a resume; this list makes either a decision."""
+    from minidp.cli.training import resume
+
+    assert set(resume.MODEL_FIELDS) == {
+        *("model", "n_layer", "n_head", "n_embd", "block_size", "hidden", "dtype"),
+    }
+    assert set(resume.DATA_ORDER) == {"seed", "batch_size"}
+    assert set(resume.SAME_RUN) == {
+        *("steps", "lr", "warmup", "min_lr_ratio"),  # the learning rate at every step
+        *("optimizer", "ps_optimizer", "weight_decay", "grad_clip"),  # what each step does
+        *("dropout", "compress", "compress_warmup", "compress_on"),
+        *("prune", "prune_start", "prune_end", "prune_every", "prune_scope"),
+    }

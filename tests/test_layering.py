@@ -3,9 +3,11 @@ package's docstring lists them; what imports without MPI; who may import whom.
 
     engine/ fast/ tools/ models/     no MPI (engine/backend_torch and models/torch_ref: torch)
     comm/                            on MPI (mpi4py)
-    cost/                            no MPI until it resolves algo="auto" (comm/auto.py)
     parallel/                        the pieces
-    cli/                             the face (cli/training/config and cli/parser: no MPI)
+    cli/                             the face (cli/training/config: no MPI)
+    cost/                            beside the face, above it: the face runs its commands
+                                     by name (commands.TOOLS); its model (cost/step.py) no
+                                     MPI until it resolves algo="auto" (comm/auto.py)
 
 Arrows point down only: a piece never imports the face (it takes plain arguments, never
 TrainConfig), comm never imports a piece, the engine never imports comm or its speed tricks
@@ -126,7 +128,11 @@ def test_arrows_point_down_only():
             names = []
             if isinstance(node, ast.ImportFrom) and node.module == "minidp":
                 names = [f"minidp.{a.name}" for a in node.names]  # from minidp import comm
-            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            elif isinstance(node, ast.ImportFrom) and node.level:  # from ..cost import x
+                package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+                parts = package.split(".")[: len(package.split(".")) - node.level + 1]
+                names = [".".join([*parts, *([node.module] if node.module else [])])]
+            elif isinstance(node, ast.ImportFrom) and node.module:
                 names = [node.module]
             elif isinstance(node, ast.Import):
                 names = [a.name for a in node.names]
@@ -138,6 +144,19 @@ def test_arrows_point_down_only():
                 elif layer_of(name, order) > layer_of(module, order):
                     upward.append(f"{module} line {node.lineno} imports {name}")
     assert not upward, "\n".join(upward)
+
+
+def test_the_face_names_the_tools_above_it_only_in_its_table():
+    """cli/ runs cost/'s commands and the prediction by module name (importlib), which the
+    arrows above cannot see: those names appear in commands.py's TOOLS and PREDICTION only."""
+    import minidp.cli.commands as commands
+
+    allowed = {*commands.TOOLS.values(), commands.PREDICTION}
+    for path in sorted((ROOT / "minidp" / "cli").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str):
+                if node.value.startswith("minidp.cost") and node.value not in allowed:
+                    raise AssertionError(f"{path.name} line {node.lineno} names {node.value}")
 
 
 def top_level_imports(path: Path, module: str, known: set) -> set:

@@ -25,8 +25,9 @@ The step model is minidp/cost/step.py (pure Python); this module feeds it from a
                 --calibration FILE); without one, built-in defaults, said so in the output;
                 the per-call cost from the file's "per_call" if it has one (else 0)
 
-`--json` of a training run calls `for_run` at its end (cost/predicted.py, with what
-the run's own ranks see: the per-call cost timed on its group, the emulated network, shared
+A `--json` run of the command line gets `for_run` at its end (cost/predicted.py's
+`in_record`, which the command line hands the loop as one of its `adds`), with what the
+run's own ranks see: the per-call cost timed on its group, the emulated network, shared
 memory and overlap as the run decided them); the final record gets the prediction beside
 what the run measured.
 """

@@ -1,7 +1,9 @@
 """A prediction made on the ranks of a run: `python -m minidp predict` under mpiexec, and
-the final `--json` record of a training run (training/loop.py), beside what it measured.
+the final `--json` record of a command-line run, beside what it measured (the command line
+hands `in_record` to the training loop as one of its `adds`: cli/training/loop.py).
 
     on_group(config, group, network)   collective: (Prediction, Layout, Network)
+    in_record(config, group, step_s)   collective, with --json: for_run's fields, or {}
     for_run(config, group, step_s, n)  collective: the record's predicted_* fields, {} if
                                        the step model does not cover the run
 

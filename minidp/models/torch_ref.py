@@ -1,5 +1,5 @@
 """The reference in plain PyTorch: minidp's MLP and GPT written in torch.nn, trained with
-torch's own autograd and torch.optim.AdamW (torch_train.py has the loop and DDP).
+torch's own autograd and torch.optim.AdamW (minidp_bench/torch_train.py has the loop and DDP).
 
     net = torch_model(task.model)          # the same architecture, minidp's weights loaded
     load_minidp_state(net, model.state_dict())
