@@ -3,8 +3,10 @@ over its group (tp and hybrid: over a Mesh's axes) and hands them to the one ste
 (step.py). Read in this order:
 
     protocol.py      what the training loop drives, and Recipe: reports from declarations
+                     and from its data-parallel axis
     step.py          the step skeleton, written once
-    dp.py            --strategy dp: DDP (DDPAxis) and its --compress / --prune wiring
+    ddp_axis.py      the data-parallel axis as DDP, with its --compress / --prune wiring
+    dp.py            --strategy dp: DDP over the whole group
     zero.py          --strategy zero: the Ψ table; zero_axis.py, ZeRO stages 1-3 as an axis
     tp.py            --strategy tp and hybrid: the TP GPT, DDP or ZeRO over the DP axis
                      (zero_over_tp.py: ZeRO's chunks of TP shards)

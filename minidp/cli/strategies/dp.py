@@ -4,237 +4,22 @@
 
 Every rank holds the whole model and an optimizer of its own (--optimizer: AdamW by
 default), and reads its slice of the global batch (its data-parallel coordinate is its
-rank). The recipe: DistributedDataParallel over the group, the optimizer, and the one step
-skeleton (step.py): micro-batches under no_sync, buckets reduced as they fill, the global
-loss, clip, step.
+rank). The recipe: DistributedDataParallel over the group with what the flags plug into it
+(ddp_axis.py: --compress, --prune, --compress-on), the optimizer, and the one step skeleton
+(step.py): micro-batches under no_sync, buckets reduced as they fill, the global loss,
+clip, step.
 
 Replicas stay identical bit for bit, so the norm of the gradient and of the parameters are
 the same on every rank: each computes them alone, with nothing to gather.
-
-What plugs in (`DDPAxis`, the data-parallel axis as DDP: the hybrid uses it too):
-`--compress` and `--prune` replace the bucket allreduce through DDP's communication hook
-(parallel/compression/table.py, parallel/pruning.py); `--compress-on update` runs the optimizer
-before the reduction (parallel/compression/update.py: a synchronizer that leaves gradients local and
-an optimizer wrapper that reduces the step), `--compress-on velocity` momentum SGD's velocity, DGC's
-momentum correction (parallel/compression/velocity.py); both clip each rank's own gradient, locally.
 """
 
 import numpy as np
 
 from minidp import comm
-from minidp.cli.strategies.protocol import Clock, Recipe
-from minidp.cli.strategies.step import Step, check_micro_batches
-from minidp.cli.training.config import BadConfig
-from minidp.engine import optim
-from minidp.models.prune.magnitude import MagnitudePruner
-from minidp.parallel.across_ranks import bytes_sent, global_l2, replica_spread
-from minidp.parallel.checkpoint import Slice
-from minidp.parallel.compression.table import compression_line, compression_record, make_compressor
-from minidp.parallel.compression.update import CompressedUpdate, LocalGradients
-from minidp.parallel.compression.velocity import MomentumCorrectedSGD, MomentumCorrection
-from minidp.parallel.data_parallel.ddp import DistributedDataParallel
-from minidp.parallel.pruning import MaskedAllreduce
-from minidp.tools.memory import nbytes, optimizer_bytes
-
-OVERLAP = {"auto": "auto", "on": True, "off": False}  # --overlap -> DDP's overlap=
-
-
-def attach_pruner(ddp: DistributedDataParallel, optimizer, config) -> MaskedAllreduce | None:
-    """The pruner `--prune` asks for, its hook registered on `ddp`; None without --prune.
-    The hook holds the pruner (`hook.pruner`)."""
-    if not config.prune:
-        return None
-    config = config.resolved()  # the schedule's unset steps follow --steps
-    pruner = MagnitudePruner(
-        ddp.model,
-        optimizer,
-        target=config.prune,
-        start=config.prune_start,
-        end=config.prune_end,
-        every=config.prune_every,
-        scope=config.prune_scope,
-    )
-    hook = MaskedAllreduce(pruner, ddp.buckets, config.allreduce)
-    ddp.register_comm_hook(hook)
-    return hook
-
-
-class DDPAxis:
-    """The data-parallel axis as DDP: `model` wrapped in DistributedDataParallel over
-    `dp_group`, its comm hook (--compress, --prune), the optimizer (the config's unless
-    `optimizer` is given) and the --compress-on placement. `make_step(...)` builds the skeleton
-    over them; the rest is what a recipe reports, saves and closes."""
-
-    def __init__(self, model, dp_group: comm.Group, config, timeline, optimizer=None):
-        self.config, self.dp_group = config, dp_group
-        try:  # --compress: a bad value is found alike on every rank (dp: before any message)
-            self.compressor = make_compressor(
-                config.compress, config.allreduce, config.seed, config.compress_warmup
-            )
-        except ValueError as error:  # the piece names the spec; the flag goes in front
-            raise BadConfig(f"--compress {error}") from None
-        self.ddp = ddp = DistributedDataParallel(
-            model,
-            dp_group,
-            bucket_cap_mb=config.bucket_mb,
-            algo=config.allreduce,
-            overlap=OVERLAP[config.overlap],
-            timeline=timeline,
-        )
-        try:  # what plugs into it; the DDP closed again if that fails
-            self._plug_in(model, config, timeline, optimizer)
-        except BaseException:
-            ddp.close()
-            raise
-        self.clock = Clock(lambda: ddp.comm_seconds, lambda: ddp.exposed_seconds)
-
-    def _plug_in(self, model, config, timeline, optimizer) -> None:
-        """The optimizer, the comm hook (--compress, --prune) and the --compress-on
-        placement: what the skeleton drives."""
-        ddp = self.ddp
-        self.optimizer_from_config = optimizer is None  # else the caller's, named by no flag
-        self.optimizer = optimizer or optim.make_optimizer(
-            config.optimizer, model.parameters(), config.lr, config.weight_decay
-        )
-        self.momentum_correction = None  # --compress-on velocity: DGC's u_w, then C
-        if config.compress_on == "velocity":
-            momentum = self.optimizer.hyper["momentum"]
-            self.momentum_correction = MomentumCorrection(self.compressor, momentum)
-            ddp.register_comm_hook(self.momentum_correction)
-        elif self.compressor is not None:
-            ddp.register_comm_hook(self.compressor)
-        self.pruning = attach_pruner(ddp, self.optimizer, config)  # None: no --prune
-        # what the skeleton drives: the reduction in backward, or inside the optimizer
-        self.sync, self.stepper = ddp, self.optimizer
-        if config.compress_on == "update":
-            self.sync, self.stepper = (
-                LocalGradients(ddp),
-                CompressedUpdate(self.optimizer, ddp, timeline),
-            )
-        elif config.compress_on == "velocity":
-            wd = config.weight_decay
-            self.sync = LocalGradients(ddp)
-            self.stepper = MomentumCorrectedSGD(ddp, config.lr, wd, timeline)
-
-    def make_step(self, loss, clip, timeline, after_sync=()) -> Step:
-        """The skeleton over these pieces; `clip` is the recipe's global-norm clip, replaced
-        by a local one where the optimizer runs before the reduction."""
-        config = self.config
-        if config.compress_on != "gradient":  # this rank's own gradient, before its step
-            clip = self.clip_locally
-        return Step(
-            *(loss, self.sync, self.stepper),
-            batch_size=config.batch_size,
-            grad_accum=config.grad_accum,
-            dp_group=self.dp_group,
-            timeline=timeline,
-            clip=clip if config.grad_clip else None,
-            before=[self.pruning.begin_step] if self.pruning else [],
-            after_sync=after_sync,
-        )
-
-    def clip_locally(self) -> None:
-        optim.clip_grad_norm(self.ddp.parameters(), self.config.grad_clip)
-
-    def held(self) -> dict[str, list]:
-        """This axis's arrays by memory category (the recipe adds its groups' scratch)."""
-        ddp = self.ddp
-        return {
-            "parameters": [p.data for p in ddp.parameters()],
-            "gradients": [b.data for b in ddp.buckets],
-            "optimizer": [optimizer_bytes(self.optimizer)],
-            "buffers": [
-                ddp.comm_group.scratch.nbytes,
-                self.compressor.nbytes() if self.compressor else 0,  # residuals, warm start
-                self.momentum_correction.nbytes() if self.momentum_correction else 0,  # u_w
-                nbytes(self.pruning.pruner.masks) if self.pruning else 0,  # 1 byte per weight
-                ddp.stage.nbytes(),  # host copies of torch buckets (host_stage.py)
-            ],
-        }
-
-    def describe(self) -> str:
-        ddp, config = self.ddp, self.config
-        return (
-            f"allreduce {config.allreduce} | buckets {len(ddp.buckets)} of <= "
-            f"{config.bucket_mb} MiB | overlap {'on' if ddp.overlap else 'off'} "
-            f"({ddp.overlap_reason}) | grad accumulation {config.grad_accum} | "
-            f"compress {config.compress}"
-            + (f" on the {config.compress_on}" if config.compress_on != "gradient" else "")
-            + (f" after {config.compress_warmup} steps" if config.compress_warmup else "")
-        ) + (f" | {self.pruning.pruner.describe()}" if self.pruning else "")
-
-    def record(self, steps_done: int) -> dict:
-        return {
-            "allreduce": self.config.allreduce,
-            "optimizer": self.config.optimizer if self.optimizer_from_config else None,
-            "overlap": self.ddp.overlap,
-            "buckets": len(self.ddp.buckets),
-            "compress_on": self.config.compress_on,
-            **self.compression(steps_done),
-            **(self.pruning.record() if self.pruning else {}),
-            **self.ddp.stage.record(),  # --backend torch: the host staging copies
-        }
-
-    def summary(self, steps_done: int) -> str:
-        if self.compressor is None:
-            return ""
-        return compression_line(self.compression(steps_done))
-
-    def compression(self, steps_done: int) -> dict:
-        sent = bytes_sent(self.ddp.comm_group)  # the comm group carries the buckets only
-        return compression_record(
-            self.config.compress,
-            self.compressor,
-            self.ddp.buckets,
-            sent,
-            steps_done,
-            self.dp_group.size,
-        )
-
-    def state_dict(self, model) -> dict:
-        state = {"model": model.state_dict(), "optimizer": self.optimizer.state_dict()}
-        if self.compressor is not None:  # error-feedback residuals are training state
-            state["compressor"] = self.compressor.state_dict()
-        if self.momentum_correction is not None:  # DGC's u_w
-            state["velocity"] = self.momentum_correction.state_dict()
-        if self.pruning is not None:  # the masks and the schedule's step
-            state["prune"] = self.pruning.pruner.state_dict()
-        return state
-
-    def state_layout(self, model) -> dict:
-        """How state_dict(model)'s arrays are cut, for resharding (minidp.parallel.checkpoint):
-        each parameter and its optimizer state as the parameter is placed (a TP slice, else
-        replicated), the pruning masks replicated. Not declared, so each rank's own: the
-        compressors' residuals and factors and DGC's velocity (they reshard nowhere)."""
-        places = {f"model/{n}": place(p) for n, p in model.named_parameters(remove_duplicate=False)}
-        for i, p in enumerate(self.optimizer.params):  # its moments, made at the first step
-            places[f"optimizer/state/{i}/"] = place(p)
-        if self.pruning is not None:
-            places |= {f"prune/masks/{n}": "replicated" for n, _ in self.pruning.pruner.named}
-        return places
-
-    def load_state_dict(self, model, state: dict) -> None:
-        model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        if self.compressor is not None:
-            self.compressor.load_state_dict(state["compressor"])
-        if self.momentum_correction is not None:
-            self.momentum_correction.load_state_dict(state["velocity"])
-        if self.pruning is not None:
-            self.pruning.pruner.load_state_dict(state["prune"])
-
-    def close(self) -> None:
-        self.ddp.close()
-
-
-def place(p) -> Slice | str:
-    """A parameter's place in the whole model: its TP `placement`'s slice, else replicated."""
-    placement = getattr(p, "placement", None)
-    if placement is None or placement.axis is None:
-        return "replicated"
-    shape = list(p.shape)
-    shape[placement.axis] = placement.length
-    return Slice.along(shape, placement.axis, placement.index)
+from minidp.cli.strategies.ddp_axis import DDPAxis
+from minidp.cli.strategies.protocol import Recipe
+from minidp.cli.strategies.step import check_micro_batches
+from minidp.parallel.across_ranks import global_l2, replica_spread
 
 
 class DataParallel(Recipe):
@@ -247,7 +32,7 @@ class DataParallel(Recipe):
         super().__init__(task, config, group, timeline)
         check_micro_batches(config, group.size)  # alike on every rank, before any message
         self.model, self.dp_group = task.model, group
-        self.dp = dp = DDPAxis(task.model, group, config, self.timeline, optimizer)
+        self.dp = self.axis = dp = DDPAxis(task.model, group, config, self.timeline, optimizer)
         self.ddp, self.optimizer = dp.ddp, dp.optimizer
         self.compressor, self.pruning = dp.compressor, dp.pruning
         self.axes, self.clocks = {"dp": [dp.ddp.comm_group, group]}, [dp.clock]
@@ -269,29 +54,3 @@ class DataParallel(Recipe):
     def replicas(self) -> list:
         """Every rank a whole replica."""
         return [(self.group, [(n, p.data) for n, p in self.model.named_parameters()])]
-
-    def held(self) -> dict[str, list]:
-        held = self.dp.held()
-        held["buffers"].insert(0, self.group.scratch.nbytes)
-        return held
-
-    def describe(self) -> str:
-        return self.dp.describe()
-
-    def record(self) -> dict:
-        return self.dp.record(self.run.steps_done)
-
-    def summary(self) -> str:
-        return self.dp.summary(self.run.steps_done)
-
-    def state_dict(self) -> dict:
-        return self.dp.state_dict(self.model)
-
-    def state_layout(self) -> dict:
-        return self.dp.state_layout(self.model)
-
-    def load_state_dict(self, state: dict) -> None:
-        self.dp.load_state_dict(self.model, state)
-
-    def close(self) -> None:
-        self.dp.close()

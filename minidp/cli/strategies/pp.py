@@ -28,7 +28,7 @@ from dataclasses import replace
 import numpy as np
 
 from minidp import comm
-from minidp.cli.strategies.dp import DDPAxis
+from minidp.cli.strategies.ddp_axis import DDPAxis
 from minidp.cli.strategies.pp_step import PipelineStep
 from minidp.cli.strategies.protocol import Recipe, exposed_clock
 from minidp.cli.strategies.tp import Hybrid, MeshRecipe, make_alike, mesh_sizes
@@ -132,8 +132,7 @@ class Pipeline(MeshRecipe):
         axis = self.dp.ddp if self.dp else self.zero
         self.axes = {"dp": [axis.comm_group, mesh.dp_group], "tp": [mesh.tp_group],
                      "pp": [mesh.pp_group]}  # fmt: skip
-        axis_clock = (self.dp or self.zero).clock
-        self.clocks = [axis_clock, exposed_clock(mesh.tp_group), exposed_clock(mesh.pp_group)]
+        self.clocks = [self.axis.clock, exposed_clock(mesh.tp_group), exposed_clock(mesh.pp_group)]
         self.data_shard = (mesh.dp_group.rank, dp)
         sequence_parallel = config.sequence_parallel and tp > 1
         self.run = PipelineStep(
@@ -150,10 +149,12 @@ class Pipeline(MeshRecipe):
         if config.zero_stage:
             mesh = self.mesh
             self.drifts = check_drift(config, mesh.dp, mesh.tp, self.task.model.config.vocab_size)
-            z = self.zero = ZeROOverTP(self, sum_in_hooks=False)  # sum_partial sums
+            z = self.zero = self.axis = ZeROOverTP(self, sum_in_hooks=False)  # sum_partial sums
             self.optimizer, self.clip_params = z.optimizer, z.pieces
             return z.sync, z.optimizer, z.after_sync, [*z.after_step, self.broadcast_drift]
-        d = self.dp = DDPAxis(self.model, self.mesh.dp_group, config, self.timeline, optimizer)
+        d = self.dp = self.axis = DDPAxis(
+            self.model, self.mesh.dp_group, config, self.timeline, optimizer
+        )
         self.optimizer, self.clip_params = d.optimizer, self.params
         return d.sync, d.stepper, [self.sync_replicated], []
 
@@ -248,19 +249,16 @@ class Pipeline(MeshRecipe):
 
     def describe(self) -> str:
         s, c = self.schedule, self.config
-        axis = (self.dp or self.zero).describe()
         return (
             f"{self.mesh.describe()} | schedule {s.name} | micro-batches {s.micro_batches} | "
             f"stages {s.num_stages} (V {s.virtual}) | recompute {'on' if c.recompute else 'off'}"
-            f" | {axis}"
+            f" | {self.axis.describe()}"
         )
 
     def record(self) -> dict:
-        s, bubbles, mesh = self.schedule, self.run.bubbles, self.mesh
-        own = self.dp.record(self.run.steps_done) if self.dp else self.zero.record()
+        s, bubbles = self.schedule, self.run.bubbles
         return {
-            **own,
-            "mesh": {"dp": mesh.dp, "tp": mesh.tp, "pp": mesh.pp},
+            **super().record(),
             "schedule": s.name,
             "micro_batches": s.micro_batches,
             "virtual": s.virtual,
@@ -268,6 +266,10 @@ class Pipeline(MeshRecipe):
             "bubble_fraction": float(np.mean(bubbles)) if bubbles else None,
             "bubble_fraction_formula": formula_bubble(s.name, s.pp, s.micro_batches, s.virtual),
         }
+
+    def state_layout(self) -> dict:
+        """{}: each rank's stages are its own, loaded only in the layout they were saved in."""
+        return {}
 
     def summary(self) -> str:
         record = self.record()

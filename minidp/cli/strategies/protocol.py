@@ -175,22 +175,23 @@ class Recipe(Strategy):
     - `clocks`: [Clock], summed into comm_seconds and exposed_seconds;
     - `clip_params`: the parameters (or shard pieces) `clip()` scales;
 
-    and implements `held()`, {category: [arrays and byte counts]} for memory_bytes (every
-    category of MEMORY but activations_peak, which the skeleton measures), and `norm(kind)`,
-    the L2 norm of the whole model's "grad" or "data", each shard counted once (collective):
-    clipping and param_l2 read it."""
+    - `axis`: the data-parallel axis (ddp_axis.DDPAxis, zero_axis.ZeROAxis), whose arrays
+      (`held()`: {category: [arrays and byte counts]}, every category of MEMORY but
+      activations_peak, which the skeleton measures), header, record, closing line and
+      state are the recipe's, with what a recipe adds (its groups' scratch, its mesh);
+
+    and implements `norm(kind)`, the L2 norm of the whole model's "grad" or "data", each
+    shard counted once (collective): clipping and param_l2 read it."""
 
     axes: dict[str, list[comm.Group]]
     clocks: list[Clock]
     clip_params: list  # what clip() scales
+    axis: Any  # the data-parallel axis (DDPAxis, ZeROAxis) the reports below come from
 
     def step(self, local: np.ndarray, lr: float) -> StepResult:
         return self.run(local, lr)
 
     def norm(self, kind: str) -> float:
-        raise NotImplementedError
-
-    def held(self) -> dict[str, list]:
         raise NotImplementedError
 
     def clip(self) -> float:
@@ -216,3 +217,35 @@ class Recipe(Strategy):
     def memory_bytes(self) -> dict[str, int]:
         held = {**self.held(), "activations_peak": [self.run.activations_peak]}
         return {category: count_bytes(held[category]) for category in MEMORY if category in held}
+
+    # ---- what the data-parallel axis holds, says and saves (a recipe adds its own) -------
+    def scratch_groups(self) -> list[comm.Group]:
+        """The groups whose scratch buffers this recipe's memory counts (the axis adds its
+        own communication group's)."""
+        return [self.group]
+
+    def held(self) -> dict[str, list]:
+        held = self.axis.held()
+        held["buffers"] += [g.scratch.nbytes for g in self.scratch_groups()]
+        return held
+
+    def describe(self) -> str:
+        return self.axis.describe()
+
+    def record(self) -> dict:
+        return self.axis.record(self.run.steps_done)
+
+    def summary(self) -> str:
+        return self.axis.summary(self.run.steps_done)
+
+    def state_dict(self) -> dict:
+        return self.axis.state_dict()
+
+    def state_layout(self) -> dict:
+        return self.axis.state_layout()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.axis.load_state_dict(state)
+
+    def close(self) -> None:
+        self.axis.close()

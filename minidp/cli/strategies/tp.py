@@ -37,7 +37,7 @@ import math
 import numpy as np
 
 from minidp import comm
-from minidp.cli.strategies.dp import DDPAxis
+from minidp.cli.strategies.ddp_axis import DDPAxis
 from minidp.cli.strategies.protocol import Recipe, exposed_clock
 from minidp.cli.strategies.step import check_micro_batches
 from minidp.cli.strategies.zero import check_zero
@@ -116,28 +116,20 @@ def make_alike(replicated: list, mesh: Mesh, partial: bool, compressed: bool = F
 
 
 class MeshRecipe(Recipe):
-    """What a recipe on a Mesh with one data-parallel axis (`self.dp`, a DDPAxis, or
-    `self.zero`, a ZeROAxis) around `self.model` delegates to that axis: the arrays it holds
-    (with the mesh's groups' scratch), its state, and closing it and the mesh. The tp and
-    hybrid recipes (OnTheMesh) and the pipeline's (pp.py) share it."""
+    """A recipe on a Mesh with one data-parallel axis (`self.axis`: `self.dp`, a DDPAxis, or
+    `self.zero`, a ZeROAxis): the mesh's groups' scratch counted, the mesh in the record,
+    and closed after the axis. The tp and hybrid recipes (OnTheMesh) and the pipeline's
+    (pp.py) share it."""
 
-    def held(self) -> dict[str, list]:
-        held = (self.dp or self.zero).held()
-        groups = (self.group, *self.mesh.groups().values())
-        held["buffers"] += [g.scratch.nbytes for g in groups]
-        return held
+    def scratch_groups(self) -> list[comm.Group]:
+        return [self.group, *self.mesh.groups().values()]
 
-    def state_dict(self) -> dict:
-        return self.dp.state_dict(self.model) if self.dp else self.zero.state_dict()
-
-    def load_state_dict(self, state: dict) -> None:
-        if self.dp:
-            self.dp.load_state_dict(self.model, state)
-        else:
-            self.zero.load_state_dict(state)
+    def record(self) -> dict:
+        mesh = self.mesh
+        return {**super().record(), "mesh": {"dp": mesh.dp, "tp": mesh.tp, "pp": mesh.pp}}
 
     def close(self) -> None:
-        (self.dp or self.zero).close()
+        super().close()
         self.mesh.close()
 
 
@@ -173,7 +165,9 @@ class OnTheMesh(MeshRecipe):
 
     def use_ddp(self, optimizer=None) -> None:
         """DistributedDataParallel over the DP axis; the replicated gradients made alike."""
-        self.dp = dp = DDPAxis(self.model, self.dp_group, self.config, self.timeline, optimizer)
+        self.dp = self.axis = dp = DDPAxis(
+            self.model, self.dp_group, self.config, self.timeline, optimizer
+        )
         self.ddp, self.optimizer, self.comm_group = dp.ddp, dp.optimizer, dp.ddp.comm_group
         self.compressor, self.pruning = dp.compressor, dp.pruning
         self.clocks, self.clip_params = [dp.clock], self.model.parameters()
@@ -181,7 +175,7 @@ class OnTheMesh(MeshRecipe):
 
     def use_zero(self, make_optimizer=None) -> None:
         """ZeRO over the DP axis (zero_over_tp.py): rank (d, t) keeps chunk d of TP shard t."""
-        self.zero = z = ZeROOverTP(self, make_optimizer)
+        self.zero = self.axis = z = ZeROOverTP(self, make_optimizer)
         self.optimizer, self.comm_group, self.gathered = z.optimizer, z.comm_group, z.gathered
         self.layout, self.pieces, self.shard = z.layout, z.pieces, z.shard
         self.clocks, self.clip_params = [z.clock], z.pieces
@@ -234,23 +228,10 @@ class OnTheMesh(MeshRecipe):
 
     def describe(self) -> str:
         sp = "on" if self.model.sequence_parallel else "off"
-        axis = (self.dp or self.zero).describe()
-        return f"{self.mesh.describe()} | sequence parallel {sp} | {axis}"
+        return f"{self.mesh.describe()} | sequence parallel {sp} | {self.axis.describe()}"
 
     def record(self) -> dict:
-        mesh = self.mesh
-        own = self.dp.record(self.run.steps_done) if self.dp else self.zero.record()
-        return {
-            **own,
-            "mesh": {"dp": mesh.dp, "tp": mesh.tp, "pp": mesh.pp},
-            "sequence_parallel": self.model.sequence_parallel,
-        }
-
-    def summary(self) -> str:
-        return self.dp.summary(self.run.steps_done) if self.dp else ""
-
-    def state_layout(self) -> dict:
-        return self.dp.state_layout(self.model) if self.dp else self.zero.state_layout()
+        return {**super().record(), "sequence_parallel": self.model.sequence_parallel}
 
 
 class TensorParallel(OnTheMesh):

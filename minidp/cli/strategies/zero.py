@@ -98,7 +98,8 @@ class ZeRO(Recipe):
         super().__init__(task, config, group, timeline)
         check_zero(config, group.size)  # alike on every rank, before any message
         self.model, self.dp_group = task.model, group
-        self.zero = z = ZeROAxis(task.model, group, config, self.timeline, make_optimizer)
+        z = ZeROAxis(task.model, group, config, self.timeline, make_optimizer)
+        self.zero = self.axis = z
         self.stage, self.layout, self.pieces, self.shard = z.stage, z.layout, z.pieces, z.shard
         self.optimizer, self.comm_group, self.gathered = z.optimizer, z.comm_group, z.gathered
         self.units = getattr(z, "units", None)
@@ -131,26 +132,3 @@ class ZeRO(Recipe):
     def gather_model(self) -> None:
         if self.gathered is not None:
             self.gathered.materialize()
-
-    def held(self) -> dict[str, list]:
-        held = self.zero.held()
-        held["buffers"].insert(0, self.dp_group.scratch.nbytes)
-        return held
-
-    def describe(self) -> str:
-        return self.zero.describe()
-
-    def record(self) -> dict:
-        return self.zero.record()
-
-    def state_dict(self) -> dict:
-        return self.zero.state_dict()
-
-    def state_layout(self) -> dict:
-        return self.zero.state_layout()
-
-    def load_state_dict(self, state: dict) -> None:
-        self.zero.load_state_dict(state)
-
-    def close(self) -> None:
-        self.zero.close()

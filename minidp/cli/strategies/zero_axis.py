@@ -16,7 +16,7 @@ import time
 import numpy as np
 
 from minidp import comm
-from minidp.cli.strategies.dp import OVERLAP
+from minidp.cli.strategies.ddp_axis import OVERLAP
 from minidp.cli.strategies.protocol import Clock
 from minidp.cli.strategies.step import Step
 from minidp.engine import optim
@@ -191,7 +191,7 @@ class ZeROAxis:
             f"{'on' if self.overlap else 'off'} | grad accumulation {self.config.grad_accum}"
         )
 
-    def record(self) -> dict:
+    def record(self, steps_done: int = 0) -> dict:
         return {
             "zero_stage": self.stage,
             "shard_elements": self.layout.shard_numel,
@@ -201,6 +201,9 @@ class ZeROAxis:
 
     def state_dict(self) -> dict:
         return {"stage": self.stage, "shard": self.shard(), **self.optimizer.state_dict()}
+
+    def summary(self, steps_done: int = 0) -> str:
+        return ""
 
     part = ""  # which flat vector this axis shards, where ranks shard different ones
 
