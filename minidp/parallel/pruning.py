@@ -20,10 +20,10 @@ replicas ever to differ, the packed vectors would no longer line up; this is why
 is refused together with --compress (a lossy reduction need not keep replicas identical).
 
 The hook goes in through `DistributedDataParallel.register_comm_hook`, as every gradient
-transform does. It reads its masks from a MagnitudePruner
-(`MaskedAllreduce(pruner, ddp.buckets, algo)`; `--prune` builds one so, in
-strategies/dp.py), or from the masks the torch-named functions of minidp/models/prune/functions.py
-left on a user's model (`masked_allreduce_hook(ddp)`).
+transform does. It reads its masks from a MagnitudePruner (`MaskedAllreduce(pruner,
+ddp.buckets, algo)`; `--prune` builds one so, in strategies/ddp_axis.py), or from the masks
+the torch-named functions of minidp/models/prune/functions.py left on a user's model
+(`masked_allreduce_hook(ddp)`).
 """
 
 import numpy as np
@@ -77,7 +77,7 @@ class MaskedAllreduce:
         self.step_elements += kept.size
         self.step_bytes += bytes_sent(group) - before
 
-    # ---- what the DP strategy asks of its MagnitudePruner (strategies/dp.py) ---------------
+    # ---- what the DP strategy asks of its MagnitudePruner (strategies/ddp_axis.py) ---------
     def begin_step(self) -> None:
         self.pruner.begin_step()
 

@@ -191,7 +191,7 @@ class DDPAxis:
         return state
 
     def state_layout(self) -> dict:
-        """How state_dict(model)'s arrays are cut, for resharding (minidp.parallel.checkpoint):
+        """How state_dict()'s arrays are cut, for resharding (minidp.parallel.checkpoint):
         each parameter and its optimizer state as the parameter is placed (a TP slice, else
         replicated), the pruning masks replicated. Not declared, so each rank's own: the
         compressors' residuals and factors and DGC's velocity (they reshard nowhere)."""

@@ -129,8 +129,8 @@ class Pipeline(MeshRecipe):
         except BaseException:
             mesh.close()
             raise
-        axis = self.dp.ddp if self.dp else self.zero
-        self.axes = {"dp": [axis.comm_group, mesh.dp_group], "tp": [mesh.tp_group],
+        reducer = self.dp.ddp if self.dp else self.zero  # whose comm group carries the DP bytes
+        self.axes = {"dp": [reducer.comm_group, mesh.dp_group], "tp": [mesh.tp_group],
                      "pp": [mesh.pp_group]}  # fmt: skip
         self.clocks = [self.axis.clock, exposed_clock(mesh.tp_group), exposed_clock(mesh.pp_group)]
         self.data_shard = (mesh.dp_group.rank, dp)

@@ -44,13 +44,14 @@ What a strategy must say, and why the loop cannot work it out itself:
 - `describe()`, `record()` and `summary()`: the scheme's own fields for the header, the
   final record and a closing line.
 
-Most strategies are recipes (`Recipe`, below): a short __init__ that checks its flags, builds
-a Mesh where it needs one (tp, hybrid), wraps the task's model in pieces (DDP, ZeRO's sharding, the
-TP GPT) and hands them to the one step skeleton (step.py). It *declares* its groups per mesh axis,
-where its communication time is read (`Clock`s) and what arrays it holds per memory category; the
-reports above are computed from those declarations here, once. A hybrid composes the same
-pieces (tp.py): no scheme's class derives from another's. The parameter server
-(ps.py), whose step is a push and a pull, implements the protocol directly.
+Most strategies are recipes (`Recipe`, below): a short __init__ that checks its flags,
+builds a Mesh where it needs one (tp, hybrid), wraps the task's model in pieces (DDP, ZeRO's
+sharding, the TP GPT) and hands them to the one step skeleton (step.py). It *declares* its
+groups per mesh axis, where its communication time is read (`Clock`s) and its data-parallel
+axis (`axis`, which holds the arrays per memory category and the state); the reports above
+are computed from those declarations here, once. A hybrid composes the same pieces (tp.py):
+no scheme's class derives from another's. The parameter server (ps.py), whose step is a push
+and a pull, implements the protocol directly.
 """
 
 from collections.abc import Callable

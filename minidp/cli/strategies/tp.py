@@ -9,7 +9,7 @@ Every rank builds the whole nn.GPT from the seed (the task's model) and keeps it
 it (parallel/tensor_parallel/gpt.py). Ranks of one TP group read the same examples: the data shard
 is the DP coordinate, (d, dp). The recipe: a Mesh, the TP GPT on its TP group
 (parallel/tensor_parallel/gpt.py), and a data-parallel axis over its DP group, DDP
-(dp.DDPAxis) or, for `--strategy hybrid --zero-stage S`, ZeRO (zero_axis.ZeROAxis,
+(ddp_axis.DDPAxis) or, for `--strategy hybrid --zero-stage S`, ZeRO (zero_axis.ZeROAxis,
 zero_over_tp.py): pieces composed, handed to the one step skeleton (step.py). With DDP, one step on
 the TP model:
 
