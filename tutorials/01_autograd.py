@@ -27,7 +27,8 @@ from minidp import Tensor
 # %% [markdown]
 # ## 1. A tensor remembers where it came from
 # `requires_grad=True` marks a leaf we want gradients for. Each op's result keeps its inputs
-# (`_parents`) and a `backward` closure written right beside the forward (tensor_ops.py).
+# (`_parents`) and a `backward` closure written right beside the forward
+# (minidp/engine/tensor_ops.py; the engine itself: minidp/engine/tensor.py).
 
 # %%
 x = Tensor([2.0, -1.0, 3.0], requires_grad=True)

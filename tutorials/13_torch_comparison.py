@@ -60,8 +60,8 @@ print0("d loss / d x, both libraries:", grads[0].round(4).tolist())
 # %% [markdown]
 # ## The same GPT three ways, one process
 #
-# 20 steps of training/loop.py's step (AdamW, warmup-cosine, clipping) in float64: the losses agree
-# to rounding, far inside the 1e-10 the tests ask.
+# 20 steps of minidp/cli/training/loop.py's step (AdamW, warmup-cosine, clipping) in float64:
+# the losses agree to rounding, far inside the 1e-10 the tests ask.
 
 # %%
 config = TrainConfig(
