@@ -179,8 +179,8 @@ PS = ["--strategy", "ps", "--model", "mlp", "--hidden", "16", "--batch-size", "8
 PS += ["--ps-timeout", "2", "--eval-batches", "1", "--log-every", "1"]
 
 
-def ps_job(tmp_path, consistency: str, steps: int) -> subprocess.Popen:
-    args = [*PS, "--consistency", consistency, "--steps", str(steps)]
+def ps_job(tmp_path, consistency: str, steps: int, *more: str) -> subprocess.Popen:
+    args = [*PS, "--consistency", consistency, "--steps", str(steps), *more]  # the last wins
     return launch(3, *args, "--log-dir", str(tmp_path), "--json", str(tmp_path / "r.json"))
 
 
@@ -231,13 +231,16 @@ def test_a_gpt_under_bsp_names_its_stopped_worker_though_a_reply_to_it_is_pendin
     began = time.time()
     args = ["--n-layer", "1", "--n-embd", "16", "--block-size", "8", "--batch-size", "8"]
     args += ["--sample-tokens", "0", "--eval-batches", "1", "--log-every", "1"]
-    args += ["--strategy", "ps", "--consistency", "bsp", "--ps-timeout", "2"]
+    # --ps-timeout 3: the server names the silent worker within 3 + 1 s (it looks each
+    # second); worker 0 gives up on its pull after 2 x 3 s. At 2 the margin was one second,
+    # which a loaded machine could eat (worker 0's timeout then spoke first).
+    args += ["--strategy", "ps", "--consistency", "bsp", "--ps-timeout", "3"]
     job = launch(3, *args, "--steps", "3000", "--log-dir", str(tmp_path))
     wait_for_step(tmp_path / "rank1.log", 20, job)
     os.kill(rank_pids(job)[1], signal.SIGSTOP)  # worker 1 (rank 2 serves)
     _, err, seconds = finish(job, 50)
-    assert job.returncode != 0 and seconds < 2 * 2 + 5, (seconds, err)
-    assert "worker 1 (rank 1) sent nothing to server rank 2 for 2 s" in err, err
+    assert job.returncode != 0 and seconds < 2 * 3 + 5, (seconds, err)
+    assert "worker 1 (rank 1) sent nothing to server rank 2 for 3 s" in err, err
     leaked_shm(began)
 
 
@@ -245,14 +248,16 @@ def test_a_gpt_under_bsp_names_its_stopped_worker_though_a_reply_to_it_is_pendin
 @pytest.mark.parametrize("who", ["worker", "server"])
 def test_a_stopped_worker_under_bsp_or_a_stopped_server_ends_the_job_naming_it(who, tmp_path):
     began = time.time()
-    job = ps_job(tmp_path, "bsp", 100000)
+    # --ps-timeout 3: the server names a silent worker within 3 + 1 s, before worker 0's
+    # pull gives up (2 x 3 s); at 2 the one second between them was a race on a loaded host
+    job = ps_job(tmp_path, "bsp", 100000, "--ps-timeout", "3")
     wait_for_step(tmp_path / "rank0.log", 5, job)
     os.kill(rank_pids(job)[1 if who == "worker" else 2], signal.SIGSTOP)
     _, err, seconds = finish(job, 30)
-    assert job.returncode != 0 and seconds < 2 * 2 + 5, (seconds, err)
+    assert job.returncode != 0 and seconds < 2 * 3 + 5, (seconds, err)
     named = {
-        "worker": "worker 1 (rank 1) sent nothing to server rank 2 for 2 s",
-        "server": "no reply from server rank(s) [2] within 4 s",
+        "worker": "worker 1 (rank 1) sent nothing to server rank 2 for 3 s",
+        "server": "no reply from server rank(s) [2] within 6 s",
     }[who]
     assert named in err and len(err.strip().splitlines()) == 1, err  # one line, once
     leaked_shm(began)
