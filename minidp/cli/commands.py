@@ -83,10 +83,6 @@ TOOLS = {
 PREDICTION = "minidp.cost.predicted"  # a --json run's predicted_* fields (in_record)
 
 
-def tool(name: str) -> types.ModuleType:
-    return importlib.import_module(name)
-
-
 def benchmarks() -> list[str]:
     import minidp_bench
 
@@ -126,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return plot_main(argv)
     if command in TOOLS:
-        return tool(TOOLS[command]).main(argv)
+        return importlib.import_module(TOOLS[command]).main(argv)
     if command == "bench":
         try:
             return run_bench(argv)
@@ -140,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         # SIGTERM & co. stop it (training/preemption.py); the record gains the prediction
-        final = train(config, signals=True, adds=[tool(PREDICTION).in_record])
+        final = train(config, signals=True, adds=[importlib.import_module(PREDICTION).in_record])
     except BadConfig as error:  # found on every rank alike: one line, every rank exits
         raise die(str(error)) from None
     except RunStopped as error:  # a divergence, a failed save, a signal: every rank alike

@@ -6,8 +6,8 @@ The speed trick of docs/memory.md. Each op computes what a composed graph of sma
 computes, and is checked against it (tests/test_autograd.py: the composed graph, central
 differences in float64, PyTorch). The composed versions stay where a reader meets them first
 (`nn.LayerNorm(fused=False)` then `nn.linear`, `functional.gelu`, `gpt.composed_attention`,
-indexing `weight[idx]`); `nn` and `gpt` call these by default, on NumPy data. What fusing
-saves:
+indexing `weight[idx]`); `nn` and `gpt` take these by default, on NumPy data, through the
+engine's table (engine/registry.py, filled in by fast/__init__.py). What fusing saves:
 
     op              composed                                  fused
     LayerNorm       11 nodes, 5 full-size arrays forward      1 node, the standard backward
