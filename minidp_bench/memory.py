@@ -6,7 +6,7 @@ each stage costs in step time and bytes sent, side by side with plain data paral
 
 Part 1, memory. For N = 1, 2, 4 (those the world holds) and each of DP, ZeRO-1, -2, -3: build
 the GPT (float32, AdamW) on the first N ranks, take one step, and read rank 0's
-`memory_bytes()` (counted from the arrays, memory.py) beside the formula (strategies/zero.py's
+`memory_bytes()` (counted from the arrays, memory.py) beside the formula (parallel/zero/stages.py's
 table: 16Ψ, 8Ψ + 8Ψ/N, 4Ψ + 12Ψ/N, 16Ψ/N). `traced_peak` is tracemalloc's peak during that step
 above the bytes held when it began: what the step allocates on top of the model states
 (activations, transient gradients, staging), a measurement independent of the counting.
@@ -25,10 +25,10 @@ from mpi4py import MPI
 
 from minidp import comm
 from minidp.cli.strategies import DataParallel, ZeRO
-from minidp.cli.strategies.zero import model_state_bytes
 from minidp.cli.training.config import TrainConfig
 from minidp.cli.training.tasks import Task
 from minidp.models.data import DistributedSampler
+from minidp.parallel.zero.stages import model_state_bytes
 from minidp.tools.log import die, print0
 from minidp.tools.parser import Parser
 from minidp.tools.plots import pyplot, save

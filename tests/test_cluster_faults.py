@@ -246,7 +246,7 @@ def test_a_ranks_own_error_is_what_is_printed_not_its_neighbours_timeout():
     code = (
         "import time, numpy as np\n"
         "from minidp import comm\n"
-        "from minidp.cli.commands import end_job\n"
+        "from minidp.comm.abort import end_job\n"
         "g = comm.world()\n"
         "try:\n"
         "    if g.rank == 3:\n"

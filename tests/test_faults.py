@@ -266,7 +266,7 @@ def test_a_stopped_worker_under_bsp_or_a_stopped_server_ends_the_job_naming_it(w
 def test_a_resumed_run_keeps_the_records_before_its_step(tmp_path):
     """--resume with the same --json: the step records before the checkpoint's step stay,
     the later ones, the old final record and a cut line go."""
-    from minidp.cli.training.records import Records
+    from minidp.tools.records import Records
 
     path = tmp_path / "run.json"
     old = [json.dumps({"step": s, "loss": 1.0}) for s in (0, 2, 4)] + ['{"final_loss": 1}']

@@ -154,14 +154,12 @@ def test_a_mesh_that_does_not_fill_the_world_is_refused():
 def test_make_alike_takes_tp_rank_0s_or_the_sum():
     """The replicated gradients made alike over TP: summed (sequence parallelism), TP rank
     0's (dp > 2, where the DP sums may differ by rank), or left as they are."""
-    from types import SimpleNamespace
-
-    from minidp.cli.strategies.tp import make_alike
     from minidp.nn import Parameter
+    from minidp.parallel.tensor_parallel.replicated import make_alike
 
     world = comm.world()
     p = Parameter(np.zeros(3))
     for dp, partial, want in ((2, False, world.rank), (3, False, 0), (2, True, 1)):
         p.grad = np.full(3, float(world.rank))
-        make_alike([p], SimpleNamespace(dp=dp, tp_group=world), partial)
+        make_alike([p], world, partial, take_rank0=dp > 2)
         np.testing.assert_array_equal(p.grad, np.full(3, float(want)))

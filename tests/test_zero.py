@@ -17,12 +17,12 @@ import pytest
 from minidp import comm, nn, optim
 from minidp.cli.commands import parse_train_args
 from minidp.cli.strategies import DataParallel, ZeRO
-from minidp.cli.strategies.zero import model_state_bytes
 from minidp.cli.training.config import BadConfig, TrainConfig
 from minidp.cli.training.loop import train
 from minidp.cli.training.tasks import Task
 from minidp.models.data import DistributedSampler
 from minidp.parallel.zero.flat import ShardLayout
+from minidp.parallel.zero.stages import model_state_bytes
 from minidp.tools.chunks import chunk_bounds
 
 STEPS = 3

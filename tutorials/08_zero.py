@@ -27,7 +27,6 @@ import tempfile
 import numpy as np
 
 from minidp import Tensor, comm, cross_entropy, data, nn, optim
-from minidp.cli.strategies.zero import model_state_bytes
 from minidp.comm.trace import Timeline
 from minidp.parallel import (
     DistributedDataParallel,
@@ -37,6 +36,7 @@ from minidp.parallel import (
 from minidp.parallel.zero.flat import ShardLayout, pieces
 from minidp.parallel.zero.grads import ShardedGradients
 from minidp.parallel.zero.stage3 import GatheredUnits
+from minidp.parallel.zero.stages import model_state_bytes
 from minidp.tools.chunks import chunk_range
 from minidp.tools.log import print0
 from minidp.tools.plots import pyplot, save

@@ -21,8 +21,9 @@ import time
 import types
 
 from minidp.cli.training.config import BadConfig, TrainConfig, config_fields
+from minidp.comm.abort import end_job
 from minidp.fast.allocator import keep_freed_memory
-from minidp.tools.log import JobError, RunStopped, die, print0
+from minidp.tools.log import RunStopped, die, print0
 from minidp.tools.parser import Parser  # below commands.py: the benchmarks take it from there
 
 SUBCOMMANDS = ("train", "bench", "info", "schedule", "plot", "predict", "simulate")
@@ -135,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     from minidp.cli.training.loop import train
 
     try:
-        # SIGTERM & co. stop it (training/preemption.py); the record gains the prediction
+        # SIGTERM & co. stop it (parallel/checkpoint/preemption.py); the record gains the prediction
         final = train(config, signals=True, adds=[importlib.import_module(PREDICTION).in_record])
     except BadConfig as error:  # found on every rank alike: one line, every rank exits
         raise die(str(error)) from None
@@ -177,50 +178,6 @@ def check_environment() -> None:
         from_env()
     except ValueError as error:
         raise die(str(error)) from None
-
-
-def end_job(error: BaseException) -> None:
-    """An error on one rank ends the whole job at once (MPI_Abort), its cause printed once.
-
-    Without this the other ranks would wait forever in their next collective. The cause is
-    one line for a JobError (its message says all) and for a CollectiveTimeout (it names the
-    peer never heard from), else the rank's traceback. A rank whose error another rank
-    reports (`reported_elsewhere`) prints nothing and gives that rank time to abort first.
-    What several ranks may find at once (a bug every rank runs into, a timeout) is said
-    once, by the rank whose turn comes first (comm/abort.py). Alone (no other rank to stop)
-    it returns, and a one-line error becomes one line, exit code 1."""
-    from minidp.comm import CollectiveTimeout
-
-    timeout = isinstance(error, CollectiveTimeout)
-    if not _other_ranks_running():
-        if timeout or isinstance(error, JobError):
-            raise die(str(error), code=1) from None
-        return
-    import traceback
-
-    from minidp.comm.abort import abort_job
-
-    if getattr(error, "reported_elsewhere", False):
-        time.sleep(10.0)  # the rank that found it speaks and aborts: that ends us
-        abort_job("", 1)
-    elif timeout:  # every neighbour of the silent rank finds it
-        abort_job(f"minidp: error: {error}", 1, turn="timeout")
-    elif isinstance(error, JobError):  # found by the one rank that reports it
-        abort_job(f"minidp: error: {error}", 1)
-    else:  # a bug: maybe on every rank
-        from mpi4py import MPI
-
-        rank = MPI.COMM_WORLD.Get_rank()
-        report = f"minidp: rank {rank} failed; aborting all ranks. Root cause:\n"
-        abort_job(report + traceback.format_exc(), 1, turn="error")
-
-
-def _other_ranks_running() -> bool:
-    if "mpi4py.MPI" not in sys.modules:
-        return False
-    from mpi4py import MPI
-
-    return MPI.Is_initialized() and not MPI.Is_finalized() and MPI.COMM_WORLD.Get_size() > 1
 
 
 __all__ = ["main", "parse_train_args", "train_parser", "end_job"]

@@ -33,6 +33,7 @@ tutorials build collectives from.
 The other modules are the implementation; import them to read them, not to rely on them.
 """
 
+from minidp.comm.abort import end_job
 from minidp.comm.auto import choose
 from minidp.comm.collectives import (
     ALLGATHER,
@@ -98,6 +99,7 @@ __all__ = [
     "alltoall",
     "barrier",
     "broadcast",
+    "end_job",
     "broadcast_text",
     "choose",
     "chunk_bounds",

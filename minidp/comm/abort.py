@@ -34,7 +34,7 @@ import os
 import sys
 import time
 
-from minidp.tools.log import world_rank
+from minidp.tools.log import JobError, die, world_rank
 
 STAGGER_S = 1.0  # between two ranks' turns to speak: more than SPEAK_S and the abort's spread
 SPEAK_S = 0.5  # after the line, before the abort: the launcher forwards the line first
@@ -79,3 +79,46 @@ def abort_job(line: str = "", code: int = 1, *, turn: str = "now") -> None:
     os.dup2(quiet, 2)  # MPICH's "Abort(1) on node ..." line after ours
     MPI.COMM_WORLD.Abort(code)
     os._exit(code)  # Abort may return before the launcher ends us: nothing more runs
+
+
+def end_job(error: BaseException) -> None:
+    """An error on one rank ends the whole job at once (MPI_Abort), its cause printed once:
+    the command line's end, and a script's (`except BaseException as e: end_job(e)`).
+
+    Without this the other ranks would wait forever in their next collective. The cause is
+    one line for a JobError (its message says all) and for a CollectiveTimeout (it names the
+    peer never heard from), else the rank's traceback. A rank whose error another rank
+    reports (`reported_elsewhere`) prints nothing and gives that rank time to abort first.
+    What several ranks may find at once (a bug every rank runs into, a timeout) is said
+    once, by the rank whose turn comes first (comm/abort.py). Alone (no other rank to stop)
+    it returns, and a one-line error becomes one line, exit code 1."""
+    from minidp.comm.errors import CollectiveTimeout
+
+    timeout = isinstance(error, CollectiveTimeout)
+    if not _other_ranks_running():
+        if timeout or isinstance(error, JobError):
+            raise die(str(error), code=1) from None
+        return
+    import traceback
+
+    if getattr(error, "reported_elsewhere", False):
+        time.sleep(10.0)  # the rank that found it speaks and aborts: that ends us
+        abort_job("", 1)
+    elif timeout:  # every neighbour of the silent rank finds it
+        abort_job(f"minidp: error: {error}", 1, turn="timeout")
+    elif isinstance(error, JobError):  # found by the one rank that reports it
+        abort_job(f"minidp: error: {error}", 1)
+    else:  # a bug: maybe on every rank
+        from mpi4py import MPI
+
+        rank = MPI.COMM_WORLD.Get_rank()
+        report = f"minidp: rank {rank} failed; aborting all ranks. Root cause:\n"
+        abort_job(report + traceback.format_exc(), 1, turn="error")
+
+
+def _other_ranks_running() -> bool:
+    if "mpi4py.MPI" not in sys.modules:
+        return False
+    from mpi4py import MPI
+
+    return MPI.Is_initialized() and not MPI.Is_finalized() and MPI.COMM_WORLD.Get_size() > 1

@@ -6,7 +6,7 @@ class CollectiveError(RuntimeError):
 
     `reported_elsewhere`: every rank of the group raises this same error (they all read the
     same table of fingerprints), and one other rank reports it, so the command line prints
-    the cause once (cli.end_job)."""
+    the cause once (comm/abort.py: end_job)."""
 
     def __init__(self, message: str = "", *, reported_elsewhere: bool = False):
         super().__init__(message)

@@ -36,7 +36,7 @@ What each strategy runs in one step of K micro-batches (strategies/*.py, step.py
     hybrid     tp's calls, and dp's (or zero's) over the DP axis on this rank's TP shard;
                with ZeRO the clip's norm is two float64 sums, over DP then TP, and with
                DP > 2 and a vocabulary TP does not divide, the replicated parameters are
-               broadcast from TP rank 0 after the step (zero_over_tp.py)
+               broadcast from TP rank 0 after the step (parallel/zero/over_tp.py)
 
 Sizes come from `Shapes`: this rank's parameter tensors in the model's order (a TP shard
 for tp and hybrid), the ZeRO-3 units, the GPT's tokens and channels. `gpt_shapes` makes

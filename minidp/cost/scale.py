@@ -195,7 +195,7 @@ def breakeven(name, param, n: int, p: int, net, compress_bytes_per_s: float, bac
 
 
 # ---- ZeRO's traffic, exact ------------------------------------------------------------------
-ZERO_CALLS = {  # strategies/zero.py: what each stage sends per step over the flat vector
+ZERO_CALLS = {  # parallel/zero/stages.py: what each stage sends per step over the flat vector
     "dp": (("allreduce", "ring"),),
     "zero-1": (("reduce_scatter", "ring"), ("allgather", "ring")),
     "zero-2": (("reduce_scatter", "ring"), ("allgather", "ring")),

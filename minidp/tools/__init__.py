@@ -3,6 +3,7 @@ of them on MPI at import (info.py asks MPI only when its command runs): printing
 rank 0 and the job's errors (log.py), the names all parts agree on (names.py), how a vector
 is cut into one chunk per rank (chunks.py), pictures (plots.py), memory counted by category
 (memory.py), what this process runs on (info.py, `python -m minidp info`), the argument
-parser every command and benchmark shares (parser.py), and loss curves of finished runs
-(loss_curves.py, `python -m minidp plot`).
+parser every command and benchmark shares (parser.py), JSON-lines records a crash never
+cuts (records.py), and loss curves of finished runs (loss_curves.py, `python -m minidp
+plot`).
 """

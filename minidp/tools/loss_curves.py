@@ -6,7 +6,7 @@
 
 A run's file holds one record per logged step (`step`, `loss`, ...) and, when the run
 finished, a final record (`final_loss`, `val_loss`, `strategy`, `world_size`, ...; see
-training/records.py). Each run is one line, x = step and y = loss, labelled by its file
+tools/records.py). Each run is one line, x = step and y = loss, labelled by its file
 name, strategy and ranks; its validation loss, measured once at the end, is a marker at the
 last step. The numbers are printed too (the picture needs matplotlib, the table does not):
 

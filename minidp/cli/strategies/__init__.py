@@ -7,9 +7,9 @@ over its group (tp and hybrid: over a Mesh's axes) and hands them to the one ste
     step.py          the step skeleton, written once
     ddp_axis.py      the data-parallel axis as DDP, with its --compress / --prune wiring
     dp.py            --strategy dp: DDP over the whole group
-    zero.py          --strategy zero: the Ψ table; zero_axis.py, ZeRO stages 1-3 as an axis
+    zero.py          --strategy zero: parallel/zero/stages.py over the whole group
     tp.py            --strategy tp and hybrid: the TP GPT, DDP or ZeRO over the DP axis
-                     (zero_over_tp.py: ZeRO's chunks of TP shards)
+                     (parallel/zero/over_tp.py: ZeRO's chunks of TP shards)
     ps.py            --strategy ps: the parameter server's roles
     pp.py            --strategy pp and hybrid --pp: the GPT cut into pipeline stages over
                      the mesh's PP axis, TP inside, DDP or ZeRO-1 over DP (pp_step.py:

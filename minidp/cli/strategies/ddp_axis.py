@@ -11,8 +11,7 @@ clip each rank's own gradient, locally.
 """
 
 from minidp import comm
-from minidp.cli.strategies.protocol import Clock
-from minidp.cli.strategies.step import Step
+from minidp.cli.strategies.step import OVERLAP, Step, step_from
 from minidp.cli.training.config import BadConfig
 from minidp.engine import optim
 from minidp.models.prune.magnitude import MagnitudePruner
@@ -24,8 +23,6 @@ from minidp.parallel.compression.velocity import MomentumCorrectedSGD, MomentumC
 from minidp.parallel.data_parallel.ddp import DistributedDataParallel
 from minidp.parallel.pruning import MaskedAllreduce
 from minidp.tools.memory import nbytes, optimizer_bytes
-
-OVERLAP = {"auto": "auto", "on": True, "off": False}  # --overlap -> DDP's overlap=
 
 
 def attach_pruner(ddp: DistributedDataParallel, optimizer, config) -> MaskedAllreduce | None:
@@ -75,7 +72,7 @@ class DDPAxis:
         except BaseException:
             ddp.close()
             raise
-        self.clock = Clock(lambda: ddp.comm_seconds, lambda: ddp.exposed_seconds)
+        self.clock = ddp  # its comm_seconds and exposed_seconds
 
     def _plug_in(self, model, config, timeline, optimizer) -> None:
         """The optimizer, the comm hook (--compress, --prune) and the --compress-on
@@ -108,19 +105,15 @@ class DDPAxis:
     def make_step(self, loss, clip, timeline, after_sync=()) -> Step:
         """The skeleton over these pieces; `clip` is the recipe's global-norm clip, replaced
         by a local one where the optimizer runs before the reduction."""
-        config = self.config
-        if config.compress_on != "gradient":  # this rank's own gradient, before its step
+        if self.config.compress_on != "gradient":  # this rank's own gradient, before its step
             clip = self.clip_locally
-        return Step(
-            *(loss, self.sync, self.stepper),
-            batch_size=config.batch_size,
-            grad_accum=config.grad_accum,
-            dp_group=self.dp_group,
-            timeline=timeline,
-            clip=clip if config.grad_clip else None,
-            before=[self.pruning.begin_step] if self.pruning else [],
+        before = [self.pruning.begin_step] if self.pruning else []
+        self.run = step_from(
+            *(self.config, loss, self.sync, self.stepper, self.dp_group, timeline, clip),
+            before=before,
             after_sync=after_sync,
         )
+        return self.run
 
     def clip_locally(self) -> None:
         optim.clip_grad_norm(self.ddp.parameters(), self.config.grad_clip)
@@ -146,37 +139,34 @@ class DDPAxis:
         return (
             f"allreduce {config.allreduce} | buckets {len(ddp.buckets)} of <= "
             f"{config.bucket_mb} MiB | overlap {'on' if ddp.overlap else 'off'} "
-            f"({ddp.overlap_reason}) | grad accumulation {config.grad_accum} | "
-            f"compress {config.compress}"
+            f"({ddp.overlap_reason}) | compress {config.compress}"
             + (f" on the {config.compress_on}" if config.compress_on != "gradient" else "")
             + (f" after {config.compress_warmup} steps" if config.compress_warmup else "")
         ) + (f" | {self.pruning.pruner.describe()}" if self.pruning else "")
 
-    def record(self, steps_done: int) -> dict:
+    def record(self) -> dict:
         return {
             "allreduce": self.config.allreduce,
             "optimizer": self.config.optimizer if self.optimizer_from_config else None,
             "overlap": self.ddp.overlap,
             "buckets": len(self.ddp.buckets),
             "compress_on": self.config.compress_on,
-            **self.compression(steps_done),
+            **self.compression(),
             **(self.pruning.record() if self.pruning else {}),
             **self.ddp.stage.record(),  # --backend torch: the host staging copies
         }
 
-    def summary(self, steps_done: int) -> str:
-        if self.compressor is None:
-            return ""
-        return compression_line(self.compression(steps_done))
+    def summary(self) -> str:
+        return compression_line(self.compression()) if self.compressor else ""
 
-    def compression(self, steps_done: int) -> dict:
+    def compression(self) -> dict:
         sent = bytes_sent(self.ddp.comm_group)  # the comm group carries the buckets only
         return compression_record(
             self.config.compress,
             self.compressor,
             self.ddp.buckets,
             sent,
-            steps_done,
+            self.run.steps_done,
             self.dp_group.size,
         )
 

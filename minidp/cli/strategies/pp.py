@@ -30,20 +30,21 @@ import numpy as np
 from minidp import comm
 from minidp.cli.strategies.ddp_axis import DDPAxis
 from minidp.cli.strategies.pp_step import PipelineStep
-from minidp.cli.strategies.protocol import Recipe, exposed_clock
-from minidp.cli.strategies.tp import Hybrid, MeshRecipe, make_alike, mesh_sizes
-from minidp.cli.strategies.zero import check_zero
-from minidp.cli.strategies.zero_over_tp import ZeROOverTP, check_drift
+from minidp.cli.strategies.protocol import Exposed, Recipe
+from minidp.cli.strategies.tp import Hybrid, MeshRecipe, check_drift, mesh_sizes
+from minidp.cli.strategies.zero import check_zero, zero_options
 from minidp.cli.training.config import BadConfig
 from minidp.cli.training.scheme_checks import check_pipeline
-from minidp.engine import functional, nn, optim
+from minidp.engine import functional
 from minidp.parallel.across_ranks import replica_spread, stand_in
 from minidp.parallel.mesh import Mesh
 from minidp.parallel.pipeline.schedules import build_schedule
 from minidp.parallel.pipeline.simulate import formula_bubble
-from minidp.parallel.pipeline.split import split_model
+from minidp.parallel.pipeline.split import RankStages, gather_stages, split_model
 from minidp.parallel.pipeline.stage import PipelineStage
 from minidp.parallel.tensor_parallel.gpt import TensorParallelGPT, whole_arrays
+from minidp.parallel.tensor_parallel.replicated import make_alike, sum_of_squares
+from minidp.parallel.zero.over_tp import ZeROOverTP
 
 
 def pipeline_mesh(config, world_size: int) -> tuple[int, int, int]:
@@ -93,18 +94,6 @@ def pipeline_mesh(config, world_size: int) -> tuple[int, int, int]:
     return dp, tp, pp
 
 
-class RankStages(nn.Module):
-    """This rank's parts (one, or V for interleaving), as one module for DDP or ZeRO: its
-    parameters are the parts', under the parts' own names."""
-
-    def __init__(self, parts: list[nn.Module]):
-        self.parts = parts
-
-    def _every_named_parameter(self, prefix: str):
-        for part in self.parts:
-            yield from part._every_named_parameter(prefix)
-
-
 class Pipeline(MeshRecipe):
     """`--strategy pp`, the mesh (dp, tp, pp) = (1, 1, world), or `--strategy hybrid --dp D
     --tp T --pp P [--zero-stage 1]`; see the module doc."""
@@ -132,7 +121,7 @@ class Pipeline(MeshRecipe):
         reducer = self.dp.ddp if self.dp else self.zero  # whose comm group carries the DP bytes
         self.axes = {"dp": [reducer.comm_group, mesh.dp_group], "tp": [mesh.tp_group],
                      "pp": [mesh.pp_group]}  # fmt: skip
-        self.clocks = [self.axis.clock, exposed_clock(mesh.tp_group), exposed_clock(mesh.pp_group)]
+        self.clocks = [reducer, Exposed(mesh.tp_group), Exposed(mesh.pp_group)]
         self.data_shard = (mesh.dp_group.rank, dp)
         sequence_parallel = config.sequence_parallel and tp > 1
         self.run = PipelineStep(
@@ -142,14 +131,18 @@ class Pipeline(MeshRecipe):
             after_sync=after_sync,
             after_step=after_step,
         )
+        self.axis.run = self.run  # DDP's record counts the steps run
 
     def _data_parallel_axis(self, config, optimizer) -> tuple:
-        """DDP over the mesh's DP axis, or ZeRO-1 on the TP shards (zero_over_tp.py): the
+        """DDP over the mesh's DP axis, or ZeRO-1 on the TP shards (parallel/zero/over_tp.py): the
         step's (synchronizer, optimizer, after-sync hooks, after-step hooks)."""
         if config.zero_stage:
             mesh = self.mesh
             self.drifts = check_drift(config, mesh.dp, mesh.tp, self.task.model.config.vocab_size)
-            z = self.zero = self.axis = ZeROOverTP(self, sum_in_hooks=False)  # sum_partial sums
+            z = self.zero = self.axis = ZeROOverTP(  # sum_partial sums what SP leaves partial
+                self.model, mesh, self.sharded, self.replicated, sum_in_hooks=False,
+                **zero_options(config, self.timeline),
+            )  # fmt: skip
             self.optimizer, self.clip_params = z.optimizer, z.pieces
             return z.sync, z.optimizer, z.after_sync, [*z.after_step, self.broadcast_drift]
         d = self.dp = self.axis = DDPAxis(
@@ -197,51 +190,30 @@ class Pipeline(MeshRecipe):
     def sum_partial(self) -> None:
         """Sequence parallelism, after the schedule and before the DP sync: each TP rank's
         replicated gradients cover its T/p positions; the group sums them."""
-        make_alike(self.replicated, self.mesh, partial=True)
+        make_alike(self.replicated, self.mesh.tp_group, partial=True, take_rank0=False)
 
     def sync_replicated(self) -> None:
         """After DDP's sync: TP's replicated gradients alike on every TP rank (tp.py)."""
-        make_alike(self.replicated, self.mesh, partial=False)
+        make_alike(self.replicated, self.mesh.tp_group, False, take_rank0=self.mesh.dp > 2)
 
     def norm(self, kind: str) -> float:
         """sqrt(Σ_pp (Σ_tp sharded² + replicated²)); ZeRO-1: its chunks' sum over DP and TP
-        (zero_over_tp.py), summed over PP."""
+        (parallel/zero/over_tp.py), summed over PP."""
         if self.zero is not None:
-            total = np.array([self.zero.sum_of_squares(kind)])
-            return math.sqrt(float(comm.allreduce(total, group=self.mesh.pp_group)[0]))
-        total = np.array([optim.sum_of_squares(getattr(p, kind) for p in self.sharded)], float)
-        if self.mesh.tp > 1:
-            comm.allreduce(total, out=total, group=self.mesh.tp_group)
-        total += optim.sum_of_squares(getattr(p, kind) for p in self.replicated)
-        return math.sqrt(float(comm.allreduce(total, group=self.mesh.pp_group)[0]))
+            total = self.zero.sum_of_squares(kind)
+        else:
+            total = sum_of_squares(self.sharded, self.replicated, kind, self.mesh.tp_group)
+        return math.sqrt(float(comm.allreduce(np.array([total]), group=self.mesh.pp_group)[0]))
 
     def gather_model(self) -> None:
         """Collective: each stage's parameters whole over TP, then broadcast from its pp
         rank into task.model, on every rank."""
-        mesh, S = self.mesh, self.schedule.num_stages
         if self.tp_model:
-            whole = whole_arrays(self.params, mesh.tp_group)
+            whole = whole_arrays(self.params, self.mesh.tp_group)
         else:
-            whole = dict(self.model.named_parameters())
-            whole = {name: np.asarray(p.data) for name, p in whole.items()}
-        target = dict(self.task.model.named_parameters())
-        mine = {id(p) for p in self.params}
-        for s, part in enumerate(split_model(self.task.model, S)):  # the whole model's names
-            names = [name for name, _ in part.named_parameters()]
-            if not names:
-                continue
-            dtype = target[names[0]].dtype
-            if s in self.stages:
-                flat = np.concatenate([np.asarray(whole[n], dtype).ravel() for n in names])
-            else:
-                flat = np.empty(sum(target[n].size for n in names), dtype)
-            comm.broadcast(flat, root=self.schedule.stage_rank(s), group=mesh.pp_group)
-            offset = 0
-            for n in names:
-                p = target[n]
-                if id(p) not in mine:  # this rank's own (tp = 1) keep their arrays: ZeRO's
-                    p.data = flat[offset : offset + p.size].reshape(p.shape).copy()  # views
-                offset += p.size
+            whole = {name: p.data for name, p in self.model.named_parameters()}
+        s = self.schedule
+        gather_stages(self.task.model, s.num_stages, whole, s.stage_rank, self.mesh.pp_group)
 
     def max_param_diff(self) -> float:
         """After gather_model: the whole model's copies (0.0: every rank holds its bits)."""

@@ -2,45 +2,19 @@
 
     mpiexec -n 4 python -m minidp --strategy ps --servers 1 [--consistency bsp|asp|ssp:K]
 
-Roles: of P ranks, the last S are servers and the first W = P - S are workers, so rank 0 is
-a worker (it prints, and runs validation and the sample on the trained model). The flat
-parameter vector of Ψ elements (the model's parameters in order, one dtype, so balancing
-bytes is balancing elements) is cut into S contiguous key ranges, chunk_range(Ψ, S, s):
-a tensor may span two servers.
-
-       worker 0     worker 1     worker 2          (the global batch split among workers)
-         │  push g_w[lo_s:hi_s] (clock c)   ▲ pull θ[lo_s:hi_s]
-         ▼                                  │
-       server 0: θ[0:Ψ/2], optimizer   server 1: θ[Ψ/2:Ψ], optimizer
-
-One step on a worker, at its clock c:  forward and backward on its slice of the global
-batch (n_w of B examples) -> push its mean gradient g_w to every server (non-blocking, all
-at once) -> pull every shard for clock c + 1, which the servers answer as --consistency
-allows (parallel/param_server/server.py) -> copy the shards into the model. The push and pull are
-pieces.ParameterServerWorker's, a server is a server.ShardServer (serve() drives one
-for a script): this recipe builds them from the flags and drives them step by step. The
-optimizer (SGD, momentum or AdamW: --ps-optimizer) lives only on the servers, each over its
-own shard, with the lr of the loop's schedule that the worker sends in its push header.
-
-What step() returns. Workers: the global loss of the newest clock that every worker has
-pushed, which the servers sum (Σ n_w/B · loss_w, in worker order) and send with each reply.
-Under BSP that is clock c itself, the same on every rank, as the protocol asks; under
-ASP/SSP it may lag by up to K clocks (ASP: any), since a per-step reduction among workers
-would re-synchronize them; before any clock is complete it is the worker's own loss; the
-last step's pull waits for every push, so the final loss is exact. Servers: clock t's
-global loss (step t serves until clock t is complete). Clipping: BSP clips the global
-gradient by its global norm (the servers allreduce one float); ASP/SSP clip each worker's
-own gradient before it is pushed.
-
-Waiting: servers wait in a patient probe (naps doubling to 1 ms), so an idle server leaves
-its core to the workers (docs/parameter_server.md measures what it uses). Workers wait for
-replies by polling with 50 us naps (a patient group).
-
-A server releases the whole model once its shard is copied (read-only stand-ins). After
-training, gather_model() broadcasts each server's shard to every rank: every rank's
-task.model then holds the servers' copy (a server's in fresh arrays), and max_param_diff()
-is the largest difference between what the workers pulled and that copy (0.0: bitwise the
-same).
+Roles: of P ranks the last S serve and the first W = P - S work, so rank 0 is a worker (it
+prints, and runs validation and the sample). The pieces (parallel/param_server/): each
+worker is a ParameterServerWorker around the task's model (push its gradient, pull the
+shards), each server a ShardServer over its key range of the flat parameter vector, with
+the optimizer (--ps-optimizer) and the lr the worker sends; this recipe builds them from the
+flags and drives them step by step. A worker's step: forward and backward on its slice of
+the global batch, clip its own gradient (ASP/SSP; under BSP the servers clip the global
+one), push and pull. It returns the global loss of the newest clock every worker has pushed
+(BSP: this clock's, the same on every rank; ASP/SSP: it may lag). A server's step serves
+until its clock is complete. After the last clock the ranks still in the job (membership.py:
+a dropped worker is not) gather the servers' shards into every rank's model, and
+max_param_diff is the largest difference between what the workers pulled and that.
+docs/parameter_server.md has the protocol, the staleness and the measured tables.
 """
 
 import functools
@@ -55,7 +29,12 @@ from minidp.engine import optim
 from minidp.models import data
 from minidp.parallel.across_ranks import bytes_sent, clip_global_norm, global_l2, stand_in
 from minidp.parallel.param_server.membership import NONE_DROPPED, account, live_group
-from minidp.parallel.param_server.pieces import ParameterServerWorker, flatten, load_flat
+from minidp.parallel.param_server.pieces import (
+    ParameterServerWorker,
+    flatten,
+    gather_shards,
+    load_flat,
+)
 from minidp.parallel.param_server.server import ShardServer
 from minidp.tools.chunks import chunk_range
 from minidp.tools.log import print0
@@ -166,12 +145,8 @@ class ParameterServer(Strategy):
         )
         if stopped:
             return
-        full = np.empty(self.shards[-1][1], dtype=self.params[0].data.dtype)
-        for s, (lo, hi) in enumerate(self.shards):
-            root = self.live_ranks.index(self.servers[s])
-            if self.group.rank == root:
-                full[lo:hi] = self.server.param.data
-            comm.broadcast(full[lo:hi], root=root, group=self.group)
+        roots = [self.live_ranks.index(s) for s in self.servers]
+        full = gather_shards(self.group, roots, self.shards, server, self.params[0].data)
         if self.is_server:  # fresh arrays in place of the stand-ins
             for p in self.params:
                 p.data = np.empty(p.shape, p.dtype)
@@ -253,34 +228,21 @@ class ParameterServer(Strategy):
             **self.drops,  # resends dropped; workers dropped, when, and those that never ended
         }
 
-    # ---- resuming -------------------------------------------------------------------------
-    # Taken between steps under BSP, every rank is at the same clock and no message is in
-    # flight: that is the state this resumes (under ASP/SSP, the clocks as they stood).
+    # ---- resuming (saves run under BSP only: every rank at the same clock) ---------------
     def state_dict(self) -> dict:
         state = {"clock": self.clock, "histogram": self.histogram.copy()}
         if self.is_server:  # its model is released: the shard is its state
-            s = self.server
-            s.serve_pulls(self.clock)  # the workers' pulls for this clock, still coming
-            state |= {"shard": s.param.data.copy(), "optimizer": s.optimizer.state_dict()}
-            state |= {"done": list(s.done), "complete": s.complete, "losses": list(s.losses)}
-        else:
-            versions = list(self.worker.versions)
-            state |= {"model": self.task.model.state_dict(), "versions": versions}
-        return state
+            return state | self.server.state_dict(self.clock)
+        return state | {"model": self.task.model.state_dict(), **self.worker.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
         self.clock = state["clock"]
         self.histogram[...] = state["histogram"]
         if self.is_server:
-            s = self.server
-            s.param.data[...] = state["shard"]
-            s.optimizer.load_state_dict(state["optimizer"])
-            s.done, s.complete, s.losses = list(state["done"]), state["complete"], state["losses"]
-            s.answered = [self.clock] * len(s.done)
+            self.server.load_state_dict(state, self.clock)
         else:
             self.task.model.load_state_dict(state["model"])
-            self.worker.versions, self.worker.clock = list(state["versions"]), self.clock
-            self.flat[...] = flatten(self.params)
+            self.worker.load_state_dict(state, self.clock)
 
     def close(self) -> None:
         if self.server_group is not None and self.server_group.broken != "freed":

@@ -61,6 +61,23 @@ def check_micro_batches(config, dp_size: int) -> None:
         )
 
 
+OVERLAP = {"auto": "auto", "on": True, "off": False}  # --overlap -> the pieces' overlap=
+
+
+def step_from(config, loss, sync, optimizer, dp_group: comm.Group, timeline, clip, **hooks):
+    """The skeleton with the config's global batch, --grad-accum and --grad-clip (`clip`
+    runs only where --grad-clip is set); `hooks`: Step's before, after_sync, after_step."""
+    return Step(
+        *(loss, sync, optimizer),
+        batch_size=config.batch_size,
+        grad_accum=config.grad_accum,
+        dp_group=dp_group,
+        timeline=timeline,
+        clip=clip if config.grad_clip else None,
+        **hooks,
+    )
+
+
 class Step:
     """`step(local, lr)` for the pieces given (the module docstring): `batch_size` is the
     global B, `grad_accum` K, `dp_group` the group whose ranks share the global batch."""

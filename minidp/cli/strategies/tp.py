@@ -5,30 +5,15 @@ mesh, data parallelism across its DP axis.
     mpiexec -n 4 python -m minidp --strategy hybrid --dp 2 --tp 2      # dp 2 x tp 2
     mpiexec -n 4 python -m minidp --strategy hybrid --dp 2 --tp 2 --sequence-parallel
 
-Every rank builds the whole nn.GPT from the seed (the task's model) and keeps its TP slice of
-it (parallel/tensor_parallel/gpt.py). Ranks of one TP group read the same examples: the data shard
-is the DP coordinate, (d, dp). The recipe: a Mesh, the TP GPT on its TP group
-(parallel/tensor_parallel/gpt.py), and a data-parallel axis over its DP group, DDP
-(ddp_axis.DDPAxis) or, for `--strategy hybrid --zero-stage S`, ZeRO (zero_axis.ZeROAxis,
-zero_over_tp.py): pieces composed, handed to the one step skeleton (step.py). With DDP, one step on
-the TP model:
-
-    forward / backward        f, g (or the sequence pairs) over the TP group, inside the model
-    DDP buckets               allreduce over the DP group: each rank reduces its own shard's
-                              gradients with the ranks that hold the same shard
-    replicated gradients      sequence parallel: each rank saw T/p positions, so the group
-                              sums them (allreduce over TP)
-    clip                      ||g||^2 = allreduce_TP(sum of squares of the shards)
-                                        + sum of squares of the replicated (counted once)
-    AdamW                     on this rank's shard; replicated parameters update alike on
-                              every rank of the group, bit for bit (their gradients are)
-
-Why replicated gradients agree bit for bit without sequence parallelism: every TP rank
-computes them from the same inputs (g's output and f's backward are allreduce results,
-identical on every rank). The DP allreduce then sums the same operands on every TP rank,
-but in an order that depends on the bucket layout, which differs between TP ranks when the
-shards differ in size (an uneven vocabulary). With 2 DP ranks a sum of two is the same
-either way; from 3 on, TP rank 0's replicated gradients are broadcast over the group.
+Every rank builds the whole nn.GPT from the seed (the task's model) and keeps its TP slice
+(parallel/tensor_parallel/gpt.py); ranks of one TP group read the same examples (the data
+shard is the DP coordinate). The recipe: a Mesh, the TP GPT on its TP group, and over its
+DP group DDP (ddp_axis.py) or, with `--zero-stage S`, ZeRO on the TP shards
+(parallel/zero/over_tp.py), handed to the one step skeleton (step.py). After DDP's sync the
+replicated parameters' gradients are made alike over TP (parallel/tensor_parallel/
+replicated.py: summed under sequence parallelism, TP rank 0's where DP sums may differ);
+the clip's norm counts each shard once. docs/tensor_parallel.md and docs/hybrid.md have
+the step, what is sent, and the measured tables.
 """
 
 import contextlib
@@ -38,15 +23,15 @@ import numpy as np
 
 from minidp import comm
 from minidp.cli.strategies.ddp_axis import DDPAxis
-from minidp.cli.strategies.protocol import Recipe, exposed_clock
-from minidp.cli.strategies.step import check_micro_batches
-from minidp.cli.strategies.zero import check_zero
-from minidp.cli.strategies.zero_over_tp import ZeROOverTP, check_drift
+from minidp.cli.strategies.protocol import Exposed, Recipe
+from minidp.cli.strategies.step import check_micro_batches, step_from
+from minidp.cli.strategies.zero import check_zero, zero_options
 from minidp.cli.training.config import BadConfig
-from minidp.engine import optim
 from minidp.parallel.across_ranks import replica_spread, stand_in
 from minidp.parallel.mesh import Mesh
 from minidp.parallel.tensor_parallel.gpt import TensorParallelGPT
+from minidp.parallel.tensor_parallel.replicated import make_alike, sum_of_squares
+from minidp.parallel.zero.over_tp import ZeROOverTP, drifts
 
 
 def mesh_sizes(config, world_size: int) -> tuple[int, int]:
@@ -73,9 +58,22 @@ def mesh_sizes(config, world_size: int) -> tuple[int, int]:
     return dp, tp
 
 
+def check_drift(config, dp: int, tp: int, vocab: int) -> bool:
+    """Whether ZeRO must broadcast TP rank 0's replicated parameters after each step
+    (parallel/zero/over_tp.py); BadConfig where stage 3 cannot."""
+    drift = drifts(dp, tp, vocab)
+    if drift and config.zero_stage == 3:
+        raise BadConfig(
+            f"--zero-stage 3 over --dp {dp} > 2 with TP shards of unequal sizes (a "
+            f"vocabulary of {vocab} over --tp {tp}) is not yet supported: use "
+            "--zero-stage 1 or 2"
+        )
+    return drift
+
+
 def check_mesh(config, world_size: int, gpt) -> tuple[int, int, bool]:
     """(dp, tp, drifts): the mesh the tp or hybrid flags ask for, and whether ZeRO must
-    broadcast TP rank 0's replicated parameters after each step (zero_over_tp.py), for the
+    broadcast TP rank 0's replicated parameters after each step (check_drift), for the
     task's `gpt`; BadConfig (one line) when the flags cannot work."""
     dp, tp = mesh_sizes(config, world_size)
     drifts = False
@@ -93,31 +91,9 @@ def check_mesh(config, world_size: int, gpt) -> tuple[int, int, bool]:
     return dp, tp, drifts
 
 
-def make_alike(replicated: list, mesh: Mesh, partial: bool, compressed: bool = False) -> None:
-    """After the DP axis's sync: the `replicated` parameters' gradients alike on every rank
-    of `mesh.tp_group`. `partial`: each rank saw its T/p positions (sequence parallelism),
-    so the group sums them. Else the DP sums may differ by rank: in order (dp > 2), or in
-    what a compressor chose from each TP rank's own bucket (top-k, a scale): take rank 0's."""
-    tp_group = mesh.tp_group
-    if tp_group.size == 1 or not replicated:
-        return
-    grads = [p.grad for p in replicated]
-    flat = np.concatenate([g.ravel() for g in grads])
-    if partial:
-        comm.allreduce(flat, out=flat, group=tp_group)
-    elif mesh.dp > 2 or compressed:
-        comm.broadcast(flat, root=0, group=tp_group)
-    else:
-        return
-    offset = 0
-    for g in grads:
-        g[...] = flat[offset : offset + g.size].reshape(g.shape)
-        offset += g.size
-
-
 class MeshRecipe(Recipe):
     """A recipe on a Mesh with one data-parallel axis (`self.axis`: `self.dp`, a DDPAxis, or
-    `self.zero`, a ZeROAxis): the mesh's groups' scratch counted, the mesh in the record,
+    `self.zero`, a ZeROOverTP): the mesh's groups' scratch counted, the mesh in the record,
     and closed after the axis. The tp and hybrid recipes (OnTheMesh) and the pipeline's
     (pp.py) share it."""
 
@@ -153,7 +129,7 @@ class OnTheMesh(MeshRecipe):
         except BaseException:
             mesh.close()
             raise
-        self.clocks.append(exposed_clock(mesh.tp_group))  # f and g: on the critical path
+        self.clocks.append(Exposed(mesh.tp_group))  # f and g: on the critical path
         self.axes = {
             "dp": [self.comm_group, mesh.dp_group],
             "tp": [mesh.tp_group],
@@ -170,24 +146,34 @@ class OnTheMesh(MeshRecipe):
         )
         self.ddp, self.optimizer, self.comm_group = dp.ddp, dp.optimizer, dp.ddp.comm_group
         self.compressor, self.pruning = dp.compressor, dp.pruning
-        self.clocks, self.clip_params = [dp.clock], self.model.parameters()
+        self.clocks, self.clip_params = [dp.ddp], self.model.parameters()
         self.run = dp.make_step(self.loss, self.clip, self.timeline, [self.sync_replicated])
 
     def use_zero(self, make_optimizer=None) -> None:
-        """ZeRO over the DP axis (zero_over_tp.py): rank (d, t) keeps chunk d of TP shard t."""
-        self.zero = self.axis = z = ZeROOverTP(self, make_optimizer)
+        """ZeRO over the DP axis (parallel/zero/over_tp.py): rank (d, t) keeps chunk d of TP
+        shard t."""
+        options = zero_options(self.config, self.timeline, make_optimizer)
+        self.zero = self.axis = z = ZeROOverTP(
+            self.model, self.mesh, self.sharded, self.replicated, **options
+        )
         self.optimizer, self.comm_group, self.gathered = z.optimizer, z.comm_group, z.gathered
         self.layout, self.pieces, self.shard = z.layout, z.pieces, z.shard
-        self.clocks, self.clip_params = [z.clock], z.pieces
-        self.run = z.make_step(self.loss, self.clip, [self.broadcast_drift])
+        self.clocks, self.clip_params = [z], z.pieces
+        self.run = step_from(
+            *(self.config, self.loss, z.sync, z.optimizer, self.dp_group, self.timeline),
+            self.clip,
+            after_sync=z.after_sync,
+            after_step=[*z.after_step, self.broadcast_drift],
+        )
 
     def loss(self, indices: np.ndarray):
         return self.model.loss(*self.task.batch(indices))
 
     def sync_replicated(self) -> None:
         """After DDP's sync: the replicated parameters' gradients alike on every TP rank."""
+        rank0 = self.mesh.dp > 2 or self.compressor is not None  # DP sums may differ by rank
         partial = self.model.replicated_grads_partial
-        make_alike(self.replicated, self.mesh, partial, self.compressor is not None)
+        make_alike(self.replicated, self.mesh.tp_group, partial, rank0)
 
     def broadcast_drift(self) -> None:
         """After ZeRO's step: TP rank 0's replicated parameters, where they may drift."""
@@ -197,12 +183,7 @@ class OnTheMesh(MeshRecipe):
     def norm(self, kind: str) -> float:
         if self.zero is not None:
             return self.zero.norm(kind)
-        sharded = [getattr(p, kind) for p in self.sharded]
-        total = np.array([optim.sum_of_squares(sharded)])  # the shards summed over TP, the
-        if self.mesh.tp > 1:  # replicated once: sqrt(Σ_TP shards² + replicated²)
-            comm.allreduce(total, out=total, group=self.mesh.tp_group)
-        replicated = optim.sum_of_squares(getattr(p, kind) for p in self.replicated)
-        return math.sqrt(float(total[0]) + replicated)
+        return math.sqrt(sum_of_squares(self.sharded, self.replicated, kind, self.mesh.tp_group))
 
     def replicas(self) -> list:
         """The TP shards alike over the DP axis, the replicated parameters on every rank
@@ -222,13 +203,13 @@ class OnTheMesh(MeshRecipe):
     def gather_model(self) -> None:
         """Collective: the TP model whole on each TP rank (ZeRO stage 3 gathers it over DP
         first), then the whole model in task.model from the TP shards."""
-        if self.zero is not None and self.zero.gathered is not None:
-            self.zero.gathered.materialize()
+        if self.zero is not None:
+            self.zero.gather_model()
         self.model.gather_into(self.task.model)
 
     def describe(self) -> str:
         sp = "on" if self.model.sequence_parallel else "off"
-        return f"{self.mesh.describe()} | sequence parallel {sp} | {self.axis.describe()}"
+        return f"{self.mesh.describe()} | sequence parallel {sp} | {super().describe()}"
 
     def record(self) -> dict:
         return {**super().record(), "sequence_parallel": self.model.sequence_parallel}

@@ -123,8 +123,8 @@ class TrainConfig(Flags):
     save_signal: str = flag(
         "none",
         "a signal that, like SIGTERM and SIGINT, makes every rank finish its step, save it "
-        "to --save-dir and stop (SLURM's --signal=USR1@120; training/preemption.py; MPICH's "
-        "mpiexec forwards SIGUSR1, not SIGUSR2 or SIGHUP)",
+        "to --save-dir and stop (SLURM's --signal=USR1@120; parallel/checkpoint/"
+        "preemption.py; MPICH's mpiexec forwards SIGUSR1, not SIGUSR2 or SIGHUP)",
         choices=("none", "SIGUSR1"),
         with_="save_dir",
     )

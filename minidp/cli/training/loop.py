@@ -25,15 +25,16 @@ from minidp.cli.training.drift import check_replicas
 from minidp.cli.training.meter import StepMeter, Window
 from minidp.cli.training.nonfinite import TrainingDiverged as TrainingDiverged  # re-exported
 from minidp.cli.training.nonfinite import nonfinite_step
-from minidp.cli.training.preemption import Preempted, Preemption
-from minidp.cli.training.records import Records
+from minidp.cli.training.resume import Preempted
 from minidp.cli.training.tasks import Task
 from minidp.comm.trace import Timeline
 from minidp.engine import optim
 from minidp.models import data
+from minidp.parallel.checkpoint import Preemption
 from minidp.tools.info import blas_info, cores_per_rank, mpi_library
 from minidp.tools.log import RankLog, print0
 from minidp.tools.memory import CATEGORIES
+from minidp.tools.records import Records
 
 
 def blas_threads_per_rank(requested: int) -> int:
@@ -49,10 +50,10 @@ def train(
 ) -> dict:
     """Train as `config` says over `group` (default: every rank); print progress from the
     group's rank 0; return the final record. `signals`: SIGTERM, SIGINT and --save-signal
-    stop the run (training/preemption.py; the command line's runs), else they are left to
-    the caller. `adds`: functions `add(config, group, step_s) -> dict` whose fields join the
-    final record, each collective on the ranks still in the job, `step_s` the mean step of
-    this launch after its first (None: none); the command line adds the cost model's
+    stop the run (parallel/checkpoint/preemption.py; the command line's runs), else they are
+    left to the caller. `adds`: functions `add(config, group, step_s) -> dict` whose fields
+    join the final record, each collective on the ranks still in the job, `step_s` the mean
+    step of this launch after its first (None: none); the command line adds the cost model's
     prediction this way (minidp/cost/predicted.py), of which the loop knows nothing. NumPy's
     floating-point warnings are off: an overflow on the way to a NaN would print a dozen
     lines before the loop's own check names the step (nonfinite.py)."""

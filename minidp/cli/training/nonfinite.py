@@ -32,7 +32,7 @@ class TrainingDiverged(RunStopped):
 class DivergedOutOfStep(JobError):
     """The same under the parameter server, whose ranks do not step together: no rank may
     wait for the others at a step. The first server (which computes every clock's global
-    loss) says it and ends the job (cli.end_job); a worker, which learns the loss from a
+    loss) says it and ends the job (comm/abort.py: end_job); a worker, which learns the loss from a
     server's reply, stays silent (`reported_elsewhere`)."""
 
 

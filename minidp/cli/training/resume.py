@@ -26,6 +26,7 @@ number of ranks; what it does not declare is its ranks' own and reshards nowhere
 
 import contextlib
 import os
+import signal
 import sys
 import time
 import warnings
@@ -35,7 +36,6 @@ import numpy as np
 from minidp import comm
 from minidp.cli.training.config import BadConfig, TrainConfig
 from minidp.cli.training.flags import kept_on_resume
-from minidp.engine.tensor import Tensor
 from minidp.parallel import checkpoint
 from minidp.parallel.checkpoint.reshard import describe_layout
 from minidp.tools.log import RunStopped, print0
@@ -51,35 +51,8 @@ another learning-rate schedule in the same way). What only changes where the wor
 (its metadata's "on_resume", config.py)."""
 
 
-def generators(root) -> dict[str, np.random.Generator]:
-    """Every np.random.Generator reachable from `root` through minidp objects' attributes,
-    lists, tuples and dicts, by its first path ("task.model.blocks.0.attn.attn_drop.rng"),
-    each once (the GPT's dropouts share one). Tensors are not entered: they hold none."""
-    found, seen = {}, set()
-
-    def walk(x, path: str) -> None:
-        if id(x) in seen or isinstance(x, Tensor | np.ndarray):
-            return
-        seen.add(id(x))
-        if isinstance(x, np.random.Generator):
-            found[path] = x
-        elif isinstance(x, dict):
-            for k, v in x.items():
-                walk(v, f"{path}.{k}")
-        elif isinstance(x, list | tuple):
-            for i, v in enumerate(x):
-                walk(v, f"{path}.{i}")
-        elif type(x).__module__.startswith("minidp") and hasattr(x, "__dict__"):
-            for k, v in vars(x).items():
-                walk(v, f"{path}.{k}" if path else k)
-
-    walk(root, "")
-    return found
-
-
 def loop_state(strategy, step: int) -> dict:
-    rngs = {path: g.bit_generator.state for path, g in generators(strategy).items()}
-    return {"step": step, "rng": rngs, "strategy": strategy.state_dict()}
+    return {"step": step, "rng": checkpoint.rng_states(strategy), "strategy": strategy.state_dict()}
 
 
 def so_far(meter, skipped: list[int], before: dict) -> dict:
@@ -145,6 +118,22 @@ def saves_group(group: comm.Group) -> comm.Group:
     return saves
 
 
+class Preempted(RunStopped):
+    """Every rank agreed on a signal (checkpoint.Preemption) and stopped after the same
+    step, saved."""
+
+    label = "stopped"
+
+    def __init__(self, signum: int, done: int, steps: int, path: str, folder: str):
+        name = signal.Signals(signum).name
+        super().__init__(
+            f"{name} after {done} of {steps} steps; saved {path} (to go on, the same command "
+            f"with --resume {folder})"
+        )
+        self.code = 128 + signum
+        self.record = {"stopped_by": name, "steps_done": done, "checkpoint": path}
+
+
 class SaveFailed(RunStopped):
     """A checkpoint could not be written (a full disk, say), found alike on every rank:
     checkpoint.save gives every rank the first failing rank's reason. The checkpoints saved
@@ -207,10 +196,7 @@ def resume(config, strategy, group: comm.Group, task) -> tuple[int, dict]:
     if (steps != steps[0]).any():
         raise BadConfig(f"--resume {path}: its shards disagree on the step: {steps.tolist()}")
     strategy.load_state_dict(state["strategy"])
-    found = generators(strategy)
-    for where, rng_state in state["rng"].items():
-        if where in found:
-            found[where].bit_generator.state = rng_state
+    checkpoint.set_rng_states(strategy, state["rng"])
     print0(f"resumed from {path} at step {state['step']}", rank=group.rank)
     return int(state["step"]), state.get("counters", {})
 

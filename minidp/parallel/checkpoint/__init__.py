@@ -9,11 +9,14 @@ state_dict()). Read in this order: tree.py (a tree as named arrays and a JSON sk
 pickle anywhere), shards.py (one rank's safetensors file, hashed as written, checked before it is
 read), store.py (save, load, latest, the manifest as commit marker), reshard.py (a
 checkpoint saved over one layout cut into another's slices), lock.py (one job at a time in
-a folder).
+a folder), preemption.py (SIGTERM and its kin: every rank saves the same step, then stops),
+rng.py (the random streams a resumed run must draw on as before).
 """
 
 from minidp.parallel.checkpoint.lock import FolderInUse, folder_lock
+from minidp.parallel.checkpoint.preemption import Preemption
 from minidp.parallel.checkpoint.reshard import LayoutMismatch, Slice
+from minidp.parallel.checkpoint.rng import rng_states, set_rng_states
 from minidp.parallel.checkpoint.shards import CheckpointError
 from minidp.parallel.checkpoint.store import (
     MANIFEST,
@@ -31,13 +34,16 @@ __all__ = [
     "CheckpointError",
     "FolderInUse",
     "LayoutMismatch",
+    "Preemption",
     "Slice",
     "agreed_manifest",
     "folder_lock",
     "latest",
     "load",
     "read_manifest",
+    "rng_states",
     "save",
+    "set_rng_states",
     "step_directory",
     "together",
 ]

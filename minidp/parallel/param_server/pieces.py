@@ -37,6 +37,7 @@ import math
 
 import numpy as np
 
+from minidp import comm
 from minidp.comm import Group, p2p
 from minidp.parallel.param_server import messages
 from minidp.parallel.param_server.messages import Header
@@ -114,6 +115,28 @@ class ParameterServerWorker:
         load_flat(self.params, self.flat)
         self.clock += 1
         return replies[0].loss if replies[0].version > 0 else local_loss
+
+    def state_dict(self) -> dict:
+        """The clock of the parameters each server last sent (the model's own state, whole
+        on every worker, is the model's state_dict)."""
+        return {"versions": list(self.versions)}
+
+    def load_state_dict(self, state: dict, clock: int) -> None:
+        """Back at `clock`, the model loaded: what it pushes next and what it holds."""
+        self.versions, self.clock = list(state["versions"]), clock
+        self.flat[...] = flatten(self.params)
+
+
+def gather_shards(group: Group, servers: list[int], shards, server, like: np.ndarray):
+    """Collective over `group` (the ranks still in the job, `servers` their ranks there):
+    the whole flat vector on every rank, each key range broadcast from its server;
+    `server` this rank's ShardServer (None on a worker), `like` an array of the dtype."""
+    full = np.empty(shards[-1][1], dtype=like.dtype)
+    for (lo, hi), root in zip(shards, servers):
+        if group.rank == root:
+            full[lo:hi] = server.param.data
+        comm.broadcast(full[lo:hi], root=root, group=group)
+    return full
 
 
 def serve(

@@ -225,6 +225,30 @@ class ShardServer:
         reply = Header(h.worker, h.clock, self.lo, self.hi, version, loss, stop)
         self.outbox.append(messages.reply(self.ps, h.worker, reply, self.param.data))
 
+    # ---- resuming ---------------------------------------------------------------------------
+    # Taken between clocks under BSP, every worker at the same clock and no message in flight.
+    def state_dict(self, clock: int) -> dict:
+        """This server's state at `clock` (after serving the workers' pulls for it, still
+        coming): its shard, optimizer, and the clocks it has seen."""
+        self.serve_pulls(clock)
+        return {
+            "shard": self.param.data.copy(),
+            "optimizer": self.optimizer.state_dict(),
+            "done": list(self.done),
+            "complete": self.complete,
+            "losses": list(self.losses),
+        }
+
+    def load_state_dict(self, state: dict, clock: int) -> None:
+        self.param.data[...] = state["shard"]
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.done, self.complete, self.losses = (
+            list(state["done"]),
+            state["complete"],
+            state["losses"],
+        )
+        self.answered = [clock] * len(self.done)
+
     # ---- silence ----------------------------------------------------------------------------
     def look_for_silence(self) -> None:
         """A live worker we wait for (no pull pending, not finished) silent past the timeout."""

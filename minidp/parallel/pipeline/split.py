@@ -15,13 +15,16 @@ would live on two ranks (Megatron-LM allreduces them between the first and last 
 
 import functools
 
+import numpy as np
+
+from minidp import comm
 from minidp.engine import nn
 from minidp.engine.tensor import Tensor
 from minidp.models.gpt import GPT
 from minidp.parallel.pipeline.recompute import recomputed
 from minidp.tools.chunks import chunk_bounds
 
-__all__ = ["GPTPart", "MLPPart", "split_model"]
+__all__ = ["GPTPart", "MLPPart", "RankStages", "gather_stages", "split_model"]
 
 
 def _renumbered(named, list_name: str, offset: int):
@@ -141,3 +144,40 @@ def _check_nothing_shared(parts: list[nn.Module]) -> None:
                     f"also {name!r} of stage {s} (a tied weight); stages cannot share one"
                 )
             owner[id(p)] = (s, name)
+
+
+class RankStages(nn.Module):
+    """A rank's parts (one, or V for interleaving) as one module for DDP or ZeRO to wrap:
+    its parameters are the parts', under the parts' own names."""
+
+    def __init__(self, parts: list[nn.Module]):
+        self.parts = parts
+
+    def _every_named_parameter(self, prefix: str):
+        for part in self.parts:
+            yield from part._every_named_parameter(prefix)
+
+
+def gather_stages(model, num_stages: int, whole: dict, stage_rank, pp_group: comm.Group) -> None:
+    """Collective over `pp_group`: every parameter of `model` (cut as split_model cuts it
+    into `num_stages`) set from the rank that holds its stage, `stage_rank(s)`; `whole`:
+    {name: whole array} of this rank's stages' parameters (gathered over TP where the
+    stages are TP shards). A parameter whose array is already `whole`'s keeps it."""
+    target = dict(model.named_parameters())
+    for s, part in enumerate(split_model(model, num_stages)):  # the whole model's names
+        names = [name for name, _ in part.named_parameters()]
+        if not names:
+            continue
+        mine = all(n in whole for n in names)
+        dtype = target[names[0]].dtype
+        if mine:
+            flat = np.concatenate([np.asarray(whole[n], dtype).ravel() for n in names])
+        else:
+            flat = np.empty(sum(target[n].size for n in names), dtype)
+        comm.broadcast(flat, root=stage_rank(s), group=pp_group)
+        offset = 0
+        for n in names:
+            p = target[n]
+            if whole.get(n) is not p.data:
+                p.data = flat[offset : offset + p.size].reshape(p.shape).copy()
+            offset += p.size

@@ -1,6 +1,6 @@
 """`FullyShardedDataParallel`: ZeRO stages 3 and 2 as a piece around the user's own model, as
 PyTorch's FSDP (Zhao et al., "PyTorch FSDP: Experiences on Scaling Fully Sharded Data
-Parallel", VLDB 2023; Rajbhandari et al., "ZeRO", SC 2020; Ψ, K, N as in strategies/zero.py's
+Parallel", VLDB 2023; Rajbhandari et al., "ZeRO", SC 2020; Ψ, K, N as in stages.py's
 table).
 
     fsdp = FullyShardedDataParallel(model, sharding="full")   # or "grad_op"

@@ -1,7 +1,7 @@
 """`ZeroRedundancyOptimizer`: ZeRO stage 1 (P_os, the optimizer state sharded) as a piece
 wrapped around the user's own optimizer class, as PyTorch's
 `torch.distributed.optim.ZeroRedundancyOptimizer` (Rajbhandari et al., "ZeRO", SC 2020;
-Ψ, K and N_d as in strategies/zero.py's table).
+Ψ, K and N_d as in stages.py's table).
 
     ddp = DistributedDataParallel(model)
     opt = ZeroRedundancyOptimizer(model.parameters(), optim.AdamW, lr=1e-3, weight_decay=0.1)
@@ -38,7 +38,7 @@ One step, over `group`:
 Bytes sent per rank per step, ring algorithms, b bytes a number: the allgather's
 (N-1)/N·Ψ·b; after DDP's allreduce, 2(N-1)/N·Ψ·b, that is 1.5x plain DP, as PyTorch's piece
 after DDP. (`--strategy zero --zero-stage 1` pays DP's bytes: a DDP comm hook
-reduce-scatters each bucket instead of allreducing it, strategies/zero.py.)
+reduce-scatters each bucket instead of allreducing it, stages.py.)
 """
 
 import numpy as np

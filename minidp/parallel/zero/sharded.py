@@ -1,6 +1,6 @@
 """A model's gradients (ZeRO stage 2) and optionally its parameters (stage 3) sharded over a
 group: the one assembly of flat.py, grads.py and stage3.py that `--strategy zero`
-(strategies/zero.py) and FullyShardedDataParallel (fsdp.py) both build on.
+(stages.py) and FullyShardedDataParallel (fsdp.py) both build on.
 
     segments          the trainable parameters, laid end to end and cut into segments
                       (DDP's buckets, or units_of's layers): a ShardLayout

@@ -1,4 +1,5 @@
-"""The run's JSON-lines records (`--json FILE`), written so that a crash never loses them.
+"""JSON-lines records (the training loop's `--json FILE`), written so that a crash never
+loses them.
 
     records = Records(path)        # FILE replaced at once by an empty file (atomically)
     records.write({"step": 0, ...}) # one whole line, written and flushed as it is made

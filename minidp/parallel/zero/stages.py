@@ -1,14 +1,46 @@
-"""ZeROAxis: the data-parallel axis as ZeRO stage 1, 2 or 3, the pieces a recipe hands the
-step skeleton (step.py): the flat vector's layout, this rank's chunks as the optimizer's
-parameters, the gradient synchronizer and the parameter allgather. What each stage holds
-and sends, and why: zero.py's table; the `ZeRO` recipe there and the hybrid's
-(tp.py, zero_over_tp.py) build it.
+"""ZeRO stage 1, 2 or 3 of a model over a data-parallel group, as one piece (Rajbhandari,
+Rasley, Ruwase & He, "ZeRO: Memory Optimizations Toward Training Trillion Parameter
+Models", SC 2020): what `--strategy zero` and the hybrid's ZeRO drive, and the paper's table.
 
-    stage 1   DDP's buckets, each reduce-scattered by a comm hook; allgather after the step
-    stage 2   ShardedGradients (parallel/zero/grads.py): each segment's gradients reduce-scattered
-              when ready, into this rank's gradient shard; allgather after the step
-    stage 3   the same, with each layer gathered around its use (parallel/zero/stage3.py):
-              no allgather
+    zero = ZeROStages(model, group, stage=2, make_optimizer=lambda ps: optim.AdamW(ps, lr=1e-3))
+    zero.sync.zero_grad(); loss.backward(); zero.sync.finish_gradient_sync()
+    zero.optimizer.step(); for hook in zero.after_step: hook()    # stages 1, 2: allgather
+
+Ψ parameters, N_d data-parallel ranks, K bytes of optimizer state per parameter. The paper
+trains in mixed precision (2 + 2 + K, K = 12); here it is fp32 weights and gradients and
+AdamW's two fp32 moments, K = 8. Model states per rank (`model_state_bytes`):
+
+    stage           parameters   gradients   optimizer   total             Ψ=7.5B, N_d=64
+    DP              4Ψ           4Ψ          KΨ          16Ψ               120 GB
+    1: P_os         4Ψ           4Ψ          KΨ/N_d      8Ψ + 8Ψ/N_d       61 GB
+    2: P_os+g       4Ψ           4Ψ/N_d      KΨ/N_d      4Ψ + 12Ψ/N_d      31 GB
+    3: P_os+g+p     4Ψ/N_d       4Ψ/N_d      KΨ/N_d      16Ψ/N_d           1.9 GB
+
+Besides these (counted by `held()`, from the arrays): AdamW's 8-byte step counter per piece;
+the groups' scratch; at stage 3 two gather slots of the largest layer (stage3.py). Within a
+step: one layer's full gradients until its reduce-scatter (grads.py). A rank's chunks
+differ by at most one element per segment, so "Ψ/N_d" is this rank's count.
+
+The flat vector is cut into segments (DDP's buckets of `bucket_mb`, in reverse parameter
+order, at stages 1 and 2; one per layer, units_of's, at stage 3) and rank r owns chunk r of
+each (flat.py). One step:
+
+    stage 1   DDP's buckets, each reduce-scattered by a comm hook (overlapped as DDP's
+              allreduces are); the optimizer on my chunks, but the part of a parameter no
+              rank's backward reached (.grad None) put back after it, as DDP's optimizer
+              skips it; allgather every bucket (`after_step`)
+    stage 2   a segment's gradients go to a staging vector when ready and are
+              reduce-scattered into my gradient shard (grads.py); allgather after the step
+    stage 3   parameters sharded too: each layer allgathered before its forward and again
+              before its backward, released after (stage3.py); no allgather
+
+At stages 2 and 3 every chunk is stepped (FullyShardedDataParallel, fsdp.py, the same
+stages for a user's model, skips a parameter no rank reached, for one small max-allreduce
+a step). Communication per rank per step (ring, n elements): DP allreduces 2(N-1)/N·Ψ;
+stages 1 and 2 reduce-scatter and allgather (N-1)/N·Ψ each, the same bytes; stage 3 adds the
+allgather of backward, 3(N-1)/N·Ψ = 1.5x. Gradient accumulation (`sync.no_sync()`): at
+stages 1 and 2 the sums stay local until the last backward; stage 3 reduce-scatters every
+micro-batch and adds the chunks (holding a whole model's gradients is what it avoids).
 """
 
 import time
@@ -16,10 +48,7 @@ import time
 import numpy as np
 
 from minidp import comm
-from minidp.cli.strategies.ddp_axis import OVERLAP
-from minidp.cli.strategies.protocol import Clock
-from minidp.cli.strategies.step import Step
-from minidp.engine import optim
+from minidp.comm.trace import Timeline
 from minidp.engine.units import units_of
 from minidp.parallel.checkpoint import Slice
 from minidp.parallel.data_parallel.buckets import bucket_groups
@@ -37,33 +66,50 @@ from minidp.parallel.zero.sharded import ShardedModel
 from minidp.tools.memory import optimizer_bytes
 
 
-class ZeROAxis:
-    """The data-parallel axis as ZeRO stage 1, 2 or 3 (config.zero_stage) of `model` over
-    `group`: `layout` (the flat vector's segments and this rank's chunks), `pieces` (one
-    Tensor per segment over this rank's chunks, what `optimizer` steps), `sync` (what
-    reduces the gradients: DDP with a reduce-scatter hook at stage 1, ShardedGradients at
-    2 and 3) and `after_step` (stages 1, 2: the parameter allgather).
+def model_state_bytes(stage: int, psi: int, n: int, itemsize: int = 4, k: int = 8) -> dict:
+    """The paper's formulas (table above) per category, for Ψ parameters on N_d = n ranks;
+    stage 0 is plain DP. Exact when n divides psi; otherwise a rank's Ψ/N_d is its count."""
+    shard = psi / n
+    return {
+        "parameters": itemsize * (shard if stage == 3 else psi),
+        "gradients": itemsize * (shard if stage >= 2 else psi),
+        "optimizer": k * (shard if stage >= 1 else psi),
+    }
 
-    `make_optimizer(params)`: the optimizer over the pieces (default: --optimizer, AdamW
-    unless set, with the config's lr and weight decay); any elementwise optimizer works."""
 
-    def __init__(self, model, group: comm.Group, config, timeline, make_optimizer=None):
-        self.config, self.dp_group, self.timeline = config, group, timeline
-        self.stage = stage = config.zero_stage
-        self.algo = config.allreduce
+class ZeROStages:
+    """ZeRO `stage` 1, 2 or 3 of `model` over `group`: `layout` (the flat vector's segments
+    and this rank's chunks), `pieces` (one Tensor per segment over this rank's chunks),
+    `optimizer` (`make_optimizer(pieces)`: any elementwise minidp optimizer), `sync` (what
+    reduces the gradients: DDP with a reduce-scatter hook at stage 1, ShardedGradients at 2
+    and 3, with zero_grad, no_sync, set_batch_share and finish_gradient_sync), and the hooks
+    to run `after_sync` and `after_step` (stages 1, 2: the parameter allgather).
+    `overlap`: True, False or "auto" (reduce on a thread where each rank has a spare core;
+    never at stage 3, which gathers inside backward). Collective: the constructor, every
+    step, load_state_dict."""
+
+    part = ""  # which flat vector this shards, where ranks shard different ones (over_tp.py)
+
+    def __init__(
+        self, model, group: comm.Group, stage: int, make_optimizer, *, bucket_mb: float = 0.25,
+        algo: str = "auto", overlap="auto", timeline: Timeline | None = None,
+    ):  # fmt: skip
+        if stage not in (1, 2, 3):
+            raise ValueError(f"stage must be 1, 2 or 3, got {stage!r}")
+        self.dp_group, self.stage, self.algo = group, stage, algo
+        self.timeline = timeline = timeline or Timeline(enabled=False)
         if stage > 1:  # (at stage 1 DDP does both)
             check_same_model(model, group)
             for p in model.parameters():  # every rank starts from rank 0's weights
                 comm.broadcast(p.data, root=0, group=group)
         names = {id(p): name for name, p in model.named_parameters()}
         if stage < 3:  # the flat vector is cut as DDP's buckets: reverse parameter order
-            cap = max(1, int(config.bucket_mb * 2**20))
+            cap = max(1, int(bucket_mb * 2**20))
             trainable = [p for p in model.parameters() if p.requires_grad]  # as DDP takes them
             segments = bucket_groups(trainable[::-1], cap)
         else:  # one segment per layer, in forward order
             self.units = units_of(model)
             segments = [params for _, _, params in self.units]
-        overlap = OVERLAP[config.overlap]
         if overlap == "auto":
             overlap = overlap_helps(group.size)[0]
         self.overlap = overlap and stage < 3  # stage 3 gathers inside backward: inline
@@ -72,16 +118,16 @@ class ZeROAxis:
             self.layout = layout = ShardLayout(segments, names, group.size, group.rank)
             self.flat = flat_parameters(layout, model.parameters()[0].dtype)
             self.ddp = self.sync = DistributedDataParallel(
-                model, group, config.bucket_mb, overlap=self.overlap, timeline=timeline
+                model, group, bucket_mb, overlap=self.overlap, timeline=timeline
             )
             self.ddp.register_comm_hook(self._reduce_scatter_bucket)
             self.comm_group = self.ddp.comm_group
             param_chunks = [self.flat[lo:hi] for lo, hi in layout.ranges()]
             grad_chunks = [b.data[lo:hi] for b, (lo, hi) in zip(self.ddp.buckets, layout.chunks)]
-        else:  # stages 2 and 3: parallel/zero/sharded.py
+        else:  # stages 2 and 3: sharded.py
             order = list(range(len(segments)))  # buckets: index order; layers: last first
             self.shards = shards = ShardedModel(
-                *(segments, names, group, self.algo),
+                *(segments, names, group, algo),
                 launch_order=order if stage == 2 else order[::-1],
                 modules=[child for _, child, _ in self.units] if stage == 3 else None,
                 outer=stage == 3 and self.units[0][1] is model,
@@ -92,22 +138,25 @@ class ZeROAxis:
             self.gathered, self.flat = shards.gathered, shards.flat
             param_chunks, grad_chunks = shards.param_chunks, shards.grad_chunks
         self.pieces = pieces(param_chunks, grad_chunks)
-        self.optimizer = (make_optimizer or self._optimizer)(self.pieces)
+        self.optimizer = make_optimizer(self.pieces)
         self.gather_seconds = 0.0  # stages 1, 2: the parameter allgathers, in total
         self.after_sync, self.after_step = [], [self.gather_flat] if stage < 3 else []
         if stage == 1:  # DDP's rule: what no rank's backward reached is not stepped
             self.slices, self.aside = chunk_slices(layout), []
             self.after_sync, self.after_step = [self._set_aside], [self._put_back, *self.after_step]
-        gathers = (lambda: self.gathered.seconds) if self.gathered else lambda: self.gather_seconds
-        sync = self.sync  # reductions (on a thread or not) and allgathers (never hidden)
-        self.clock = Clock(
-            lambda: sync.reducer.seconds + gathers(), lambda: sync.exposed_seconds + gathers()
-        )
 
-    def _optimizer(self, params):
-        """--optimizer over this rank's pieces (AdamW by default): each piece's state only."""
-        c = self.config
-        return optim.make_optimizer(c.optimizer, params, c.lr, c.weight_decay)
+    @property
+    def comm_seconds(self) -> float:
+        """Reductions (on a thread or not) and allgathers, in total."""
+        return self.sync.reducer.seconds + self._gathers()
+
+    @property
+    def exposed_seconds(self) -> float:
+        """The part of comm_seconds nothing hid (allgathers never are)."""
+        return self.sync.exposed_seconds + self._gathers()
+
+    def _gathers(self) -> float:
+        return self.gathered.seconds if self.gathered else self.gather_seconds
 
     def _reduce_scatter_bucket(self, bucket, group: comm.Group) -> None:
         """Stage 1's DDP hook: only this rank's chunk of the bucket is summed (and only it
@@ -141,20 +190,6 @@ class ZeROAxis:
             array[s] = kept
         self.aside = []
 
-    def make_step(self, loss, clip, after_step=()) -> Step:
-        """The skeleton over these pieces (`clip`: the recipe's, each chunk counted once)."""
-        config = self.config
-        return Step(
-            *(loss, self.sync, self.optimizer),
-            batch_size=config.batch_size,
-            grad_accum=config.grad_accum,
-            dp_group=self.dp_group,
-            timeline=self.timeline,
-            clip=clip if config.grad_clip else None,
-            after_sync=self.after_sync,
-            after_step=[*self.after_step, *after_step],
-        )
-
     def gather_flat(self) -> None:
         """Stages 1 and 2: every segment's updated chunks to every rank, into the model."""
         with self.timeline.span("parameter allgather"):
@@ -162,12 +197,17 @@ class ZeROAxis:
             allgather_flat(self.flat, self.layout, self.comm_group, self.algo)
             self.gather_seconds += time.perf_counter() - start
 
+    def gather_model(self) -> None:
+        """Collective at stage 3: every layer whole in the model again (its own arrays)."""
+        if self.gathered is not None:
+            self.gathered.materialize()
+
     def shard(self) -> np.ndarray:
         """This rank's parameter chunks, concatenated (layout.ranges() says where from)."""
         return np.concatenate([p.data for p in self.pieces])
 
     def held(self) -> dict[str, list]:
-        """By memory category (the recipe adds its groups' scratch to the buffers)."""
+        """This rank's arrays (and byte counts) by memory category."""
         parameters = self.flat.nbytes if self.stage == 1 else self.shards.parameter_bytes
         grads = [b.data for b in self.ddp.buckets] if self.ddp else [self.shards.grad_shard]
         # and any whole gradient still on a parameter (none, after a step, at stages 2, 3)
@@ -188,10 +228,10 @@ class ZeROAxis:
             f"ZeRO stage {self.stage} over {self.dp_group.size} ranks | shard "
             f"{layout.shard_numel:,} of {layout.numel:,} parameters in {len(layout.segments)} "
             f"segments | reduce_scatter/allgather {self.algo} | overlap "
-            f"{'on' if self.overlap else 'off'} | grad accumulation {self.config.grad_accum}"
+            f"{'on' if self.overlap else 'off'}"
         )
 
-    def record(self, steps_done: int = 0) -> dict:
+    def record(self) -> dict:
         return {
             "zero_stage": self.stage,
             "shard_elements": self.layout.shard_numel,
@@ -201,11 +241,6 @@ class ZeROAxis:
 
     def state_dict(self) -> dict:
         return {"stage": self.stage, "shard": self.shard(), **self.optimizer.state_dict()}
-
-    def summary(self, steps_done: int = 0) -> str:
-        return ""
-
-    part = ""  # which flat vector this axis shards, where ranks shard different ones
 
     def state_layout(self) -> dict:
         """How state_dict()'s arrays are cut, for resharding (minidp.parallel.checkpoint): the
@@ -237,5 +272,5 @@ class ZeROAxis:
     def close(self) -> None:
         if self.ddp is not None:
             self.ddp.close()
-            return
-        self.shards.close()
+        else:
+            self.shards.close()

@@ -1,18 +1,14 @@
-"""`--strategy hybrid --dp D --tp T --zero-stage 1|2|3`: ZeRO over the mesh's DP axis, tensor
-parallelism inside each TP group.
+"""ZeRO over the data-parallel axis of a mesh, on a tensor-parallel model (Megatron-LM's
+distributed optimizer over TP): what `--strategy hybrid --dp D --tp T --zero-stage S` runs.
 
-    mpiexec -n 4 python -m minidp --strategy hybrid --dp 2 --tp 2 --zero-stage 2
-
-What ZeRO flattens is the TP model this rank holds (parallel/tensor_parallel/gpt.py): TP rank t's
-shards of the split layers and the replicated parameters (LayerNorms, wpe, row-parallel biases), Ψ_t
-elements in all. Its DP group is the D ranks with the same t, which hold the same TP shard,
-so ZeROAxis (zero_axis.py) runs unchanged on it: rank (d, t) keeps chunk d of TP shard t's flat
-vector.
+What ZeRO flattens is the TP model this rank holds (parallel/tensor_parallel/gpt.py): TP
+rank t's shards of the split layers and the replicated parameters (LayerNorms, wpe,
+row-parallel biases), Ψ_t elements in all. Its DP group is the D ranks with the same t,
+which hold the same TP shard, so ZeROStages (stages.py) runs unchanged on it: rank (d, t)
+keeps chunk d of TP shard t's flat vector.
 
     grid dp 2 x tp 2     tp groups {0,1} {2,3}: f, g inside the model, as without ZeRO
                          dp groups {0,2} {1,3}: reduce-scatter, AdamW on my chunk, allgather
-    rank (d, t) holds    optimizer state for Ψ_t / D elements (stage 2: gradients too;
-                         stage 3: parameters too, each layer gathered over DP around use)
     clip                 ||g||² = Σ_{d,t} (TP-sharded elements of chunk (d, t))²
                                 + Σ_d (replicated elements of chunk (d, 0))²
                          the replicated are in every TP rank's vector: TP rank 0's count
@@ -21,20 +17,15 @@ The replicated parameters must stay bit for bit the same on every TP rank. Their
 are (every TP rank computes them from the same inputs), but the DP reduce-scatter sums each
 element in an order set by its chunk, and TP ranks cut different vectors when their shards
 differ in size (a vocabulary that does not divide by T). A sum of two is the same in either
-order; from D = 3 on, with unequal shards, TP rank 0's replicated parameters are broadcast
-over the TP group after each step (stages 1, 2; stage 3 holds no whole parameter to send,
-and refuses that case with one line).
+order; from D = 3 on, with unequal shards, `broadcast_replicated()` sends TP rank 0's over
+the TP group after each step (stages 1, 2; stage 3 holds no whole parameter to send:
+`drifts` says when it is needed).
 
 Sequence parallelism: each TP rank saw T/p positions, so a replicated gradient is a partial
 sum. A grad-ready hook, registered before ZeRO's own, allreduces it over the TP group (on
-the last micro-batch) before its segment is reduced over DP.
-
-Stage 3 gathers whole child modules (parallel/zero/stage3.py); TensorParallelGPT's position table is
-a bare parameter, so it is put in a child module of its own first (`Positions`). f and g run inside
-a gathered layer, over the TP group, as they do without ZeRO.
-
-`ZeROOverTP` is zero_axis.ZeROAxis with these additions; the hybrid recipe (tp.py)
-builds it over the mesh's DP axis.
+the last micro-batch) before its segment is reduced over DP. Stage 3 gathers whole child
+modules (stage3.py); TensorParallelGPT's position table is a bare parameter, so it is put
+in a child module of its own first (`Positions`).
 """
 
 import math
@@ -42,12 +33,17 @@ import math
 import numpy as np
 
 from minidp import comm
-from minidp.cli.strategies.zero_axis import ZeROAxis
-from minidp.cli.training.config import BadConfig
 from minidp.engine import optim
 from minidp.engine.nn import Module
 from minidp.engine.tensor import Tensor
 from minidp.parallel.zero.flat import ShardLayout, chunk_slices
+from minidp.parallel.zero.stages import ZeROStages
+
+
+def drifts(dp: int, tp: int, vocab: int) -> bool:
+    """Whether TP rank 0's replicated parameters must be broadcast after each step: TP ranks
+    cut unequal shards only where the TP GPT splits the vocabulary unevenly."""
+    return dp > 2 and vocab % tp != 0
 
 
 def split_chunks(layout: ShardLayout, is_sharded) -> list[tuple[list[slice], list[slice]]]:
@@ -64,8 +60,7 @@ def split_chunks(layout: ShardLayout, is_sharded) -> list[tuple[list[slice], lis
 
 class Positions(Module):
     """TensorParallelGPT's position table as a child module, so that stage 3 can gather it
-    around its use (parallel/zero/stage3.py wraps child modules' forwards): `positions[index]` calls
-    it."""
+    around its use (stage3.py wraps child modules' forwards): `positions[index]` calls it."""
 
     def __init__(self, weight):
         self.weight = weight
@@ -77,46 +72,30 @@ class Positions(Module):
         return self(index)
 
 
-def check_drift(config, dp: int, tp: int, vocab: int) -> bool:
-    """Whether TP rank 0's replicated parameters must be broadcast after each step (TP ranks
-    cut unequal shards only where parallel/tensor_parallel/gpt.py splits the vocabulary
-    unevenly: mesh_sizes has T divide n_head and 4C; see the docstring); BadConfig where
-    stage 3 cannot do it."""
-    drifts = dp > 2 and vocab % tp != 0
-    if drifts and config.zero_stage == 3:
-        raise BadConfig(
-            f"--zero-stage 3 over --dp {dp} > 2 with TP shards of unequal sizes (a "
-            f"vocabulary of {vocab} over --tp {tp}) is not yet supported: use "
-            "--zero-stage 1 or 2"
-        )
-    return drifts
+class ZeROOverTP(ZeROStages):
+    """ZeRO `stage` over `mesh.dp_group` on the TP GPT `model`, whose parameters are
+    `sharded` (split over `mesh.tp_group`) or `replicated`: the sequence-parallel sums
+    hooked ahead of ZeRO's, the norm that counts each element once, and the drift broadcast.
+    `sum_in_hooks`: sequence parallelism's partial sums taken in grad-ready hooks, on the
+    backward outside no_sync(); False where the caller sums them itself (a pipeline runs
+    every backward under no_sync()). The other arguments: ZeROStages's."""
 
-
-class ZeROOverTP(ZeROAxis):
-    """ZeRO stage 1, 2 or 3 over `recipe.mesh.dp_group` on the TP GPT `recipe.model` (its
-    `sharded` and `replicated` parameters): the sequence-parallel sums hooked ahead of
-    ZeRO's, the norm that counts each element once, and the drift broadcast."""
-
-    def __init__(self, recipe, make_optimizer=None, *, sum_in_hooks: bool = True):
-        """`sum_in_hooks`: sequence parallelism's partial sums of the replicated gradients
-        taken in grad-ready hooks, on the backward outside no_sync(); False where the
-        caller sums them itself (a pipeline runs every backward under no_sync())."""
-        model, config, self.mesh = recipe.model, recipe.config, recipe.mesh
-        self.replicated = recipe.replicated
-        if config.zero_stage == 3:  # every parameter in a child module, for parallel/zero/stage3.py
+    def __init__(self, model, mesh, sharded, replicated, stage, make_optimizer, *,
+                 sum_in_hooks: bool = True, **options):  # fmt: skip
+        self.mesh, self.replicated = mesh, replicated
+        if stage == 3:  # every parameter in a child module, for stage3.py
             model.wpe = Positions(model.wpe)
         self._unhook = []
-        partial = sum_in_hooks and getattr(model, "replicated_grads_partial", False)
-        if partial:  # hooked before ZeRO's: they read the sums
-            self._unhook = [p.register_grad_ready_hook(self._sum_over_tp) for p in self.replicated]
-        try:
-            super().__init__(model, self.mesh.dp_group, config, recipe.timeline, make_optimizer)
+        if sum_in_hooks and getattr(model, "replicated_grads_partial", False):
+            self._unhook = [p.register_grad_ready_hook(self._sum_over_tp) for p in replicated]
+        try:  # hooked before ZeRO's: they read the sums
+            super().__init__(model, mesh.dp_group, stage, make_optimizer, **options)
         except BaseException:
             self._remove_hooks()
             raise
-        self.part = f"tp {self.mesh.tp_group.rank} of {self.mesh.tp_group.size}"  # checkpoints
-        sharded = {id(p) for p in recipe.sharded}
-        self.kinds = split_chunks(self.layout, lambda p: id(p) in sharded)
+        self.part = f"tp {mesh.tp_group.rank} of {mesh.tp_group.size}"  # checkpoints
+        ids = {id(p) for p in sharded}
+        self.kinds = split_chunks(self.layout, lambda p: id(p) in ids)
 
     def _sum_over_tp(self, p) -> None:
         if self.sync.sync_enabled:  # accumulating: the last backward sums

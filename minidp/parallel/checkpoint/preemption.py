@@ -1,30 +1,29 @@
-"""Preemption: a signal asks the run to stop, and it stops where it can be resumed.
+"""Preemption: a signal asks a run to stop, and it stops where it can be resumed.
+
+    with Preemption() as preemption:              # SIGTERM, SIGINT (+ "SIGUSR1": extra=)
+        preemption.arm(group)                     # from here a signal is only noted
+        for step in range(start, steps):
+            train_one_step()
+            if signum := preemption.agreed():     # collective: did any rank get one?
+                checkpoint.save(state, path, group, step=step + 1)
+                break
+        preemption.disarm("past the last step")   # from here a signal ends the job
 
 Schedulers warn a job before they kill it: SLURM sends SIGTERM (or, with
 `--signal=USR1@120`, SIGUSR1 two minutes before the time limit), Kubernetes sends SIGTERM
 and waits its grace period, Ctrl-C at `mpiexec` sends SIGINT. MPICH's launcher forwards
-these three to every rank (not SIGUSR2 or SIGHUP: they end the launcher). What the
-command line's run does then:
-
-    with --save-dir      each rank's handler only notes the signal. At the end of every
-                         step but the last the ranks agree whether any got one (one
-                         allreduce of a number, MAX, on the saves' group); if so, every rank
-                         has finished the same step, the loop saves there and ends: one
-                         line, exit code 128 + the signal's number (the shell's convention
-                         for "ended by that signal"). `--resume DIR` goes on bit for bit.
-    without              there is nothing to save and nothing to agree on: the handler ends
-                         the job at once (one line from the lowest rank, MPI_Abort); so it
-                         does before the first step and after the last.
+these three to every rank (not SIGUSR2 or SIGHUP: they end the launcher). Armed, each
+rank's handler only notes the signal; unarmed (nothing to save yet, or no folder to save
+to), it ends the job at once: one line from the lowest rank, MPI_Abort, exit code
+128 + the signal's number (the shell's convention for "ended by that signal").
 
 Why agree: the launcher forwards a signal to every rank, but each gets it between other
-instructions, one still in step 37, another already in step 38. The allreduce at the same
-point of the same step gives every rank the same answer, so all save the same step
-(Megatron-LM's exit-signal handler gathers a flag every iteration in the same way). It
-costs one small collective a step, paid only when there is a folder to save to.
-
-Once a signal is noted, more signals change nothing (a scheduler may signal both the
-launcher and the ranks: one warning); a second Ctrl-C at `mpiexec` makes the launcher
-itself abort the job.
+instructions, one still in step 37, another already in step 38. One allreduce (MAX) of a
+number at the same point of the same step gives every rank the same answer, so all save
+the same step (Megatron-LM's exit-signal handler gathers a flag every iteration in the same
+way). Once a signal is noted, more change nothing; a second Ctrl-C at `mpiexec` makes the
+launcher itself abort the job. The command line's loop (cli/training/loop.py) arms it over
+its saves' group with --save-dir, and `--resume DIR` then goes on bit for bit.
 """
 
 import signal
@@ -33,24 +32,9 @@ import sys
 import numpy as np
 
 from minidp import comm
-from minidp.tools.log import RunStopped, print0
+from minidp.tools.log import print0
 
-SIGNALS = ("SIGTERM", "SIGINT")  # always; --save-signal adds SIGUSR1 (training/config.py)
-
-
-class Preempted(RunStopped):
-    """Every rank agreed on a signal and stopped after the same step, saved."""
-
-    label = "stopped"
-
-    def __init__(self, signum: int, done: int, steps: int, path: str, folder: str):
-        name = signal.Signals(signum).name
-        super().__init__(
-            f"{name} after {done} of {steps} steps; saved {path} (to go on, the same command "
-            f"with --resume {folder})"
-        )
-        self.code = 128 + signum
-        self.record = {"stopped_by": name, "steps_done": done, "checkpoint": path}
+SIGNALS = ("SIGTERM", "SIGINT")  # always; `extra` adds SIGUSR1 (the CLI's --save-signal)
 
 
 class Preemption:
