@@ -6,13 +6,14 @@ You cut your model into as many stages as ranks; stage s lives on rank s. Each s
 is cut into micro-batches that flow through the stages: activations forward, their
 gradients back. SimpleGPipe (parallel/pipeline/plain.py) runs every forward, then every
 backward; the full machinery runs any schedule, here 1F1B, which holds fewer micro-batches
-at once. Both end where one process ends.
+at once, with torch.distributed.pipelining's API: `Schedule1F1B(stage, n_microbatches,
+loss_fn).step(...)`. Both end where one process ends.
 """
 
 import numpy as np
 
 from minidp import Tensor, comm, cross_entropy, data, nn, optim
-from minidp.parallel import PipelineStage, Schedule1F1B, SimpleGPipe, run_schedule, split_batch
+from minidp.parallel import PipelineStage, Schedule1F1B, SimpleGPipe
 from minidp.tools.log import print0
 
 
@@ -65,14 +66,19 @@ for step in range(STEPS):
 gap = max(np.abs(v - want[k]).max() for k, v in mine.state_dict().items())
 assert gap < 1e-12, gap
 
-# 1F1B: a PipelineStage per rank and a schedule, run by the executor
+# 1F1B: a PipelineStage per rank and a schedule over it; step() cuts the batch itself
 mine = Stage(rank, P)
 stage, opt = PipelineStage(mine, rank, P, world), optim.AdamW(mine.parameters(), lr=1e-2)
-schedule = Schedule1F1B(P, M)
+schedule = Schedule1F1B(stage, n_microbatches=M, loss_fn=cross_entropy)
 for step in range(STEPS):
-    micro_x, micro_y, shares = split_batch(*batch(step), M)
+    x, y = batch(step)
     opt.zero_grad()
-    run_schedule(schedule, {rank: stage}, micro_x, micro_y, shares)
+    if stage.is_first:
+        schedule.step(x)
+    elif stage.is_last:
+        schedule.step(target=y)
+    else:
+        schedule.step()
     opt.step()
 gap = max(gap, max(np.abs(v - want[k]).max() for k, v in mine.state_dict().items()))
 assert gap < 1e-12, gap

@@ -8,8 +8,8 @@ The layers, bottom up, one folder each (arrows point down only: tests/test_layer
 
     engine/     Tensor + op + backward, functional, nn, optim: plain, no MPI, no speed tricks
     fast/       the engine's speed tricks, switched in by the engine's table (registry.py)
-    tools/      log, names, chunks, plots, memory, info, the parser, `python -m minidp plot`
-    models/     the GPT, the PyTorch reference, the data and the sampler, pruning's masks
+    tools/      log, names, chunks, plots, memory, info, the parser, records, the meter
+    models/     the GPT, the PyTorch reference, the data and the sampler, tasks, pruning
     comm/       hand-written collectives on MPI point to point; the trace of what ranks did
     parallel/   the pieces a user wraps around their own model, one folder per scheme
     cli/        the command line: its config, the one loop, the --strategy recipes
@@ -19,10 +19,14 @@ The layers, bottom up, one folder each (arrows point down only: tests/test_layer
 Everything below comm/ imports without MPI, and so does cost/'s model (cost/step.py).
 `minidp.nn`, `minidp.optim` and `minidp.functional` are the engine's modules under PyTorch's
 names (`import minidp.nn as nn` works); `minidp.nn.GPT` and `minidp.nn.GPTConfig` name the
-model of models/gpt.py. A new op (a communication op of a parallel scheme, say) is written
-with `minidp.op`: engine/tensor.py's docstring states its contract.
+model of models/gpt.py; `import minidp.horovod as hvd` is parallel/horovod/, Horovod's
+names. A new op (a communication op of a parallel scheme, say) is written with `minidp.op`:
+engine/tensor.py's docstring states its contract.
 """
 
+import importlib
+import importlib.abc
+import importlib.util
 import sys
 
 from minidp import fast  # noqa: F401 (fills the engine's table: fast/__init__.py)
@@ -48,6 +52,28 @@ from minidp.models.gpt import GPT, Block, CausalSelfAttention, GPTConfig
 nn.GPT, nn.GPTConfig, nn.Block, nn.CausalSelfAttention = GPT, GPTConfig, Block, CausalSelfAttention
 for _name, _module in (("nn", nn), ("optim", optim), ("functional", functional), ("data", data)):
     sys.modules[f"minidp.{_name}"] = _module
+
+
+class _Horovod(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """`import minidp.horovod as hvd`: Horovod's names (parallel/horovod/), imported only
+    when asked for, so that `import minidp` stays without MPI."""
+
+    def find_spec(self, name, path=None, target=None):
+        if name == "minidp.horovod":
+            return importlib.util.spec_from_loader(name, self)
+        return None
+
+    def create_module(self, spec):
+        module = importlib.import_module("minidp.parallel.horovod")
+        self.spec = module.__spec__  # the import system sets the alias's spec on it next
+        return module
+
+    def exec_module(self, module) -> None:
+        """The module ran when create_module imported it: its own spec back."""
+        module.__spec__ = self.spec
+
+
+sys.meta_path.append(_Horovod())
 
 __version__ = "0.1.0"
 

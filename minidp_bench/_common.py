@@ -147,8 +147,8 @@ class Contender:
 
     def __init__(self, config, world, lr: float = 1e-3):
         from minidp.cli.strategies import STRATEGIES
-        from minidp.cli.training.tasks import Task
         from minidp.models.data import DistributedSampler
+        from minidp.models.tasks import Task
 
         self.config, self.lr, self.losses = config, lr, []
         self.timed_from, self.bytes_before = 0, {}

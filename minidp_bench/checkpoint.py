@@ -95,7 +95,7 @@ def state_after_one_step(flags: dict, world):
     from minidp.cli.strategies import STRATEGIES
     from minidp.cli.training.config import TrainConfig
     from minidp.cli.training.resume import layout_of, loop_state
-    from minidp.cli.training.tasks import Task
+    from minidp.models.tasks import Task
 
     config = TrainConfig(batch_size=world.size, eval_batches=1, sample_tokens=0, **flags)
     with STRATEGIES[config.strategy](Task(config, np.float32), config, world) as strategy:

@@ -40,10 +40,10 @@ from minidp import comm
 from minidp.cli.strategies import DataParallel
 from minidp.cli.training.config import BadConfig, TrainConfig
 from minidp.cli.training.loop import blas_threads_per_rank
-from minidp.cli.training.tasks import Task
 from minidp.engine import optim
 from minidp.engine.optim import MOMENTUM, OPTIMIZERS
 from minidp.models import data
+from minidp.models.tasks import Task
 from minidp.parallel.compression.table import make_compressor
 from minidp.tools.log import die, print0
 from minidp.tools.parser import Parser

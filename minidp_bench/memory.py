@@ -26,8 +26,8 @@ from mpi4py import MPI
 from minidp import comm
 from minidp.cli.strategies import DataParallel, ZeRO
 from minidp.cli.training.config import TrainConfig
-from minidp.cli.training.tasks import Task
 from minidp.models.data import DistributedSampler
+from minidp.models.tasks import Task
 from minidp.parallel.zero.stages import model_state_bytes
 from minidp.tools.log import die, print0
 from minidp.tools.parser import Parser

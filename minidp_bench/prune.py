@@ -32,8 +32,8 @@ import numpy as np
 from minidp import comm
 from minidp.cli.training.config import BadConfig, TrainConfig
 from minidp.cli.training.loop import train
-from minidp.cli.training.tasks import Task
 from minidp.models.prune.magnitude import prunable
+from minidp.models.tasks import Task
 from minidp.tools.log import die, print0
 from minidp.tools.parser import Parser
 from minidp.tools.plots import pyplot, save

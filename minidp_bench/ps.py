@@ -27,9 +27,9 @@ import numpy as np
 from minidp import comm
 from minidp.cli.strategies import DataParallel, ParameterServer
 from minidp.cli.training.config import TrainConfig
-from minidp.cli.training.tasks import Task
 from minidp.engine import optim
 from minidp.models.data import DistributedSampler
+from minidp.models.tasks import Task
 from minidp.tools.log import print0
 from minidp.tools.parser import Parser
 from minidp.tools.plots import pyplot, save

@@ -27,10 +27,10 @@ import torch.nn.functional as F
 
 from minidp import comm
 from minidp.cli.training.config import TrainConfig
-from minidp.cli.training.tasks import Task
 from minidp.engine import optim
 from minidp.engine.tensor import Tensor
 from minidp.models import data
+from minidp.models.tasks import Task
 from minidp.models.torch_ref import torch_model
 from minidp.tools.info import cores_per_rank
 

@@ -95,7 +95,7 @@ def test_save_load_and_every_refusal_on_every_rank():
     mine = {**STATE, "rank": group.rank, "own": np.full(3, group.rank)}
     checkpoint.save(mine, path, group, step=2, metadata={"layout": "two ranks"})
     assert checkpoint.latest(root) == path
-    same(checkpoint.load(path, group), mine)
+    same(checkpoint.read(path, group), mine)
     manifest = checkpoint.read_manifest(path)
     assert manifest["world_size"] == 2 and manifest["tensors"]["own"].get("private")
 
@@ -134,7 +134,7 @@ def test_save_load_and_every_refusal_on_every_rank():
             f.write(bytes([data[len(data) // 2] ^ 1]))
     comm.barrier(group=group)
     refused_everywhere(  # a small shard: one piece, the whole file
-        lambda: checkpoint.load(path, group),
+        lambda: checkpoint.read(path, group),
         f"{shard} is corrupt: bytes [0, {len(data)}) (piece 0 of 1) differ from their sha256 "
         f"{info['sha256_pieces'][0]}; expected {len(data)} bytes in pieces of 16777216",
     )
@@ -143,12 +143,12 @@ def test_save_load_and_every_refusal_on_every_rank():
         with open(shard, "wb") as f:
             f.write(data[:100])
     comm.barrier(group=group)
-    refused_everywhere(lambda: checkpoint.load(path, group), f"{shard} is truncated")
+    refused_everywhere(lambda: checkpoint.read(path, group), f"{shard} is truncated")
 
     other = checkpoint.step_directory(root, 3)  # rank 1 sees another "newest" checkpoint
     checkpoint.save(mine, other, group, step=3)
     refused_everywhere(
-        lambda: checkpoint.load(path if group.rank == 0 else other, group),
+        lambda: checkpoint.read(path if group.rank == 0 else other, group),
         "ranks disagree on the step to load, by rank [2, 3]",
     )
 
@@ -160,7 +160,7 @@ def test_save_load_and_every_refusal_on_every_rank():
         warnings.simplefilter("always")
         assert checkpoint.latest(root) == other
     assert "step_000004 has no manifest.json" in str(caught[0].message)
-    refused_everywhere(lambda: checkpoint.load(later, group), "has no manifest.json")
+    refused_everywhere(lambda: checkpoint.read(later, group), "has no manifest.json")
     assert group.patient is False
     remove(root, group)
 
@@ -197,18 +197,18 @@ def test_a_sliced_tensor_reshards_over_4_2_and_1_ranks():
         for size in loaded_sizes:
             group = world.split(world.rank // size) if size < 4 else world
             want, places = layout(group)
-            got = checkpoint.load(path, group, layout=places)
+            got = checkpoint.read(path, group, layout=places)
             same(got, {**want, "bias": np.ones(2)})
             if size == 1:
                 with pytest.raises(LayoutMismatch, match="cannot reshard"):
-                    checkpoint.load(path, group)
+                    checkpoint.read(path, group)
     path = os.path.join(root, "own")
     checkpoint.save(
         {"own": np.full(2, world.rank)}, path, world, step=1, metadata={"layout": "dp 4"}
     )
     half = world.split(world.rank // 2)
     refused_everywhere(
-        lambda: checkpoint.load(path, half, layout={"x": "replicated"}),
+        lambda: checkpoint.read(path, half, layout={"x": "replicated"}),
         "own saved over dp 4 is each rank's own state (not a slice of one tensor): it loads "
         "only in that layout, not over 2 ranks",
         LayoutMismatch,
@@ -331,7 +331,7 @@ def test_a_manifest_of_an_older_format_is_refused_naming_both(tmp_path):
     with pytest.raises(CheckpointError) as error:
         checkpoint.read_manifest(str(tmp_path))
     assert str(error.value) == (
-        f"{tmp_path}/manifest.json is minidp-checkpoint/2, this minidp reads minidp-checkpoint/3"
+        f"{tmp_path}/manifest.json is minidp-checkpoint/2, this minidp reads minidp-checkpoint/4"
     )
 
 

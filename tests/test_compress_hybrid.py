@@ -13,7 +13,7 @@ from test_strategy import run as steps  # one step per index: the global losses
 from minidp import comm
 from minidp.cli.strategies.tp import Hybrid
 from minidp.cli.training.config import TrainConfig
-from minidp.cli.training.tasks import Task
+from minidp.models.tasks import Task
 
 
 @pytest.mark.parallel(nprocs=[4])

@@ -13,7 +13,7 @@ from minidp import comm
 from minidp.cli.strategies import DataParallel
 from minidp.cli.training.config import TrainConfig
 from minidp.cli.training.loop import train
-from minidp.cli.training.tasks import Task
+from minidp.models.tasks import Task
 from minidp.parallel.compression.sparse import kept
 from minidp.parallel.compression.table import COMPRESSORS, make_compressor
 from minidp.parallel.data_parallel.comm_thread import allreduce_hook

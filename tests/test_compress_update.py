@@ -14,8 +14,8 @@ from test_strategy import run as steps  # one step per index: the global losses
 from minidp import comm, optim
 from minidp.cli.strategies import DataParallel
 from minidp.cli.training.config import BadConfig, TrainConfig
-from minidp.cli.training.tasks import Task
 from minidp.models.data import DistributedSampler
+from minidp.models.tasks import Task
 from minidp.parallel import DistributedDataParallel
 from minidp.parallel.compression.table import make_compressor
 from minidp.parallel.compression.update import CompressedUpdate, LocalGradients

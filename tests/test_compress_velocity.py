@@ -16,7 +16,7 @@ from test_strategy import run as steps  # one step per index, lr 1e-2: the globa
 from minidp import comm, optim
 from minidp.cli.strategies import DataParallel
 from minidp.cli.training.config import BadConfig, TrainConfig
-from minidp.cli.training.tasks import Task
+from minidp.models.tasks import Task
 from minidp.parallel.compression.table import make_compressor
 from minidp.parallel.compression.velocity import MomentumCorrectedSGD, MomentumCorrection
 from minidp.parallel.data_parallel.buckets import Bucket

@@ -13,11 +13,11 @@ from minidp import comm
 from minidp.cli.commands import main
 from minidp.cli.training.config import TrainConfig
 from minidp.cli.training.loop import train
-from minidp.cli.training.tasks import Task
 from minidp.cost import ps_step
 from minidp.cost.pp_step import bytes_by_axis, predict_pipeline, stage_params
 from minidp.cost.predicted import in_record
 from minidp.cost.step import Compute, Layout, Network
+from minidp.models.tasks import Task
 from minidp.parallel.pipeline.schedules import build_schedule
 from minidp.parallel.pipeline.simulate import simulate
 

@@ -10,10 +10,10 @@ from minidp import comm, nn
 from minidp.cli.commands import main
 from minidp.cli.training.config import TrainConfig
 from minidp.cli.training.loop import train
-from minidp.cli.training.tasks import Task
 from minidp.cost.calls import gpt_shapes
 from minidp.cost.predicted import in_record
 from minidp.cost.step import Compute, Layout, Network, bytes_by_axis, fixed_part, memory, predict
+from minidp.models.tasks import Task
 from minidp.tools.memory import activation_estimate
 
 TINY = dict(

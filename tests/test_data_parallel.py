@@ -11,8 +11,8 @@ import pytest
 from minidp import Tensor, comm, nn, optim
 from minidp.cli.strategies import DataParallel
 from minidp.cli.training.config import TrainConfig
-from minidp.cli.training.tasks import Task
 from minidp.models.data import DistributedSampler
+from minidp.models.tasks import Task
 from minidp.nn import Module, Parameter
 from minidp.parallel import DistributedDataParallel, ModelMismatch
 from minidp.parallel.across_ranks import replica_spread

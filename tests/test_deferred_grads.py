@@ -277,8 +277,8 @@ def test_zero_stage_2_accumulation_defers_too(monkeypatch):
     from minidp import comm
     from minidp.cli.strategies import ZeRO
     from minidp.cli.training.config import TrainConfig
-    from minidp.cli.training.tasks import Task
     from minidp.fast import weight_grads
+    from minidp.models.tasks import Task
 
     kept = []
     add = weight_grads.Rows.add

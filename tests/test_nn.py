@@ -118,11 +118,13 @@ def test_state_dict_roundtrip_reproduces_the_model_in_place():
     assert all(p.data is arr for p, arr in zip(b.parameters(), arrays))  # copied into, not rebound
 
 
-def test_state_dict_is_a_copy():
+def test_state_dict_holds_the_parameters_own_arrays_as_torchs_shares_storage():
+    """A broadcast into it (Horovod's broadcast_parameters) sets the model; a snapshot copies."""
     model = tiny_gpt()
     state = model.state_dict()
+    assert state["head.weight"] is model.head.weight.data
     state["head.weight"][...] = 0
-    assert np.any(model.head.weight.data != 0)
+    assert not np.any(model.head.weight.data)
 
 
 def test_load_state_dict_names_missing_and_unexpected_keys():

@@ -14,8 +14,8 @@ from minidp import comm, optim
 from minidp.cli.strategies import ParameterServer
 from minidp.cli.strategies.ps import ps_optimizer
 from minidp.cli.training.config import TrainConfig
-from minidp.cli.training.tasks import Task
 from minidp.models.data import DistributedSampler
+from minidp.models.tasks import Task
 from minidp.parallel.param_server import messages
 from minidp.parallel.param_server.messages import PULL, PUSH, Header
 from minidp.parallel.param_server.server import ShardServer

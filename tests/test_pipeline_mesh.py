@@ -63,7 +63,7 @@ def rounds(world_size: int) -> list[list[dict]]:
 @pytest.mark.timeout(600)
 def test_the_3d_mesh_trains_like_one_process():
     from minidp.cli.training.config import TrainConfig
-    from minidp.cli.training.tasks import Task
+    from minidp.models.tasks import Task
 
     world = comm.world()
     keys = sorted({(c["n_layer"], c.get("batch_size", TINY["batch_size"])) for c in cases()})
@@ -90,7 +90,7 @@ KEY = ("n_layer", "batch_size")
 def check_resume(s, config, group) -> None:
     """A fresh recipe loaded with each rank's state (after training and gather_model) steps
     as the trained one does, bit for bit."""
-    from minidp.cli.training.tasks import Task
+    from minidp.models.tasks import Task
 
     state = s.state_dict()
     with STRATEGIES["hybrid"](Task(config, np.float64), config, group) as again:

@@ -332,7 +332,8 @@ class TiedHead(nn.Module):
 @pytest.mark.parametrize("make", [lambda: tiny_gpt(4), lambda: tiny_mlp(4)])
 def test_parts_hold_the_models_parameters_under_its_names(make):
     model = make()
-    whole, group = model.state_dict(), SimpleNamespace(size=3, rank=0)
+    whole = {k: v.copy() for k, v in model.state_dict().items()}  # a snapshot: state_dict()
+    group = SimpleNamespace(size=3, rank=0)  # holds the parameters' own arrays
     parts = split_model(model, 3)
     states = [part.state_dict() for part in parts]
     units = [len(getattr(part, "blocks", getattr(part, "layers", None))) for part in parts]

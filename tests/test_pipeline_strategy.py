@@ -11,8 +11,8 @@ from minidp import comm
 from minidp.cli.commands import main
 from minidp.cli.strategies import STRATEGIES, DataParallel
 from minidp.cli.training.config import TrainConfig
-from minidp.cli.training.tasks import Task
 from minidp.models.data import DistributedSampler
+from minidp.models.tasks import Task
 from minidp.parallel.pipeline.schedules import SCHEDULES
 from minidp.tools.names import PIPELINE_SCHEDULES
 

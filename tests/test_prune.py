@@ -15,7 +15,6 @@ from minidp import Tensor, comm, nn, optim
 from minidp.cli.commands import parse_train_args
 from minidp.cli.strategies import DataParallel
 from minidp.cli.training.config import BadConfig, TrainConfig
-from minidp.cli.training.tasks import Task
 from minidp.models.data import DistributedSampler
 from minidp.models.prune.magnitude import (
     MagnitudePruner,
@@ -24,6 +23,7 @@ from minidp.models.prune.magnitude import (
     magnitude_masks,
     prunable,
 )
+from minidp.models.tasks import Task
 
 SHAPES = [(6, 5), (4, 7), (3, 3)]
 

@@ -14,10 +14,10 @@ import pytest
 from minidp import Tensor, comm, nn, optim
 from minidp.cli.strategies import DataParallel
 from minidp.cli.training.config import TrainConfig
-from minidp.cli.training.tasks import Task
 from minidp.models.data import DistributedSampler
 from minidp.models.prune import functions as prune
 from minidp.models.prune.magnitude import MagnitudePruner, cubic_sparsity
+from minidp.models.tasks import Task
 from minidp.parallel import DistributedDataParallel
 from minidp.parallel.across_ranks import bytes_sent
 from minidp.parallel.pruning import masked_allreduce_hook

@@ -19,8 +19,8 @@ import numpy as np
 from mpi4py import MPI
 from minidp.engine import tensor as autograd
 from minidp.cli.commands import main
-from minidp.cli.strategies.step import Step
-from minidp.cli.training.tasks import Task
+from minidp.parallel.step import Step
+from minidp.models.tasks import Task
 
 where, at = sys.argv[1], int(sys.argv[2])  # "input", "gradient" or "nudge"; the step
 rank, calls, steps = MPI.COMM_WORLD.rank, [], []

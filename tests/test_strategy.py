@@ -16,12 +16,12 @@ from minidp.cli.commands import train_parser
 from minidp.cli.strategies import STRATEGIES, DataParallel, Strategy
 from minidp.cli.training.config import TrainConfig
 from minidp.cli.training.loop import train
-from minidp.cli.training.meter import StepMeter
-from minidp.cli.training.tasks import Task
 from minidp.models.data import DistributedSampler
+from minidp.models.tasks import Task
 from minidp.parallel import DistributedDataParallel
 from minidp.parallel.data_parallel import ddp as dp_module
 from minidp.parallel.data_parallel.comm_thread import allreduce_hook
+from minidp.tools.meter import StepMeter
 
 TINY = dict(
     model="mlp", n_layer=1, n_embd=16, n_head=2, block_size=8, hidden=16, seed=3,

@@ -18,8 +18,8 @@ from minidp.cli.commands import main
 from minidp.cli.strategies import STRATEGIES, DataParallel
 from minidp.cli.training.config import TrainConfig
 from minidp.cli.training.loop import train
-from minidp.cli.training.tasks import Task
 from minidp.models.data import DistributedSampler
+from minidp.models.tasks import Task
 from minidp.parallel import Mesh
 from minidp.tools.memory import nbytes
 

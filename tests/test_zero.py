@@ -19,8 +19,8 @@ from minidp.cli.commands import parse_train_args
 from minidp.cli.strategies import DataParallel, ZeRO
 from minidp.cli.training.config import BadConfig, TrainConfig
 from minidp.cli.training.loop import train
-from minidp.cli.training.tasks import Task
 from minidp.models.data import DistributedSampler
+from minidp.models.tasks import Task
 from minidp.parallel.zero.flat import ShardLayout
 from minidp.parallel.zero.stages import model_state_bytes
 from minidp.tools.chunks import chunk_bounds
@@ -55,7 +55,7 @@ def reference(config, make_optimizer):
         optim.clip_grad_norm(params, config.grad_clip)
         opt.step()
         losses.append(loss.item())
-        states.append(task.model.state_dict())
+        states.append({k: v.copy() for k, v in task.model.state_dict().items()})
         moments.append({n: s.get("m", s.get("velocity")).copy() for n, s in zip(names, opt.state)})
     return losses, states, moments
 

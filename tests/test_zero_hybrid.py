@@ -15,7 +15,7 @@ from minidp import comm
 from minidp.cli.commands import main
 from minidp.cli.strategies import STRATEGIES, DataParallel, Hybrid
 from minidp.cli.training.config import TrainConfig
-from minidp.cli.training.tasks import Task
+from minidp.models.tasks import Task
 
 # batch 8: 2 micro-batches of 2 per DP rank; a tiny bucket cap: many segments, chunk edges
 # inside tensors (run() of test_tensor_parallel: 3 steps at lr 1e-2)
@@ -31,7 +31,8 @@ def reference(config):
     solo = comm.world().split(comm.world().rank)
     states = []
     with DataParallel(Task(config, np.float64), config, solo) as strategy:
-        losses = run(strategy, lambda step: states.append(strategy.model.state_dict()))
+        snapshot = lambda: {k: v.copy() for k, v in strategy.model.state_dict().items()}  # noqa: E731
+        losses = run(strategy, lambda step: states.append(snapshot()))
     solo.free()
     return losses, states
 

@@ -76,7 +76,7 @@ def test_alone_equals_the_unsharded_optimizer_on_one_process():
     group = comm.world()
     for name, (cls, defaults) in OPTIMIZERS.items():
         model, ref = Net(), Net()
-        start = model.state_dict()
+        start = {k: v.copy() for k, v in model.state_dict().items()}
         zero = ZeroRedundancyOptimizer(passed(model), cls, group, **defaults)
         plain = cls(trainable(ref), **defaults)
         assert len(zero.params) == len(trainable(model))  # repeated once, frozen left out
@@ -128,7 +128,7 @@ def test_after_ddp_equals_ddp_with_the_unsharded_optimizer():
     group = comm.world()
     for name, (cls, defaults) in OPTIMIZERS.items():
         model, ref = Net(), Net()
-        start = model.state_dict()
+        start = {k: v.copy() for k, v in model.state_dict().items()}
         with (
             DistributedDataParallel(model, group, bucket_cap_mb=0.0005) as ddp,
             DistributedDataParallel(ref, group, bucket_cap_mb=0.0005) as ref_ddp,

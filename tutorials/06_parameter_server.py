@@ -31,8 +31,8 @@ import numpy as np
 from minidp import Tensor, comm, cross_entropy, data, nn, optim
 from minidp.cli.strategies import ParameterServer
 from minidp.cli.training.config import TrainConfig
-from minidp.cli.training.tasks import Task
 from minidp.comm import p2p
+from minidp.models.tasks import Task
 from minidp.parallel import ParameterServerWorker, serve
 from minidp.parallel.param_server import messages
 from minidp.tools.chunks import chunk_range

@@ -32,8 +32,8 @@ from minidp import Tensor, comm, nn
 from minidp import functional as F
 from minidp.cli.strategies import DataParallel, TensorParallel
 from minidp.cli.training.config import TrainConfig
-from minidp.cli.training.tasks import Task
 from minidp.models.data import DistributedSampler
+from minidp.models.tasks import Task
 from minidp.optim import AdamW
 from minidp.parallel import (
     ColumnParallelLinear,

@@ -32,8 +32,8 @@ import numpy as np
 from minidp import comm, cross_entropy, nn
 from minidp.cli.strategies import STRATEGIES, DataParallel
 from minidp.cli.training.config import TrainConfig
-from minidp.cli.training.tasks import Task
 from minidp.models.data import DistributedSampler
+from minidp.models.tasks import Task
 from minidp.parallel import (
     DistributedDataParallel,
     Mesh,

@@ -37,7 +37,7 @@ import numpy as np
 from minidp import comm, data, optim
 from minidp.cli.strategies import DataParallel
 from minidp.cli.training.config import TrainConfig
-from minidp.cli.training.tasks import Task
+from minidp.models.tasks import Task
 from minidp.parallel import DistributedDataParallel, PowerSGD
 from minidp.parallel.compression.sparse import top_k_indices
 from minidp.parallel.compression.table import make_compressor

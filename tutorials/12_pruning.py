@@ -34,10 +34,10 @@ from minidp import Tensor, comm, nn, optim
 from minidp.cli.strategies import DataParallel
 from minidp.cli.training.config import TrainConfig
 from minidp.cli.training.loop import train
-from minidp.cli.training.tasks import Task
 from minidp.models.data import DistributedSampler
 from minidp.models.prune import functions as prune
 from minidp.models.prune.magnitude import MagnitudePruner, cubic_sparsity, magnitude_masks
+from minidp.models.tasks import Task
 from minidp.parallel import DistributedDataParallel
 from minidp.parallel.pruning import masked_allreduce_hook
 from minidp.tools.log import print0

@@ -72,7 +72,7 @@ print0(f"saved {sorted(os.listdir(path))}")
 train_steps(model, ddp, opt, range(3, 6))  # the uninterrupted run goes on
 
 again, ddp2, opt2 = fresh()  # a new process would build these
-loaded = checkpoint.load(checkpoint.latest(root), world)
+loaded = checkpoint.read(checkpoint.latest(root), world)
 again.load_state_dict(loaded["model"])
 opt2.load_state_dict(loaded["optimizer"])
 train_steps(again, ddp2, opt2, range(loaded["step"], 6))
@@ -121,7 +121,7 @@ if rank == 0:
         f.write(bytes([byte[0] ^ 1]))
 comm.barrier(group=world)
 try:
-    checkpoint.load(path, world)
+    checkpoint.read(path, world)
     raise AssertionError("a corrupt shard was loaded")
 except checkpoint.CheckpointError as error:
     assert "shard_00001.safetensors is corrupt" in str(error)

@@ -37,12 +37,12 @@ from threadpoolctl import threadpool_limits
 from minidp import Tensor, comm, cost, cross_entropy, data, nn, optim
 from minidp.cli.training.config import TrainConfig
 from minidp.cli.training.loop import train
-from minidp.cli.training.tasks import Task
 from minidp.comm import netem, p2p
 from minidp.cost import calls, report, scale, step
 from minidp.cost.compute import measure
 from minidp.cost.predict_compress import compressor_seconds
 from minidp.cost.predicted import in_record
+from minidp.models.tasks import Task
 from minidp.parallel import DistributedDataParallel
 from minidp.tools.chunks import chunk_range
 from minidp.tools.log import print0

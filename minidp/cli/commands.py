@@ -17,12 +17,12 @@ import argparse
 import importlib
 import pkgutil
 import sys
-import time
 import types
 
 from minidp.cli.training.config import BadConfig, TrainConfig, config_fields
 from minidp.comm.abort import end_job
 from minidp.fast.allocator import keep_freed_memory
+from minidp.parallel.param_server.membership import end_without
 from minidp.tools.log import RunStopped, die, print0
 from minidp.tools.parser import Parser  # below commands.py: the benchmarks take it from there
 
@@ -146,25 +146,8 @@ def main(argv: list[str] | None = None) -> int:
         end_job(error)
         raise
     if final.get("workers_not_ended"):
-        end_without(final["workers_not_ended"])
+        end_without(final["workers_not_ended"])  # parallel/param_server/membership.py
     return 0
-
-
-def end_without(workers: list[int]) -> None:
-    """The job's record is written, but a dropped parameter-server worker never ended (dead
-    or stopped): it would hold MPI_Finalize forever, so world rank 0 ends the job with
-    MPI_Abort(0) (exit code 0: the run itself finished). The other ranks wait in Finalize."""
-    from mpi4py import MPI
-
-    from minidp.comm.abort import SPEAK_S, abort_job
-
-    if MPI.COMM_WORLD.Get_rank() == 0:
-        print0(
-            f"minidp: dropped worker(s) {', '.join(map(str, workers))} never ended; ending the "
-            "job (MPI_Abort, code 0) now that everything is written"
-        )
-        time.sleep(SPEAK_S)  # the launcher forwards the line before the abort
-        abort_job("", 0)
 
 
 def check_environment() -> None:

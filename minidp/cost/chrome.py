@@ -18,7 +18,7 @@ same seconds out in time, on trace.py's two tracks, so the spans end at step.py'
 
 A real run interleaves the calls with the compute they belong to (a TP layer's allreduce
 inside its forward); the model only knows their sum, so each phase's calls are drawn
-together. Names are the training run's (strategies/step.py's spans; comm_thread.py's
+together. Names are the training run's (parallel/step.py's spans; comm_thread.py's
 "allreduce bucket i" with args bytes and algo; "runs": the algorithm auto resolves to).
 
 The file is what trace.Timeline.save writes: {"traceEvents": [...], "displayTimeUnit": "ms"},

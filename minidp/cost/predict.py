@@ -39,11 +39,11 @@ import numpy as np
 
 from minidp import comm
 from minidp.cli.training.config import BadConfig
-from minidp.cli.training.tasks import Task
 from minidp.cost.calls import gpt_shapes
 from minidp.cost.predict_compress import check_compress, compressor_seconds, spelled_out
 from minidp.cost.predict_compute import measure_compute, runs_alone
 from minidp.cost.step import Compute, Layout, Network, fixed_part, predict
+from minidp.models.tasks import Task
 from minidp.tools.memory import activation_estimate
 
 CALIBRATION = "runs/calibration.json"

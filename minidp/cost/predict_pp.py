@@ -15,9 +15,9 @@ from dataclasses import replace
 
 import numpy as np
 
-from minidp.cli.training.tasks import Task
 from minidp.cost.pp_step import micro_rows, predict_pipeline
 from minidp.cost.step import Layout, fixed_part
+from minidp.models.tasks import Task
 from minidp.tools.chunks import chunk_bounds
 
 

@@ -12,9 +12,9 @@ ps_step.py says.
 import numpy as np
 
 from minidp.cli.training.config import BadConfig, staleness_bound
-from minidp.cli.training.tasks import Task
 from minidp.cost.ps_step import predict_ps
 from minidp.cost.step import Layout
+from minidp.models.tasks import Task
 from minidp.tools.chunks import chunk_bounds
 
 

@@ -99,8 +99,8 @@ def tensor_parallel_compute(config, group, layout, threads: int) -> Compute:
     loss's own parts) is in it."""
     from threadpoolctl import threadpool_limits
 
-    from minidp.cli.training.tasks import Task
     from minidp.cost.predict_compute import Alone, measure_compute
+    from minidp.models.tasks import Task
     from minidp.parallel.mesh import Mesh
     from minidp.parallel.tensor_parallel.gpt import TensorParallelGPT
 

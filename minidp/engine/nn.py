@@ -118,10 +118,15 @@ class Module:
             p.grad = None
 
     def state_dict(self) -> dict[str, np.ndarray]:
-        """Host NumPy copies of the parameters, whatever the backend (so torch_ref.py and
-        a NumPy model load it alike). A shared parameter appears under each of its names."""
+        """The parameters by name, a shared one under each of its names: their own arrays,
+        as PyTorch's state dict shares the parameters' storage (so a broadcast into it,
+        Horovod's broadcast_parameters, sets the model; copy it to keep a snapshot). On
+        --backend torch, host NumPy copies (torch_ref.py and a NumPy model load it alike)."""
         named = self.named_parameters(remove_duplicate=False)
-        return {name: np.array(to_numpy(p.data)) for name, p in named}
+        return {
+            name: p.data if isinstance(p.data, np.ndarray) else np.array(to_numpy(p.data))
+            for name, p in named
+        }
 
     def load_state_dict(self, state: dict[str, np.ndarray]) -> None:
         """Copy values into the existing arrays (in place: views into them stay valid).

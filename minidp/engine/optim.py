@@ -40,6 +40,17 @@ class Optimizer:
     def update(self, w: np.ndarray, g: np.ndarray, state: dict) -> None:
         raise NotImplementedError
 
+    def init_state(self) -> None:
+        """Make each parameter's state where no step has made it yet: the zeros a first
+        step starts from (a step from them is the first step's), so that a checkpoint has
+        arrays to load into (PyTorch's get_state_dict makes them too)."""
+        for p, state in zip(self.params, self.state):
+            if not state:
+                state.update(self.empty_state(p.data))
+
+    def empty_state(self, w) -> dict:
+        return {}
+
     def state_dict(self) -> dict:
         return {
             "lr": self.lr,
@@ -78,6 +89,9 @@ class SGD(Optimizer):
             params, lr, momentum=momentum, weight_decay=weight_decay, nesterov=nesterov
         )
 
+    def empty_state(self, w) -> dict:
+        return {"velocity": namespace(w).zeros_like(w)} if self.hyper["momentum"] else {}
+
     def update(self, w, g, state):
         momentum, wd = self.hyper["momentum"], self.hyper["weight_decay"]
         if wd:
@@ -113,6 +127,10 @@ class Adam(Optimizer):
     ):
         super().__init__(params, lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
 
+    def empty_state(self, w) -> dict:
+        xp = namespace(w)
+        return {"m": xp.zeros_like(w), "v": xp.zeros_like(w), "step": np.zeros((), np.int64)}
+
     def update(self, w, g, state):
         (b1, b2), eps, wd = self.hyper["betas"], self.hyper["eps"], self.hyper["weight_decay"]
         if wd and self.decoupled:
@@ -121,8 +139,7 @@ class Adam(Optimizer):
             g = g + wd * w
         xp = namespace(w)  # numpy, or NumPy's names over torch (backend.py)
         if "m" not in state:
-            state["m"], state["v"] = xp.zeros_like(w), xp.zeros_like(w)
-            state["step"] = np.zeros((), dtype=np.int64)
+            state.update(self.empty_state(w))
         state["step"] += 1  # per parameter, as torch: a step without a gradient does not count
         m, v, t = state["m"], state["v"], int(state["step"])
         m *= b1

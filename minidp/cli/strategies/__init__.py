@@ -4,7 +4,7 @@ over its group (tp and hybrid: over a Mesh's axes) and hands them to the one ste
 
     protocol.py      what the training loop drives, and Recipe: reports from declarations
                      and from its data-parallel axis
-    step.py          the step skeleton, written once
+    step.py          the step skeleton (parallel/step.py) from the flags
     ddp_axis.py      the data-parallel axis as DDP, with its --compress / --prune wiring
     dp.py            --strategy dp: DDP over the whole group
     zero.py          --strategy zero: parallel/zero/stages.py over the whole group
@@ -12,8 +12,8 @@ over its group (tp and hybrid: over a Mesh's axes) and hands them to the one ste
                      (parallel/zero/over_tp.py: ZeRO's chunks of TP shards)
     ps.py            --strategy ps: the parameter server's roles
     pp.py            --strategy pp and hybrid --pp: the GPT cut into pipeline stages over
-                     the mesh's PP axis, TP inside, DDP or ZeRO-1 over DP (pp_step.py:
-                     the skeleton with the schedule inside)
+                     the mesh's PP axis, TP inside, DDP or ZeRO-1 over DP
+                     (parallel/pipeline/step.py: the skeleton with the schedule inside)
 
 `STRATEGIES` maps each --strategy name to its class (hybrid: a function that picks one); a
 new scheme is a module here and one line in the table.

@@ -16,7 +16,8 @@ from minidp.cli.training.config import BadConfig
 from minidp.engine import optim
 from minidp.models.prune.magnitude import MagnitudePruner
 from minidp.parallel.across_ranks import bytes_sent
-from minidp.parallel.checkpoint import Slice
+from minidp.parallel.checkpoint import StateDict, get_state_dict, set_state_dict
+from minidp.parallel.checkpoint.state_dict import declared
 from minidp.parallel.compression.table import compression_line, compression_record, make_compressor
 from minidp.parallel.compression.update import CompressedUpdate, LocalGradients
 from minidp.parallel.compression.velocity import MomentumCorrectedSGD, MomentumCorrection
@@ -171,31 +172,33 @@ class DDPAxis:
         )
 
     def state_dict(self) -> dict:
-        state = {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()}
+        """The model and optimizer as checkpoint.get_state_dict gives them (by parameter
+        name, a TP slice where the model is cut: they reshard), the pruning masks (whole
+        on every rank), and each rank's own: the compressors' residuals and DGC's velocity."""
+        model, optimizer = get_state_dict(self.model, self.optimizer)
+        state = {"model": model, "optimizer": optimizer}
         if self.compressor is not None:  # error-feedback residuals are training state
             state["compressor"] = self.compressor.state_dict()
         if self.momentum_correction is not None:  # DGC's u_w
             state["velocity"] = self.momentum_correction.state_dict()
         if self.pruning is not None:  # the masks and the schedule's step
-            state["prune"] = self.pruning.pruner.state_dict()
+            masks = [f"masks/{n}" for n, _ in self.pruning.pruner.named]
+            state["prune"] = StateDict(
+                self.pruning.pruner.state_dict(), layout=dict.fromkeys(masks, "replicated")
+            )
         return state
 
     def state_layout(self) -> dict:
-        """How state_dict()'s arrays are cut, for resharding (minidp.parallel.checkpoint):
-        each parameter and its optimizer state as the parameter is placed (a TP slice, else
-        replicated), the pruning masks replicated. Not declared, so each rank's own: the
-        compressors' residuals and factors and DGC's velocity (they reshard nowhere)."""
-        named = self.model.named_parameters(remove_duplicate=False)
-        places = {f"model/{n}": place(p) for n, p in named}
-        for i, p in enumerate(self.optimizer.params):  # its moments, made at the first step
-            places[f"optimizer/state/{i}/"] = place(p)
-        if self.pruning is not None:
-            places |= {f"prune/masks/{n}": "replicated" for n, _ in self.pruning.pruner.named}
-        return places
+        """How state_dict()'s arrays are cut, for resharding (minidp.parallel.checkpoint)."""
+        return declared(self.state_dict())[1]
 
     def load_state_dict(self, state: dict) -> None:
-        self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        set_state_dict(
+            self.model,
+            self.optimizer,
+            model_state_dict=state["model"],
+            optim_state_dict=state["optimizer"],
+        )
         if self.compressor is not None:
             self.compressor.load_state_dict(state["compressor"])
         if self.momentum_correction is not None:
@@ -205,13 +208,3 @@ class DDPAxis:
 
     def close(self) -> None:
         self.ddp.close()
-
-
-def place(p) -> Slice | str:
-    """A parameter's place in the whole model: its TP `placement`'s slice, else replicated."""
-    placement = getattr(p, "placement", None)
-    if placement is None or placement.axis is None:
-        return "replicated"
-    shape = list(p.shape)
-    shape[placement.axis] = placement.length
-    return Slice.along(shape, placement.axis, placement.index)

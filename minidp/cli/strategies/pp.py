@@ -14,7 +14,8 @@ composed (Megatron-LM's 3-D mesh, Narayanan et al. 2021):
                                      parameters released (parallel/pipeline/split.py)
     PipelineStage per stage          its messages on pp_group
     DDP (or ZeRO-1) over dp_group    this rank's stages' parameters, reduced once per step
-    PipelineStep                     the skeleton with the schedule inside (pp_step.py)
+    PipelineStep                     the skeleton with the schedule inside
+                                     (parallel/pipeline/step.py)
 
 `--strategy pp` is the mesh (1, 1, world): one pipeline, dp = tp = 1. Ranks of one
 pipeline read the same examples (the data shard is the DP coordinate, (d, dp)): stage 0
@@ -29,7 +30,6 @@ import numpy as np
 
 from minidp import comm
 from minidp.cli.strategies.ddp_axis import DDPAxis
-from minidp.cli.strategies.pp_step import PipelineStep
 from minidp.cli.strategies.protocol import Exposed, Recipe
 from minidp.cli.strategies.tp import Hybrid, MeshRecipe, check_drift, mesh_sizes
 from minidp.cli.strategies.zero import check_zero, zero_options
@@ -42,6 +42,7 @@ from minidp.parallel.pipeline.schedules import build_schedule
 from minidp.parallel.pipeline.simulate import formula_bubble
 from minidp.parallel.pipeline.split import RankStages, gather_stages, split_model
 from minidp.parallel.pipeline.stage import PipelineStage
+from minidp.parallel.pipeline.step import PipelineStep
 from minidp.parallel.tensor_parallel.gpt import TensorParallelGPT, whole_arrays
 from minidp.parallel.tensor_parallel.replicated import make_alike, sum_of_squares
 from minidp.parallel.zero.over_tp import ZeROOverTP
@@ -125,8 +126,11 @@ class Pipeline(MeshRecipe):
         self.data_shard = (mesh.dp_group.rank, dp)
         sequence_parallel = config.sequence_parallel and tp > 1
         self.run = PipelineStep(
-            *(self, sync, stepper),
-            clip=self.clip,
+            *(self.schedule, self.stages, mesh.pp_group, task.batch, sync, stepper),
+            batch_size=config.batch_size,
+            dp_group=mesh.dp_group,
+            timeline=self.timeline,
+            clip=self.clip if config.grad_clip else None,
             before_sync=[self.sum_partial] if sequence_parallel else [],
             after_sync=after_sync,
             after_step=after_step,

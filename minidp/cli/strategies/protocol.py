@@ -21,8 +21,10 @@
   strategy was built (the loop's StepMeter reads differences).
 - `memory_bytes()`: this rank's bytes by category, counted from the arrays (memory.py).
 - `state_dict()` / `load_state_dict()`: everything training needs to resume, this rank's
-  shard; `state_layout()`: {array path: "replicated" or a checkpoint.Slice of the whole
-  tensor} for what another number of ranks may load; {}: each rank's own.
+  shard (the model's and optimizer's arrays themselves, as checkpoint.get_state_dict gives
+  them: save before the next step); `state_layout()`: {array path: "replicated" or a
+  checkpoint.Slice of the whole tensor} for what another number of ranks may load; {}:
+  each rank's own.
 - `gather_model()`: collective, after training: the trained weights whole in `task.model`.
 - `describe()`, `record()`, `summary()`: the header's, the final record's and a closing line.
 
@@ -41,16 +43,8 @@ from minidp import comm
 from minidp.comm.trace import Timeline
 from minidp.engine import optim
 from minidp.parallel.across_ranks import bytes_sent
+from minidp.parallel.step import StepResult
 from minidp.tools.memory import nbytes
-
-
-class StepResult(NamedTuple):
-    """The global batch's loss, this rank's own part of it, and whether the optimizer
-    stepped (False: the loss or the global gradient norm was not finite, on every rank)."""
-
-    loss: float
-    local_loss: float
-    stepped: bool = True
 
 
 class Strategy:

@@ -1,53 +1,12 @@
-"""The one training step every recipe runs (dp, zero, tp, hybrid): written once, here.
-
-A recipe (protocol.py) builds its pieces and hands them to `Step`; the step does the rest:
-
-    optimizer.lr = lr; before-step hooks            # --prune: new masks on schedule steps
-    sync.zero_grad(); sync.set_batch_share(n_r, B)  # weight n_r / B
-    for each of the K micro-batches:                # all but the last under sync.no_sync()
-        loss_k = mean loss of micro-batch k * (m_k / n_r)     # the K sum to the local mean
-        backward                                    # the synchronizer's hooks reduce
-    sync.finish_gradient_sync(); after-sync hooks   # "gradient sync wait"
-    global loss = allreduce_dp(n_r / B * local loss)
-    if finite:  norm = clip()                       # "optimizer"
-                if finite norm: optimizer.step(); after-step hooks  # ZeRO's allgather, ...
-
-The pieces, each anything with the methods named:
-- `loss(indices)`: the mean loss over these examples of the global dataset (a Tensor).
-- `sync`, the gradient synchronizer: `zero_grad()`, `no_sync()` (a context: accumulate
-  locally), `set_batch_share(n, B)`, `finish_gradient_sync()`. DistributedDataParallel is
-  one; ZeRO's ShardedGradients (parallel/zero/grads.py) another; update.LocalGradients,
-  whose backwards never reduce (`reduces_in_backward = False`), a third.
-- `optimizer`: `lr` and `step()`; minidp.optim's, or a wrapper that syncs inside its step
-  (parallel/compression/update.py, parallel/compression/velocity.py).
-- `clip()`: scale the gradients by the global norm, each shard counted once, and return
-  that norm (the same on every rank), or None where the norm is each rank's own (None: no
-  clipping).
-- hooks: `before` the step, `after_sync` (TP's replicated gradients), `after_step` (ZeRO's
-  parameter allgather, the hybrid's drift broadcast): plain callables.
-
-With `--compress-on update` or `velocity` the synchronizer never reduces in backward and
-the optimizer wrapper syncs inside its step: the trace then shows an empty "gradient sync
-wait" here and the real one inside "optimizer".
-
-Replicas stay identical, so the global loss (one scalar allreduce over the data-parallel
-group) and the global gradient norm are the same on every rank, and every rank skips a step
-where either is not finite alike (a NaN in one rank's gradient that its loss does not show
-spreads through the sync, and the global norm sees it): no message is left unmatched, and
-the parameters stay as they were and identical.
+"""The step skeleton from the flags: parallel/step.py's `Step` (the one training step every
+recipe runs: micro-batches under no_sync, the sync, the global loss, the finite check,
+clip, the optimizer, hooks) with --batch-size, --grad-accum and --grad-clip, and the check
+that every rank's slice has its --grad-accum micro-batches.
 """
 
-import contextlib
-
-import numpy as np
-
 from minidp import comm
-from minidp.cli.strategies.protocol import StepResult
 from minidp.cli.training.config import BadConfig
-from minidp.comm.trace import Timeline
-from minidp.parallel.across_ranks import global_loss
-from minidp.tools.chunks import chunk_range
-from minidp.tools.memory import activation_bytes
+from minidp.parallel.step import Step
 
 
 def check_micro_batches(config, dp_size: int) -> None:
@@ -76,75 +35,3 @@ def step_from(config, loss, sync, optimizer, dp_group: comm.Group, timeline, cli
         clip=clip if config.grad_clip else None,
         **hooks,
     )
-
-
-class Step:
-    """`step(local, lr)` for the pieces given (the module docstring): `batch_size` is the
-    global B, `grad_accum` K, `dp_group` the group whose ranks share the global batch."""
-
-    def __init__(
-        self,
-        loss,
-        sync,
-        optimizer,
-        *,
-        batch_size: int,
-        grad_accum: int,
-        dp_group: comm.Group,
-        timeline: Timeline,
-        clip=None,
-        before=(),
-        after_sync=(),
-        after_step=(),
-    ):
-        self.loss, self.sync, self.optimizer, self.clip = loss, sync, optimizer, clip
-        self.batch_size, self.grad_accum, self.dp_group = batch_size, grad_accum, dp_group
-        self.timeline = timeline
-        self.before, self.after_sync, self.after_step = before, after_sync, after_step
-        self.steps_done = 0  # backwards run (the compression record counts them)
-        self.activations_peak = 0  # measured on the first step (every step is alike)
-
-    def __call__(self, local: np.ndarray, lr: float) -> StepResult:
-        span, sync = self.timeline.span, self.sync
-        self.optimizer.lr = lr
-        for hook in self.before:
-            hook()
-        sync.zero_grad()
-        sync.set_batch_share(len(local), self.batch_size)
-        local_loss = self.forward_backward(local)
-        self.steps_done += 1
-        with span("gradient sync wait"):
-            sync.finish_gradient_sync()
-            for hook in self.after_sync:
-                hook()
-        step_loss = global_loss(local_loss, len(local) / self.batch_size, self.dp_group)
-        stepped = bool(np.isfinite(step_loss))  # alike on every rank: no step, no message
-        if stepped:
-            with span("optimizer"):
-                norm = self.clip() if self.clip is not None else None
-                stepped = norm is None or bool(np.isfinite(norm))  # global: alike too
-                if stepped:
-                    self.optimizer.step()
-            if stepped:
-                for hook in self.after_step:
-                    hook()
-        return StepResult(step_loss, local_loss, stepped)
-
-    def forward_backward(self, local: np.ndarray) -> float:
-        """Forward and backward of each of the K micro-batches of this rank's examples, all
-        but the last under `sync.no_sync()` (the last too when the synchronizer never
-        reduces in backward); returns this rank's mean loss."""
-        span, K, local_loss = self.timeline.span, self.grad_accum, 0.0
-        reduce_last = getattr(self.sync, "reduces_in_backward", True)
-        for k in range(K):
-            lo, hi = chunk_range(len(local), K, k)
-            last = k == K - 1 and reduce_last
-            with contextlib.nullcontext() if last else self.sync.no_sync():
-                with span("forward"):  # weight m_k / n_r: the K losses sum to the local mean
-                    loss = self.loss(local[lo:hi]) * ((hi - lo) / len(local))
-                if self.steps_done == 0:
-                    self.activations_peak = max(self.activations_peak, activation_bytes(loss))
-                with span("backward"):
-                    loss.backward()
-            local_loss += loss.item()
-        return local_loss

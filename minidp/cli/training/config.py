@@ -28,13 +28,7 @@ reads it (minidp/cli/strategies/).
 
 from dataclasses import dataclass, fields
 
-from minidp.cli.training.config_checks import (
-    TORCH_STRATEGIES,
-    VELOCITY_COMPRESSORS,
-    BadConfig,
-    check_block_size,
-    staleness_bound,
-)
+from minidp.cli.training.config_checks import BadConfig, staleness_bound
 from minidp.cli.training.flags import Flags, flag
 from minidp.engine.optim import OPTIMIZERS
 from minidp.tools.names import ALGORITHMS, AUTO, PIPELINE_SCHEDULES
@@ -43,7 +37,7 @@ DATA_PARALLEL = ("dp", "tp", "hybrid", "zero")
 """The strategies whose ranks hold replicas (or shards) reduced by allreduce: they read the
 data-parallel flags (allreduce, buckets, overlap, micro-batches); the parameter server not."""
 PP = ("pp", "hybrid")  # the strategies that read the pipeline's flags
-STEPPED = ("dp", "tp", "zero", "pp", "hybrid")  # those that run strategies/step.py
+STEPPED = ("dp", "tp", "zero", "pp", "hybrid")  # those that run parallel/step.py
 
 
 @dataclass
@@ -308,11 +302,8 @@ def config_fields():
 
 __all__ = [
     "DATA_PARALLEL",
-    "TORCH_STRATEGIES",
-    "VELOCITY_COMPRESSORS",
     "BadConfig",
     "TrainConfig",
-    "check_block_size",
     "config_fields",
     "flag",
     "staleness_bound",

@@ -22,18 +22,18 @@ from minidp.cli.strategies import STRATEGIES
 from minidp.cli.training import resume
 from minidp.cli.training.config import BadConfig, TrainConfig
 from minidp.cli.training.drift import check_replicas
-from minidp.cli.training.meter import StepMeter, Window
 from minidp.cli.training.nonfinite import TrainingDiverged as TrainingDiverged  # re-exported
 from minidp.cli.training.nonfinite import nonfinite_step
 from minidp.cli.training.resume import Preempted
-from minidp.cli.training.tasks import Task
 from minidp.comm.trace import Timeline
 from minidp.engine import optim
 from minidp.models import data
+from minidp.models.tasks import Task
 from minidp.parallel.checkpoint import Preemption
 from minidp.tools.info import blas_info, cores_per_rank, mpi_library
 from minidp.tools.log import RankLog, print0
 from minidp.tools.memory import CATEGORIES
+from minidp.tools.meter import StepMeter, Window
 from minidp.tools.records import Records
 
 
@@ -72,7 +72,10 @@ def _train(config: TrainConfig, group: comm.Group, preemption: Preemption, adds)
     say = functools.partial(print0, rank=group.rank)  # one writer: the group's rank 0
     if config.strategy not in STRATEGIES:
         raise BadConfig(f"--strategy {config.strategy!r}: choose from {', '.join(STRATEGIES)}")
-    task = Task(config, np.dtype(config.dtype))
+    try:
+        task = Task(config, np.dtype(config.dtype))
+    except ValueError as error:  # alike on every rank: one line
+        raise BadConfig(str(error)) from None
     timeline = Timeline(enabled=config.trace is not None)
     with (
         resume.own_save_dir(config, group),  # one job at a time in --save-dir

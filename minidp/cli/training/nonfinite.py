@@ -1,6 +1,6 @@
 """A step whose loss or gradient is not finite: end the run naming it, or skip it.
 
-The step skeleton (strategies/step.py) finds a non-finite global loss or global gradient
+The step skeleton (parallel/step.py) finds a non-finite global loss or global gradient
 norm alike on every rank and then steps no optimizer (`StepResult.stepped` False). Here the
 loop decides what follows, every rank alike:
 

@@ -89,7 +89,7 @@ def layout_words(config, group: comm.Group) -> str:
 def layout_of(strategy) -> dict:
     """{array path: "replicated" or a Slice's JSON}, from strategy.state_layout()."""
     return {
-        f"strategy/{path}": where if where == "replicated" else where.as_json()
+        f"strategy/{path}": where.as_json() if isinstance(where, checkpoint.Slice) else where
         for path, where in strategy.state_layout().items()
     }
 
@@ -189,13 +189,16 @@ def resume(config, strategy, group: comm.Group, task) -> tuple[int, dict]:
         check_same_run(manifest, config, task, group)
         here = layout_words(config, group)
         layout = layout_of(strategy) if manifest["metadata"]["layout"] != here else None
-        state = checkpoint.load(path, group, layout=layout, here=here)
+        state = checkpoint.read(path, group, layout=layout, here=here)
     except checkpoint.CheckpointError as error:
         raise BadConfig(f"--resume {config.resume}: {error}") from None
     steps = comm.allgather(np.array([state["step"]], dtype=np.int64), group=group).ravel()
     if (steps != steps[0]).any():
         raise BadConfig(f"--resume {path}: its shards disagree on the step: {steps.tolist()}")
-    strategy.load_state_dict(state["strategy"])
+    try:  # every rank reads the same checkpoint: the same refusal everywhere
+        strategy.load_state_dict(state["strategy"])
+    except (KeyError, ValueError) as error:
+        raise BadConfig(f"--resume {path}: its state does not fit this run ({error})") from None
     checkpoint.set_rng_states(strategy, state["rng"])
     print0(f"resumed from {path} at step {state['step']}", rank=group.rank)
     return int(state["step"]), state.get("counters", {})

@@ -143,3 +143,51 @@ def assemble(name: str, manifest: dict, layout: dict, here_words: str, path: str
     if not covered.all():
         raise LayoutMismatch(f"{where}: no shard holds part of what {here_words} needs here")
     return out
+
+
+def cut(name: str, saved: dict, want, own, shard, manifest: dict) -> np.ndarray:
+    """This rank's elements of tensor `name`, as `want` says it holds them ("replicated" or
+    None: whole; or a Slice's JSON), from a checkpoint's shards: `saved` is the tensor's
+    manifest entry, `shard(r)` rank r's arrays (read once), `own` this rank's shard where
+    the world size is the one saved (None otherwise). A slice is cut from the whole tensor,
+    put together from every shard that holds part of it; a flat range and a shaped tensor
+    of the same size are the same tensor (FSDP's pieces, DDP's parameters)."""
+    where = f"{name} saved over {describe_layout(manifest)}"
+    if saved.get("replicated"):
+        holders = saved.get("on", list(range(manifest["world_size"])))
+        return _take(shard(own if own in holders else holders[0])[name], want, where)
+    if "held" not in saved:  # a rank's own state: only where it was saved
+        if own is None or name not in shard(own):
+            raise LayoutMismatch(
+                f"{where} is each rank's own state (not a slice of one tensor): it loads "
+                "only over as many ranks as saved it"
+            )
+        return shard(own)[name]
+    shape, held = saved["shape"], saved["held"]
+    part = want.get("part", "") if isinstance(want, dict) else ""
+    if own is not None and isinstance(want, dict) and held[own] is not None:
+        if want["shape"] == shape and want["index"] == held[own]["index"]:
+            return shard(own)[name]  # the layout it was saved in: its own shard
+    whole = np.empty(shape, dtype=np.dtype(saved["dtype"]))
+    covered = np.zeros(shape, dtype=bool)
+    for rank, theirs in enumerate(held):
+        if theirs is None or theirs.get("part", "") != part:
+            continue
+        index = [indices(runs) for runs in theirs["index"]]
+        whole[np.ix_(*index)] = shard(rank)[name].reshape([len(i) for i in index])
+        covered[np.ix_(*index)] = True
+    if not covered.all():
+        raise LayoutMismatch(f"{where}: the shards do not hold all of it")
+    return _take(whole, want, where)
+
+
+def _take(whole: np.ndarray, want, where: str) -> np.ndarray:
+    """The elements of `whole` that `want` names (all of it for "replicated" or None)."""
+    if not isinstance(want, dict):
+        return whole
+    shape = want["shape"]
+    if list(whole.shape) != shape:
+        if whole.size != int(np.prod(shape)):
+            raise LayoutMismatch(f"{where} is {list(whole.shape)} globally, here {shape}")
+        whole = whole.reshape(shape)
+    return whole[np.ix_(*(indices(runs) for runs in want["index"]))]

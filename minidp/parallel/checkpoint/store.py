@@ -17,11 +17,11 @@ The save, on every rank of `group`:
        `.metadata` does the same). No manifest, no checkpoint.
 Throughout a save or a load the group's waits nap rather than spin (`patiently`).
 
-The manifest records the world size, the step, the caller's metadata (the config, the
-mesh), each shard's size and its pieces' checksums (pieces.py), and for each array path
-its dtype and either `replicated` (every rank holds it whole), or its global shape and
-what each rank holds (`held`: its index and part, see reshard.py), or neither: the rank's
-own (a residual), which only the layout it was saved in loads back.
+The manifest records the world size, the step, the caller's metadata (the config, the mesh),
+each shard's size and its pieces' checksums (pieces.py), and for each array path its dtype
+and either `replicated` (whole on the ranks `on` names), or its global shape and what each
+rank holds (`held`: its index and part, see reshard.py), or neither: the rank's own (a
+residual), which only the layout it was saved in loads back.
 
 The load reads the manifest, then (every rank) the shards it needs, each checked against
 its size and its pieces' SHA-256 before anything is parsed; any rank's refusal is every
@@ -47,9 +47,11 @@ from minidp.parallel.checkpoint.reshard import (
     describe_layout,
 )
 from minidp.parallel.checkpoint.shards import CheckpointError, read_shard, state_of, write_shard
+from minidp.parallel.checkpoint.state_dict import declared
 
 MANIFEST = "manifest.json"
-FORMAT = "minidp-checkpoint/3"  # 3: SHA-256 per 16 MiB piece (2: per file; 1: .npz; not read)
+FORMAT = "minidp-checkpoint/4"  # 4: replicated arrays name their ranks ("on"), the optimizer
+# state by parameter name (3: by index; 2: a SHA-256 per file; 1: .npz; none read)
 SHARD_KEYS = ("file", "bytes", "piece_bytes", "sha256_pieces")
 
 
@@ -66,11 +68,13 @@ def patiently(group: comm.Group):
         group.patient = patient
 
 
-def save(state, path: str, group: comm.Group, *, step: int, layout=None, metadata=None) -> None:
-    """Collective: write this rank's `state` (a tree of dicts, lists, arrays and scalars)
-    to `path`/shard_NNNNN.safetensors, then rank 0 commits the manifest. `layout`: {array path:
-    "replicated" or reshard.Slice.as_json()} for what can be resharded; `metadata`: any JSON
-    the manifest keeps (the config, the mesh)."""
+def save(state, path: str, group: comm.Group, *, step: int = 0, layout=None, metadata=None):
+    """Collective: write this rank's `state` (a tree of dicts, lists, arrays and scalars;
+    get_state_dict's Sharded entries and StateDicts declare how they are held) to
+    `path`/shard_NNNNN.safetensors, then rank 0 commits the manifest. `layout`: {array path:
+    "replicated" or a Slice (or its JSON)} for what else can be resharded (an array nothing
+    declares is the rank's own); `metadata`: any JSON the manifest keeps (the config)."""
+    state, layout = declared(state, layout)
     with patiently(group):
         _save(state, path, group, step, layout, metadata)
 
@@ -134,14 +138,15 @@ def _place(layout, name: str, ndim: int) -> dict:
 
 
 def _merge(per_rank: list[dict]) -> dict:
-    """{path: {dtype, ndim, and replicated, or shape and held: [{index, part} of rank r, or
-    None]}}."""
+    """{path: {dtype, ndim, and replicated with on (the ranks that hold it), or shape and
+    held: [{index, part} of rank r, or None]}}."""
     merged = {}
     for rank, tensors in enumerate(per_rank):
         for name, t in tensors.items():
             entry = merged.setdefault(name, {"dtype": t["dtype"], "ndim": t["ndim"]})
             if t.get("replicated"):
                 entry["replicated"] = True
+                entry.setdefault("on", []).append(rank)  # the ranks that hold it whole
             elif t.get("slice"):
                 entry["shape"] = t["slice"]["shape"]
                 held = {k: v for k, v in t["slice"].items() if k != "shape"}  # index, part
@@ -211,8 +216,9 @@ def read_manifest(path: str) -> dict:
     return manifest
 
 
-def load(path: str, group: comm.Group, layout=None, here: str = ""):
-    """Collective: this rank's state from the checkpoint at `path`. Saved over as many ranks
+def read(path: str, group: comm.Group, layout=None, here: str = ""):
+    """Collective: this rank's state from the checkpoint at `path`, as its tree was saved
+    (load() fills a state dict in place instead). Saved over as many ranks
     with the same layout, each rank reads its own shard; otherwise `layout` ({array path:
     "replicated" or a Slice's JSON}, what this rank holds now) says what to cut from the
     shards (reshard.py), and what cannot be resharded is refused naming both layouts

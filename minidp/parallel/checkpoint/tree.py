@@ -39,10 +39,10 @@ def _encode(x, path: str, arrays: dict):
         arrays[name] = x
         return {"array": name, **({"scalar": True} if isinstance(x, np.generic) else {})}
     if isinstance(x, dict):
-        return {"dict": [[_key(k), _encode(v, _join(path, k), arrays)] for k, v in x.items()]}
+        return {"dict": [[_key(k), _encode(v, join_path(path, k), arrays)] for k, v in x.items()]}
     if isinstance(x, list | tuple):
         kind = "list" if isinstance(x, list) else "tuple"
-        return {kind: [_encode(v, _join(path, i), arrays) for i, v in enumerate(x)]}
+        return {kind: [_encode(v, join_path(path, i), arrays) for i, v in enumerate(x)]}
     if isinstance(x, SCALARS):
         return {"value": x}
     raise TypeError(f"{path or 'the state'}: a {type(x).__name__} is not data a checkpoint holds")
@@ -63,7 +63,7 @@ def _unkey(k):
     return tuple(_unkey(part) for part in k["tuple"]) if isinstance(k, dict) else k
 
 
-def _join(path: str, key) -> str:
+def join_path(path: str, key) -> str:
     part = "_".join(map(str, key)) if isinstance(key, tuple) else str(key)
     return f"{path}/{part}" if path else part
 
@@ -89,3 +89,15 @@ def leaves(skeleton: dict) -> list[str]:
     children = skeleton.get("dict", []) and [v for _, v in skeleton["dict"]]
     children = children or skeleton.get("list") or skeleton.get("tuple") or []
     return [name for child in children for name in leaves(child)]
+
+
+def scalars(skeleton: dict, path: str = "") -> dict:
+    """{path: value} of the plain values (numbers, strings, None) of a skeleton, by the
+    path an array there would be named by."""
+    if "value" in skeleton:
+        return {path: skeleton["value"]}
+    if "dict" in skeleton:
+        items = [(_unkey(k), v) for k, v in skeleton["dict"]]
+    else:
+        items = list(enumerate(skeleton.get("list") or skeleton.get("tuple") or []))
+    return {p: v for key, child in items for p, v in scalars(child, join_path(path, key)).items()}

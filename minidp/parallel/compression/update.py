@@ -18,7 +18,7 @@ Gradient Compression clips), and the compressor (the same DDP hook) reduces the 
 parameters stay bitwise identical on every rank (the same θ, the same summed bits); the
 optimizers' moments do not (each saw its own gradients): they are per-rank state.
 
-Two pieces, usable on a user's own DDP (the training loop's step skeleton, strategies/step.py, runs
+Two pieces, usable on a user's own DDP (the training loop's step skeleton, parallel/step.py, runs
 the same): `LocalGradients(ddp)`, a synchronizer whose backwards never reduce, and
 `CompressedUpdate(optimizer, ddp)`, an optimizer whose `step()` reduces the update:
 

@@ -39,7 +39,8 @@ each gives the plain path's bits (test_ddp_tricks.py), `bench dp --case tricks` 
 As PyTorch's DDP: a shared (tied) parameter has one slot, a frozen one none; one unused on
 some ranks gets their zeros, on every rank .grad None (unused_params.py). Uneven batches:
 the global mean is sum_r (n_r / B) * mean_r, so each rank weighs by n_r / B
-(`set_batch_share`). `no_sync()` skips communication (gradient accumulation).
+(`set_batch_share`). `no_sync()` skips communication (gradient accumulation); `join()`,
+ranks with uneven batches (join.py).
 """
 
 import contextlib
@@ -57,6 +58,7 @@ from minidp.parallel.data_parallel.coalesce import reduce_together
 from minidp.parallel.data_parallel.comm_thread import overlap_helps
 from minidp.parallel.data_parallel.gil import quick_gil_handover
 from minidp.parallel.data_parallel.host_stage import HostStage, PlainStage
+from minidp.parallel.data_parallel.join import join
 from minidp.parallel.data_parallel.unused_params import ReachedFlags
 from minidp.parallel.same_model import check_same_model
 
@@ -107,9 +109,7 @@ class DistributedDataParallel:
         if unknown:
             raise ValueError(f"unknown tricks {unknown}; choose from {', '.join(TRICKS)}")
         self.tricks = {**TRICKS, **(tricks or {})}
-        self.model = model
-        self.group = group or comm.world()
-        self.algo = algo
+        self.model, self.group, self.algo = model, group or comm.world(), algo
         if algo != "auto" and algo not in comm.ALLREDUCE:  # a local check, before any message
             raise ValueError(
                 f"unknown allreduce algo {algo!r}; choose from auto, {', '.join(comm.ALLREDUCE)}"
@@ -159,6 +159,7 @@ class DistributedDataParallel:
         )
         self.exposed_seconds = 0.0  # time the main thread waited for communication, in total
         self._next = 0  # index of the next bucket to launch
+        self._join = None  # inside join(): join.Joining
         around = quick_gil_handover if self.tricks["quick_gil"] else contextlib.nullcontext
         self._thread = thread.CommThread(self.reducer, around) if self.overlap else None
         # a DDP dropped without close() must not leave its thread (and GIL setting) behind
@@ -168,7 +169,12 @@ class DistributedDataParallel:
         self._rearm()
 
     def __call__(self, *args, **kwargs):
+        if self._join is not None:  # inside join(): the syncing forward agrees first
+            self._join.before_forward(args)
         return self.model(*args, **kwargs)
+
+    def join(self):  # `with ddp.join():` around a loop of uneven batches (join.py)
+        return join(self)
 
     def __enter__(self) -> "DistributedDataParallel":
         return self

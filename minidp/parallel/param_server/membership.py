@@ -22,10 +22,13 @@ collective after it does not give up first): the command line ends the job with 
 once all is written, since a stopped rank would hold MPI_Finalize forever.
 """
 
+import time
+
 import numpy as np
 
 from minidp import comm
 from minidp.parallel.param_server import messages
+from minidp.tools.log import print0
 
 
 def live_group(
@@ -96,3 +99,21 @@ def account(
         "dropped_at_clock": at,
         "workers_not_ended": [w for w in range(W) if lost[1 + W + w] == 1],
     }
+
+
+def end_without(workers: list[int]) -> None:
+    """The job's record is written, but a dropped parameter-server worker never ended (dead
+    or stopped): it would hold MPI_Finalize forever, so world rank 0 ends the job with
+    MPI_Abort(0) (exit code 0: the run itself finished; `account`'s "workers_not_ended"
+    names them). The other ranks wait in Finalize."""
+    from mpi4py import MPI
+
+    from minidp.comm.abort import SPEAK_S, abort_job
+
+    if MPI.COMM_WORLD.Get_rank() == 0:
+        print0(
+            f"minidp: dropped worker(s) {', '.join(map(str, workers))} never ended; ending the "
+            "job (MPI_Abort, code 0) now that everything is written"
+        )
+        time.sleep(SPEAK_S)  # the launcher forwards the line before the abort
+        abort_job("", 0)

@@ -99,12 +99,16 @@ def run_schedule(
 
     `inputs[j]` is micro-batch j's input (read on the rank of stage 0 only), `targets[j]`
     its targets (read on the rank of the last stage only), `shares[j]` its fraction of the
-    step's examples (default 1/m each). Gradients are added into the parameters' .grad
-    (zero them before, step the optimizer after). Returns the last stage's weighted losses
-    per micro-batch on its rank (their sum is the step's loss), [] on the other ranks, as a
-    RunResult: a list that also carries the rank's peak activations over the run."""
+    step's examples (default: each micro-batch's length over the targets' total, as one
+    process on the whole batch weighs it; only the last stage reads them). Gradients are
+    added into the parameters' .grad (zero them before, step the optimizer after). Returns
+    the last stage's weighted losses per micro-batch on its rank (their sum is the step's
+    loss), [] on the other ranks, as a RunResult: a list that also carries the rank's peak
+    activations over the run."""
     m = schedule.micro_batches
     rank = _check(schedule, stages)
+    if shares is None and targets is not None:  # the last stage's: B_j / B, uneven too
+        shares = [len(t) / sum(len(u) for u in targets) for t in targets]
     shares = [1.0 / m] * m if shares is None else list(shares)
     if len(shares) != m:
         raise ValueError(f"shares has {len(shares)} entries, the schedule {m} micro-batches")

@@ -11,7 +11,13 @@ j; sBj its backward; '.' idle; `python -m minidp schedule --pp 3 --micro-batches
 A schedule object holds the numbers (pp ranks, m micro-batches, V stages per rank) and says
 what each rank computes, in order; lowering.py adds the messages, validate.py and
 dry_run.py check the result, simulate.py times it. The classes are named as PyTorch's
-torch.distributed.pipelining names them.
+torch.distributed.pipelining names them, and built from this rank's PipelineStage(s) as
+PyTorch builds them, they run a step (runtime.py):
+
+    schedule = Schedule1F1B(stage, n_microbatches=4, loss_fn=cross_entropy)
+    schedule.step(x)                            # the first stage's rank: the batch
+    schedule.step(target=y, losses=losses)      # the last's: the targets, gets the losses
+    schedule.step()                             # the others
 
 The step table, rank r of pp, m micro-batches (Megatron-LM's order for the interleaved one):
 
@@ -39,6 +45,7 @@ Bubble fraction (idle / (pp · length)) in unit time (F = B = 1; split: B = W = 
 from minidp.parallel.pipeline.actions import Action, B, F, W, stage_rank
 from minidp.parallel.pipeline.dry_run import dry_run
 from minidp.parallel.pipeline.lowering import add_send_recv
+from minidp.parallel.pipeline.runtime import bind, run_step
 from minidp.parallel.pipeline.validate import validate
 from minidp.tools.names import PIPELINE_SCHEDULES
 
@@ -54,7 +61,12 @@ class PipelineSchedule:
     split_backward = False  # True: backward is B (input gradient) then, later, W
     needs_virtual = False  # True: the schedule takes V > 1 (interleaved)
 
-    def __init__(self, pp: int, micro_batches: int, virtual: int = 1):
+    def __init__(self, pp, micro_batches=None, virtual=1, loss_fn=None, *, n_microbatches=None):
+        """`pp` ranks, or this rank's PipelineStage (a list of them: interleaved), as
+        PyTorch's `ScheduleGPipe(stage, n_microbatches, loss_fn)`: pp is then the stages'
+        group size and V the number of stages given, and `step` runs it (runtime.py)."""
+        pp, virtual, self.bound = bind(pp, virtual, loss_fn)
+        micro_batches = n_microbatches if micro_batches is None else micro_batches
         for arg, value in (("pp", pp), ("micro_batches", micro_batches), ("virtual", virtual)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{arg} must be a positive integer, not {value!r}")
@@ -68,6 +80,12 @@ class PipelineSchedule:
 
     def stage_rank(self, stage: int) -> int:
         return stage_rank(stage, self.pp)
+
+    def step(self, *inputs, target=None, losses: list | None = None):
+        """One step of the stages this schedule was built from (runtime.step): the first
+        stage's rank passes the batch, the last passes `target` and gets each micro-batch's
+        loss appended to `losses`; returns the batch's mean loss there, None elsewhere."""
+        return run_step(self, inputs, target, losses)
 
     def stages_of(self, rank: int) -> list[int]:
         """The stages rank `rank` holds, first to last."""
@@ -130,8 +148,9 @@ class ScheduleInterleaved1F1B(PipelineSchedule):
     name = "interleaved"
     needs_virtual = True
 
-    def __init__(self, pp: int, micro_batches: int, virtual: int = 2):
-        super().__init__(pp, micro_batches, virtual)
+    def __init__(self, pp, micro_batches=None, virtual=2, loss_fn=None, *, n_microbatches=None):
+        super().__init__(pp, micro_batches, virtual, loss_fn, n_microbatches=n_microbatches)
+        pp, micro_batches = self.pp, self.micro_batches
         rounds = max(1, micro_batches // pp)
         if micro_batches % rounds:
             raise ValueError(
@@ -193,6 +212,8 @@ class ScheduleZeroBubbleH1(PipelineSchedule):
         return order + [Action(rank, W, j) for j in waiting]
 
 
+ScheduleZBH1 = ScheduleZeroBubbleH1  # the issue's and the paper's short name
+
 SCHEDULES = {
     cls.name: cls
     for cls in (ScheduleGPipe, Schedule1F1B, ScheduleInterleaved1F1B, ScheduleZeroBubbleH1)
@@ -214,6 +235,7 @@ __all__ = [
     "Schedule1F1B",
     "ScheduleGPipe",
     "ScheduleInterleaved1F1B",
+    "ScheduleZBH1",
     "ScheduleZeroBubbleH1",
     "build_schedule",
 ]

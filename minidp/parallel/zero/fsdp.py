@@ -131,7 +131,7 @@ class FullyShardedDataParallel:
         # one piece per parameter a chunk touches (as ZeroRedundancyOptimizer's): its data a
         # view of my parameter chunk, its gradient a view of my gradient chunk, given at
         # each sync to the pieces whose parameter some rank's backward reached
-        data, self._grads, self._param_index = [], [], []
+        data, self._grads, self._param_index, self._places = [], [], [], []
         first = np.cumsum([0, *map(len, segments)])  # index of each segment's first parameter
         for s, (lo, hi) in enumerate(self.layout.chunks):
             offset = 0
@@ -140,6 +140,7 @@ class FullyShardedDataParallel:
                 data.append(self.shards.param_chunks[s][offset:end])
                 self._grads.append(self.shards.grad_chunks[s][offset:end])
                 self._param_index.append(first[s] + i)
+                self._places.append((segments[s][i], start, stop))
                 offset = end
         self._pieces = pieces(data, [None] * len(data))
         self._accumulating = False  # inside no_sync()
@@ -161,6 +162,16 @@ class FullyShardedDataParallel:
         """This rank's shards: Tensors over its chunks, one per parameter a chunk touches,
         for any minidp optimizer (elementwise: a chunk steps as the whole would)."""
         return list(self._pieces)
+
+    def piece_places(self) -> list[tuple]:
+        """(parameter, lo, hi) of each of parameters()'s pieces: elements [lo, hi) of the
+        flattened parameter (what checkpoint.get_state_dict saves and reshards)."""
+        return list(self._places)
+
+    def state_loaded(self) -> None:
+        """After the shards were loaded (checkpoint.set_state_dict): "grad_op" gathers the
+        whole parameters again before the next forward; "full" gathers around each use."""
+        self._stale = self.sharding == "grad_op"
 
     @property
     def shard_numel(self) -> int:

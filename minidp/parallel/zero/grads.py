@@ -157,7 +157,7 @@ class ShardedGradients:
         if self.launched is not None:
             self.launched(s)
 
-    # ---- the synchronizer the step skeleton drives (strategies/step.py), as DDP's ------------
+    # ---- the synchronizer the step skeleton drives (parallel/step.py), as DDP's ------------
     def zero_grad(self) -> None:
         """Nothing to zero: each launch leaves its parameters' .grad None."""
 

@@ -41,6 +41,8 @@ after DDP. (`--strategy zero --zero-stage 1` pays DP's bytes: a DDP comm hook
 reduce-scatters each bucket instead of allreducing it, stages.py.)
 """
 
+import json
+
 import numpy as np
 
 from minidp import comm
@@ -122,16 +124,36 @@ class ZeroRedundancyOptimizer:
             grad = self.params[i].grad
             piece.grad = None if grad is None else grad.reshape(-1)[lo:hi]
         self.optimizer.step()
+        self._consolidated = None  # a consolidated state is of the step it was taken at
         for piece in self.pieces:
             piece.grad = None  # hold no view of the user's gradients between steps
         allgather_flat(self.flat, self.layout, self.group, "auto")
 
+    def piece_places(self) -> list[tuple]:
+        """(parameter, lo, hi) of each piece the inner optimizer steps: elements [lo, hi) of
+        the flattened parameter (what checkpoint.get_state_dict saves and reshards)."""
+        return [(self.params[i], lo, hi) for i, lo, hi in self._slices]
+
     # ---- resuming -------------------------------------------------------------------------
+    def consolidate_state_dict(self, to: int = 0) -> None:
+        """Collective: gather every rank's shard of the optimizer state onto rank `to`,
+        whose state_dict() then returns the whole of it (PyTorch's: call it on every rank,
+        then save rank `to`'s state_dict())."""
+        self.optimizer.init_state()
+        mine = comm.gather_text(json.dumps(_state_json(self)), root=to, group=self.group)
+        self._consolidated = None
+        if self.group.rank == to:
+            self._consolidated = _whole_state(self, [json.loads(t) for t in mine])
+
     def state_dict(self) -> dict:
-        """This rank's shard of the optimizer state, and the cut it belongs to (Ψ, N, r).
-        Per rank, not consolidated: each rank saves its own and loads it back, with the
-        same parameters and number of ranks. The parameters are not in it: the model's
-        state_dict() holds them, whole on every rank."""
+        """This rank's shard of the optimizer state, and the cut it belongs to (Ψ, N, r);
+        after consolidate_state_dict(to), on rank `to`, the whole state instead (keyed by
+        parameter index, every array whole). The parameters are not in it: the model's
+        state_dict() holds them, whole on every rank. (checkpoint.get_state_dict gives a
+        state dict that reshards over any number of ranks.)"""
+        consolidated = getattr(self, "_consolidated", None)
+        if consolidated is not None:
+            return consolidated
         return {
             "numel": self.layout.numel,
             "size": self.group.size,
@@ -140,7 +162,11 @@ class ZeroRedundancyOptimizer:
         }
 
     def load_state_dict(self, state: dict) -> None:
-        """Take back what this rank's state_dict() gave (local: no message)."""
+        """Take back what this rank's state_dict() gave (local: no message), or a
+        consolidated whole state: this rank keeps its chunk of it."""
+        if "whole" in state:
+            self._load_whole(state)
+            return
         saved = (state["numel"], state["size"], state["rank"])
         here = (self.layout.numel, self.group.size, self.group.rank)
         if saved != here:
@@ -149,6 +175,19 @@ class ZeroRedundancyOptimizer:
                 f"elements; this is rank {here[2]} of {here[1]} over Ψ = {here[0]}"
             )
         self.optimizer.load_state_dict(state["optimizer"])
+
+    def _load_whole(self, state: dict) -> None:
+        """This rank's chunk of a consolidated state (every parameter's arrays whole)."""
+        inner = self.optimizer
+        inner.init_state()
+        for (i, lo, hi), mine in zip(self._slices, inner.state):
+            saved = state["whole"].get(i, state["whole"].get(str(i)))
+            for key, value in (saved or {}).items() if hi > lo else ():
+                value = np.asarray(value)
+                scalar = np.ndim(mine.get(key, value)) == 0  # a step count (not a 0-d param)
+                mine[key] = value.copy() if scalar else value.reshape(-1)[lo:hi].copy()
+        inner.lr, inner.hyper = state["lr"], dict(state["hyper"])
+        inner.step_count = state["step_count"]
 
 
 def trainable(params) -> list[Tensor]:
@@ -178,3 +217,38 @@ def check_same_params(params: list[Tensor], group: comm.Group) -> None:
     if not (every == every[0]).all():
         counts = ", ".join(f"rank {r}: {n} tensors, {e} elements" for r, (n, e) in enumerate(every))
         raise ValueError(f"params differ across the ranks of group ({counts})")
+
+
+def _state_json(zero: "ZeroRedundancyOptimizer") -> list:
+    """This rank's per-piece state as JSON-able lists: [(param index, lo, hi, {key: list})]."""
+    out = []
+    for (i, lo, hi), state in zip(zero._slices, zero.optimizer.state):
+        if hi > lo:
+            out.append([i, lo, hi, {k: np.asarray(v).tolist() for k, v in state.items()}])
+    return out
+
+
+def _whole_state(zero: "ZeroRedundancyOptimizer", every: list) -> dict:
+    """Every rank's pieces (from _state_json) put together into whole arrays per parameter."""
+    whole: dict[int, dict] = {}
+    for pieces_of_rank in every:
+        for i, lo, hi, state in pieces_of_rank:
+            p = zero.params[i]
+            entry = whole.setdefault(i, {})
+            for key, value in state.items():
+                value = np.asarray(value, dtype=np.int64 if key == "step" else p.dtype)
+                if value.ndim == 0:
+                    entry[key] = value
+                else:
+                    flat = entry.setdefault(key, np.zeros(p.size, p.dtype))
+                    flat[lo:hi] = value
+    inner = zero.optimizer
+    return {
+        "whole": {
+            i: {k: v.reshape(zero.params[i].shape) if v.ndim else v for k, v in s.items()}
+            for i, s in sorted(whole.items())
+        },
+        "lr": inner.lr,
+        "hyper": dict(inner.hyper),
+        "step_count": inner.step_count,
+    }

@@ -89,7 +89,7 @@ class SimpleZeRO3:
         """Collective: every parameter whole, by name, on every rank (copies)."""
         for u in range(len(self.chunks)):
             self._gather(u)
-        state = self.model.state_dict()
+        state = {name: array.copy() for name, array in self.model.state_dict().items()}
         for params in self.params:
             self._free(params)
         return state

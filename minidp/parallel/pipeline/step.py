@@ -1,5 +1,5 @@
-"""The pipeline's step: the skeleton (step.py) with its forward and backward replaced by a
-schedule (pp.py builds the recipe).
+"""The pipeline's step: parallel/step.py's skeleton with its forward and backward replaced by
+a schedule (the command line's pipeline recipe, cli/strategies/pp.py, builds it).
 
 Step.__call__ is the skeleton every recipe runs; `PipelineStep` overrides one method,
 `forward_backward`, the K micro-batches' loop, with this rank's schedule:
@@ -23,43 +23,34 @@ the step is the plain pipeline's.
 import numpy as np
 
 from minidp import comm
-from minidp.cli.strategies.step import Step
 from minidp.comm.trace import Timeline
 from minidp.parallel.pipeline.executor import measured_bubble, run_schedule, split_batch
+from minidp.parallel.step import Step
 
 
 class PipelineStep(Step):
-    """The skeleton over a pipeline `recipe` (pp.py): its schedule, stages and mesh."""
+    """The skeleton over this rank's `stages` ({index: PipelineStage}) of `schedule`, whose
+    ranks are `pp_group`; `batch(indices)` gives (inputs, targets) of those examples. The
+    other arguments are Step's (grad_accum is 1: the micro-batches are the accumulation)."""
 
-    def __init__(
-        self, recipe, sync, optimizer, *, clip, before_sync=(), after_sync=(), after_step=()
-    ):
-        config = recipe.config
-        super().__init__(
-            *(None, sync, optimizer),  # no loss(indices): the stages compute it
-            batch_size=config.batch_size,
-            grad_accum=1,  # the schedule's micro-batches are the accumulation
-            dp_group=recipe.mesh.dp_group,
-            timeline=recipe.timeline,
-            clip=clip if config.grad_clip else None,
-            after_sync=after_sync,
-            after_step=after_step,
-        )
-        self.recipe, self.before_sync = recipe, before_sync
+    def __init__(self, schedule, stages, pp_group, batch, sync, optimizer, *, before_sync=(),
+                 **step):  # fmt: skip
+        super().__init__(None, sync, optimizer, grad_accum=1, **step)  # the stages: the loss
+        self.schedule, self.stages, self.pp_group, self.batch = schedule, stages, pp_group, batch
+        self.before_sync = before_sync
         self.bubbles: list[float] = []  # measured, per step
         # the bubble is measured from spans: the run's timeline, or a private one
-        self.spans = recipe.timeline if recipe.timeline.enabled else Timeline()
+        self.spans = self.timeline if self.timeline.enabled else Timeline()
 
     def forward_backward(self, local: np.ndarray) -> float:
         """This rank's schedule over the m micro-batches of its replica's examples; returns
         the replica's mean loss (from the last stage, the same on every rank of the pipe)."""
-        r = self.recipe
-        schedule, stages, pp_group = r.schedule, r.stages, r.mesh.pp_group
+        schedule, stages, pp_group = self.schedule, self.stages, self.pp_group
         for stage in stages.values():
             stage.reset_peaks()
-        inputs, targets = r.task.batch(local)
+        inputs, targets = self.batch(local)
         micro_in, micro_t, shares = split_batch(inputs, targets, schedule.micro_batches)
-        if self.spans is not r.timeline:
+        if self.spans is not self.timeline:
             self.spans.events.clear()  # a private timeline keeps one step's spans
         first = len(self.spans.events)
         with self.sync.no_sync():

@@ -1,4 +1,4 @@
-"""Task: a model together with its data, what the training loop trains.
+"""Task: a model together with its data, what the command line's training loop trains.
 
     task = Task(config, np.float64)         # builds the model from config.seed
     inputs, targets = task.batch(indices)   # the examples at these positions of the data
@@ -8,11 +8,13 @@ Two tasks: "gpt", the tiny character-level GPT on the docstring corpus (an examp
 window of block_size tokens, so indices are window starts), and "mlp", an MLP on the
 synthetic classification clusters. Every rank builds the same task from the same seed, so
 every rank starts with the same model; which examples a rank reads is the strategy's choice.
+`config` is anything with TrainConfig's fields (cli/training/config.py): model, seed,
+block_size, n_layer, n_head, n_embd, dropout, hidden, backend, device, threads, batch_size,
+eval_batches, sample_tokens.
 """
 
 import numpy as np
 
-from minidp.cli.training.config import TrainConfig, check_block_size
 from minidp.engine import backend, nn
 from minidp.engine.tensor import Tensor, no_grad
 from minidp.models import data
@@ -23,13 +25,18 @@ from minidp.tools.info import cores_per_rank
 class Task:
     """A model with its data: how to read a batch and how to score it."""
 
-    def __init__(self, config: TrainConfig, dtype):
+    def __init__(self, config, dtype):
         self.config = config
         threads = config.threads or max(1, int(cores_per_rank()))
         backend.use(config.backend, config.device, threads)  # the model is built on the host
         if config.model == "gpt":
             self.train_tokens, self.val_tokens, self.tokenizer = data.char_corpus()
-            check_block_size(config.block_size)  # before the model's T x T mask exists
+            shortest = min(len(self.train_tokens), len(self.val_tokens))
+            if config.block_size >= shortest:  # before the model's T x T mask exists
+                raise ValueError(
+                    f"block_size {config.block_size} is longer than the text: at most "
+                    f"{shortest - 1:,}"
+                )
             self.gpt_config = GPTConfig(
                 vocab_size=self.tokenizer.vocab_size,
                 block_size=config.block_size,

@@ -1,4 +1,6 @@
-"""StepMeter: the training loop's logging window, as a small object of its own.
+"""StepMeter: a training loop's logging window, as a small object of its own (the command
+line's loop keeps one over its strategy; anything with running totals `comm_seconds`,
+`exposed_seconds` and `bytes_sent_by_axis()` can be metered).
 
 Between two log lines the loop runs a few steps. The meter remembers where every running
 total stood at the last line (the clock, communication seconds, exposed seconds, bytes
