@@ -55,16 +55,20 @@ def trainable(model) -> list:
     return [p for p in model.parameters() if p.requires_grad]
 
 
-def reference() -> dict:
-    """One process, the whole batch, STEPS steps: the parameters by name."""
-    model = Net()
-    opt = optim.AdamW(trainable(model), **ADAMW)
-    for step in range(STEPS):
+def one_process(model, opt, steps):
+    """One process, the whole batch of each step."""
+    for step in steps:
         x, y = batch(step)
         opt.zero_grad()
         cross_entropy(model(Tensor(x)), y).backward()
         opt.step()
-    return model.state_dict()
+    return model
+
+
+def reference() -> dict:
+    """One process, STEPS steps: the parameters by name."""
+    model = Net()
+    return one_process(model, optim.AdamW(trainable(model), **ADAMW), range(STEPS)).state_dict()
 
 
 def wrap(kind: str, model, group):
@@ -139,11 +143,7 @@ def test_a_zero_optimizers_consolidated_state_is_one_processes():
     train(DistributedDataParallel(model, group), zero, group, range(SAVED))
     alone = Net()
     plain = optim.AdamW(trainable(alone), **ADAMW)
-    for step in range(SAVED):
-        x, y = batch(step)
-        plain.zero_grad()
-        cross_entropy(alone(Tensor(x)), y).backward()
-        plain.step()
+    one_process(alone, plain, range(SAVED))
     zero.consolidate_state_dict(to=0)
     if group.rank == 0:
         whole = zero.state_dict()
@@ -178,13 +178,7 @@ class TPMlp(nn.Module):
 
 def mlp_reference() -> dict:
     model = Mlp()
-    opt = optim.AdamW(model.parameters(), **ADAMW)
-    for step in range(STEPS):
-        x, y = batch(step)
-        opt.zero_grad()
-        cross_entropy(model(Tensor(x)), y).backward()
-        opt.step()
-    return model.state_dict()
+    return one_process(model, optim.AdamW(model.parameters(), **ADAMW), range(STEPS)).state_dict()
 
 
 @pytest.mark.parallel(nprocs=[2])
@@ -193,11 +187,7 @@ def test_tensor_parallel_on_2_ranks_loads_into_one_process(tmp_path_factory):
     path = folder_on(world, tmp_path_factory) + "/step_3"
     tp = TPMlp(Mlp(), world)
     opt = optim.AdamW(tp.parameters(), **ADAMW)
-    for step in range(SAVED):
-        x, y = batch(step)
-        opt.zero_grad()
-        cross_entropy(tp(Tensor(x)), y).backward()
-        opt.step()
+    one_process(tp, opt, range(SAVED))  # TP: every rank of the group on the whole batch
     model_sd, optim_sd = checkpoint.get_state_dict(tp, opt)
     assert isinstance(model_sd["fc1.weight"], checkpoint.Sharded), "a TP weight is a slice"
     checkpoint.save({"model": model_sd, "optim": optim_sd}, path, world, step=SAVED)
@@ -210,11 +200,7 @@ def test_tensor_parallel_on_2_ranks_loads_into_one_process(tmp_path_factory):
     state = {"model": model_sd, "optim": optim_sd}
     checkpoint.load(state, path, alone)
     checkpoint.set_state_dict(model, opt, model_state_dict=model_sd, optim_state_dict=optim_sd)
-    for step in range(SAVED, STEPS):
-        x, y = batch(step)
-        opt.zero_grad()
-        cross_entropy(model(Tensor(x)), y).backward()
-        opt.step()
+    one_process(model, opt, range(SAVED, STEPS))
     for name, value in want.items():
         np.testing.assert_allclose(model.state_dict()[name], value, rtol=1e-9, err_msg=name)
 
