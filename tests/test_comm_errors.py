@@ -82,7 +82,7 @@ def test_mismatched_arguments_raise_collective_mismatch_on_every_rank():
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parallel(nprocs=[2, 3, 5])
+@pytest.mark.parallel(nprocs=[2, 5])
 def test_a_rank_that_skips_a_collective_times_out_the_others():
     world = comm.world()
     r, last = world.rank, world.size - 1
@@ -104,7 +104,7 @@ def test_a_rank_that_skips_a_collective_times_out_the_others():
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parallel(nprocs=[2, 3])
+@pytest.mark.parallel(nprocs=[3])
 def test_a_rank_later_than_the_deadline_gives_up_too_instead_of_waiting_alone():
     """The others timed out after sending their fingerprints: the late rank finds every
     fingerprint, and must still raise rather than go on into the data exchange alone."""
@@ -127,7 +127,7 @@ def test_a_rank_later_than_the_deadline_gives_up_too_instead_of_waiting_alone():
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parallel(nprocs=[2, 3])
+@pytest.mark.parallel(nprocs=[3])
 def test_bad_arguments_on_one_rank_raise_value_error_there_and_time_out_elsewhere():
     world = comm.world()
     g, fresh = group(timeout=1.0), group()
@@ -307,7 +307,7 @@ with open(f"{sys.argv[1]}/{rank}.json", "w") as file:
 
 
 @pytest.mark.timeout(200)
-@pytest.mark.parametrize("nprocs", [3, 5])
+@pytest.mark.parametrize("nprocs", [5])
 def test_by_default_mismatched_shapes_raise_on_every_rank_and_the_job_ends(tmp_path, nprocs):
     script = tmp_path / "defaults.py"
     script.write_text(DEFAULTS_SCRIPT)

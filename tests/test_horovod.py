@@ -81,12 +81,7 @@ def test_horovods_loop_is_one_process():
         got = horovod_run(range(3), passes)
         for name, value in want.items():
             np.testing.assert_allclose(got[name], value, rtol=1e-12, err_msg=f"{passes} {name}")
-
-
-@pytest.mark.parallel(nprocs=[2])
-def test_fp16_compression_stays_close():
-    want = one_process(range(3), adamw)
-    got = horovod_run(range(3), compression=hvd.Compression.fp16)
+    got = horovod_run(range(3), compression=hvd.Compression.fp16)  # half the bytes: close
     gap = max(np.abs(got[k] - v).max() for k, v in want.items())
     assert 0 < gap < 1e-2, gap
 
