@@ -143,6 +143,7 @@ def test_a_zero_optimizers_consolidated_state_is_one_processes():
     alone = Net()
     plain = optim.AdamW(trainable(alone), **ADAMW)
     one_process(alone, plain, range(SAVED))
+    mine = [{k: np.array(v) for k, v in state.items()} for state in zero.optimizer.state]
     zero.consolidate_state_dict(to=0)
     if group.rank == 0:
         whole = zero.state_dict()
@@ -150,6 +151,10 @@ def test_a_zero_optimizers_consolidated_state_is_one_processes():
         for i, state in whole["whole"].items():
             for key, value in state.items():
                 np.testing.assert_allclose(value, plain.state[i][key], rtol=1e-10, err_msg=key)
+        zero.load_state_dict(whole)  # loaded back: this rank keeps its chunk of it
+        for state, kept in zip(zero.optimizer.state, mine):
+            for key, value in kept.items():
+                np.testing.assert_array_equal(state[key], value, err_msg=key)
     else:
         assert "whole" not in zero.state_dict()
 

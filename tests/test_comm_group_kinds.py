@@ -276,7 +276,8 @@ def test_every_collective_on_every_kind_of_group():
 @pytest.mark.timeout(240)
 @pytest.mark.parallel(nprocs=[7])
 def test_butterflies_fold_two_or_more_left_over_ranks():
-    """p = 6, 7: rem = 2, 3 ranks fold onto p' = 4 (recursive.py), checks on and off."""
+    """p = 7: rem = 3 ranks fold onto p' = 4 (recursive.py), checks on and off (the fold is
+    the same code for any rem >= 2)."""
     world = comm.world()
     quick = fast(world)
     names = ("allreduce", "reduce_scatter", "allgather")

@@ -149,3 +149,22 @@ def test_join_with_a_rank_a_batch_short_is_one_process_on_what_was_seen():
     if group.rank != short:
         for name, value in want.items():
             np.testing.assert_allclose(model.state_dict()[name], value, rtol=1e-12)
+
+
+def test_a_frozen_parameter_stays_and_a_new_wrapper_replaces_the_old_ones():
+    """Horovod reduces only what requires grad: a frozen bias gets no gradient (no weight
+    decay moves it); wrapping parameters again closes the wrappers that held any of them."""
+    hvd.init()
+    model = Net()
+    model.fc1.bias.requires_grad = False
+    frozen = model.fc1.bias.data.copy()
+    a = hvd.DistributedOptimizer(optim.SGD([model.fc1.weight], lr=0.1))
+    b = hvd.DistributedOptimizer(optim.SGD([model.fc2.weight], lr=0.1))
+    both = hvd.DistributedOptimizer(optim.SGD(model.parameters(), lr=0.1, weight_decay=0.5))
+    assert not a._unhook and not b._unhook  # closed: their hooks count no more passes
+    x, y = batch(0)
+    both.zero_grad()
+    cross_entropy(model(x), y).backward()
+    both.step()
+    np.testing.assert_array_equal(model.fc1.bias.data, frozen)
+    both.close()

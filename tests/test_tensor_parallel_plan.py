@@ -93,3 +93,15 @@ def test_a_plan_names_what_it_cannot_split():
         parallelize_module(Net(), group, {"blocks.0.fc9": ColwiseParallel()})
     with pytest.raises(TypeError, match="not an nn.Linear"):
         parallelize_module(Net(), group, {"blocks.0.norm1": ColwiseParallel()})
+
+
+def test_a_plan_that_fails_changes_nothing():
+    """Every entry is checked before any layer is replaced: a weight shared with another
+    layer is refused, and the entries before it stay plain Linears."""
+    group = comm.world()
+    shared = Net()
+    shared.blocks[0].fc2.weight = shared.blocks[0].attn.proj.weight  # tied, by the user
+    plan = {"blocks.0.fc1": ColwiseParallel(), "blocks.0.fc2": RowwiseParallel()}
+    with pytest.raises(ValueError, match="shared with"):
+        parallelize_module(shared, group, plan)
+    assert type(shared.blocks[0].fc1) is nn.Linear  # the first entry was not applied

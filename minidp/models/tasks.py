@@ -22,6 +22,10 @@ from minidp.models.gpt import GPT, GPTConfig
 from minidp.tools.info import cores_per_rank
 
 
+class TextTooShort(ValueError):
+    """A GPT window longer than the corpus's validation split."""
+
+
 class Task:
     """A model with its data: how to read a batch and how to score it."""
 
@@ -33,7 +37,7 @@ class Task:
             self.train_tokens, self.val_tokens, self.tokenizer = data.char_corpus()
             shortest = min(len(self.train_tokens), len(self.val_tokens))
             if config.block_size >= shortest:  # before the model's T x T mask exists
-                raise ValueError(
+                raise TextTooShort(
                     f"block_size {config.block_size} is longer than the text: at most "
                     f"{shortest - 1:,}"
                 )

@@ -28,7 +28,7 @@ from minidp.cli.training.resume import Preempted
 from minidp.comm.trace import Timeline
 from minidp.engine import optim
 from minidp.models import data
-from minidp.models.tasks import Task
+from minidp.models.tasks import Task, TextTooShort
 from minidp.parallel.checkpoint import Preemption
 from minidp.tools.info import blas_info, cores_per_rank, mpi_library
 from minidp.tools.log import RankLog, print0
@@ -74,7 +74,7 @@ def _train(config: TrainConfig, group: comm.Group, preemption: Preemption, adds)
         raise BadConfig(f"--strategy {config.strategy!r}: choose from {', '.join(STRATEGIES)}")
     try:
         task = Task(config, np.dtype(config.dtype))
-    except ValueError as error:  # alike on every rank: one line
+    except TextTooShort as error:  # alike on every rank: one line
         raise BadConfig(str(error)) from None
     timeline = Timeline(enabled=config.trace is not None)
     with (

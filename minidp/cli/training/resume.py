@@ -195,9 +195,9 @@ def resume(config, strategy, group: comm.Group, task) -> tuple[int, dict]:
     steps = comm.allgather(np.array([state["step"]], dtype=np.int64), group=group).ravel()
     if (steps != steps[0]).any():
         raise BadConfig(f"--resume {path}: its shards disagree on the step: {steps.tolist()}")
-    try:  # every rank reads the same checkpoint: the same refusal everywhere
-        strategy.load_state_dict(state["strategy"])
-    except (KeyError, ValueError) as error:
+    try:  # a rank whose state does not fit (pipeline ranks hold different stages): every
+        checkpoint.together(lambda: strategy.load_state_dict(state["strategy"]), group)
+    except checkpoint.CheckpointError as error:  # rank refuses with it, in one line
         raise BadConfig(f"--resume {path}: its state does not fit this run ({error})") from None
     checkpoint.set_rng_states(strategy, state["rng"])
     print0(f"resumed from {path} at step {state['step']}", rank=group.rank)

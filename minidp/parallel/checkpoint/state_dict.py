@@ -123,6 +123,11 @@ def optimizer_entries(optimizer, places: dict) -> tuple[object, list[tuple[str, 
     parameters), from `places` ({id(Tensor): (name, Slice)}, the model's entries);
     ZeroRedundancyOptimizer's pieces are its parameters' flat ranges."""
     if hasattr(optimizer, "piece_places"):
+        if any(id(p) not in places for p, _, _ in optimizer.piece_places()):
+            raise ValueError(
+                "the ZeroRedundancyOptimizer's parameters are not the model's (give "
+                "get_state_dict the model it steps)"
+            )
         if any(places[id(p)][1] is not None for p, _, _ in optimizer.piece_places()):
             raise ValueError(
                 "ZeroRedundancyOptimizer over tensor-parallel slices: its ranges are of each "
@@ -162,7 +167,9 @@ def get_state_dict(model, optimizers=None) -> tuple[StateDict, StateDict]:
         inner.init_state()
         for (name, where), per_param in zip(named, inner.state):
             state[name] = {
-                key: _host(value) if where is None or np.ndim(value) == 0 else Sharded(value, where)
+                key: _host(value)
+                if where is None or np.ndim(value) == 0
+                else Sharded(_host(value), where)
                 for key, value in per_param.items()
             }
             optim_layout[f"state/{name}/"] = "replicated" if where is None else where

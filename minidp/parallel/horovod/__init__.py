@@ -182,6 +182,8 @@ class DistributedOptimizer:
             raise ValueError(
                 f"backward_passes_per_step must be >= 1, got {backward_passes_per_step}"
             )
+        if op == Adasum and compression != Compression.none:
+            raise ValueError("compression with op=Adasum: Adasum combines full-precision tensors")
         if not gradient_predivide_factor > 0 or (gradient_predivide_factor != 1 and op != Average):
             raise ValueError("gradient_predivide_factor: a positive number, with op=Average only")
         self.optimizer, self.group = optimizer, process_set or _group()
@@ -193,7 +195,7 @@ class DistributedOptimizer:
             if any(id(p) not in named for p in self.params):
                 raise ValueError("named_parameters does not name every parameter of optimizer")
         mine = {id(p) for p in self.params}
-        for old in _state["optimizers"]:  # a wrapper of these parameters before: replaced
+        for old in list(_state["optimizers"]):  # wrappers of these parameters: replaced
             if mine & {id(p) for p in old.params}:
                 old.close()
         self._counts = [0] * len(self.params)  # backward passes that reached each
@@ -282,7 +284,8 @@ def join() -> int:
     returns the rank that joined last (the lowest of those that joined together)."""
     if not _state["optimizers"]:
         raise ValueError("hvd.join() joins a DistributedOptimizer's steps: make one first")
-    optimizer, group = _state["optimizers"][-1], _group()
+    optimizer = _state["optimizers"][-1]
+    group = optimizer.group  # its process set: the ranks that step it
     rounds = 0
     while optimizer.synchronize(active=False):
         rounds += 1

@@ -60,7 +60,9 @@ class ColwiseParallel:
         if name.rsplit(".", 2)[-2] == "qkv" and n_head and full.weight.shape[1] == 3 * C:
             features = head_features(n_head, C // n_head, group)  # this rank's heads
             columns = np.concatenate([features, C + features, 2 * C + features])
-            parent.n_head = n_head // group.size
+            layer = ColumnParallelLinear(full, group, name=name, columns=columns)
+            parent.n_head = n_head // group.size  # last: once the layer is built
+            return layer
         return ColumnParallelLinear(full, group, name=name, columns=columns)
 
 
@@ -78,6 +80,7 @@ def parallelize_module(model: nn.Module, group: comm.Group, plan: dict) -> nn.Mo
     must build `model` alike (one seed) and pass the same plan."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a minidp.nn.Module, got {type(model).__name__}")
+    planned = []  # every entry checked first: a bad plan changes nothing
     for name, style in plan.items():
         if not isinstance(style, ColwiseParallel | RowwiseParallel):
             raise TypeError(f"plan[{name!r}] must be ColwiseParallel() or RowwiseParallel()")
@@ -94,6 +97,12 @@ def parallelize_module(model: nn.Module, group: comm.Group, plan: dict) -> nn.Mo
                   if id(p) in mine and not n.startswith(prefix)]  # fmt: skip
         if shared:  # its slices are copies: the other user would lose the tie
             raise ValueError(f"plan[{name!r}]: its parameters are shared with {shared}")
+        n_head = getattr(parent, "n_head", None)
+        if attr == "qkv" and n_head and (full.weight.shape[1] // 3) % n_head:
+            raise ValueError(f"plan[{name!r}]: its {full.weight.shape[1]} features do not "
+                             f"split into q, k, v of {n_head} heads")  # fmt: skip
+        planned.append((name, style, parent, attr, full))
+    for name, style, parent, attr, full in planned:
         layer = style.apply(full, group, name + ".", parent)
         if isinstance(parent, list):
             parent[int(attr)] = layer

@@ -164,6 +164,7 @@ class ZeroRedundancyOptimizer:
     def load_state_dict(self, state: dict) -> None:
         """Take back what this rank's state_dict() gave (local: no message), or a
         consolidated whole state: this rank keeps its chunk of it."""
+        self._consolidated = None
         if "whole" in state:
             self._load_whole(state)
             return
@@ -182,7 +183,9 @@ class ZeroRedundancyOptimizer:
         inner.init_state()
         for (i, lo, hi), mine in zip(self._slices, inner.state):
             saved = state["whole"].get(i, state["whole"].get(str(i)))
-            for key, value in (saved or {}).items() if hi > lo else ():
+            if saved is None and hi > lo:
+                raise ValueError(f"the consolidated state has no parameter {i}")
+            for key, value in saved.items() if hi > lo else ():
                 value = np.asarray(value)
                 scalar = np.ndim(mine.get(key, value)) == 0  # a step count (not a 0-d param)
                 mine[key] = value.copy() if scalar else value.reshape(-1)[lo:hi].copy()
