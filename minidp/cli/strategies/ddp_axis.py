@@ -175,9 +175,7 @@ class DDPAxis:
         """The model and optimizer as checkpoint.get_state_dict gives them (by parameter
         name, a TP slice where the model is cut: they reshard), the pruning masks (whole
         on every rank), and each rank's own: the compressors' residuals and DGC's velocity."""
-        # --compress-on velocity: MomentumCorrectedSGD steps, with the momentum of "velocity"
-        # below; self.optimizer never does, and has nothing to save
-        stepped = self.optimizer if self.momentum_correction is None else None
+        stepped = self.optimizer if self.momentum_correction is None else None  # (DGC: unused)
         model, optimizer = get_state_dict(self.model, stepped)
         state = {"model": model, "optimizer": optimizer}
         if self.compressor is not None:  # error-feedback residuals are training state

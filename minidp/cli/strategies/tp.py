@@ -59,8 +59,7 @@ def mesh_sizes(config, world_size: int) -> tuple[int, int]:
 
 
 def check_drift(config, dp: int, tp: int, vocab: int) -> bool:
-    """Whether ZeRO must broadcast TP rank 0's replicated parameters after each step
-    (parallel/zero/over_tp.py); BadConfig where stage 3 cannot."""
+    """Whether ZeRO must broadcast TP rank 0's replicated parameters (BadConfig: stage 3)."""
     drift = drifts(dp, tp, vocab)
     if drift and config.zero_stage == 3:
         raise BadConfig(
