@@ -133,8 +133,8 @@ def alltoall(x, process_set: comm.Group | None = None):
 
 def broadcast_parameters(params, root_rank: int, process_set=None) -> None:
     """The root's values into every rank's arrays, in place: `params` a state dict
-    (Module.state_dict(): the parameters' own arrays, on the NumPy backend) or (name,
-    Tensor) pairs (model.named_parameters(): any backend's NumPy arrays only)."""
+    (Module.state_dict(): the parameters' own arrays) or (name, Tensor) pairs
+    (model.named_parameters()). NumPy backend only: a torch tensor is refused."""
     group = process_set or _group()
     items = params.items() if isinstance(params, dict) else params
     for _, value in sorted(items, key=lambda item: item[0]):
