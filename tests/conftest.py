@@ -22,6 +22,11 @@ import os
 import pytest
 
 os.environ.setdefault("MINIDP_CHECKS", "1")  # checks on, as by default (unless set to 0)
+if "_PYTEST_MPI_CHILD_PROCESS" not in os.environ:
+    # mpi-pytest starts a pytest in every rank of each parallel test. Only serial tests use
+    # hypothesis, and its plugin's import took 0.7 of a child's 1.2 s start here: children
+    # (which inherit this variable; this process read its own options already) skip it
+    os.environ["PYTEST_ADDOPTS"] = f"{os.environ.get('PYTEST_ADDOPTS', '')} -p no:hypothesispytest"
 
 
 def _in_parallel_child() -> bool:
