@@ -59,7 +59,7 @@ from minidp.parallel.pipeline import communications as msg
 from minidp.parallel.pipeline.actions import RECV_B, RECV_F, Action, B, F, W, peer_rank
 from minidp.parallel.pipeline.stage import PipelineStage
 
-__all__ = ["RunResult", "measured_bubble", "run_schedule", "split_batch"]
+__all__ = ["RunResult", "check_stages", "measured_bubble", "run_schedule", "split_batch"]
 
 
 class RunResult(list):
@@ -106,7 +106,7 @@ def run_schedule(
     loss), [] on the other ranks, as a RunResult: a list that also carries the rank's peak
     activations over the run."""
     m = schedule.micro_batches
-    rank = _check(schedule, stages)
+    rank = check_stages(schedule, stages)
     if shares is None and targets is not None:  # the last stage's: B_j / B, uneven too
         shares = [len(t) / sum(len(u) for u in targets) for t in targets]
     shares = [1.0 / m] * m if shares is None else list(shares)
@@ -177,7 +177,7 @@ def _wait_for(action: Action, stage: PipelineStage, pp: int) -> None:
         )
 
 
-def _check(schedule, stages: dict[int, PipelineStage]) -> int:
+def check_stages(schedule, stages: dict[int, PipelineStage]) -> int:
     """This rank's index in the pipeline group, after checking `stages` fits `schedule`."""
     if not stages:
         raise ValueError("stages is empty: give this rank's PipelineStages by stage index")

@@ -27,13 +27,13 @@ message that will not come.
 import numpy as np
 
 from minidp import comm
+from minidp.parallel.pipeline.executor import check_stages, run_schedule
+from minidp.parallel.pipeline.stage import PipelineStage
 
 
 def bind(pp, virtual, loss_fn) -> tuple[int, int, dict | None]:
     """(pp, V, {stage index: PipelineStage} or None) from a schedule's first arguments:
     numbers, or this rank's stage(s) (V: how many; a callable in V's place is the loss)."""
-    from minidp.parallel.pipeline.stage import PipelineStage
-
     given = pp if isinstance(pp, list | tuple) else [pp]
     if not all(isinstance(s, PipelineStage) for s in given):
         if loss_fn is not None:
@@ -50,8 +50,6 @@ def bind(pp, virtual, loss_fn) -> tuple[int, int, dict | None]:
 
 def run_step(schedule, inputs: tuple, target, losses):
     """schedule.step: see the module docstring."""
-    from minidp.parallel.pipeline.executor import run_schedule
-
     stages = schedule.bound
     if stages is None:
         raise TypeError(
@@ -78,10 +76,8 @@ def run_step(schedule, inputs: tuple, target, losses):
 def _problem(schedule, stages, inputs: tuple, target, first: bool, last: bool) -> str:
     """What is wrong with this rank's own arguments ("" for nothing), said in the agreement
     so that every rank fails together, none alone."""
-    from minidp.parallel.pipeline.executor import _check
-
     try:  # the stages must be this rank's of the schedule
-        _check(schedule, stages)
+        check_stages(schedule, stages)
     except ValueError as error:
         return str(error)
     if len(inputs) > 1:
