@@ -211,11 +211,11 @@ def measure(args, world: comm.Group, device: str, env: dict) -> tuple[dict, dict
     try:
         times = rotated_rounds(steps, args.warmup, args.iters, world.comm, faults=faults)
     finally:
-        import torch.distributed as dist
-
         for run in runs.values():
             if hasattr(run, "close"):
                 run.close()
-        dist.destroy_process_group()
         backend.use("numpy")
+    from minidp_bench.torch_train import close_gloo
+
+    close_gloo(world)  # on success only: a rank that raised is ending the job anyway
     return times, faults, runs

@@ -37,6 +37,9 @@ from minidp.tools.info import cores_per_rank
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
 
+_STORE: list = []  # rank 0's TCPStore serves every rank's teardown: kept until close_gloo
+
+
 def init_gloo(group: comm.Group) -> None:
     """torch.distributed over gloo on 127.0.0.1, rank and world from `group` (MPI)."""
     import torch.distributed as dist
@@ -47,12 +50,21 @@ def init_gloo(group: comm.Group) -> None:
             s.bind(("127.0.0.1", 0))
             port[0] = s.getsockname()[1]
     comm.broadcast(port, root=0, group=group)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{int(port[0])}",
-        rank=group.rank,
-        world_size=group.size,
-    )
+    store = dist.TCPStore("127.0.0.1", int(port[0]), group.size, is_master=group.rank == 0)
+    _STORE.append(store)
+    dist.init_process_group("gloo", store=store, rank=group.rank, world_size=group.size)
+
+
+def close_gloo(group: comm.Group) -> None:
+    """Tear torch.distributed down on every rank of `group` without a hang: all gloo work
+    done first (a barrier), and rank 0's store kept serving until every rank has let go
+    (an MPI barrier after). Without them one rank could wait forever in its teardown."""
+    import torch.distributed as dist
+
+    dist.barrier()
+    dist.destroy_process_group()
+    comm.barrier(group=group)
+    _STORE.clear()
 
 
 class ReferenceRun:
@@ -152,14 +164,10 @@ def train_reference(
     """Train `config.steps` steps in plain PyTorch (DDP over `group` when given); returns
     the per-step global losses and the trained torch model. Initializes and tears down
     torch.distributed around a DDP run."""
-    import torch.distributed as dist
-
     if group is not None:
         init_gloo(group)
-    try:
-        run = ReferenceRun(config, group, device)
-        losses = [run.step(s) for s in range(config.steps)]
-    finally:
-        if group is not None:
-            dist.destroy_process_group()
+    run = ReferenceRun(config, group, device)
+    losses = [run.step(s) for s in range(config.steps)]
+    if group is not None:
+        close_gloo(group)  # on success only: a rank that raised is ending the job anyway
     return losses, run.net
