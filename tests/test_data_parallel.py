@@ -286,3 +286,18 @@ def test_each_gradient_is_weighed_into_its_bucket_as_backward_finishes_it():
         assert all(len(p._hooks) == 1 for p in model.parameters())
         ddp.close()
         assert all(not p._hooks for p in model.parameters())
+
+
+@pytest.mark.parallel(nprocs=[2])
+@pytest.mark.timeout(60)
+def test_replica_spread_walks_the_arrays_in_small_chunks_and_sees_every_element():
+    """The end-of-run check packs small arrays and cuts large ones (never a model-sized
+    array): a difference in the last element of the last chunk and a NaN both show."""
+    group = comm.world()
+    arrays = [np.zeros(3), np.zeros((5, 7)), np.zeros(1)]
+    assert replica_spread(arrays, group, chunk=4) == 0.0
+    arrays[1][4, 6] = 0.5 * group.rank  # element 37 of 39: in the tenth chunk of four
+    assert replica_spread(arrays, group, chunk=4) == 0.5
+    assert replica_spread(arrays, group) == 0.5  # one chunk holds them all
+    arrays[2][0] = np.nan if group.rank == 1 else 0.0
+    assert np.isnan(replica_spread(arrays, group, chunk=4))

@@ -231,6 +231,16 @@ def test_shards_cover_the_flat_vector_once_with_edges_inside_tensors():
     assert chunk_bounds(10, 4) == (0, 3, 6, 8, 10)
 
 
+def test_a_shard_is_copied_from_the_parameters_without_the_whole_flat_vector():
+    params = [nn.Parameter(np.arange(n, dtype=np.float64) + 100 * n) for n in (7, 3, 2, 1)]
+    segments = [params[:2], params[2:3], params[3:]]
+    names = {id(p): f"p{i}" for i, p in enumerate(params)}
+    for rank in range(4):
+        layout = ShardLayout(segments, names, 4, rank)
+        flat = layout.flatten({f"p{i}": p.data for i, p in enumerate(params)})
+        np.testing.assert_array_equal(layout.shard_of_parameters(np.float64), layout.shard_of(flat))
+
+
 @pytest.mark.parametrize(
     "args, message",
     [
@@ -271,17 +281,28 @@ def minidp(nprocs: int, *args: str) -> subprocess.CompletedProcess:
 GPT_TINY = ("--n-layer", "1", "--n-embd", "16", "--n-head", "2", "--block-size", "8")
 
 
-def test_cli_stage_3_prints_memory_per_rank_by_category(tmp_path):
-    path = tmp_path / "run.jsonl"
-    args = ("--strategy", "zero", "--zero-stage", "3", "--steps", "2", "--json", str(path))
-    result = minidp(2, *args, *GPT_TINY, "--sample-tokens", "0", "--eval-batches", "1")
-    assert result.returncode == 0, result.stderr
-    assert "memory per rank, MB: parameters" in result.stdout, result.stdout
-    final = json.loads(path.read_text().splitlines()[-1])
+def test_cli_stage_3_never_gathers_the_whole_model_and_evaluates_and_samples_as_dp(tmp_path):
+    """Stage 3 leaves the model in shards after training: validation and sampling run
+    through the layer-by-layer gathered forward on every rank, equal to DP's whole model;
+    the record has each rank's memory by category and the OS's peak RSS."""
+    finals, outs = {}, {}
+    for name, flags in (("dp", ()), ("zero3", ("--strategy", "zero", "--zero-stage", "3"))):
+        path = tmp_path / f"{name}.jsonl"
+        args = (*flags, "--steps", "2", "--dtype", "float64", "--json", str(path))
+        result = minidp(2, *args, *GPT_TINY, "--sample-tokens", "12", "--eval-batches", "1")
+        assert result.returncode == 0, result.stderr
+        finals[name], outs[name] = json.loads(path.read_text().splitlines()[-1]), result.stdout
+    final = finals["zero3"]
+    assert "memory per rank, MB: parameters" in outs["zero3"], outs["zero3"]
     per_rank = final["memory_bytes_per_rank"]
     assert final["zero_stage"] == 3 and len(per_rank["parameters"]) == 2
-    memory = final["memory_bytes"]  # rank 0's, float32: 4 bytes a parameter of its shard
-    assert per_rank["parameters"][0] == memory["parameters"] == 4 * final["shard_elements"]
+    memory = final["memory_bytes"]  # rank 0's, float64: 8 bytes a parameter of its shard
+    assert per_rank["parameters"][0] == memory["parameters"] == 8 * final["shard_elements"]
+    assert len(final["peak_rss"]) == 2 and min(final["peak_rss"]) > 10e6
+    for key in ("val_loss", "param_l2"):
+        np.testing.assert_allclose(final[key], finals["dp"][key], rtol=1e-10)
+    sample = outs["zero3"].split("sample:")[1]  # printed once, the same text as DP's
+    assert outs["zero3"].count("sample:") == 1 and sample == outs["dp"].split("sample:")[1]
 
 
 def test_bench_memory_smoke(tmp_path):

@@ -39,14 +39,34 @@ def stand_in(p) -> np.ndarray:
     return np.broadcast_to(np.zeros((), p.dtype), p.shape)
 
 
-def replica_spread(arrays, group: comm.Group) -> float:
-    """max over elements of (largest - smallest value across the group): 0.0 when in sync."""
-    if not arrays:
-        return 0.0
-    flat = np.concatenate([to_numpy(a).ravel() for a in arrays]).astype(np.float64)
-    high = comm.allreduce(flat, op="max", group=group)
-    low = comm.allreduce(flat, op="min", group=group)
-    return float((high - low).max())
+def replica_spread(arrays, group: comm.Group, chunk: int = 1 << 17) -> float:
+    """max over elements of (largest - smallest value across the group): 0.0 when in sync.
+
+    About `chunk` elements at a time (small arrays packed together, a large one cut): no
+    array the size of the model is made, so the check costs a rank no more memory than a
+    gradient bucket. A NaN anywhere is the answer (alike on every rank: the allreduce's)."""
+    spread = 0.0
+    for part in _packed(arrays, chunk):
+        both = comm.allreduce(np.concatenate([part, -part]), op="max", group=group)
+        if np.isnan(both).any():
+            return float("nan")
+        spread = max(spread, float((both[: part.size] + both[part.size :]).max()))
+    return spread
+
+
+def _packed(arrays, chunk: int):
+    """The arrays' elements laid end to end, in float64 runs of about `chunk` elements."""
+    parts, held = [], 0
+    for a in arrays:
+        flat = to_numpy(a).ravel()
+        for lo in range(0, flat.size, chunk):
+            parts.append(flat[lo : lo + chunk].astype(np.float64))
+            held += parts[-1].size
+            if held >= chunk:
+                yield np.concatenate(parts)
+                parts, held = [], 0
+    if parts:
+        yield np.concatenate(parts)
 
 
 def bytes_sent(*groups: comm.Group) -> int:

@@ -21,6 +21,8 @@ first micro-batch to the last.
 """
 
 import os
+import resource
+import sys
 
 from minidp.engine.backend import base_of
 
@@ -93,6 +95,14 @@ def activation_estimate(config, examples: int, tp: int = 1) -> int:
     outside = 5 * T * C // (tp if tp > 1 and config.sequence_parallel else 1)
     per_example = L * ((3 * H * T * T + 15 * T * C) // tp + outside) + 3 * T * 128
     return examples * per_example * itemsize + T * T
+
+
+def peak_rss_bytes() -> int:
+    """The most physical memory this process has held so far (its peak resident set size),
+    as the OS counts it: every array, but also Python, the libraries and the allocator's
+    kept heap, which the categories above do not see. A reader compares the two."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else 1024 * peak  # macOS: bytes; Linux: KiB
 
 
 def physical_memory_bytes() -> int | None:

@@ -5,6 +5,7 @@
     for step in range(steps):
         result = strategy.step(sampler.local_indices(step), lr)     # forward .. optimizer
     strategy.gather_model()          # collective: task.model holds the trained weights
+                                     # (unless strategy.sharded_forward: then it stays cut)
     strategy.param_l2(), strategy.max_param_diff()                  # collective, every rank
     strategy.bytes_sent_by_axis(), strategy.memory_bytes()          # this rank's
     state = strategy.state_dict(); strategy.load_state_dict(state)  # all that resumes it
@@ -26,6 +27,9 @@
   checkpoint.Slice of the whole tensor} for what another number of ranks may load; {}:
   each rank's own.
 - `gather_model()`: collective, after training: the trained weights whole in `task.model`.
+  `sharded_forward` True: the loop leaves the model sharded instead (ZeRO-3), because its
+  forward gathers each layer around its use; validation and sampling then run on every
+  rank together, and no rank ever holds the whole model.
 - `describe()`, `record()`, `summary()`: the header's, the final record's and a closing line.
 
 Most strategies are recipes (`Recipe`): an __init__ that checks its flags, wraps the task's
@@ -52,6 +56,7 @@ class Strategy:
 
     name = ""  # the --strategy name
     data_shard: tuple[int, int] | None = None
+    sharded_forward = False  # True: task.model's forward is collective (see above)
     comm_seconds = 0.0  # totals since the strategy was built: the loop reads differences
     exposed_seconds = 0.0
 

@@ -78,8 +78,17 @@ class ZeRO(Recipe):
         """Each rank's chunks, their squares summed over the data-parallel group."""
         return global_l2([getattr(p, kind) for p in self.pieces], shard_group=self.dp_group)
 
+    @property
+    def sharded_forward(self) -> bool:
+        """Stage 3: the model stays in shards after training, its forward gathering each
+        layer (validation and sampling on every rank together, never the whole model)."""
+        return self.stage == 3
+
     def max_param_diff(self) -> float:
-        """Spread among the ranks of the whole model (after gather_model, at stage 3)."""
+        """Spread among the ranks of the whole model (stages 1 and 2: every rank holds it);
+        0.0 at stage 3, where no two ranks hold the same parameters (as `replicas`)."""
+        if self.stage == 3:
+            return 0.0
         return replica_spread([p.data for p in self.task.model.parameters()], self.group)
 
     def replicas(self) -> list:

@@ -32,7 +32,7 @@ from minidp.models.tasks import Task, TextTooShort
 from minidp.parallel.checkpoint import Preemption
 from minidp.tools.info import blas_info, cores_per_rank, mpi_library
 from minidp.tools.log import RankLog, print0
-from minidp.tools.memory import CATEGORIES
+from minidp.tools.memory import CATEGORIES, peak_rss_bytes
 from minidp.tools.meter import StepMeter, Window
 from minidp.tools.records import Records
 
@@ -154,7 +154,8 @@ def _train(config: TrainConfig, group: comm.Group, preemption: Preemption, adds)
         step_s = launch.seconds / launch.steps if launch.steps else None
         # collective among the ranks still in the job (a dropped ps worker is not)
         per_rank = memory_per_rank(memory, strategy.group)  # shards differ by rank
-        strategy.gather_model()  # the whole trained model in task.model, for what follows
+        if not strategy.sharded_forward:  # ZeRO-3's forward gathers layer by layer instead
+            strategy.gather_model()  # the whole trained model in task.model, for what follows
         final = {
             "final_loss": loss,
             "val_loss": task.validation_loss(),
@@ -177,12 +178,15 @@ def _train(config: TrainConfig, group: comm.Group, preemption: Preemption, adds)
             **{k: v for add in adds for k, v in add(config, strategy.group, step_s).items()},
             "config": vars(config),  # every field, those of other strategies too
         }
+        # last: the OS's figure, after everything above (validation and the checks too)
+        peak = np.array([peak_rss_bytes()], dtype=np.int64)
+        final["peak_rss"] = comm.allgather(peak, group=strategy.group).ravel().tolist()
     records.write(final)  # the last line
     records.close()
     report(final, config, say)
     if line := strategy.summary():
         say(line)
-    if group.rank == 0:
+    if group.rank == 0 or strategy.sharded_forward:  # a sharded forward: every rank together
         sample = task.sample()
         if sample is not None:
             say("sample:\n" + sample)
@@ -241,4 +245,5 @@ def report(final: dict, config, say) -> None:
     say(
         "memory per rank, MB: "
         + " | ".join(f"{n} {'/'.join(f'{b / 1e6:.3f}' for b in per_rank[n])}" for n in names)
+        + f" | peak RSS (the OS's) {'/'.join(f'{b / 1e6:.0f}' for b in final['peak_rss'])}"
     )

@@ -59,6 +59,20 @@ class ShardLayout:
         """This rank's elements of a whole flat vector, concatenated: what its shard holds."""
         return np.concatenate([flat[lo:hi] for lo, hi in self.ranges()])
 
+    def shard_of_parameters(self, dtype) -> np.ndarray:
+        """What shard_of(the flat vector) gives, copied straight from the segments'
+        parameters, one at a time: no whole flat vector is ever made (stage 3 would hold
+        the model twice while it shards it)."""
+        shard = np.empty(self.shard_numel, dtype)
+        for s, ((lo, hi), params) in enumerate(zip(self.chunks, self.segments)):
+            mine, offset = self.my_chunk(shard, s), 0
+            for p in params:
+                a, b = max(lo, offset), min(hi, offset + p.size)
+                if a < b:
+                    mine[a - lo : b - lo] = np.ravel(p.data)[a - offset : b - offset]
+                offset += p.size
+        return shard
+
     def segment_views(self, array: np.ndarray, s: int) -> list[np.ndarray]:
         """Views into `array` (segment s, flat) shaped as the segment's parameters."""
         views, offset = [], 0

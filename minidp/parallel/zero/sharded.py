@@ -64,8 +64,7 @@ class ShardedModel:
             self.flat = flat_parameters(layout, dtype)
             self.param_chunks = [self.flat[lo:hi] for lo, hi in layout.ranges()]
         else:
-            whole = np.concatenate([np.ravel(p.data) for segment in segments for p in segment])
-            self.param_shard = layout.shard_of(whole)
+            self.param_shard = layout.shard_of_parameters(dtype)
             self.param_chunks = [layout.my_chunk(self.param_shard, s) for s in every]
             self.gathered = GatheredUnits(
                 modules, layout, self.param_shard, self.comm_group, algo, outer
