@@ -105,7 +105,6 @@ def check_resume(s, config, group):
         (["--pp", "2"], "--pp 2 must be the world's 1 ranks"),
         (["--model", "mlp"], "--strategy pp cuts the GPT's blocks into stages, not --model mlp"),
         (["--pp", "-1"], "--pp must be >= 0"),
-        (["--recompute", "--dropout", "0.1"], "--recompute needs --dropout 0, got 0.1"),
     ],
 )  # fmt: skip
 def test_a_bad_pipeline_flag_is_one_line_naming_it(args, words, capsys):

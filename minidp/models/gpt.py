@@ -14,6 +14,7 @@ import numpy as np
 from minidp.engine import functional as F
 from minidp.engine.backend import to_numpy
 from minidp.engine.nn import Dropout, Embedding, LayerNorm, Linear, Module
+from minidp.engine.recompute import checkpoint
 from minidp.engine.registry import fast
 from minidp.engine.tensor import Tensor, no_grad
 
@@ -163,7 +164,12 @@ class GPT(Module):
     make a vocabulary-sized w_n * W (GPT-2's: 154 MB in float32) and the head's gradient
     would skip weight_grads.py's deferral, for a small gain in the tiny GPT's step
     (docs/memory.md).
-    The same model and the same results to rounding either way (tests/test_autograd.py)."""
+    The same model and the same results to rounding either way (tests/test_autograd.py).
+
+    `recompute = True` (`--recompute`): each block keeps only its input and runs again in
+    backward (engine/recompute.py's `checkpoint`): the same bits, less memory."""
+
+    recompute = False
 
     def __init__(self, cfg: GPTConfig, *, seed: int = 0, dtype=np.float32, fused: bool = True):
         rng = np.random.default_rng(seed)
@@ -179,7 +185,7 @@ class GPT(Module):
         """idx: (B, T) token ids -> logits (B, T, vocab_size)."""
         x = self.embed(idx)
         for block in self.blocks:
-            x = block(x)
+            x = checkpoint(block, x) if self.recompute else block(x)
         return self.head(self.ln_f(x))  # two ops: fused, the head's C x V would be made again
 
     def embed(self, idx: np.ndarray) -> Tensor:

@@ -50,6 +50,7 @@ class Task:
                 dropout=config.dropout,
             )
             self.model = GPT(self.gpt_config, seed=config.seed, dtype=dtype)
+            self.model.recompute = config.recompute  # every block run again in backward
             self.num_examples = len(self.train_tokens) - config.block_size  # window starts
             self.unit = "tokens"
             self.items_per_example = config.block_size

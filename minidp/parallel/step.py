@@ -44,6 +44,7 @@ import numpy as np
 
 from minidp import comm
 from minidp.comm.trace import Timeline
+from minidp.engine import recompute
 from minidp.parallel.across_ranks import global_loss
 from minidp.tools.chunks import chunk_range
 from minidp.tools.memory import activation_bytes
@@ -119,12 +120,15 @@ class Step:
         for k in range(K):
             lo, hi = chunk_range(len(local), K, k)
             last = k == K - 1 and reduce_last
-            with contextlib.nullcontext() if last else self.sync.no_sync():
+            first = self.steps_done == 0  # measure the activations: every step is alike
+            measure = recompute.measuring(activation_bytes) if first else contextlib.nullcontext([])
+            with contextlib.nullcontext() if last else self.sync.no_sync(), measure as again:
                 with span("forward"):  # weight m_k / n_r: the K losses sum to the local mean
                     loss = self.loss(local[lo:hi]) * ((hi - lo) / len(local))
-                if self.steps_done == 0:
-                    self.activations_peak = max(self.activations_peak, activation_bytes(loss))
+                held = activation_bytes(loss) if first else 0
                 with span("backward"):
                     loss.backward()
+            # recomputed blocks: the graph kept, and one block's again during backward
+            self.activations_peak = max(self.activations_peak, held + max(again, default=0))
             local_loss += loss.item()
         return local_loss

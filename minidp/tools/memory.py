@@ -89,11 +89,15 @@ def activation_estimate(config, examples: int, tp: int = 1) -> int:
     TP splits the heads' scores and 15 T C (QKV, the heads' outputs, the MLP's 4C); the
     other 5 T C (the LayerNorms' inputs and outputs, the residual's dropout masks: outside
     the parallel regions, Korthikanti et al. 2022's 10 of 34 bytes per position and channel)
-    stay whole on every TP rank, and split over it too with --sequence-parallel."""
+    stay whole on every TP rank, and split over it too with --sequence-parallel.
+    --recompute: each block keeps its input (T C) only, and one block's graph is built again
+    in backward (engine/recompute.py)."""
     itemsize = 8 if config.dtype == "float64" else 4
     T, C, H, L = config.block_size, config.n_embd, config.n_head, config.n_layer
-    outside = 5 * T * C // (tp if tp > 1 and config.sequence_parallel else 1)
-    per_example = L * ((3 * H * T * T + 15 * T * C) // tp + outside) + 3 * T * 128
+    split = tp if tp > 1 and config.sequence_parallel else 1
+    block = (3 * H * T * T + 15 * T * C) // tp + 5 * T * C // split
+    blocks = L * T * C // split + block if getattr(config, "recompute", False) else L * block
+    per_example = blocks + 3 * T * 128
     return examples * per_example * itemsize + T * T
 
 

@@ -205,13 +205,20 @@ class TrainConfig(Flags):
         strategies=("tp", "hybrid"),
     )
 
+    # memory (every strategy): engine/recompute.py
+    recompute: bool = flag(
+        False,
+        "each GPT block keeps only its input and runs again in backward (less memory, one "
+        "more forward)",
+        models=("gpt",),
+    )
+
     # pipeline parallelism (--strategy pp, hybrid): 4 blocks, --pp 2 --virtual 2: 4 stages
     #   of 1 block; world = dp x tp x pp: mpiexec -n 8 ... --strategy hybrid --dp 2 --tp 2 --pp 2
     pp: int = flag(0, "pipeline stages' ranks (pp: 0 the world; hybrid: 0 none)", strategies=PP)
     micro_batches: int = flag(4, "micro-batches per step (m)", strategies=PP)
     schedule: str = flag("1f1b", "pipeline schedule", choices=PIPELINE_SCHEDULES, strategies=PP)
     virtual: int = flag(1, "stages per rank (V > 1: --schedule interleaved)", strategies=PP)
-    recompute: bool = flag(False, "blocks recompute their activations in backward", strategies=PP)
 
     # ZeRO (--strategy zero, hybrid)
     zero_stage: int = flag(

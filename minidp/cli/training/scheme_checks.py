@@ -122,7 +122,7 @@ def check_compress(config) -> None:
         )
 
 
-PIPELINE_FLAGS = ("micro_batches", "schedule", "virtual", "recompute")  # --pp's own
+PIPELINE_FLAGS = ("micro_batches", "schedule", "virtual")  # --pp's own
 
 
 def check_pipeline(config, pp: int) -> None:
@@ -145,8 +145,6 @@ def check_pipeline(config, pp: int) -> None:
         )
     if pp < 0 or V < 1:
         raise BadConfig(f"--pp must be >= 0 (0: the world) and --virtual >= 1, got {pp}, {V}")
-    if config.recompute and config.dropout > 0:  # a recomputed forward would draw new masks
-        raise BadConfig(f"--recompute needs --dropout 0, got {config.dropout}")
     if not 1 <= m <= config.batch_size:
         raise BadConfig(
             f"--micro-batches must be in [1, --batch-size {config.batch_size}], got {m}"

@@ -20,7 +20,6 @@ The stage, what runs the actions on a model the user built:
 
     communications.py  activations forward and gradients back, as autograd ops
     split.py           a user's GPT or MLP cut into parts
-    recompute.py       a block run again in backward instead of keeping its activations
     backward_split.py  backward as B (input gradients, sent at once) and W (weights, later)
     stage.py           PipelineStage: forward, backward, backward_input, backward_weight
 

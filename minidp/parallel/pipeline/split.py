@@ -19,9 +19,9 @@ import numpy as np
 
 from minidp import comm
 from minidp.engine import nn
+from minidp.engine.recompute import checkpoint
 from minidp.engine.tensor import Tensor
 from minidp.models.gpt import GPT
-from minidp.parallel.pipeline.recompute import recomputed
 from minidp.tools.chunks import chunk_bounds
 
 __all__ = ["GPTPart", "MLPPart", "RankStages", "gather_stages", "split_model"]
@@ -43,17 +43,13 @@ class GPTPart(nn.Module):
     final LayerNorm and head behind on the last. Input: token ids (first) or activations
     (B, T, C); output: activations, or logits (B, T, vocab_size) on the last. Parameters
     are named as in the whole GPT ("blocks.2.fc.weight" for its third block). `recompute`:
-    each block keeps only its input and runs again in backward (recompute.py).
+    each block keeps only its input and runs again in backward
+    (engine/recompute.py).
 
     `gpt` is an nn.GPT or a TensorParallelGPT (a stage of a pipeline whose layers are split
     over a TP group too: the 3-D mesh); either has the parts named here and an `embed`."""
 
     def __init__(self, gpt, lo: int, hi: int, recompute: bool = False):
-        if recompute and gpt.config.dropout > 0:
-            raise ValueError(
-                f"recompute=True needs dropout 0 (got {gpt.config.dropout}): a block run "
-                "again would draw another dropout mask"
-            )
         self.recompute = recompute
         self.offset = lo
         self.first, self.last = lo == 0, hi == len(gpt.blocks)
@@ -68,7 +64,7 @@ class GPTPart(nn.Module):
         if self.first:
             x = self.embed(x)
         for block in self.blocks:
-            x = recomputed(block, x) if self.recompute else block(x)
+            x = checkpoint(block, x) if self.recompute else block(x)
         return self.head(self.ln_f(x)) if self.last else x
 
     def _every_named_parameter(self, prefix: str):
@@ -99,7 +95,7 @@ class MLPPart(nn.Module):
 def split_model(model: nn.Module, num_stages: int, *, recompute: bool = False) -> list[nn.Module]:
     """The `num_stages` parts of a user's nn.GPT (or its TensorParallelGPT) or nn.MLP, in order.
     ValueError naming `num_stages` when the model has fewer blocks (layers) than stages.
-    `recompute` (GPT only): every block recomputed in backward (recompute.py)."""
+    `recompute` (GPT only): every block recomputed in backward (engine/recompute.py)."""
     if isinstance(model, GPT) or _is_gpt(model):
         units, what = len(model.blocks), "blocks"
         part = functools.partial(GPTPart, recompute=recompute)

@@ -37,6 +37,7 @@ import numpy as np
 
 from minidp import comm
 from minidp.engine import nn
+from minidp.engine.recompute import checkpoint
 from minidp.engine.tensor import Tensor
 from minidp.models.gpt import GPT, Block
 from minidp.parallel.tensor_parallel.communications import (
@@ -151,6 +152,7 @@ class TensorParallelGPT(nn.Module):
         else:
             self.head = ColumnParallelLinear(full.head, group, name="head.", sequence_parallel=sp)
         self.replicated_grads_partial = sp
+        self.recompute = full.recompute  # each block run again in backward, as full's
 
     @property
     def tied(self) -> bool:
@@ -160,7 +162,7 @@ class TensorParallelGPT(nn.Module):
     def forward(self, idx: np.ndarray) -> Tensor:
         x = self.embed(idx)
         for block in self.blocks:
-            x = block(x)
+            x = checkpoint(block, x) if self.recompute else block(x)
         return self.head(self.ln_f(x))  # f (or the allgather along T), then my vocabulary
 
     def embed(self, idx: np.ndarray) -> Tensor:
