@@ -194,7 +194,7 @@ def test_what_a_resume_keeps_is_written_down_here_too():
     from minidp.cli.training import resume
 
     assert set(resume.MODEL_FIELDS) == {
-        *("model", "n_layer", "n_head", "n_embd", "block_size", "hidden", "dtype"),
+        *("model", "n_layer", "n_head", "n_embd", "block_size", "hidden", "dtype", "precision"),
     }
     assert set(resume.DATA_ORDER) == {"seed", "batch_size"}
     assert set(resume.SAME_RUN) == {

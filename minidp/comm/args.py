@@ -11,13 +11,17 @@ the job of the fingerprint check (checks.py).
 import numpy as np
 
 from minidp.comm.auto import choose
-from minidp.comm.reduce_ops import MOVE_KINDS
+from minidp.comm.reduce_ops import MOVE_DTYPES, MOVE_KINDS
 from minidp.tools.names import AUTO
 
 
 def flat(x, name: str = "x") -> np.ndarray:
     """x as a 1-D view (no copy); ValueError unless it is a contiguous numeric ndarray."""
-    if isinstance(x, np.ndarray) and x.flags.c_contiguous and x.dtype.kind in MOVE_KINDS:
+    if (
+        isinstance(x, np.ndarray)
+        and x.flags.c_contiguous
+        and (x.dtype.kind in MOVE_KINDS or x.dtype in MOVE_DTYPES)
+    ):
         return x if x.ndim == 1 else x.reshape(-1)  # the common case, tested in one go
     if not isinstance(x, np.ndarray):
         raise ValueError(f"{name} must be a NumPy array, got {type(x).__name__}")
@@ -26,7 +30,10 @@ def flat(x, name: str = "x") -> np.ndarray:
             f"{name} must be C-contiguous (got strides {x.strides}); "
             f"pass np.ascontiguousarray({name})"
         )
-    raise ValueError(f"{name} has dtype {x.dtype}; collectives carry bool, int, uint, float arrays")
+    raise ValueError(
+        f"{name} has dtype {x.dtype}; collectives carry bool, int, uint, float (and bfloat16) "
+        "arrays"
+    )
 
 
 def result(out, shape: tuple, dtype: np.dtype, name: str = "out") -> np.ndarray:

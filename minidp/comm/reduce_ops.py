@@ -15,9 +15,19 @@ import numpy as np
 
 from minidp.tools.names import OPS
 
-REDUCE_DTYPES = tuple(np.dtype(t) for t in (np.float16, np.float32, np.float64, np.int32, np.int64))
+try:  # mixed precision's bfloat16 gradients (parallel/amp.py), where ml_dtypes is installed
+    from ml_dtypes import bfloat16
+
+    BFLOAT16 = (np.dtype(bfloat16),)
+except ImportError:
+    BFLOAT16 = ()
+REDUCE_DTYPES = (
+    *(np.dtype(t) for t in (np.float16, np.float32, np.float64, np.int32, np.int64)),
+    *BFLOAT16,
+)
 _REDUCIBLE = frozenset(REDUCE_DTYPES)  # for the membership test: a hash, not five compares
-MOVE_KINDS = "biuf"  # dtypes that collectives without an op may carry (no objects)
+MOVE_KINDS = "biuf"  # dtypes that collectives without an op may carry (no objects), and
+MOVE_DTYPES = frozenset(BFLOAT16)  # these (kind "V" to NumPy, floats to ml_dtypes)
 
 _UFUNC = {"sum": np.add, "avg": np.add, "max": np.maximum, "min": np.minimum, "prod": np.multiply}
 
@@ -40,7 +50,7 @@ def finish(op: str, x: np.ndarray, p: int) -> None:
     """The last step of an op after the combining: `avg` divides the sum by p, in place."""
     if op != "avg" or p == 1:
         return
-    if x.dtype.kind == "f":
+    if x.dtype.kind == "f" or x.dtype in MOVE_DTYPES:
         np.divide(x, p, out=x)
     else:
         np.floor_divide(x, p, out=x)

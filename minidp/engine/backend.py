@@ -48,6 +48,17 @@ def is_torch(a) -> bool:
     return torch is not None and isinstance(a, torch.Tensor)
 
 
+def is_half(a) -> bool:
+    """Whether `a` holds 16-bit floats (float16, or bfloat16 from ml_dtypes or torch): how
+    mixed precision stores weights and gradients (parallel/amp.py)."""
+    return str(getattr(a, "dtype", "")).removeprefix("torch.") in ("float16", "bfloat16")
+
+
+def widened(a):
+    """A float32 copy of `a`, in a's own library: where mixed precision computes and steps."""
+    return namespace(a).astype(a, np.float32)
+
+
 def is_torch_dtype(dtype) -> bool:
     torch = sys.modules.get("torch")
     return torch is not None and isinstance(dtype, torch.dtype)

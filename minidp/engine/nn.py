@@ -28,7 +28,7 @@ from collections.abc import Iterator
 import numpy as np
 
 from minidp.engine import functional as F
-from minidp.engine.backend import is_torch, namespace, to_numpy
+from minidp.engine.backend import is_half, is_torch, namespace, to_numpy
 from minidp.engine.functional import cross_entropy, mse
 from minidp.engine.registry import FAST, fast
 from minidp.engine.tensor import Tensor, op
@@ -298,9 +298,15 @@ class Embedding(Module):
 
     def forward(self, idx: np.ndarray) -> Tensor:
         fused = self.fused and fast("embedding", self.weight)
-        if fused:
-            return fused(self.weight, idx)
-        return self.weight[np.asarray(idx)]
+        rows = fused(self.weight, idx) if fused else self.weight[np.asarray(idx)]
+        return computed(rows)
+
+
+def computed(x: Tensor) -> Tensor:
+    """x as the model computes: float32 when x holds 16 bits (mixed precision keeps weights
+    in 16 bits; the ops that read them with float32 activations widen them by NumPy's
+    promotion, but a table's rows enter the model on their own), else x itself."""
+    return x.to(np.float32) if is_half(x.data) else x
 
 
 class Dropout(Module):

@@ -5,13 +5,23 @@ Every optimizer updates `p.data` in place from `p.grad` and skips parameters who
 None. On `--backend torch` the arrays are torch tensors, updated in place the same way
 (`xp = namespace(w)` where a NumPy function is called). `state_dict()` holds the
 hyper-parameters and per-parameter state in parameter order.
+
+Mixed precision (parallel/amp.py) needs two things of every optimizer, both here:
+- a 16-bit parameter (bfloat16, float16) is stepped through a float32 *master* copy kept in
+  its state (`state["master"]`, beside Adam's m and v: 4 + 4 + 4 bytes, the ZeRO paper's
+  12 per parameter), its gradient widened to float32 first; the master, rounded, is
+  written back into the parameter;
+- `grad_scale`: the loss was multiplied by it before backward (a GradScaler's scale), so
+  each step divides the gradient by it, in float32, after widening (never in 16 bits,
+  where small gradients would underflow).
+With 32- and 64-bit parameters and grad_scale 1, a step is the plain step, bit for bit.
 """
 
 import math
 
 import numpy as np
 
-from minidp.engine.backend import copy, namespace
+from minidp.engine.backend import copy, is_half, namespace, widened
 from minidp.engine.tensor import Tensor
 
 
@@ -26,6 +36,7 @@ class Optimizer:
         self.hyper = hyper
         self.state: list[dict[str, np.ndarray]] = [{} for _ in self.params]
         self.step_count = 0
+        self.grad_scale = 1.0  # the loss was multiplied by this (mixed precision's scaler)
 
     def zero_grad(self) -> None:
         for p in self.params:
@@ -34,8 +45,21 @@ class Optimizer:
     def step(self) -> None:
         self.step_count += 1
         for p, state in zip(self.params, self.state):
-            if p.grad is not None:
-                self.update(p.data, p.grad, state)
+            if p.grad is None:
+                continue
+            if not is_half(p.data) and self.grad_scale == 1:
+                self.update(p.data, p.grad, state)  # the plain step
+                continue
+            # mixed precision: the float32 master steps, from the gradient in float32 / scale
+            master = state.get("master", p.data)
+            if is_half(p.data) and "master" not in state:  # the first step: w in float32
+                master = state["master"] = widened(p.data)
+            g = widened(p.grad) if is_half(p.grad) else copy(p.grad)
+            if self.grad_scale != 1:
+                g /= self.grad_scale
+            self.update(master, g, state)
+            if master is not p.data:
+                p.data[...] = master  # rounded to the parameter's 16 bits
 
     def update(self, w: np.ndarray, g: np.ndarray, state: dict) -> None:
         raise NotImplementedError
@@ -46,7 +70,9 @@ class Optimizer:
         arrays to load into (PyTorch's get_state_dict makes them too)."""
         for p, state in zip(self.params, self.state):
             if not state:
-                state.update(self.empty_state(p.data))
+                if is_half(p.data):  # a 16-bit weight's state: its float32 master, and
+                    state["master"] = widened(p.data)  # the rest shaped and typed as it
+                state.update(self.empty_state(state.get("master", p.data)))
 
     def empty_state(self, w) -> dict:
         return {}
@@ -190,8 +216,13 @@ def _own(v):
 
 def sum_of_squares(arrays) -> float:
     """sum of x*x over the arrays (None skipped): each array's in its own dtype (as torch
-    does), their total in float64."""
-    return sum(float(namespace(a).vdot(a, a)) for a in arrays if a is not None)
+    does; a 16-bit one's in float32, a copy), their total in float64."""
+    total = 0.0
+    for a in arrays:
+        if a is not None:
+            a = widened(a) if is_half(a) else a
+            total += float(namespace(a).vdot(a, a))
+    return total
 
 
 def global_grad_norm(params) -> float:

@@ -151,6 +151,12 @@ class TensorOps:
         return self._op(out, (self,), backward)
 
     # ---- shapes and indexing ----------------------------------------------------------
+    def to(self, dtype):
+        """These values as `dtype` (PyTorch's .to(dtype)); the gradient goes back as the old
+        dtype. Mixed precision reads 16-bit weights as float32 this way."""
+        old, xp = self.dtype, namespace(self.data)
+        return self._op(xp.astype(self.data, dtype), (self,), lambda g: (xp.astype(g, old),))
+
     def reshape(self, *shape):
         shape = shape[0] if len(shape) == 1 and isinstance(shape[0], tuple | list) else shape
         old = self.shape

@@ -16,6 +16,7 @@ eval_batches, sample_tokens.
 import numpy as np
 
 from minidp.engine import backend, nn
+from minidp.engine.precision import to_half
 from minidp.engine.tensor import Tensor, no_grad
 from minidp.models import data
 from minidp.models.gpt import GPT, GPTConfig
@@ -63,6 +64,7 @@ class Task:
             self.num_examples = len(self.x_train)
             self.unit = "examples"
             self.items_per_example = 1
+        to_half(self.model, config.precision)  # --precision bf16, fp16: 16-bit weights
         backend.move_model(self.model)  # then moved (--backend torch; nothing for numpy)
 
     def batch(self, indices: np.ndarray, split: str = "train"):

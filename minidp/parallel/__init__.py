@@ -23,6 +23,7 @@ other ranks only through minidp.comm and taking plain arguments (never the comma
 The `--strategy` recipes that assemble these pieces from flags live in minidp.cli.strategies.
 """
 
+from minidp.parallel.amp import GradScaler
 from minidp.parallel.compression.table import (
     BF16,
     FP16,
@@ -77,6 +78,7 @@ __all__ = [
     "Compressor",
     "DistributedDataParallel",
     "FullyShardedDataParallel",
+    "GradScaler",
     "LocalGradients",
     "Mesh",
     "ModelMismatch",

@@ -52,11 +52,14 @@ from minidp.tools.memory import activation_bytes
 
 class StepResult(NamedTuple):
     """The global batch's loss, this rank's own part of it, and whether the optimizer
-    stepped (False: the loss or the global gradient norm was not finite, on every rank)."""
+    stepped (False: the loss or the global gradient norm was not finite, on every rank;
+    `overflow`: a loss scaler found inf or NaN in the scaled gradients, and lowers its scale:
+    mixed precision's normal skip, not a divergence)."""
 
     loss: float
     local_loss: float
     stepped: bool = True
+    overflow: bool = False
 
 
 class Step:
@@ -77,6 +80,7 @@ class Step:
         before=(),
         after_sync=(),
         after_step=(),
+        scaler=None,
     ):
         self.loss, self.sync, self.optimizer, self.clip = loss, sync, optimizer, clip
         self.batch_size, self.grad_accum, self.dp_group = batch_size, grad_accum, dp_group
@@ -84,6 +88,12 @@ class Step:
         self.before, self.after_sync, self.after_step = before, after_sync, after_step
         self.steps_done = 0  # backwards run (the compression record counts them)
         self.activations_peak = 0  # measured on the first step (every step is alike)
+        self.scaler = scaler  # float16's loss scaler (parallel/amp.py), or None
+
+    @property
+    def loss_scale(self) -> float:
+        """What backward's loss is multiplied by: the scaler's scale, or 1."""
+        return self.scaler.get_scale() if self.scaler is not None else 1.0
 
     def __call__(self, local: np.ndarray, lr: float) -> StepResult:
         span, sync = self.timeline.span, self.sync
@@ -100,16 +110,21 @@ class Step:
                 hook()
         step_loss = global_loss(local_loss, len(local) / self.batch_size, self.dp_group)
         stepped = bool(np.isfinite(step_loss))  # alike on every rank: no step, no message
+        overflow = False
         if stepped:
             with span("optimizer"):
-                norm = self.clip() if self.clip is not None else None
-                stepped = norm is None or bool(np.isfinite(norm))  # global: alike too
-                if stepped:
+                if self.scaler is not None:  # an inf or NaN on any rank: every rank skips
+                    overflow = self.scaler.unscale_(self.optimizer)
+                norm = self.clip() if self.clip is not None and not overflow else None
+                stepped = not overflow and (norm is None or bool(np.isfinite(norm)))
+                if stepped:  # norm: global, alike too
                     self.optimizer.step()
+                if self.scaler is not None:
+                    self.scaler.update()
             if stepped:
                 for hook in self.after_step:
                     hook()
-        return StepResult(step_loss, local_loss, stepped)
+        return StepResult(step_loss, local_loss, stepped, overflow)
 
     def forward_backward(self, local: np.ndarray) -> float:
         """Forward and backward of each of the K micro-batches of this rank's examples, all
@@ -127,7 +142,7 @@ class Step:
                     loss = self.loss(local[lo:hi]) * ((hi - lo) / len(local))
                 held = activation_bytes(loss) if first else 0
                 with span("backward"):
-                    loss.backward()
+                    (loss * self.loss_scale if self.scaler is not None else loss).backward()
             # recomputed blocks: the graph kept, and one block's again during backward
             self.activations_peak = max(self.activations_peak, held + max(again, default=0))
             local_loss += loss.item()

@@ -103,14 +103,16 @@ class DDPAxis:
             self.sync = LocalGradients(ddp)
             self.stepper = MomentumCorrectedSGD(ddp, config.lr, wd, timeline)
 
-    def make_step(self, loss, clip, timeline, after_sync=()) -> Step:
+    def make_step(self, loss, clip, timeline, job, after_sync=()) -> Step:
         """The skeleton over these pieces; `clip` is the recipe's global-norm clip, replaced
-        by a local one where the optimizer runs before the reduction."""
+        by a local one where the optimizer runs before the reduction; `job` the recipe's
+        whole group."""
         if self.config.compress_on != "gradient":  # this rank's own gradient, before its step
             clip = self.clip_locally
         before = [self.pruning.begin_step] if self.pruning else []
         self.run = step_from(
             *(self.config, loss, self.sync, self.stepper, self.dp_group, timeline, clip),
+            job=job,
             before=before,
             after_sync=after_sync,
         )

@@ -37,7 +37,7 @@ class DataParallel(Recipe):
         self.compressor, self.pruning = dp.compressor, dp.pruning
         self.axes, self.clocks = {"dp": [dp.ddp.comm_group, group]}, [dp.clock]
         self.clip_params = dp.ddp.parameters()
-        self.run = dp.make_step(self.loss, self.clip, self.timeline)
+        self.run = dp.make_step(self.loss, self.clip, self.timeline, group)
         self.data_shard = (group.rank, group.size)
 
     def loss(self, indices: np.ndarray):

@@ -31,6 +31,7 @@ import numpy as np
 from minidp import comm
 from minidp.cli.strategies.ddp_axis import DDPAxis
 from minidp.cli.strategies.protocol import Exposed, Recipe
+from minidp.cli.strategies.step import scaler_from
 from minidp.cli.strategies.tp import Hybrid, MeshRecipe, check_drift, mesh_sizes
 from minidp.cli.strategies.zero import check_zero, zero_options
 from minidp.cli.training.config import BadConfig
@@ -131,6 +132,7 @@ class Pipeline(MeshRecipe):
             dp_group=mesh.dp_group,
             timeline=self.timeline,
             clip=self.clip if config.grad_clip else None,
+            scaler=scaler_from(config, group),
             before_sync=[self.sum_partial] if sequence_parallel else [],
             after_sync=after_sync,
             after_step=after_step,

@@ -134,9 +134,11 @@ class Recipe(Strategy):
         return self.run(local, lr)
 
     def clip(self) -> float:
-        """Scale the gradients by --grad-clip / the global norm; return that norm."""
-        norm = self.norm("grad")
-        return optim.clip_grad_norm(self.clip_params, self.config.grad_clip, total_norm=norm)
+        """Scale the gradients by --grad-clip / the global norm; return that norm. Under a
+        loss scaler (--precision fp16) they hold scale x theirs: the norm is divided by it."""
+        scale, norm = self.run.loss_scale, self.norm("grad")
+        optim.clip_grad_norm(self.clip_params, self.config.grad_clip * scale, total_norm=norm)
+        return norm / scale
 
     def param_l2(self) -> float:
         return self.norm("data")
@@ -166,19 +168,28 @@ class Recipe(Strategy):
         return f"{self.axis.describe()} | grad accumulation {self.config.grad_accum}"
 
     def record(self) -> dict:
-        return self.axis.record()
+        scaler = self.run.scaler  # --precision fp16's: where the scale ended, steps skipped
+        if scaler is None:
+            return self.axis.record()
+        scaled = {"loss_scale": scaler.get_scale(), "overflow_steps": scaler.skipped}
+        return {**self.axis.record(), **scaled}
 
     def summary(self) -> str:
         return self.axis.summary() if hasattr(self.axis, "summary") else ""
 
     def state_dict(self) -> dict:
-        return self.axis.state_dict()
+        state = self.axis.state_dict()
+        if self.run.scaler is not None:  # --precision fp16: the scale and its counts, alike
+            state["scaler"] = self.run.scaler.state_dict()  # on every rank (numbers)
+        return state
 
     def state_layout(self) -> dict:
         return self.axis.state_layout()
 
     def load_state_dict(self, state: dict) -> None:
         self.axis.load_state_dict(state)
+        if self.run.scaler is not None:
+            self.run.scaler.load_state_dict(state["scaler"])
 
     def close(self) -> None:
         self.axis.close()

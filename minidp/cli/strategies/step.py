@@ -6,6 +6,7 @@ that every rank's slice has its --grad-accum micro-batches.
 
 from minidp import comm
 from minidp.cli.training.config import BadConfig
+from minidp.parallel.amp import GradScaler
 from minidp.parallel.step import Step
 
 
@@ -23,9 +24,11 @@ def check_micro_batches(config, dp_size: int) -> None:
 OVERLAP = {"auto": "auto", "on": True, "off": False}  # --overlap -> the pieces' overlap=
 
 
-def step_from(config, loss, sync, optimizer, dp_group: comm.Group, timeline, clip, **hooks):
-    """The skeleton with the config's global batch, --grad-accum and --grad-clip (`clip`
-    runs only where --grad-clip is set); `hooks`: Step's before, after_sync, after_step."""
+def step_from(config, loss, sync, optimizer, dp_group: comm.Group, timeline, clip, *, job, **hooks):
+    """The skeleton with the config's global batch, --grad-accum, --grad-clip (`clip` runs
+    only where --grad-clip is set) and --precision fp16's loss scaler, whose overflow every
+    rank of `job` (the recipe's whole group) agrees on; `hooks`: Step's before, after_sync,
+    after_step."""
     return Step(
         *(loss, sync, optimizer),
         batch_size=config.batch_size,
@@ -33,5 +36,11 @@ def step_from(config, loss, sync, optimizer, dp_group: comm.Group, timeline, cli
         dp_group=dp_group,
         timeline=timeline,
         clip=clip if config.grad_clip else None,
+        scaler=scaler_from(config, job),
         **hooks,
     )
+
+
+def scaler_from(config, job: comm.Group) -> GradScaler | None:
+    """--precision fp16: a loss scaler (torch's defaults) agreed over `job`; else None."""
+    return GradScaler(group=job) if config.precision == "fp16" else None

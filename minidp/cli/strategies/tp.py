@@ -146,7 +146,9 @@ class OnTheMesh(MeshRecipe):
         self.ddp, self.optimizer, self.comm_group = dp.ddp, dp.optimizer, dp.ddp.comm_group
         self.compressor, self.pruning = dp.compressor, dp.pruning
         self.clocks, self.clip_params = [dp.ddp], self.model.parameters()
-        self.run = dp.make_step(self.loss, self.clip, self.timeline, [self.sync_replicated])
+        self.run = dp.make_step(
+            self.loss, self.clip, self.timeline, self.group, [self.sync_replicated]
+        )
 
     def use_zero(self, make_optimizer=None) -> None:
         """ZeRO over the DP axis (parallel/zero/over_tp.py): rank (d, t) keeps chunk d of TP
@@ -161,6 +163,7 @@ class OnTheMesh(MeshRecipe):
         self.run = step_from(
             *(self.config, self.loss, z.sync, z.optimizer, self.dp_group, self.timeline),
             self.clip,
+            job=self.group,
             after_sync=z.after_sync,
             after_step=[*z.after_step, self.broadcast_drift],
         )

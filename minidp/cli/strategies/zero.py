@@ -65,6 +65,7 @@ class ZeRO(Recipe):
         self.axes, self.clocks, self.clip_params = {"dp": [z.comm_group, group]}, [z], z.pieces
         self.run = step_from(
             *(config, self.loss, z.sync, z.optimizer, group, self.timeline, self.clip),
+            job=group,
             after_sync=z.after_sync,
             after_step=z.after_step,
         )

@@ -205,7 +205,15 @@ class TrainConfig(Flags):
         strategies=("tp", "hybrid"),
     )
 
-    # memory (every strategy): engine/recompute.py
+    # memory (every strategy): engine/recompute.py, parallel/amp.py
+    precision: str = flag(
+        "fp32",
+        "weights and gradients in 16 bits (bf16, fp16: float32 master weights and optimizer, "
+        "fp16 with a loss scaler), or fp32",
+        choices=("fp32", "bf16", "fp16"),
+        on_resume="model",
+        strategies=STEPPED,
+    )
     recompute: bool = flag(
         False,
         "each GPT block keeps only its input and runs again in backward (less memory, one "

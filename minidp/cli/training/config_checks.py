@@ -25,6 +25,7 @@ from minidp.cli.training.scheme_checks import (
     check_compress,
     check_parameter_server,
     check_pipeline,
+    check_precision,
     check_prune,
     staleness_bound,
 )
@@ -76,6 +77,7 @@ def check_config(config) -> None:
     check_prune(config)
     check_backend(config)
     check_compress(config)
+    check_precision(config)
     if config.strategy == "zero" and config.zero_stage not in (1, 2, 3):
         raise BadConfig(f"--strategy zero needs --zero-stage 1, 2 or 3, got {config.zero_stage}")
     if config.strategy == "hybrid" and config.zero_stage not in (0, 1, 2, 3):

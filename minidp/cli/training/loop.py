@@ -117,7 +117,8 @@ def _train(config: TrainConfig, group: comm.Group, preemption: Preemption, adds)
                 local = sampler.local_indices(step) if sampler is not None else None
                 result = strategy.step(local, lr)
                 loss, local_loss = result.loss, result.local_loss
-                if not (result.stepped and np.isfinite(loss)):  # alike on every rank
+                # alike on every rank; a loss scaler's overflow is mixed precision's normal skip
+                if not (result.stepped or result.overflow) or not np.isfinite(loss):
                     skipped.append(nonfinite_step(step, result, config, group, say, log, skipped))
                 n_local = 0 if local is None else len(local)
                 log.write(
@@ -173,6 +174,7 @@ def _train(config: TrainConfig, group: comm.Group, preemption: Preemption, adds)
             "memory_bytes_per_rank": per_rank,
             "model": config.model,
             "dtype": config.dtype,
+            "precision": config.precision,
             "skipped_steps": counts["skipped_steps"],
             **strategy.record(),
             **{k: v for add in adds for k, v in add(config, strategy.group, step_s).items()},

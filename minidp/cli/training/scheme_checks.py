@@ -125,6 +125,20 @@ def check_compress(config) -> None:
 PIPELINE_FLAGS = ("micro_batches", "schedule", "virtual")  # --pp's own
 
 
+def check_precision(config) -> None:
+    """--precision bf16 or fp16: float32 underneath (the masters, the arithmetic), on the
+    NumPy engine, its gradients reduced as they are (not by a compressor)."""
+    if config.precision == "fp32":
+        return
+    flag = f"--precision {config.precision}"
+    if config.dtype != "float32":
+        raise BadConfig(f"{flag} keeps float32 master weights and arithmetic: drop --dtype")
+    if config.backend != "numpy":
+        raise BadConfig(f"{flag} runs on --backend numpy (the torch path is not written yet)")
+    if config.compress != "none":
+        raise BadConfig(f"{flag} sends 16-bit gradients already: drop --compress")
+
+
 def check_pipeline(config, pp: int) -> None:
     """--strategy pp, or hybrid with --pp > 1: pp x V stages of at least one block each, V
     of them a rank only for interleaved (which needs pp x V to divide the blocks), 1 <= m <=

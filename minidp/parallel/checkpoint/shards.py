@@ -37,6 +37,7 @@ import struct
 
 import numpy as np
 
+from minidp.comm.reduce_ops import BFLOAT16
 from minidp.parallel.checkpoint import early_writeback
 from minidp.parallel.checkpoint.pieces import (
     PIECE_BYTES,
@@ -51,6 +52,7 @@ DTYPES = {  # safetensors' names: the only dtypes a shard holds
     "BOOL": np.bool_, "U8": np.uint8, "I8": np.int8, "U16": np.uint16, "I16": np.int16,
     "F16": np.float16, "U32": np.uint32, "I32": np.int32, "F32": np.float32,
     "U64": np.uint64, "I64": np.int64, "F64": np.float64,
+    **dict(zip(["BF16"], BFLOAT16)),  # mixed precision's, where ml_dtypes is there
 }  # fmt: skip
 CODES = {np.dtype(t): code for code, t in DTYPES.items()}
 METADATA = "__metadata__"

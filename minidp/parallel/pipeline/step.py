@@ -50,6 +50,8 @@ class PipelineStep(Step):
             stage.reset_peaks()
         inputs, targets = self.batch(local)
         micro_in, micro_t, shares = split_batch(inputs, targets, schedule.micro_batches)
+        scale = self.loss_scale  # float16's loss scaler: each micro-batch's loss times it
+        shares = [share * scale for share in shares] if scale != 1 else shares
         if self.spans is not self.timeline:
             self.spans.events.clear()  # a private timeline keeps one step's spans
         first = len(self.spans.events)
@@ -61,4 +63,4 @@ class PipelineStep(Step):
         last_rank = schedule.stage_rank(schedule.num_stages - 1)
         loss = comm.broadcast(np.array([sum(mine)], np.float64), root=last_rank, group=pp_group)
         self.bubbles.append(measured_bubble(self.spans, pp_group, first))
-        return float(loss[0])
+        return float(loss[0]) / scale  # the scale a power of 2: exactly the loss
