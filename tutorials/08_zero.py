@@ -271,6 +271,42 @@ print0("KB on this rank: " + ", ".join(
     for s, h in sorted(held_by_stage.items())))  # fmt: skip
 
 # %% [markdown]
+# ## 6. Mixed precision: the paper's 16Ψ, and 2Ψ + 2Ψ + 12Ψ
+# The paper counts mixed-precision training: weights and gradients in 16 bits (2Ψ each),
+# and the optimizer's state in fp32: a master copy of the weights and Adam's two moments,
+# K = 12 bytes a parameter. That is why ZeRO matters: the optimizer's 12Ψ is three quarters
+# of the 16Ψ, and stage 1 alone shards it. `amp.to_half` puts the weights in bfloat16 (the
+# arithmetic stays float32: NumPy promotes a 16-bit weight read with float32 activations);
+# the optimizer keeps a float32 master of each 16-bit weight in its state, and FSDP's
+# buffers and gradients take the weights' dtype. Counted from the arrays, stage 3:
+
+# %%
+from minidp.parallel import amp  # noqa: E402  (the section's own import)
+
+model, _ = new_model()
+amp.to_half(model, "bf16")
+with FullyShardedDataParallel(model, group, "full", algo="ring") as fsdp:
+    opt = adamw(fsdp.parameters())
+    cross_entropy(fsdp(Tensor(x.data.astype(np.float32))), y).backward()
+    fsdp.finish_gradient_sync()
+    opt.step()
+    held = {
+        "parameters": sum(p.data.nbytes for p in fsdp.parameters()),
+        "gradients": sum(p.grad.nbytes for p in fsdp.parameters()),
+        "optimizer": sum(s[k].nbytes for s in opt.state for k in ("master", "m", "v")),
+    }
+mine = sum(p.size for p in fsdp.parameters())
+assert held == {"parameters": 2 * mine, "gradients": 2 * mine, "optimizer": 12 * mine}, held
+paper = sum(model_state_bytes(3, psi, N, itemsize=2, k=12).values())
+print0(f"bf16, stage 3: {held}, {sum(held.values()) / mine:.0f} bytes a parameter of the "
+       f"shard; the paper's 16Ψ/N = {paper:,.0f} B")  # fmt: skip
+# %% [markdown]
+# float16 needs a loss scaler as well (amp.GradScaler: its 5 exponent bits underflow small
+# gradients), bfloat16 does not. On the command line: `--precision bf16` or `fp16`, with any
+# stepped strategy, and `--recompute` to keep only each GPT block's input for backward;
+# docs/memory.md measures both, and the peak memory the OS sees.
+
+# %% [markdown]
 # The same, as a strategy of the training loop, with buckets, overlap and clipping:
 #
 #     mpiexec -n 4 python -m minidp --strategy zero --zero-stage 3

@@ -11,7 +11,8 @@ the job of the fingerprint check (checks.py).
 import numpy as np
 
 from minidp.comm.auto import choose
-from minidp.comm.reduce_ops import MOVE_DTYPES, MOVE_KINDS
+from minidp.comm.reduce_ops import MOVE_KINDS
+from minidp.engine.precision import is_bfloat16
 from minidp.tools.names import AUTO
 
 
@@ -20,7 +21,7 @@ def flat(x, name: str = "x") -> np.ndarray:
     if (
         isinstance(x, np.ndarray)
         and x.flags.c_contiguous
-        and (x.dtype.kind in MOVE_KINDS or x.dtype in MOVE_DTYPES)
+        and (x.dtype.kind in MOVE_KINDS or is_bfloat16(x.dtype))
     ):
         return x if x.ndim == 1 else x.reshape(-1)  # the common case, tested in one go
     if not isinstance(x, np.ndarray):

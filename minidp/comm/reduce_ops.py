@@ -13,21 +13,13 @@ division rounds toward minus infinity, as NumPy's `//` does.
 
 import numpy as np
 
+from minidp.engine.precision import is_bfloat16
 from minidp.tools.names import OPS
 
-try:  # mixed precision's bfloat16 gradients (parallel/amp.py), where ml_dtypes is installed
-    from ml_dtypes import bfloat16
-
-    BFLOAT16 = (np.dtype(bfloat16),)
-except ImportError:
-    BFLOAT16 = ()
-REDUCE_DTYPES = (
-    *(np.dtype(t) for t in (np.float16, np.float32, np.float64, np.int32, np.int64)),
-    *BFLOAT16,
-)
+REDUCE_DTYPES = tuple(np.dtype(t) for t in (np.float16, np.float32, np.float64, np.int32, np.int64))
 _REDUCIBLE = frozenset(REDUCE_DTYPES)  # for the membership test: a hash, not five compares
-MOVE_KINDS = "biuf"  # dtypes that collectives without an op may carry (no objects), and
-MOVE_DTYPES = frozenset(BFLOAT16)  # these (kind "V" to NumPy, floats to ml_dtypes)
+MOVE_KINDS = "biuf"  # dtypes that collectives without an op may carry (no objects); and
+# bfloat16 (kind "V" to NumPy, a float to ml_dtypes), mixed precision's gradients, both ways
 
 _UFUNC = {"sum": np.add, "avg": np.add, "max": np.maximum, "min": np.minimum, "prod": np.multiply}
 
@@ -36,8 +28,8 @@ def check_op(op: str, dtype: np.dtype) -> None:
     """ValueError unless op is known and dtype is one we reduce."""
     if op not in _UFUNC:
         raise ValueError(f"unknown op {op!r}; choose from {', '.join(OPS)}")
-    if dtype not in _REDUCIBLE:
-        names = ", ".join(sorted(d.name for d in REDUCE_DTYPES))
+    if dtype not in _REDUCIBLE and not is_bfloat16(dtype):
+        names = ", ".join(sorted(d.name for d in REDUCE_DTYPES)) + ", bfloat16"
         raise ValueError(f"cannot reduce dtype {dtype}; supported: {names}")
 
 
@@ -50,7 +42,7 @@ def finish(op: str, x: np.ndarray, p: int) -> None:
     """The last step of an op after the combining: `avg` divides the sum by p, in place."""
     if op != "avg" or p == 1:
         return
-    if x.dtype.kind == "f" or x.dtype in MOVE_DTYPES:
+    if x.dtype.kind == "f" or is_bfloat16(x.dtype):
         np.divide(x, p, out=x)
     else:
         np.floor_divide(x, p, out=x)

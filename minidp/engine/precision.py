@@ -2,6 +2,8 @@
 loss scaler, which ranks agree on, is parallel/amp.py's, whose docstring tells the whole
 story)."""
 
+import sys
+
 import numpy as np
 
 PRECISIONS = ("fp32", "bf16", "fp16")
@@ -33,3 +35,25 @@ def to_half(model, precision: str):
             if np.issubdtype(p.data.dtype, np.floating):
                 p.data = p.data.astype(dtype)
     return model
+
+
+def is_bfloat16(dtype) -> bool:
+    """Whether `dtype` is ml_dtypes' bfloat16, without importing ml_dtypes (slow to import:
+    an array of that dtype exists only once something has imported it)."""
+    ml_dtypes = sys.modules.get("ml_dtypes")
+    return ml_dtypes is not None and dtype == ml_dtypes.bfloat16
+
+
+def dtype_name(dtype: np.dtype) -> str:
+    """What named_dtype reads back: dtype.str ("<f4"), or "bfloat16" (whose .str, "<V2",
+    NumPy would read as two raw bytes)."""
+    return dtype.name if is_bfloat16(dtype) else dtype.str
+
+
+def named_dtype(name: str) -> np.dtype:
+    """np.dtype(name), "bfloat16" too (ml_dtypes imported for it)."""
+    if name == "bfloat16":
+        import ml_dtypes
+
+        return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype(name)

@@ -205,21 +205,12 @@ class TrainConfig(Flags):
         strategies=("tp", "hybrid"),
     )
 
-    # memory (every strategy): engine/recompute.py, parallel/amp.py
-    precision: str = flag(
-        "fp32",
-        "weights and gradients in 16 bits (bf16, fp16: float32 master weights and optimizer, "
-        "fp16 with a loss scaler), or fp32",
-        choices=("fp32", "bf16", "fp16"),
-        on_resume="model",
-        strategies=STEPPED,
-    )
-    recompute: bool = flag(
-        False,
-        "each GPT block keeps only its input and runs again in backward (less memory, one "
-        "more forward)",
-        models=("gpt",),
-    )
+    # memory (every strategy): parallel/amp.py, engine/recompute.py
+    precision: str = flag("fp32", "weights and gradients in 16 bits (float32 masters and "
+                          "optimizer; fp16 with a loss scaler), or fp32", on_resume="model",
+                          choices=("fp32", "bf16", "fp16"), strategies=STEPPED)  # fmt: skip
+    recompute: bool = flag(False, "each GPT block keeps only its input and runs again in "
+                           "backward (less memory, one more forward)", models=("gpt",))  # fmt: skip
 
     # pipeline parallelism (--strategy pp, hybrid): 4 blocks, --pp 2 --virtual 2: 4 stages
     #   of 1 block; world = dp x tp x pp: mpiexec -n 8 ... --strategy hybrid --dp 2 --tp 2 --pp 2

@@ -22,6 +22,7 @@ never state: what each rank saves is exactly the elements it owns.
 
 import numpy as np
 
+from minidp.engine.precision import named_dtype
 from minidp.parallel.checkpoint.shards import CheckpointError, read_shard
 
 
@@ -125,7 +126,7 @@ def assemble(name: str, manifest: dict, layout: dict, here_words: str, path: str
     if want["shape"] != shape:
         raise LayoutMismatch(f"{where} is {shape} globally, over {here_words} {want['shape']}")
     mine = [indices(runs) for runs in want["index"]]
-    out = np.empty([len(i) for i in mine], dtype=np.dtype(saved["dtype"]))
+    out = np.empty([len(i) for i in mine], dtype=named_dtype(saved["dtype"]))
     covered = np.zeros(out.shape, dtype=bool)
     for rank, index in holders:
         theirs = [indices(runs) for runs in index]
@@ -168,7 +169,7 @@ def cut(name: str, saved: dict, want, own, shard, manifest: dict) -> np.ndarray:
     if own is not None and isinstance(want, dict) and held[own] is not None:
         if want["shape"] == shape and want["index"] == held[own]["index"]:
             return shard(own)[name]  # the layout it was saved in: its own shard
-    whole = np.empty(shape, dtype=np.dtype(saved["dtype"]))
+    whole = np.empty(shape, dtype=named_dtype(saved["dtype"]))
     covered = np.zeros(shape, dtype=bool)
     for rank, theirs in enumerate(held):
         if theirs is None or theirs.get("part", "") != part:

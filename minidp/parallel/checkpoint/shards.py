@@ -37,7 +37,7 @@ import struct
 
 import numpy as np
 
-from minidp.comm.reduce_ops import BFLOAT16
+from minidp.engine.precision import is_bfloat16, named_dtype
 from minidp.parallel.checkpoint import early_writeback
 from minidp.parallel.checkpoint.pieces import (
     PIECE_BYTES,
@@ -52,9 +52,19 @@ DTYPES = {  # safetensors' names: the only dtypes a shard holds
     "BOOL": np.bool_, "U8": np.uint8, "I8": np.int8, "U16": np.uint16, "I16": np.int16,
     "F16": np.float16, "U32": np.uint32, "I32": np.int32, "F32": np.float32,
     "U64": np.uint64, "I64": np.int64, "F64": np.float64,
-    **dict(zip(["BF16"], BFLOAT16)),  # mixed precision's, where ml_dtypes is there
 }  # fmt: skip
 CODES = {np.dtype(t): code for code, t in DTYPES.items()}
+
+
+def code_of(dtype: np.dtype) -> str | None:
+    """safetensors' name of a dtype (mixed precision's bfloat16: "BF16"), or None."""
+    return "BF16" if is_bfloat16(dtype) else CODES.get(dtype)
+
+
+def dtype_of(code: str) -> np.dtype:
+    return named_dtype("bfloat16") if code == "BF16" else np.dtype(DTYPES[code])
+
+
 METADATA = "__metadata__"
 EARLY_WRITEBACK = early_writeback.available()  # the speed trick of early_writeback.py
 
@@ -75,7 +85,7 @@ def header_and_data(arrays: dict[str, np.ndarray], skeleton: dict) -> tuple[byte
     for name in sorted(arrays, key=lambda n: -arrays[n].dtype.itemsize):  # stable: widest first
         array = arrays[name]
         header[name] = {
-            "dtype": CODES[array.dtype],
+            "dtype": code_of(array.dtype),
             "shape": list(array.shape),
             "data_offsets": [offset, offset + array.nbytes],
         }
@@ -93,7 +103,7 @@ def as_stored(name: str, array: np.ndarray) -> np.ndarray:
     array = array if array.flags.c_contiguous else array.copy(order="C")
     if array.dtype.byteorder == ">":
         array = array.astype(array.dtype.newbyteorder("<"))
-    if array.dtype not in CODES:
+    if code_of(array.dtype) is None:
         raise CheckpointError(
             f"{name}: a {array.dtype} array; a checkpoint holds {', '.join(map(str, CODES))}"
         )
@@ -212,7 +222,7 @@ def parse(data: bytearray) -> tuple[dict[str, np.ndarray], dict]:
     skeleton = json.loads(header.pop(METADATA)["skeleton"])
     start, arrays, ranges = 8 + length, {}, []
     for name, entry in header.items():
-        dtype = np.dtype(DTYPES[entry["dtype"]])
+        dtype = dtype_of(entry["dtype"])
         shape = tuple(entry["shape"])
         begin, end = entry["data_offsets"]
         if not all(isinstance(n, int) and n >= 0 for n in (*shape, begin, end)):
@@ -230,7 +240,7 @@ def parse(data: bytearray) -> tuple[dict[str, np.ndarray], dict]:
     for begin, end, name in ranges:
         entry = header[name]
         raw = np.frombuffer(data, np.uint8, end - begin, start + begin)
-        arrays[name] = raw.view(DTYPES[entry["dtype"]]).reshape(tuple(entry["shape"]))
+        arrays[name] = raw.view(dtype_of(entry["dtype"])).reshape(tuple(entry["shape"]))
     return arrays, skeleton
 
 

@@ -40,7 +40,7 @@ import warnings
 import numpy as np
 
 from minidp import comm
-from minidp.comm.reduce_ops import BFLOAT16
+from minidp.engine.precision import dtype_name as named
 from minidp.parallel.checkpoint.reshard import (
     LayoutMismatch,
     assemble,
@@ -96,7 +96,8 @@ def _save(state, path: str, group: comm.Group, step: int, layout, metadata) -> N
         os.makedirs(path, exist_ok=True)
         info, arrays = write_shard(state, path, group.rank)
         tensors = {
-            name: {"dtype": _code(a.dtype), "ndim": a.ndim, **_place(layout, name, a.ndim)}
+            # "<f4" and the like; bfloat16 by name (its .str, "<V2", reads back as raw bytes)
+            name: {"dtype": named(a.dtype), "ndim": a.ndim, **_place(layout, name, a.ndim)}
             for name, a in arrays.items()
         }
         mine = json.dumps({**info, "rank": group.rank, "tensors": tensors})
@@ -127,12 +128,6 @@ def _save(state, path: str, group: comm.Group, step: int, layout, metadata) -> N
     verdict = comm.broadcast_text(verdict, root=0, group=group)  # none returns before the commit
     if verdict:
         raise CheckpointError(verdict)
-
-
-def _code(dtype: np.dtype) -> str:
-    """What np.dtype() reads back: "<f4" and the like, or "bfloat16" (whose .str, "<V2",
-    NumPy would read as 2 raw bytes)."""
-    return dtype.name if dtype in BFLOAT16 else dtype.str
 
 
 def _place(layout, name: str, ndim: int) -> dict:
