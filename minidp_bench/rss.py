@@ -12,9 +12,10 @@ on N ranks DP and ZeRO-1, -2, -3, each in fp32 and bf16, with and without --reco
 model states (parameters, gradients, optimizer) are checked against the ZeRO paper's
 formulas: 4 + 4 + 8 bytes a parameter in fp32, 2 + 2 + 12 in bf16.
 
---cap-mb: for each configuration, the widest GPT (--n-embd on a ladder, the other sizes as
-given) whose every rank peaks under the cap, found by running them; a PNG of peak RSS per
-configuration goes to --out.
+--cap-mb: for one process (fp32; bf16 + recompute) and N ranks (DP; ZeRO-3; ZeRO-3 + bf16
++ recompute), the widest GPT (--n-embd on a ladder, the other sizes as given) whose every
+rank peaks under the cap, found by running them. A PNG of peak RSS per configuration goes
+to --out.
 """
 
 import json
@@ -157,10 +158,13 @@ def main(argv: list[str]) -> int:
     plot(rows, os.path.join(args.out, "peak_rss.png"))
     if args.cap_mb:
         cap = args.cap_mb * 1e6
+        n = args.nprocs
+        capped = [(1, "dp", "fp32", False), (1, "dp", "bf16", True), (n, "dp", "fp32", False),
+                  (n, "zero3", "fp32", False), (n, "zero3", "bf16", True)]  # fmt: skip
         fits = [
             {"config": f"{c[1]} N={c[0]} {c[2]}{' +recompute' * c[3]}", "cap_mb": args.cap_mb,
              "widest_n_embd": largest_under(args, cap, c)}
-            for c in configurations(args.nprocs)
+            for c in capped
         ]  # fmt: skip
         print(f"the widest GPT ({args.n_layer} layers) under {args.cap_mb:g} MB a rank")
         print_table(fits, [("config", "s"), ("widest_n_embd", "")])

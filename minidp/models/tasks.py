@@ -20,6 +20,7 @@ from minidp.engine.precision import to_half
 from minidp.engine.tensor import Tensor, no_grad
 from minidp.models import data
 from minidp.models.gpt import GPT, GPTConfig
+from minidp.tools.chunks import chunk_range
 from minidp.tools.info import cores_per_rank
 
 
@@ -78,20 +79,27 @@ class Task:
     def loss(self, inputs, targets) -> Tensor:
         return nn.cross_entropy(self.model(inputs), targets)
 
-    def validation_loss(self) -> float:
-        """Mean loss over `eval_batches` fixed batches of the validation split."""
+    def validation_loss(self, part: tuple[int, int] = (0, 1)) -> float:
+        """Mean loss over `eval_batches` fixed batches of the validation split. `part` (c,
+        C): only slice c of C of each batch, its mean weighted by its share of the batch:
+        the C parts sum to the whole mean (a sharded model's ranks each take one)."""
         rng = np.random.default_rng(self.config.seed + 1)
         limit = (
             len(self.val_tokens) - self.config.block_size
             if self.config.model == "gpt"
             else len(self.x_val)
         )
+        B = self.config.batch_size
+        lo, hi = chunk_range(B, part[1], part[0])
         self.model.eval()
         with no_grad():
-            losses = [
-                self.loss(*self.batch(rng.integers(0, limit, self.config.batch_size), "val")).item()
-                for _ in range(self.config.eval_batches)
-            ]
+            losses = []
+            for _ in range(self.config.eval_batches):
+                mine = rng.integers(0, limit, B)[lo:hi]
+                share = 1.0 if part[1] == 1 else len(mine) / B
+                losses.append(
+                    self.loss(*self.batch(mine, "val")).item() * share if len(mine) else 0.0
+                )
         self.model.train()
         return float(np.mean(losses))
 

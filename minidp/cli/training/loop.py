@@ -159,7 +159,7 @@ def _train(config: TrainConfig, group: comm.Group, preemption: Preemption, adds)
             strategy.gather_model()  # the whole trained model in task.model, for what follows
         final = {
             "final_loss": loss,
-            "val_loss": task.validation_loss(),
+            "val_loss": validation_loss(task, strategy),
             "steps": config.steps,
             "world_size": group.size,
             "strategy": config.strategy,
@@ -177,12 +177,14 @@ def _train(config: TrainConfig, group: comm.Group, preemption: Preemption, adds)
             "precision": config.precision,
             "skipped_steps": counts["skipped_steps"],
             **strategy.record(),
-            **{k: v for add in adds for k, v in add(config, strategy.group, step_s).items()},
-            "config": vars(config),  # every field, those of other strategies too
         }
-        # last: the OS's figure, after everything above (validation and the checks too)
+        # the OS's figure, after training, validation and the checks; before what `adds`
+        # adds (the cost model's prediction builds and times a model of its own)
         peak = np.array([peak_rss_bytes()], dtype=np.int64)
         final["peak_rss"] = comm.allgather(peak, group=strategy.group).ravel().tolist()
+        for add in adds:
+            final.update(add(config, strategy.group, step_s))
+        final["config"] = vars(config)  # every field, those of other strategies too
     records.write(final)  # the last line
     records.close()
     report(final, config, say)
@@ -196,6 +198,16 @@ def _train(config: TrainConfig, group: comm.Group, preemption: Preemption, adds)
         timeline.save(config.trace, strategy.group)
         say(f"timeline: {config.trace} (open in ui.perfetto.dev)")
     return final
+
+
+def validation_loss(task: Task, strategy) -> float:
+    """Collective where the forward is (a sharded model's): each rank one slice of every
+    validation batch, the shares summed; else every rank the whole batches on its own."""
+    if not strategy.sharded_forward:
+        return task.validation_loss()
+    group = strategy.group
+    mine = task.validation_loss(part=(group.rank, group.size))
+    return float(comm.allreduce(np.array([mine]), group=group)[0])
 
 
 def log_line(step: int, loss: float, lr: float, w: Window, task: Task, config, say) -> dict:
