@@ -75,11 +75,11 @@ def row_of(final: dict, name: str, precision: str, recompute: bool) -> dict:
     }  # fmt: skip
 
 
-def configurations(nprocs: int) -> list[tuple]:
+def configurations(nprocs: int, names=tuple(STAGES)) -> list[tuple]:
     one = [(1, "dp", "fp32", False), (1, "dp", "bf16", True)]
     many = [
         (nprocs, name, precision, recompute)
-        for name in STAGES
+        for name in names
         for precision in ("fp32", "bf16")
         for recompute in (False, True)
     ]
@@ -130,6 +130,9 @@ def parse_args(argv: list[str]):
         ("--steps", 3, "training steps per run"),
     ):
         parser.add_argument(flag, type=int, default=default, help=f"{what} (default {default})")
+    parser.add_argument(
+        "--strategies", default=",".join(STAGES), help="of dp,zero1,zero2,zero3 (default all)"
+    )
     parser.add_argument("--cap-mb", type=float, help="find the widest GPT under this cap")
     parser.add_argument("--out", default="runs/bench_rss", help="where the PNG goes")
     parser.add_argument("--json", metavar="FILE", help="write JSON lines")
@@ -138,6 +141,9 @@ def parse_args(argv: list[str]):
         raise die("bench rss: --nprocs, sizes and --steps must be positive")
     if args.n_embd % args.n_head or any(w % args.n_head for w in LADDER):
         raise die("bench rss: --n-head must divide --n-embd and the ladder's widths")
+    args.strategies = args.strategies.split(",")
+    if not set(args.strategies) <= set(STAGES):
+        raise die(f"bench rss: --strategies: choose from {', '.join(STAGES)}")
     return args
 
 
@@ -150,7 +156,7 @@ def main(argv: list[str]) -> int:
         flush=True,
     )
     rows = []
-    for config in configurations(args.nprocs):
+    for config in configurations(args.nprocs, args.strategies):
         rows.append(row_of(launch(args, *config, args.n_embd), *config[1:]))
         rows[-1]["vs_one_fp32"] = rows[-1]["peak_rss"] / rows[0]["peak_rss"]
         print(f"  {config}: peak RSS {rows[-1]['peak_rss'] / 1e6:.0f} MB", flush=True)

@@ -244,3 +244,20 @@ def test_a_wrong_answer_is_not_timed(tmp_path, args):
     assert result.stderr.count("minidp: error:") == 1, result.stderr
     assert "not timing a wrong answer" in result.stderr and "ring" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+@pytest.mark.timeout(180)
+def test_bench_rss_runs_each_row_as_a_job_and_checks_the_formula(tmp_path):
+    out = tmp_path / "rss.json"
+    gpt = ("--n-layer", "1", "--n-embd", "16", "--n-head", "2", "--block-size", "8")
+    args = ("--nprocs", "2", "--batch-size", "4", "--steps", "1", "--strategies", "zero3")
+    cmd = [sys.executable, "-m", "minidp", "bench", "rss", *gpt, *args, "--json", str(out)]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=170)
+    assert result.returncode == 0, result.stderr
+    rows = records(out)
+    assert [(r["N"], r["strategy"], r["precision"], r["recompute"]) for r in rows] == [
+        (1, "dp", "fp32", False), (1, "dp", "bf16", True),
+        *((2, "zero3", p, rc) for p in ("fp32", "bf16") for rc in (False, True)),
+    ]  # fmt: skip
+    for r in rows:  # the paper's bytes, AdamW's step counters aside; the OS's peak above them
+        assert abs(r["vs_formula"] - 1) < 0.01 and r["peak_rss"] > r["model_states"], r

@@ -108,6 +108,7 @@ def _train(config: TrainConfig, group: comm.Group, preemption: Preemption, adds)
         meter = StepMeter(strategy)
         records = Records(config.json if group.rank == 0 else None, keep_before=start)
         skipped = []  # steps with a non-finite loss or gradient (--skip-nonfinite)
+        overflowed = []  # steps a loss scaler skipped (--precision fp16), this launch's
         try:
             for step in range(start, config.steps):
                 preemption.step = step
@@ -118,6 +119,8 @@ def _train(config: TrainConfig, group: comm.Group, preemption: Preemption, adds)
                 result = strategy.step(local, lr)
                 loss, local_loss = result.loss, result.local_loss
                 # alike on every rank; a loss scaler's overflow is mixed precision's normal skip
+                if result.overflow:
+                    overflowed.append(step)
                 if not (result.stepped or result.overflow) or not np.isfinite(loss):
                     skipped.append(nonfinite_step(step, result, config, group, say, log, skipped))
                 n_local = 0 if local is None else len(local)
@@ -177,6 +180,7 @@ def _train(config: TrainConfig, group: comm.Group, preemption: Preemption, adds)
             "precision": config.precision,
             "skipped_steps": counts["skipped_steps"],
             **strategy.record(),
+            **({"overflow_at": overflowed} if config.precision == "fp16" else {}),
         }
         # the OS's figure, after training, validation and the checks; before what `adds`
         # adds (the cost model's prediction builds and times a model of its own)
