@@ -139,8 +139,8 @@ def parse_args(argv: list[str]):
     args = parser.parse_args(argv)
     if min(args.nprocs, args.n_layer, args.n_embd, args.n_head, args.steps) < 1:
         raise die("bench rss: --nprocs, sizes and --steps must be positive")
-    if args.n_embd % args.n_head or any(w % args.n_head for w in LADDER):
-        raise die("bench rss: --n-head must divide --n-embd and the ladder's widths")
+    if args.n_embd % args.n_head or (args.cap_mb and any(w % args.n_head for w in LADDER)):
+        raise die("bench rss: --n-head must divide --n-embd (and with --cap-mb the ladder's)")
     args.strategies = args.strategies.split(",")
     if not set(args.strategies) <= set(STAGES):
         raise die(f"bench rss: --strategies: choose from {', '.join(STAGES)}")

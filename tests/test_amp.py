@@ -123,7 +123,9 @@ def test_bf16_and_fp16_train_the_gpt_near_fp32():
     memory = finals["bf16"]["memory_bytes"]
     params = memory["parameters"] // 2  # 2 bytes each
     assert memory["gradients"] == 2 * params and memory["optimizer"] >= 12 * params
-    assert finals["fp16"]["loss_scale"] > 0 and "loss_scale" not in finals["bf16"]
+    fp16 = finals["fp16"]  # a power of 2, halved once per step skipped
+    assert fp16["loss_scale"] == 2.0**16 / 2 ** fp16["overflow_steps"]
+    assert fp16["overflow_steps"] == len(fp16["overflow_at"]) and "loss_scale" not in finals["bf16"]
 
 
 @pytest.mark.parallel(nprocs=[4])
@@ -146,8 +148,19 @@ def test_zero_3_in_bf16_holds_16_bytes_a_parameter_over_n_and_skips_are_agreed()
     # bfloat16 crosses the collectives: an allreduce sums in it
     x = np.full(5, group.rank + 1, BF16)
     np.testing.assert_array_equal(comm.allreduce(x, group=group), np.full(5, 10, BF16))
-    fp16 = train(replace(config, strategy="dp", precision="fp16"), group)
-    assert np.isfinite(fp16["final_loss"]) and fp16["loss_scale"] >= 1.0
+    # ZeRO-3 in fp16 with a scale that overflows: every rank skips the step, halves the scale
+    from minidp.cli.strategies import ZeRO
+    from minidp.models.tasks import Task
+
+    fp16 = replace(config, precision="fp16").resolved()
+    with ZeRO(Task(fp16, np.float32), fp16, group) as zero:
+        zero.run.scaler._scale = 2.0**40  # the gradients times 2^40: inf in float16
+        before = [p.data.copy() for p in zero.pieces]
+        result = zero.step(np.arange(group.rank * 2, group.rank * 2 + 2), 1e-3)
+        assert result.overflow and not result.stepped and np.isfinite(result.loss)
+        assert zero.run.scaler.get_scale() == 2.0**39 and zero.run.scaler.skipped == 1
+        for p, was in zip(zero.pieces, before):
+            np.testing.assert_array_equal(p.data, was)  # nothing moved
 
 
 def test_a_16_bit_table_gives_float32_rows():

@@ -301,3 +301,4 @@ def test_replica_spread_walks_the_arrays_in_small_chunks_and_sees_every_element(
     assert replica_spread(arrays, group) == 0.5  # one chunk holds them all
     arrays[2][0] = np.nan if group.rank == 1 else 0.0
     assert np.isnan(replica_spread(arrays, group, chunk=4))
+    assert np.isnan(replica_spread([np.array([1.0, np.inf])], group))  # inf - inf: not 0

@@ -103,11 +103,11 @@ TINY = dict(
     n_layer=2, n_embd=16, n_head=2, block_size=8, batch_size=6, steps=2, dtype="float64",
     eval_batches=1, sample_tokens=0, log_every=1, seed=5,
 )  # fmt: skip
-SCHEMES = [
+SCHEMES = [  # dropout on: each recomputed block draws the masks of its first forward again
     dict(strategy="dp", dropout=0.1),
-    dict(strategy="zero", zero_stage=3),
-    dict(strategy="tp", sequence_parallel=True),
-    dict(strategy="pp", micro_batches=2),
+    dict(strategy="zero", zero_stage=3, dropout=0.1),
+    dict(strategy="tp", sequence_parallel=True, dropout=0.1),
+    dict(strategy="pp", micro_batches=2, dropout=0.1),
     dict(strategy="ps", servers=1),
 ]
 

@@ -259,16 +259,14 @@ def test_bad_zero_flags_are_one_line(args, message, capsys):
 
 def test_unsupported_combinations_say_which():
     quiet = dict(model="mlp", hidden=8, steps=1, sample_tokens=0, eval_batches=1)
-    config = TrainConfig(strategy="zero", zero_stage=3, **quiet)
     with pytest.raises(BadConfig, match="--allreduce tree is not one of theirs"):
-        train(replace(config, allreduce="tree"))
+        train(TrainConfig(strategy="zero", zero_stage=3, allreduce="tree", **quiet))
 
 
 def test_stage_3_on_one_rank_trains_and_reports_its_memory():
     quiet = dict(model="mlp", hidden=8, steps=2, sample_tokens=0, eval_batches=1, log_every=1)
     final = train(TrainConfig(strategy="zero", zero_stage=3, **quiet))
-    assert np.isfinite(final["final_loss"]) and final["zero_stage"] == 3
-    assert final["memory_bytes"]["gathered_peak"] > 0
+    assert np.isfinite(final["final_loss"]) and final["memory_bytes"]["gathered_peak"] > 0
 
 
 # ---- the command line and the benchmark, end to end ---------------------------------------
@@ -287,18 +285,17 @@ def test_cli_stage_3_never_gathers_the_whole_model_and_evaluates_and_samples_as_
     the record has each rank's memory by category and the OS's peak RSS."""
     finals, outs = {}, {}
     for name, flags in (("dp", ()), ("zero3", ("--strategy", "zero", "--zero-stage", "3"))):
-        path = tmp_path / f"{name}.jsonl"
-        args = (*flags, "--steps", "2", "--dtype", "float64", "--json", str(path))
+        path = tmp_path / f"{name}.jsonl"  # 20 steps at a high rate: far from uniform
+        args = (*flags, "--steps", "20", "--lr", "0.03", "--dtype", "float64", "--json", str(path))
         result = minidp(2, *args, *GPT_TINY, "--sample-tokens", "12", "--eval-batches", "1")
         assert result.returncode == 0, result.stderr
         finals[name], outs[name] = json.loads(path.read_text().splitlines()[-1]), result.stdout
-    final = finals["zero3"]
+    final, per_rank = finals["zero3"], finals["zero3"]["memory_bytes_per_rank"]
     assert "memory per rank, MB: parameters" in outs["zero3"], outs["zero3"]
-    per_rank = final["memory_bytes_per_rank"]
-    assert final["zero_stage"] == 3 and len(per_rank["parameters"]) == 2
     memory = final["memory_bytes"]  # rank 0's, float64: 8 bytes a parameter of its shard
     assert per_rank["parameters"][0] == memory["parameters"] == 8 * final["shard_elements"]
-    assert len(final["peak_rss"]) == 2 and min(final["peak_rss"]) > 10e6
+    assert len(per_rank["parameters"]) == len(final["peak_rss"]) == 2
+    assert min(final["peak_rss"]) > 10e6
     for key in ("val_loss", "param_l2"):
         np.testing.assert_allclose(final[key], finals["dp"][key], rtol=1e-10)
     sample = outs["zero3"].split("sample:")[1]  # printed once, the same text as DP's

@@ -297,15 +297,16 @@ class Embedding(Module):
         self.fused = fused
 
     def forward(self, idx: np.ndarray) -> Tensor:
-        fused = self.fused and fast("embedding", self.weight)
-        rows = fused(self.weight, idx) if fused else self.weight[np.asarray(idx)]
-        return computed(rows)
+        weight = computed(self.weight)  # a 16-bit table: rows summed back in float32, once cast
+        fused = self.fused and fast("embedding", weight)
+        return fused(weight, idx) if fused else weight[np.asarray(idx)]
 
 
 def computed(x: Tensor) -> Tensor:
     """x as the model computes: float32 when x holds 16 bits (mixed precision keeps weights
     in 16 bits; the ops that read them with float32 activations widen them by NumPy's
-    promotion, but a table's rows enter the model on their own), else x itself."""
+    promotion, but a table's rows enter the model on their own: the table is widened
+    before the lookup, so its gradient's rows are summed in float32 and cast once), else x."""
     return x.to(np.float32) if is_half(x.data) else x
 
 

@@ -24,7 +24,8 @@ The parameters' gradients are added by the inner backward (the engine's own, fir
 hooks), so a data-parallel bucket or a ZeRO shard sees each gradient as usual, only later.
 `fn` may be a Module (its parameters are then recorded as parents, so the op is in the graph
 even when no input needs a gradient) or any function of Tensors whose result is one Tensor;
-a plain function's op is recorded only when some input needs a gradient.
+a plain function's op is recorded only when some input needs a gradient, and its dropout
+generators are not found (only a Module's are): pass the Module that holds the dropout.
 
 What recomputation holds: the graph outside the recomputed pieces, and, for a moment in
 backward, one piece's graph. `measuring(bytes_of)` lets a caller count the second (the

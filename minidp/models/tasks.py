@@ -97,9 +97,7 @@ class Task:
             for _ in range(self.config.eval_batches):
                 mine = rng.integers(0, limit, B)[lo:hi]
                 share = 1.0 if part[1] == 1 else len(mine) / B
-                losses.append(
-                    self.loss(*self.batch(mine, "val")).item() * share if len(mine) else 0.0
-                )
+                losses.append(self.loss(*self.batch(mine, "val")).item() * share)
         self.model.train()
         return float(np.mean(losses))
 

@@ -61,6 +61,12 @@ def mesh_sizes(config, world_size: int) -> tuple[int, int]:
 def check_drift(config, dp: int, tp: int, vocab: int) -> bool:
     """Whether ZeRO must broadcast TP rank 0's replicated parameters (BadConfig: stage 3)."""
     drift = drifts(dp, tp, vocab)
+    if drift and config.precision != "fp32":  # TP rank 0's masters would have to go too
+        raise BadConfig(
+            f"--precision {config.precision} with ZeRO over --dp {dp} > 2 and TP shards of "
+            f"unequal sizes (a vocabulary of {vocab} over --tp {tp}) is not yet supported: "
+            "the replicated weights' float32 masters would drift apart; use --precision fp32"
+        )
     if drift and config.zero_stage == 3:
         raise BadConfig(
             f"--zero-stage 3 over --dp {dp} > 2 with TP shards of unequal sizes (a "

@@ -189,15 +189,16 @@ def _train(config: TrainConfig, group: comm.Group, preemption: Preemption, adds)
         for add in adds:
             final.update(add(config, strategy.group, step_s))
         final["config"] = vars(config)  # every field, those of other strategies too
+        sample = None  # drawn before the strategy closes: a sharded model's forward gathers
+        if group.rank == 0 or strategy.sharded_forward:  # (then every rank draws, together)
+            sample = task.sample()
     records.write(final)  # the last line
     records.close()
     report(final, config, say)
     if line := strategy.summary():
         say(line)
-    if group.rank == 0 or strategy.sharded_forward:  # a sharded forward: every rank together
-        sample = task.sample()
-        if sample is not None:
-            say("sample:\n" + sample)
+    if sample is not None:
+        say("sample:\n" + sample)
     if config.trace:
         timeline.save(config.trace, strategy.group)
         say(f"timeline: {config.trace} (open in ui.perfetto.dev)")

@@ -135,7 +135,7 @@ def check_precision(config) -> None:
         raise BadConfig(f"{flag} keeps float32 master weights and arithmetic: drop --dtype")
     if config.backend != "numpy":
         raise BadConfig(f"{flag} runs on --backend numpy (the torch path is not written yet)")
-    if config.compress != "none":
+    if config.compress != "none" or config.compress_on != "gradient":
         raise BadConfig(f"{flag} sends 16-bit gradients already: drop --compress")
 
 

@@ -71,7 +71,7 @@ class VocabParallelEmbedding(nn.Module):
         self.weight = shard(full.weight, name + "weight", 0, my_range(V, group))
 
     def forward(self, idx: np.ndarray) -> Tensor:
-        partial = nn.computed(masked_lookup(self.weight, np.asarray(idx), self.start))
+        partial = masked_lookup(nn.computed(self.weight), np.asarray(idx), self.start)
         if self.sequence_parallel:
             return reduce_scatter_sequence(partial, self.group)
         return reduce_from_tensor_parallel(partial, self.group)

@@ -49,6 +49,7 @@ import numpy as np
 
 from minidp import comm
 from minidp.comm.trace import Timeline
+from minidp.engine.backend import is_half
 from minidp.engine.units import units_of
 from minidp.parallel.checkpoint import Slice
 from minidp.parallel.data_parallel.buckets import bucket_groups
@@ -143,6 +144,8 @@ class ZeROStages:
         self.after_sync, self.after_step = [], [self.gather_flat] if stage < 3 else []
         if stage == 1:  # DDP's rule: what no rank's backward reached is not stepped
             self.slices, self.aside = chunk_slices(layout), []
+            if is_half(self.pieces[0].data) and hasattr(self.optimizer, "init_state"):
+                self.optimizer.init_state()  # 16-bit: the masters exist to be set aside too
             self.after_sync, self.after_step = [self._set_aside], [self._put_back, *self.after_step]
 
     @property
