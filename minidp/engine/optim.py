@@ -37,6 +37,7 @@ class Optimizer:
         self.state: list[dict[str, np.ndarray]] = [{} for _ in self.params]
         self.step_count = 0
         self.grad_scale = 1.0  # the loss was multiplied by this (mixed precision's scaler)
+        self.after_update = None  # f(i) after parameter i's update (parallel/zero/offload.py)
 
     def zero_grad(self) -> None:
         for p in self.params:
@@ -44,22 +45,27 @@ class Optimizer:
 
     def step(self) -> None:
         self.step_count += 1
-        for p, state in zip(self.params, self.state):
-            if p.grad is None:
-                continue
-            if not is_half(p.data) and self.grad_scale == 1:
-                self.update(p.data, p.grad, state)  # the plain step
-                continue
-            # mixed precision: the float32 master steps, from the gradient in float32 / scale
-            master = state.get("master", p.data)
-            if is_half(p.data) and "master" not in state:  # the first step: w in float32
-                master = state["master"] = widened(p.data)
-            g = widened(p.grad) if is_half(p.grad) else copy(p.grad)
-            if self.grad_scale != 1:
-                g /= self.grad_scale
-            self.update(master, g, state)
-            if master is not p.data:
-                p.data[...] = master  # rounded to the parameter's 16 bits
+        for i, (p, state) in enumerate(zip(self.params, self.state)):
+            if p.grad is not None:
+                self.step_one(p, state)
+                if self.after_update is not None:
+                    self.after_update(i)
+
+    def step_one(self, p, state: dict) -> None:
+        """One parameter's update: the plain one, or through its float32 master."""
+        if not is_half(p.data) and self.grad_scale == 1:
+            self.update(p.data, p.grad, state)  # the plain step
+            return
+        # mixed precision: the float32 master steps, from the gradient in float32 / scale
+        master = state.get("master", p.data)
+        if is_half(p.data) and "master" not in state:  # the first step: w in float32
+            master = state["master"] = widened(p.data)
+        g = widened(p.grad) if is_half(p.grad) else copy(p.grad)
+        if self.grad_scale != 1:
+            g /= self.grad_scale
+        self.update(master, g, state)
+        if master is not p.data:
+            p.data[...] = master  # rounded to the parameter's 16 bits
 
     def update(self, w: np.ndarray, g: np.ndarray, state: dict) -> None:
         raise NotImplementedError

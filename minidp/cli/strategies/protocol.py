@@ -107,7 +107,8 @@ class Exposed(NamedTuple):
     exposed_seconds = comm_seconds
 
 
-MEMORY = ("parameters", "gradients", "optimizer", "activations_peak", "buffers", "gathered_peak")
+MEMORY = ("parameters", "gradients", "optimizer", "activations_peak", "buffers", "gathered_peak",
+          "offloaded")  # fmt: skip
 
 
 def count_bytes(parts) -> int:

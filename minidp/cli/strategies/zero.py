@@ -57,7 +57,8 @@ class ZeRO(Recipe):
         super().__init__(task, config, group, timeline)
         check_zero(config, group.size)  # alike on every rank, before any message
         self.model, self.dp_group = task.model, group
-        z = ZeROStages(task.model, group, **zero_options(config, self.timeline, make_optimizer))
+        options = zero_options(config, self.timeline, make_optimizer)
+        z = ZeROStages(task.model, group, **options, offload=config.offload)
         self.zero = self.axis = z
         self.stage, self.layout, self.pieces, self.shard = z.stage, z.layout, z.pieces, z.shard
         self.optimizer, self.comm_group, self.gathered = z.optimizer, z.comm_group, z.gathered

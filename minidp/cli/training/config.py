@@ -209,6 +209,8 @@ class TrainConfig(Flags):
     precision: str = flag("fp32", "weights and gradients in 16 bits (float32 masters and "
                           "optimizer; fp16 with a loss scaler), or fp32", on_resume="model",
                           choices=("fp32", "bf16", "fp16"), strategies=STEPPED)  # fmt: skip
+    offload: bool = flag(False, "ZeRO's optimizer state in a memory-mapped file, paged in "
+                         "for each update (zero/offload.py)", strategies=("zero",))  # fmt: skip
     recompute: bool = flag(False, "each GPT block keeps only its input and runs again in "
                            "backward (less memory, one more forward)", models=("gpt",))  # fmt: skip
 

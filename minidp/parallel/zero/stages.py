@@ -63,6 +63,7 @@ from minidp.parallel.zero.flat import (
     flat_parameters,
     pieces,
 )
+from minidp.parallel.zero.offload import Offload
 from minidp.parallel.zero.sharded import ShardedModel
 from minidp.tools.memory import optimizer_bytes
 
@@ -94,6 +95,7 @@ class ZeROStages:
     def __init__(
         self, model, group: comm.Group, stage: int, make_optimizer, *, bucket_mb: float = 0.25,
         algo: str = "auto", overlap="auto", timeline: Timeline | None = None,
+        offload: bool = False,
     ):  # fmt: skip
         if stage not in (1, 2, 3):
             raise ValueError(f"stage must be 1, 2 or 3, got {stage!r}")
@@ -140,6 +142,8 @@ class ZeROStages:
             param_chunks, grad_chunks = shards.param_chunks, shards.grad_chunks
         self.pieces = pieces(param_chunks, grad_chunks)
         self.optimizer = make_optimizer(self.pieces)
+        # the optimizer's state in a memory-mapped file, paged in for each update (offload.py)
+        self.offload = Offload(self.optimizer) if offload else None
         self.gather_seconds = 0.0  # stages 1, 2: the parameter allgathers, in total
         self.after_sync, self.after_step = [], [self.gather_flat] if stage < 3 else []
         if stage == 1:  # DDP's rule: what no rank's backward reached is not stepped
@@ -217,9 +221,11 @@ class ZeROStages:
         held = {
             "parameters": [parameters],
             "gradients": [*grads, *(p.grad for p in self.model.parameters())],
-            "optimizer": [optimizer_bytes(self.optimizer)],
+            "optimizer": [0 if self.offload else optimizer_bytes(self.optimizer)],
             "buffers": [self.comm_group.scratch.nbytes],
         }
+        if self.offload is not None:  # in the file, not this process's memory
+            held["offloaded"] = [self.offload.nbytes]
         if self.gathered is not None:
             held["buffers"] += self.gathered.slots
             held["gathered_peak"] = [self.gathered.gathered_peak]
@@ -273,6 +279,8 @@ class ZeROStages:
             self.gather_flat()
 
     def close(self) -> None:
+        if self.offload is not None:
+            self.offload.close()
         if self.ddp is not None:
             self.ddp.close()
         else:
