@@ -6,11 +6,13 @@ and backward), and what a script may run over its own pieces. Given them, `Step`
     sync.zero_grad(); sync.set_batch_share(n_r, B)  # weight n_r / B
     for each of the K micro-batches:                # all but the last under sync.no_sync()
         loss_k = mean loss of micro-batch k * (m_k / n_r)     # the K sum to the local mean
-        backward                                    # the synchronizer's hooks reduce
+        backward of loss_k (x the scaler's scale)   # the synchronizer's hooks reduce
     sync.finish_gradient_sync(); after-sync hooks   # "gradient sync wait"
     global loss = allreduce_dp(n_r / B * local loss)
-    if finite:  norm = clip()                       # "optimizer"
+    if finite:  scaler.unscale_(optimizer)          # "optimizer"; fp16: an overflow anywhere
+                norm = clip()                       #   skips the step on every rank
                 if finite norm: optimizer.step(); after-step hooks  # ZeRO's allgather, ...
+                scaler.update()
 
 The pieces, each anything with the methods named:
 - `loss(indices)`: the mean loss over these examples of the global dataset (a Tensor).
@@ -25,6 +27,8 @@ The pieces, each anything with the methods named:
   clipping).
 - hooks: `before` the step, `after_sync` (TP's replicated gradients), `after_step` (ZeRO's
   parameter allgather, the hybrid's drift broadcast): plain callables.
+- `scaler`: float16's loss scaler (parallel/amp.py's GradScaler, agreeing over the job),
+  or None.
 
 Where the synchronizer never reduces in backward and an optimizer wrapper syncs inside its
 step (compression/update.py), the trace shows an empty "gradient sync wait" here and the
