@@ -21,7 +21,9 @@ stood before the first forward, and returned to where they are after (PyTorch's
 `preserve_rng_state`).
 
 The parameters' gradients are added by the inner backward (the engine's own, firing their
-hooks), so a data-parallel bucket or a ZeRO shard sees each gradient as usual, only later.
+hooks), so a data-parallel bucket or a ZeRO shard sees each gradient as usual, only later;
+and a pipeline stage split into B and W (parallel/pipeline/backward_split.py) computes a
+recomputed block's weight gradients during B: W has only the blocks not recomputed.
 `fn` may be a Module (its parameters are then recorded as parents, so the op is in the graph
 even when no input needs a gradient) or any function of Tensors whose result is one Tensor;
 a plain function's op is recorded only when some input needs a gradient, and its dropout

@@ -95,9 +95,8 @@ class Task:
         with no_grad():
             losses = []
             for _ in range(self.config.eval_batches):
-                mine = rng.integers(0, limit, B)[lo:hi]
-                share = 1.0 if part[1] == 1 else len(mine) / B
-                losses.append(self.loss(*self.batch(mine, "val")).item() * share)
+                mine = rng.integers(0, limit, B)[lo:hi]  # share len/B: 1.0 when whole
+                losses.append(self.loss(*self.batch(mine, "val")).item() * (len(mine) / B))
         self.model.train()
         return float(np.mean(losses))
 
