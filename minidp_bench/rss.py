@@ -14,8 +14,9 @@ formulas: 4 + 4 + 8 bytes a parameter in fp32, 2 + 2 + 12 in bf16.
 
 --cap-mb: for one process (fp32; bf16 + recompute) and N ranks (DP; ZeRO-3; ZeRO-3 + bf16
 + recompute), the widest GPT (--n-embd on a ladder, the other sizes as given) whose every
-rank peaks under the cap, found by running them. A PNG of peak RSS per configuration goes
-to --out.
+rank stays under the cap, found by running each under --max-memory-mb: a wider one is
+refused at start or stopped in one line (counted), never killed. A PNG of peak RSS per
+configuration goes to --out.
 """
 
 import json
@@ -35,8 +36,11 @@ BYTES = {"fp32": (4, 8), "bf16": (2, 12)}  # (weight and gradient, optimizer) pe
 LADDER = (128, 192, 256, 320, 384, 448, 512, 640, 768, 896, 1024)
 
 
-def launch(args, nprocs: int, name: str, precision: str, recompute: bool, n_embd: int) -> dict:
-    """One training job; its final --json record."""
+def launch(
+    args, nprocs: int, name: str, precision: str, recompute: bool, n_embd: int, cap_mb=0.0
+) -> dict:
+    """One training job; its final --json record. Under `cap_mb` (--max-memory-mb), a run
+    refused at start or ended past the cap gives {"ended": its one line} instead."""
     stage = STAGES[name]
     flags = ["--strategy", "zero", "--zero-stage", str(stage)] if stage else ["--strategy", "dp"]
     flags += ["--precision", precision] + ["--recompute"] * recompute
@@ -45,9 +49,14 @@ def launch(args, nprocs: int, name: str, precision: str, recompute: bool, n_embd
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "run.jsonl")
         quiet = ["--steps", args.steps, "--eval-batches", "1", "--sample-tokens", "0"]
+        quiet += ["--max-memory-mb", cap_mb] if cap_mb else []
         cmd = [mpiexec(), "-n", nprocs, sys.executable, "-m", "minidp", "train", *flags,
                *sizes, *quiet, "--json", path]  # fmt: skip
         done = subprocess.run(list(map(str, cmd)), capture_output=True, text=True, timeout=900)
+        line = done.stderr.strip().splitlines()[-1:] or [""]
+        capped = "out of memory" in line[0] or "--max-memory-mb" in line[0]
+        if done.returncode != 0 and cap_mb and capped:
+            return {"ended": line[0]}
         if done.returncode != 0:
             raise die(f"bench rss: {' '.join(map(str, cmd))} failed:\n{done.stderr[-2000:]}")
         with open(path) as f:
@@ -86,17 +95,20 @@ def configurations(nprocs: int, names=tuple(STAGES)) -> list[tuple]:
     return one + many
 
 
-def largest_under(args, cap: float, config: tuple) -> int | None:
-    """The widest --n-embd of LADDER whose run peaks under `cap` bytes on every rank."""
+def largest_under(args, cap: float, config: tuple, ended: list) -> int | None:
+    """The widest --n-embd of LADDER whose run keeps every rank under `cap` bytes, each run
+    under --max-memory-mb: one past it is refused at start or ended after the step that
+    passed it, in one line (kept in `ended`: "refused" or "stopped")."""
     nprocs, name, precision, recompute = config
     best, lo, hi = None, 0, len(LADDER) - 1
     while lo <= hi:  # peak RSS grows with the width: a binary search
         mid = (lo + hi) // 2
-        final = launch(args, nprocs, name, precision, recompute, LADDER[mid])
-        if max(final["peak_rss"]) <= cap:
-            best, lo = LADDER[mid], mid + 1
-        else:
+        final = launch(args, nprocs, name, precision, recompute, LADDER[mid], cap / 1e6)
+        if "ended" in final:
+            ended.append("stopped" if "peak RSS reached" in final["ended"] else "refused")
             hi = mid - 1
+        else:
+            best, lo = LADDER[mid], mid + 1
     return best
 
 
@@ -167,13 +179,17 @@ def main(argv: list[str]) -> int:
         n = args.nprocs
         capped = [(1, "dp", "fp32", False), (1, "dp", "bf16", True), (n, "dp", "fp32", False),
                   (n, "zero3", "fp32", False), (n, "zero3", "bf16", True)]  # fmt: skip
-        fits = [
-            {"config": f"{c[1]} N={c[0]} {c[2]}{' +recompute' * c[3]}", "cap_mb": args.cap_mb,
-             "widest_n_embd": largest_under(args, cap, c)}
-            for c in capped
-        ]  # fmt: skip
-        print(f"the widest GPT ({args.n_layer} layers) under {args.cap_mb:g} MB a rank")
-        print_table(fits, [("config", "s"), ("widest_n_embd", "")])
+        fits = []
+        for c in capped:
+            ended: list[str] = []
+            widest = largest_under(args, cap, c, ended)
+            name = f"{c[1]} N={c[0]} {c[2]}{' +recompute' * c[3]}"
+            counts = {"refused": ended.count("refused"), "stopped": ended.count("stopped")}
+            fits.append({"config": name, "cap_mb": args.cap_mb, "widest_n_embd": widest, **counts})
+        print(f"the widest GPT ({args.n_layer} layers) under --max-memory-mb {args.cap_mb:g}")
+        print("(wider runs: refused at start, or stopped in one line past the cap)")
+        print_table(fits, [("config", "s"), ("widest_n_embd", ""), ("refused", "d"),
+                           ("stopped", "d")])  # fmt: skip
         rows += fits
     write_json(args.json, [{"bench": "rss", **env, **r} for r in rows])
     return 0

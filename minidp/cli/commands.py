@@ -17,51 +17,31 @@ import argparse
 import importlib
 import pkgutil
 import sys
-import types
 
 from minidp.cli.training.config import BadConfig, TrainConfig, config_fields
 from minidp.comm.abort import end_job
 from minidp.fast.allocator import keep_freed_memory
 from minidp.parallel.param_server.membership import end_without
 from minidp.tools.log import RunStopped, die, print0
-from minidp.tools.parser import Parser  # below commands.py: the benchmarks take it from there
+from minidp.tools.parser import Parser, add_fields  # below: the benchmarks take it there
 
 SUBCOMMANDS = ("train", "bench", "info", "schedule", "plot", "predict", "simulate")
-
-
-def _field_type(annotation):
-    if isinstance(annotation, types.UnionType):  # `str | None` -> str
-        return next(a for a in annotation.__args__ if a is not type(None))
-    return annotation
 
 
 def train_parser() -> argparse.ArgumentParser:
     from minidp.cli.strategies import STRATEGIES  # the one table of --strategy names
 
-    parser = Parser(prog="minidp train", description="Train a model (see training/config.py).")
+    fields = []
     for name, default, annotation, meta in config_fields():
         if name == "strategy":
             meta = {**meta, "choices": tuple(STRATEGIES)}
-        flag = "--" + name.replace("_", "-")
-        kind = _field_type(annotation)
-        if kind is bool:
-            parser.add_argument(flag, dest=name, action="store_true", help=meta["help"])
-            continue
-        shown = default
         if "of_steps" in meta:  # unset: a fraction of --steps (training/config.py)
             numerator, denominator, least = meta["of_steps"]
-            shown = f"{numerator} x " if numerator > 1 else ""
-            shown += f"steps / {denominator}" + (f", at least {least}" if least else "")
-        parser.add_argument(
-            flag,
-            dest=name,
-            type=kind,
-            default=default,
-            choices=meta.get("choices"),
-            metavar=name.upper(),
-            help=f"{meta['help']} (default: {shown})",
-        )
-    return parser
+            shown = (f"{numerator} x " if numerator > 1 else "") + f"steps / {denominator}"
+            meta = {**meta, "shown": shown + (f", at least {least}" if least else "")}
+        fields.append((name, default, annotation, meta))
+    description = "Train a model (see training/config.py)."
+    return add_fields(Parser(prog="minidp train", description=description), fields)
 
 
 def parse_train_args(argv: list[str]) -> TrainConfig:

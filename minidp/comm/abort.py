@@ -35,6 +35,7 @@ import sys
 import time
 
 from minidp.tools.log import JobError, die, world_rank
+from minidp.tools.memory import OutOfMemory
 
 STAGGER_S = 1.0  # between two ranks' turns to speak: more than SPEAK_S and the abort's spread
 SPEAK_S = 0.5  # after the line, before the abort: the launcher forwards the line first
@@ -86,15 +87,18 @@ def end_job(error: BaseException) -> None:
     the command line's end, and a script's (`except BaseException as e: end_job(e)`).
 
     Without this the other ranks would wait forever in their next collective. The cause is
-    one line for a JobError (its message says all) and for a CollectiveTimeout (it names the
-    peer never heard from), else the rank's traceback. A rank whose error another rank
-    reports (`reported_elsewhere`) prints nothing and gives that rank time to abort first.
+    one line for a JobError (its message says all), a MemoryError (the allocation that
+    failed) and a CollectiveTimeout (it names the peer never heard from), else the rank's
+    traceback. A rank whose error another rank reports (`reported_elsewhere`) prints
+    nothing and gives that rank time to abort first.
     What several ranks may find at once (a bug every rank runs into, a timeout) is said
     once, by the rank whose turn comes first (comm/abort.py). Alone (no other rank to stop)
     it returns, and a one-line error becomes one line, exit code 1."""
     from minidp.comm.errors import CollectiveTimeout
 
     timeout = isinstance(error, CollectiveTimeout)
+    if isinstance(error, MemoryError):  # NumPy's "Unable to allocate 7.5 GiB for an array"
+        error = OutOfMemory(f"out of memory: {error or 'an allocation failed'}")
     if not _other_ranks_running():
         if timeout or isinstance(error, JobError):
             raise die(str(error), code=1) from None
@@ -106,8 +110,8 @@ def end_job(error: BaseException) -> None:
         abort_job("", 1)
     elif timeout:  # every neighbour of the silent rank finds it
         abort_job(f"minidp: error: {error}", 1, turn="timeout")
-    elif isinstance(error, JobError):  # found by the one rank that reports it
-        abort_job(f"minidp: error: {error}", 1)
+    elif isinstance(error, JobError):  # found by the one rank that reports it (memory:
+        abort_job(f"minidp: error: {error}", 1, turn=error.turn)  # maybe by all at once)
     else:  # a bug: maybe on every rank
         from mpi4py import MPI
 

@@ -1,7 +1,7 @@
 """What ranks compute together about a model they share or shard: its global norm (and
 clipping by it, each shard counted once), how far replicas have drifted apart (and the first
 parameter whose bits differ among them), the global batch's loss, the bytes a group has
-sent, and the stand-in a released parameter keeps.
+sent, each rank's figures side by side, and the stand-in a released parameter keeps.
 
 Every piece and recipe uses these; none of them holds state. Each is a collective over the
 group it is given, unless it says otherwise.
@@ -83,6 +83,21 @@ def bytes_sent(*groups: comm.Group) -> int:
 def global_loss(local_loss: float, share: float, group: comm.Group) -> float:
     """The global batch's mean loss: the sum over ranks of (n_r / B) * this rank's mean."""
     return float(comm.allreduce(np.array([local_loss * share]), group=group)[0])
+
+
+def split_mean(part_mean, group: comm.Group) -> float:
+    """A mean over data split among the ranks: `part_mean((rank, size))` is this rank's
+    share of it (its part's mean weighted by the part's fraction of the data), summed."""
+    return float(comm.allreduce(np.array([part_mean((group.rank, group.size))]), group=group)[0])
+
+
+def per_rank(figures: dict, group: comm.Group) -> dict[str, list[int]]:
+    """{name: [on rank 0, rank 1, ...]} from each rank's {name: integer}; every rank must
+    name the same figures (0 where it has none)."""
+    names = sorted(figures)
+    mine = np.array([figures[name] for name in names], dtype=np.int64)
+    every = comm.allgather(mine, group=group).reshape(group.size, len(names))
+    return {name: every[:, i].tolist() for i, name in enumerate(names)}
 
 
 def first_difference(named_arrays: list[tuple[str, object]], group: comm.Group) -> str | None:

@@ -58,6 +58,8 @@ class JobError(RuntimeError):
     `reported_elsewhere=True` marks a rank that learned of it from the rank that found it:
     that one prints, this one stays silent, so the cause is printed once."""
 
+    turn = "now"  # found by one rank: it speaks at once (comm/abort.py's turns)
+
     def __init__(self, message: str, *, reported_elsewhere: bool = False):
         super().__init__(message)
         self.reported_elsewhere = reported_elsewhere

@@ -24,9 +24,15 @@ import os
 import resource
 import sys
 
+import numpy as np
+
 from minidp.engine.backend import base_of
+from minidp.tools.log import JobError
 
 CATEGORIES = ("parameters", "gradients", "optimizer", "activations_peak", "buffers")
+MEMORY = (*CATEGORIES, "gathered_peak", "offloaded")
+"""Every category a strategy may report: ZeRO-3's gathered layers at their peak, and the
+optimizer state --offload keeps in a file (parallel/zero/offload.py), too."""
 
 
 def nbytes(arrays) -> int:
@@ -38,6 +44,12 @@ def nbytes(arrays) -> int:
         base = base_of(a)  # NumPy's .base, torch's ._base
         seen[id(base)] = base.nbytes
     return sum(seen.values())
+
+
+def count_bytes(parts) -> int:
+    """Bytes of `parts`: byte counts as they are, arrays counted once each (nbytes)."""
+    counts = [p for p in parts if isinstance(p, int | np.integer)]
+    return nbytes(p for p in parts if not isinstance(p, int | np.integer)) + int(sum(counts))
 
 
 def optimizer_bytes(optimizer) -> int:
@@ -107,6 +119,64 @@ def peak_rss_bytes() -> int:
     kept heap, which the categories above do not see. A reader compares the two."""
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return peak if sys.platform == "darwin" else 1024 * peak  # macOS: bytes; Linux: KiB
+
+
+class OutOfMemory(JobError):
+    """A rank ran out of memory (an allocation failed) or passed the run's cap
+    (--max-memory-mb): the job ends in one line, said once though every rank finds it."""
+
+    turn = "error"
+
+
+def check_cap(cap_mb: float, rank: int, when: str) -> None:
+    """OutOfMemory if this process's peak RSS (the OS's high-water mark, so no spike inside
+    a step is missed) has passed `cap_mb` megabytes (0: no cap)."""
+    if cap_mb and (peak := peak_rss_bytes()) > cap_mb * 1e6:
+        raise OutOfMemory(
+            f"out of memory: rank {rank}'s peak RSS reached {peak / 1e6:,.0f} MB {when}, past "
+            f"--max-memory-mb {cap_mb:g} (less a rank holds: --strategy zero --zero-stage 3, "
+            "--precision bf16, --recompute, a smaller --batch-size or more ranks)"
+        )
+
+
+def rank_floor_bytes(config, world: int) -> dict[str, int] | None:
+    """The least a rank of this run holds, by part, before it builds anything: the process
+    as it is now (Python, NumPy, MPI), the model states of `model_state_bytes` and half
+    `activation_estimate` for its share of a micro-batch (the estimate is within 2x of the
+    count). For --strategy dp and zero, whose formulas these are; None for the others."""
+    if config.strategy not in ("dp", "zero") or config.model != "gpt":
+        return None
+    T, C, L, V = config.block_size, config.n_embd, config.n_layer, 128
+    psi, half = L * 12 * C * C + (V + T) * C, config.precision != "fp32"
+    size = 2 if half else (8 if config.dtype == "float64" else 4)
+    moments = {"adamw": 2, "momentum": 1, "sgd": 0}[config.optimizer]
+    k = moments * (4 if half else size) + (4 if half else 0)  # 16 bits: fp32 ones, masters
+    stage = config.zero_stage if config.strategy == "zero" else 0
+    examples = -(-config.batch_size // (world * config.grad_accum))
+    activations = activation_estimate(config, examples) // (4 if half else 2)
+    states = sum(model_state_bytes(stage, psi, world, size, k).values())
+    return {"process": current_rss_bytes(), "model states": int(states), "activations": activations}
+
+
+def current_rss_bytes() -> int:
+    """The physical memory this process holds now (Linux's /proc; elsewhere its peak)."""
+    try:
+        with open("/proc/self/statm") as statm:
+            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return peak_rss_bytes()
+
+
+def model_state_bytes(stage: int, psi: int, n: int, itemsize: int = 4, k: int = 8) -> dict:
+    """ZeRO's formulas (Rajbhandari et al. 2020; parallel/zero/stages.py has the table) per
+    category, for Ψ parameters on N_d = n ranks; stage 0 is plain DP. Exact when n divides
+    psi; otherwise a rank's Ψ/N_d is its count."""
+    shard = psi / n
+    return {
+        "parameters": itemsize * (shard if stage == 3 else psi),
+        "gradients": itemsize * (shard if stage >= 2 else psi),
+        "optimizer": k * (shard if stage >= 1 else psi),
+    }
 
 
 def physical_memory_bytes() -> int | None:

@@ -97,3 +97,20 @@ class StepMeter:
         "tp", "pp") is present, 0 where the strategy has none."""
         now = {**dict.fromkeys(AXES, 0), **self.strategy.bytes_sent_by_axis()}
         return {axis: sent - self._start_by_axis.get(axis, 0) for axis, sent in now.items()}
+
+    def so_far(self, skipped: list[int], before: dict) -> dict:
+        """The final record's running counts over the whole run: those carried in the
+        checkpoint this launch resumed from (`before`, {} without one) plus this launch's
+        (from the first step on), and the steps skipped. time_s is thus the loop's time in
+        every launch together, start-up and loading not counted. Plain Python numbers: a
+        checkpoint keeps them in its JSON skeleton, which reshards with any layout."""
+        total, axes = self.total(), before.get("bytes_sent_by_axis", {})
+        by_axis = self.bytes_by_axis().items()
+        return {
+            "time_s": float(before.get("time_s", 0.0) + total.seconds),
+            "comm_s": float(before.get("comm_s", 0.0) + total.comm_s),
+            "exposed_comm_s": float(before.get("exposed_comm_s", 0.0) + total.exposed_s),
+            "bytes_sent_per_rank": int(before.get("bytes_sent_per_rank", 0) + total.bytes_sent),
+            "bytes_sent_by_axis": {a: int(axes.get(a, 0) + b) for a, b in by_axis},
+            "skipped_steps": [int(s) for s in [*before.get("skipped_steps", []), *skipped]],
+        }

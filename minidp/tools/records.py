@@ -21,6 +21,8 @@ Written by one rank (the loop's rank 0); `Records(None)` writes nothing. A resum
 import json
 import os
 
+from minidp.tools.memory import CATEGORIES
+
 
 class Records:
     """One JSON-lines file, replaced at start and appended to a whole line at a time."""
@@ -74,3 +76,22 @@ def _steps_before(path: str, start: int) -> bytes:
                 if isinstance(record.get("step"), int) and record["step"] < start:
                     kept.append(line if line.endswith(b"\n") else line + b"\n")
     return b"".join(kept)
+
+
+def closing_lines(final: dict) -> list[str]:
+    """A run's closing lines from its final record: losses, the spread between replicas,
+    what was sent, and the memory of each rank (its categories and the OS's peak RSS)."""
+    by_axis = ", ".join(f"{a} {b / 1e6:.1f}" for a, b in final["bytes_sent_by_axis"].items())
+    per_rank = final["memory_bytes_per_rank"]
+    names = [n for n in CATEGORIES if n in per_rank] + [n for n in per_rank if n not in CATEGORIES]
+    memory = " | ".join(f"{n} {'/'.join(f'{b / 1e6:.3f}' for b in per_rank[n])}" for n in names)
+    return [
+        f"done: {final['steps']} steps in {final['time_s']:.1f}s | final loss "
+        f"{final['final_loss']:.4f} | validation loss {final['val_loss']:.4f} | "
+        f"param L2 {final['param_l2']:.6f}",
+        f"max |param difference| across ranks: {final['max_param_diff']:.3g} | comm "
+        f"{final['comm_s']:.2f}s (exposed {final['exposed_comm_s']:.2f}s) | "
+        f"{final['bytes_sent_per_rank'] / 1e6:.1f} MB sent per rank ({by_axis})",
+        f"memory per rank, MB: {memory} | peak RSS (the OS's) "
+        + "/".join(f"{b / 1e6:.0f}" for b in final["peak_rss"]),
+    ]

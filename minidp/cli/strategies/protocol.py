@@ -48,7 +48,7 @@ from minidp.comm.trace import Timeline
 from minidp.engine import optim
 from minidp.parallel.across_ranks import bytes_sent
 from minidp.parallel.step import StepResult
-from minidp.tools.memory import nbytes
+from minidp.tools.memory import MEMORY, count_bytes
 
 
 class Strategy:
@@ -105,16 +105,6 @@ class Exposed(NamedTuple):
         return self.group.seconds
 
     exposed_seconds = comm_seconds
-
-
-MEMORY = ("parameters", "gradients", "optimizer", "activations_peak", "buffers", "gathered_peak",
-          "offloaded")  # fmt: skip
-
-
-def count_bytes(parts) -> int:
-    """Bytes of `parts`: byte counts as they are, arrays counted once each (memory.nbytes)."""
-    counts = [p for p in parts if isinstance(p, int | np.integer)]
-    return nbytes(p for p in parts if not isinstance(p, int | np.integer)) + int(sum(counts))
 
 
 class Recipe(Strategy):

@@ -34,11 +34,12 @@ from minidp.parallel.param_server.pieces import (
     flatten,
     gather_shards,
     load_flat,
+    traffic,
 )
 from minidp.parallel.param_server.server import ShardServer
 from minidp.tools.chunks import chunk_range
 from minidp.tools.log import print0
-from minidp.tools.memory import activation_bytes, nbytes, optimizer_bytes
+from minidp.tools.memory import activation_bytes
 
 
 class ParameterServer(Strategy):
@@ -61,7 +62,7 @@ class ParameterServer(Strategy):
         self.ps.patient, self.ps.timeout = True, config.ps_timeout
         self.server_group = group.split(0 if self.is_server else None)
         self.histogram = np.zeros(config.steps + 1, dtype=np.int64)  # staleness 0..steps
-        self.mismatch, self.traffic, self.clock = 0.0, None, 0
+        self.mismatch, self.traffic, self.clock = 0.0, [], 0
         self.steps_run = 0  # by this object: its counters' steps, after a resume too
         self.drops = dict(NONE_DROPPED)  # gather_model's account: who was dropped, when
         self.live_ranks = list(range(P))  # after the last clock: those still in the job
@@ -154,15 +155,14 @@ class ParameterServer(Strategy):
             self.mismatch = float(np.max(np.abs(self.flat - full), initial=0.0))
         load_flat(self.params, full)
         self.staleness = comm.allreduce(self.histogram, group=self.group)  # every server's
-        counters = self.ps.counters.get("p2p", {"bytes_sent": 0, "bytes_recv": 0})
-        mine = np.array([counters["bytes_sent"], counters["bytes_recv"]], dtype=np.int64)
-        self.traffic = comm.allgather(mine, group=self.group)
+        self.traffic = traffic(self.ps, self.group, self.live_ranks, self.servers, self.steps_run)
         say = functools.partial(print0, rank=self.group.rank)
         say("staleness histogram (clocks: updates): " + staleness_line(self.staleness))
-        for r, (out, into) in zip(self.live_ranks, self.traffic):
-            role = "server" if r in self.servers else "worker"
-            n = max(1, self.steps_run)
-            say(f"  {role} rank {r}: {into / n:,.0f} B in, {out / n:,.0f} B out per step")
+        for t in self.traffic:
+            say(
+                f"  {t['role']} rank {t['rank']}: {t['bytes_in_per_step']:,.0f} B in, "
+                f"{t['bytes_out_per_step']:,.0f} B out per step"
+            )
 
     def param_l2(self) -> float:
         return global_l2([p.data for p in self.params])
@@ -178,21 +178,8 @@ class ParameterServer(Strategy):
 
     def memory_bytes(self) -> dict[str, int]:
         if self.is_server:  # the shard, and the released model's stand-ins
-            s = self.server
-            return {
-                "parameters": nbytes([s.param.data, *(p.data for p in self.params)]),
-                "gradients": nbytes(s.inbox),
-                "optimizer": optimizer_bytes(s.optimizer),
-                "activations_peak": 0,
-                "buffers": s.scratch.nbytes,
-            }
-        return {
-            "parameters": nbytes(p.data for p in self.params),
-            "gradients": nbytes([self.grad, *(p.grad for p in self.params)]),  # backward's too
-            "optimizer": 0,
-            "activations_peak": self.activations_peak,
-            "buffers": self.flat.nbytes,
-        }
+            return self.server.memory_bytes(released=[p.data for p in self.params])
+        return self.worker.memory_bytes(self.activations_peak)
 
     def describe(self) -> str:
         W, S = self.n_workers, len(self.servers)
@@ -211,20 +198,11 @@ class ParameterServer(Strategy):
         """The staleness histogram (one count per update per server: a push to S servers is S
         updates) and, after gather_model, each rank's PS traffic."""
         counts = {str(s): int(n) for s, n in enumerate(self.staleness) if n}
-        traffic = [
-            {
-                "rank": r,
-                "role": "server" if r in self.servers else "worker",
-                "bytes_out_per_step": int(t[0]) / max(1, self.steps_run),
-                "bytes_in_per_step": int(t[1]) / max(1, self.steps_run),
-            }
-            for r, t in zip(self.live_ranks, self.traffic if self.traffic is not None else [])
-        ]
         return {
             "consistency": self.config.consistency,
             "servers": len(self.servers),
             "staleness_histogram": counts,
-            "ps_traffic": traffic,
+            "ps_traffic": self.traffic,
             **self.drops,  # resends dropped; workers dropped, when, and those that never ended
         }
 

@@ -205,7 +205,7 @@ class TrainConfig(Flags):
         strategies=("tp", "hybrid"),
     )
 
-    # memory (every strategy): parallel/amp.py, engine/recompute.py
+    # memory (every strategy): parallel/amp.py, engine/recompute.py, tools/memory.py
     precision: str = flag("fp32", "weights and gradients in 16 bits (float32 masters and "
                           "optimizer; fp16 with a loss scaler), or fp32", on_resume="model",
                           choices=("fp32", "bf16", "fp16"), strategies=STEPPED)  # fmt: skip
@@ -213,6 +213,8 @@ class TrainConfig(Flags):
                          "for each update (zero/offload.py)", strategies=("zero",))  # fmt: skip
     recompute: bool = flag(False, "each GPT block keeps only its input and runs again in "
                            "backward (less memory, one more forward)", models=("gpt",))  # fmt: skip
+    max_memory_mb: float = flag(0.0, "a rank's cap on its peak RSS, MB (0: none; tools/memory.py"
+                                ": check_cap, rank_floor_bytes)", interval="[0, inf)")  # fmt: skip
 
     # pipeline parallelism (--strategy pp, hybrid): 4 blocks, --pp 2 --virtual 2: 4 stages
     #   of 1 block; world = dp x tp x pp: mpiexec -n 8 ... --strategy hybrid --dp 2 --tp 2 --pp 2

@@ -24,17 +24,17 @@ from minidp.cli.training.config import BadConfig, TrainConfig
 from minidp.cli.training.drift import check_replicas
 from minidp.cli.training.nonfinite import TrainingDiverged as TrainingDiverged  # re-exported
 from minidp.cli.training.nonfinite import nonfinite_step
-from minidp.cli.training.resume import Preempted
 from minidp.comm.trace import Timeline
 from minidp.engine import optim
 from minidp.models import data
 from minidp.models.tasks import Task, TextTooShort
-from minidp.parallel.checkpoint import Preemption
+from minidp.parallel import across_ranks
+from minidp.parallel.checkpoint import Preempted, Preemption
 from minidp.tools.info import blas_info, cores_per_rank, mpi_library
 from minidp.tools.log import RankLog, print0
-from minidp.tools.memory import CATEGORIES, peak_rss_bytes
+from minidp.tools.memory import check_cap, peak_rss_bytes, rank_floor_bytes
 from minidp.tools.meter import StepMeter, Window
-from minidp.tools.records import Records
+from minidp.tools.records import Records, closing_lines
 
 
 def blas_threads_per_rank(requested: int) -> int:
@@ -72,6 +72,7 @@ def _train(config: TrainConfig, group: comm.Group, preemption: Preemption, adds)
     say = functools.partial(print0, rank=group.rank)  # one writer: the group's rank 0
     if config.strategy not in STRATEGIES:
         raise BadConfig(f"--strategy {config.strategy!r}: choose from {', '.join(STRATEGIES)}")
+    check_floor(config, group)  # --max-memory-mb: before any rank builds the model
     try:
         task = Task(config, np.dtype(config.dtype))
     except TextTooShort as error:  # alike on every rank: one line
@@ -129,12 +130,13 @@ def _train(config: TrainConfig, group: comm.Group, preemption: Preemption, adds)
                     f"global_loss {loss:.6f}"
                 )
                 meter.count()
+                check_cap(config.max_memory_mb, group.rank, f"in step {step}")
                 if config.check_every and (step + 1) % config.check_every == 0:
                     with meter.aside():  # not a training step's time
                         check_replicas(strategy, step)  # collective; stops naming a drift
                 if step % config.log_every == 0 or step == config.steps - 1:
                     records.write(log_line(step, loss, lr, meter.window(), task, config, say))
-                counters = functools.partial(resume.so_far, meter, skipped, before)
+                counters = functools.partial(meter.so_far, skipped, before)
                 with meter.aside():
                     done = step + 1
                     saved = resume.save_if_due(config, strategy, saves, task, done, counters)
@@ -153,22 +155,26 @@ def _train(config: TrainConfig, group: comm.Group, preemption: Preemption, adds)
             if saves is not None:
                 saves.free()
         # what training sent and held, read before the reports below add their own
-        counts, memory = resume.so_far(meter, skipped, before), strategy.memory_bytes()
+        counts, memory = meter.so_far(skipped, before), strategy.memory_bytes()
         launch = meter.steady()  # this launch's steps after its first, for what `adds` adds
         step_s = launch.seconds / launch.steps if launch.steps else None
         # collective among the ranks still in the job (a dropped ps worker is not)
-        per_rank = memory_per_rank(memory, strategy.group)  # shards differ by rank
+        per_rank = across_ranks.per_rank(memory, strategy.group)  # shards differ by rank
         if not strategy.sharded_forward:  # ZeRO-3's forward gathers layer by layer instead
             strategy.gather_model()  # the whole trained model in task.model, for what follows
         final = {
             "final_loss": loss,
-            "val_loss": validation_loss(task, strategy),
+            "val_loss": (  # a sharded forward: each rank one slice of every batch, summed
+                across_ranks.split_mean(task.validation_loss, strategy.group)
+                if strategy.sharded_forward
+                else task.validation_loss()
+            ),
             "steps": config.steps,
             "world_size": group.size,
             "strategy": config.strategy,
             "param_l2": strategy.param_l2(),
             "max_param_diff": strategy.max_param_diff(),
-            "time_s": counts["time_s"],  # with the launches before a resume (resume.so_far)
+            "time_s": counts["time_s"],  # with the launches before a resume (StepMeter.so_far)
             "comm_s": counts["comm_s"],
             "exposed_comm_s": counts["exposed_comm_s"],
             "bytes_sent_per_rank": counts["bytes_sent_per_rank"],
@@ -182,6 +188,7 @@ def _train(config: TrainConfig, group: comm.Group, preemption: Preemption, adds)
             **strategy.record(),
             **({"overflow_at": overflowed} if config.precision == "fp16" else {}),
         }
+        check_cap(config.max_memory_mb, group.rank, "in validation or the checks")
         # the OS's figure, after training, validation and the checks; before what `adds`
         # adds (the cost model's prediction builds and times a model of its own)
         peak = np.array([peak_rss_bytes()], dtype=np.int64)
@@ -194,7 +201,8 @@ def _train(config: TrainConfig, group: comm.Group, preemption: Preemption, adds)
             sample = task.sample()
     records.write(final)  # the last line
     records.close()
-    report(final, config, say)
+    for line in closing_lines(final):
+        say(line)
     if line := strategy.summary():
         say(line)
     if sample is not None:
@@ -205,14 +213,20 @@ def _train(config: TrainConfig, group: comm.Group, preemption: Preemption, adds)
     return final
 
 
-def validation_loss(task: Task, strategy) -> float:
-    """Collective where the forward is (a sharded model's): each rank one slice of every
-    validation batch, the shares summed; else every rank the whole batches on its own."""
-    if not strategy.sharded_forward:
-        return task.validation_loss()
-    group = strategy.group
-    mine = task.validation_loss(part=(group.rank, group.size))
-    return float(comm.allreduce(np.array([mine]), group=group)[0])
+def check_floor(config: TrainConfig, group: comm.Group) -> None:
+    """Collective: refuse a --max-memory-mb that the least a rank would hold already passes
+    (the largest among the ranks, so every rank decides alike)."""
+    floor = config.max_memory_mb and rank_floor_bytes(config, group.size)
+    if not floor:
+        return
+    need = comm.allreduce(np.array([sum(floor.values())]), op="max", group=group)[0]
+    if need > config.max_memory_mb * 1e6:
+        parts = ", ".join(f"{part} {b / 1e6:,.0f}" for part, b in floor.items())
+        raise BadConfig(
+            f"--max-memory-mb {config.max_memory_mb:g}: a rank of this run holds at least "
+            f"{need / 1e6:,.0f} MB (rank {group.rank}: {parts}): --strategy zero "
+            "--zero-stage 3, --precision bf16, --recompute or more ranks hold less"
+        )
 
 
 def log_line(step: int, loss: float, lr: float, w: Window, task: Task, config, say) -> dict:
@@ -234,35 +248,3 @@ def log_line(step: int, loss: float, lr: float, w: Window, task: Task, config, s
         "exposed_comm_s_per_step": w.exposed_s / n,
         "bytes_sent_per_step": w.bytes_sent / n,
     }
-
-
-def memory_per_rank(memory: dict, group: comm.Group) -> dict[str, list[int]]:
-    """Collective: {category: [bytes on rank 0, rank 1, ...]} from each rank's memory_bytes
-    (every rank of a strategy reports the same categories, 0 where it holds none)."""
-    names = sorted(memory)
-    mine = np.array([memory[name] for name in names], dtype=np.int64)
-    every = comm.allgather(mine, group=group).reshape(group.size, len(names))
-    return {name: every[:, i].tolist() for i, name in enumerate(names)}
-
-
-def report(final: dict, config, say) -> None:
-    """The closing lines: losses, the spread between replicas, totals."""
-    say(
-        f"done: {config.steps} steps in {final['time_s']:.1f}s | final loss "
-        f"{final['final_loss']:.4f} | validation loss {final['val_loss']:.4f} | "
-        f"param L2 {final['param_l2']:.6f}"
-    )
-    say(
-        f"max |param difference| across ranks: {final['max_param_diff']:.3g} | comm "
-        f"{final['comm_s']:.2f}s (exposed {final['exposed_comm_s']:.2f}s) | "
-        f"{final['bytes_sent_per_rank'] / 1e6:.1f} MB sent per rank ("
-        + ", ".join(f"{axis} {b / 1e6:.1f}" for axis, b in final["bytes_sent_by_axis"].items())
-        + ")"
-    )
-    per_rank = final["memory_bytes_per_rank"]
-    names = [n for n in CATEGORIES if n in per_rank] + [n for n in per_rank if n not in CATEGORIES]
-    say(
-        "memory per rank, MB: "
-        + " | ".join(f"{n} {'/'.join(f'{b / 1e6:.3f}' for b in per_rank[n])}" for n in names)
-        + f" | peak RSS (the OS's) {'/'.join(f'{b / 1e6:.0f}' for b in final['peak_rss'])}"
-    )

@@ -16,7 +16,7 @@ What a checkpoint holds, per rank (the format: minidp.parallel.checkpoint):
                model's dropout, TP's per-rank dropout streams), by its attribute path
     strategy   strategy.state_dict(): model, optimizer, and the scheme's own state
                (compression residuals, pruning masks, ZeRO's shards, the servers' shards)
-    counters   what the final record sums over the run (so_far): its time, communication
+    counters   what the final record sums over the run (StepMeter.so_far): its time, comm
                and bytes sent so far, the steps skipped; a resumed run's record goes on
                from them, so it reports the whole run, as an uninterrupted one does
 
@@ -26,7 +26,6 @@ number of ranks; what it does not declare is its ranks' own and reshards nowhere
 
 import contextlib
 import os
-import signal
 import sys
 import time
 import warnings
@@ -53,24 +52,6 @@ another learning-rate schedule in the same way). What only changes where the wor
 
 def loop_state(strategy, step: int) -> dict:
     return {"step": step, "rng": checkpoint.rng_states(strategy), "strategy": strategy.state_dict()}
-
-
-def so_far(meter, skipped: list[int], before: dict) -> dict:
-    """The final record's running counts over the whole run: those carried in the
-    checkpoint this launch resumed from (`before`, {} without one) plus this launch's
-    (the meter's, from the first step on). time_s is thus the loop's time in every launch
-    together, start-up and loading not counted. Plain Python numbers: a checkpoint keeps
-    them in its JSON skeleton, which reshards with any layout."""
-    total, axes = meter.total(), before.get("bytes_sent_by_axis", {})
-    by_axis = meter.bytes_by_axis().items()
-    return {
-        "time_s": float(before.get("time_s", 0.0) + total.seconds),
-        "comm_s": float(before.get("comm_s", 0.0) + total.comm_s),
-        "exposed_comm_s": float(before.get("exposed_comm_s", 0.0) + total.exposed_s),
-        "bytes_sent_per_rank": int(before.get("bytes_sent_per_rank", 0) + total.bytes_sent),
-        "bytes_sent_by_axis": {a: int(axes.get(a, 0) + b) for a, b in by_axis},
-        "skipped_steps": [int(s) for s in [*before.get("skipped_steps", []), *skipped]],
-    }
 
 
 def layout_words(config, group: comm.Group) -> str:
@@ -118,22 +99,6 @@ def saves_group(group: comm.Group) -> comm.Group:
     return saves
 
 
-class Preempted(RunStopped):
-    """Every rank agreed on a signal (checkpoint.Preemption) and stopped after the same
-    step, saved."""
-
-    label = "stopped"
-
-    def __init__(self, signum: int, done: int, steps: int, path: str, folder: str):
-        name = signal.Signals(signum).name
-        super().__init__(
-            f"{name} after {done} of {steps} steps; saved {path} (to go on, the same command "
-            f"with --resume {folder})"
-        )
-        self.code = 128 + signum
-        self.record = {"stopped_by": name, "steps_done": done, "checkpoint": path}
-
-
 class SaveFailed(RunStopped):
     """A checkpoint could not be written (a full disk, say), found alike on every rank:
     checkpoint.save gives every rank the first failing rank's reason. The checkpoints saved
@@ -151,7 +116,7 @@ def save_if_due(config, strategy, group: comm.Group, task, done: int, counters=d
 
 def save(config, strategy, group: comm.Group, task, done: int, counters=dict) -> str:
     """Collective: save the loop's state after `done` steps to --save-dir, with
-    `counters()` (so_far's) to carry into a resumed run's final record; its path."""
+    `counters()` (StepMeter.so_far's) to carry into a resumed run's final record; its path."""
     path = checkpoint.step_directory(config.save_dir, done)
     metadata = {
         "config": vars(config),
@@ -173,7 +138,7 @@ def save(config, strategy, group: comm.Group, task, done: int, counters=dict) ->
 
 def resume(config, strategy, group: comm.Group, task) -> tuple[int, dict]:
     """Collective: load --resume into `strategy` and the RNGs; return the step to start at
-    and the counts carried for the final record (so_far's; 0 and {} without --resume).
+    and the counts carried for the final record (StepMeter.so_far's; 0, {} without --resume).
     Every refusal is one line on every rank, before anything loads."""
     if config.resume is None:
         return 0, {}

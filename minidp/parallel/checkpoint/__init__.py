@@ -17,13 +17,13 @@ read), store.py (save, read, latest, the manifest as commit marker), state_dict.
 (the pieces' state dicts: get_state_dict, set_state_dict), in_place.py (load: a state dict
 filled in place, any layout), reshard.py (a checkpoint saved
 over one layout cut into another's slices), lock.py (one job at a time in a folder),
-preemption.py (SIGTERM and its kin: every rank saves the same step, then stops), rng.py
+preemption.py (SIGTERM and its kin: every rank saves the same step, then stops: Preempted), rng.py
 (the random streams a resumed run must draw on as before).
 """
 
 from minidp.parallel.checkpoint.in_place import load
 from minidp.parallel.checkpoint.lock import FolderInUse, folder_lock
-from minidp.parallel.checkpoint.preemption import Preemption
+from minidp.parallel.checkpoint.preemption import Preempted, Preemption
 from minidp.parallel.checkpoint.reshard import LayoutMismatch, Slice
 from minidp.parallel.checkpoint.rng import rng_states, set_rng_states
 from minidp.parallel.checkpoint.shards import CheckpointError
@@ -49,6 +49,7 @@ __all__ = [
     "CheckpointError",
     "FolderInUse",
     "LayoutMismatch",
+    "Preempted",
     "Preemption",
     "Sharded",
     "StateDict",

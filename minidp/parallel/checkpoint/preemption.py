@@ -32,7 +32,7 @@ import sys
 import numpy as np
 
 from minidp import comm
-from minidp.tools.log import print0
+from minidp.tools.log import RunStopped, print0
 
 SIGNALS = ("SIGTERM", "SIGINT")  # always; `extra` adds SIGUSR1 (the CLI's --save-signal)
 
@@ -102,3 +102,19 @@ def stop_now(message: str, code: int) -> None:
             abort_job(f"minidp: stopped: {message}", code, turn="error")
     print0(f"minidp: stopped: {message}", file=sys.stderr)
     raise SystemExit(code)
+
+
+class Preempted(RunStopped):
+    """Every rank agreed on a signal (checkpoint.Preemption) and stopped after the same
+    step, saved."""
+
+    label = "stopped"
+
+    def __init__(self, signum: int, done: int, steps: int, path: str, folder: str):
+        name = signal.Signals(signum).name
+        super().__init__(
+            f"{name} after {done} of {steps} steps; saved {path} (to go on, the same command "
+            f"with --resume {folder})"
+        )
+        self.code = 128 + signum
+        self.record = {"stopped_by": name, "steps_done": done, "checkpoint": path}

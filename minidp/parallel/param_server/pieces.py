@@ -48,6 +48,7 @@ from minidp.parallel.param_server.server import (
     lost_message,
 )
 from minidp.tools.chunks import chunk_range
+from minidp.tools.memory import nbytes
 
 
 class ParameterServerWorker:
@@ -116,6 +117,16 @@ class ParameterServerWorker:
         self.clock += 1
         return replies[0].loss if replies[0].version > 0 else local_loss
 
+    def memory_bytes(self, activations_peak: int = 0) -> dict[str, int]:
+        """By category: the model, its gradients and the push buffer, the pulled copy."""
+        return {
+            "parameters": nbytes(p.data for p in self.params),
+            "gradients": nbytes([self.grad, *(p.grad for p in self.params)]),
+            "optimizer": 0,
+            "activations_peak": activations_peak,
+            "buffers": self.flat.nbytes,
+        }
+
     def state_dict(self) -> dict:
         """The clock of the parameters each server last sent (the model's own state, whole
         on every worker, is the model's state_dict)."""
@@ -125,6 +136,23 @@ class ParameterServerWorker:
         """Back at `clock`, the model loaded: what it pushes next and what it holds."""
         self.versions, self.clock = list(state["versions"]), clock
         self.flat[...] = flatten(self.params)
+
+
+def traffic(ps_group: Group, group: Group, ranks: list[int], servers, steps: int) -> list[dict]:
+    """Collective over `group` (whose members are world `ranks`): what each rank sent and
+    received on the PS messages' group, per step, with its role."""
+    counters = ps_group.counters.get("p2p", {"bytes_sent": 0, "bytes_recv": 0})
+    mine = np.array([counters["bytes_sent"], counters["bytes_recv"]], dtype=np.int64)
+    every, n = comm.allgather(mine, group=group).reshape(-1, 2), max(1, steps)
+    return [
+        {
+            "rank": r,
+            "role": "server" if r in servers else "worker",
+            "bytes_out_per_step": int(out) / n,
+            "bytes_in_per_step": int(into) / n,
+        }
+        for r, (out, into) in zip(ranks, every)
+    ]
 
 
 def gather_shards(group: Group, servers: list[int], shards, server, like: np.ndarray):

@@ -49,6 +49,7 @@ from minidp.parallel.across_ranks import clip_global_norm
 from minidp.parallel.param_server import messages
 from minidp.parallel.param_server.messages import DROPPED, PULL, PUSH, Header
 from minidp.tools.log import JobError
+from minidp.tools.memory import nbytes, optimizer_bytes
 
 
 def consistency_bound(consistency: str) -> float:
@@ -106,6 +107,17 @@ class ShardServer:
         self.scratch = np.empty_like(self.param.data)
 
     # ---- the loop ---------------------------------------------------------------------------
+    def memory_bytes(self, released=()) -> dict[str, int]:
+        """By category: the shard (with `released`, the model's stand-ins), the workers'
+        gradients waiting in its inbox, its optimizer, its scratch."""
+        return {
+            "parameters": nbytes([self.param.data, *released]),
+            "gradients": nbytes(self.inbox),
+            "optimizer": optimizer_bytes(self.optimizer),
+            "activations_peak": 0,
+            "buffers": self.scratch.nbytes,
+        }
+
     def serve_until(self, clock: int, last: bool) -> float:
         """Serve until clock `clock` is complete (and, when `last`, every live worker holds
         the final shard); return that clock's global loss."""

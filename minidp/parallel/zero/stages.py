@@ -65,18 +65,8 @@ from minidp.parallel.zero.flat import (
 )
 from minidp.parallel.zero.offload import Offload
 from minidp.parallel.zero.sharded import ShardedModel
+from minidp.tools.memory import model_state_bytes as model_state_bytes  # the table's, here too
 from minidp.tools.memory import optimizer_bytes
-
-
-def model_state_bytes(stage: int, psi: int, n: int, itemsize: int = 4, k: int = 8) -> dict:
-    """The paper's formulas (table above) per category, for Ψ parameters on N_d = n ranks;
-    stage 0 is plain DP. Exact when n divides psi; otherwise a rank's Ψ/N_d is its count."""
-    shard = psi / n
-    return {
-        "parameters": itemsize * (shard if stage == 3 else psi),
-        "gradients": itemsize * (shard if stage >= 2 else psi),
-        "optimizer": k * (shard if stage >= 1 else psi),
-    }
 
 
 class ZeROStages:
