@@ -22,7 +22,16 @@ def runs(tmp_path):
     dp = write_run(
         tmp_path / "dp.jsonl",
         [4.5, 3.25, 2.875],
-        {"final_loss": 2.875, "val_loss": 2.9375, "strategy": "dp", "world_size": 4, "steps": 11},
+        {
+            "final_loss": 2.875,
+            "val_loss": 2.9375,
+            "strategy": "dp",
+            "world_size": 4,
+            "steps": 11,
+            "precision": "fp16",
+            "overflow_at": [5, 6],
+            "skipped_steps": [6, 10],
+        },
     )
     zero = write_run(tmp_path / "zero.jsonl", [4.5, 3.5, 3.0625, 2.75])  # cut short: no final
     return dp, zero
@@ -33,8 +42,9 @@ def test_plot_saves_the_picture_and_prints_each_runs_final_loss(runs, tmp_path, 
     assert cli.main(["plot", *runs, "--png", str(png)]) == 0
     assert png.stat().st_size > 1000
     rows = {line.split()[0]: line.split() for line in capsys.readouterr().out.splitlines()[1:3]}
-    assert rows["dp.jsonl"][1:] == ["dp", "4", "11", "4.5000", "2.8750", "2.9375"]
-    assert rows["zero.jsonl"][1:] == ["?", "?", "16", "4.5000", "2.7500", "-"]
+    # skipped: a loss scaler's overflows and the non-finite steps, each step once
+    assert rows["dp.jsonl"][1:] == ["dp", "4", "11", "4.5000", "2.8750", "2.9375", "3"]
+    assert rows["zero.jsonl"][1:] == ["?", "?", "16", "4.5000", "2.7500", "-", "0"]
 
 
 def test_a_missing_file_or_one_without_step_records_is_one_line(runs, tmp_path, capsys):

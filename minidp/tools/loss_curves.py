@@ -7,11 +7,13 @@
 A run's file holds one record per logged step (`step`, `loss`, ...) and, when the run
 finished, a final record (`final_loss`, `val_loss`, `strategy`, `world_size`, ...; see
 tools/records.py). Each run is one line, x = step and y = loss, labelled by its file
-name, strategy and ranks; its validation loss, measured once at the end, is a marker at the
-last step. The numbers are printed too (the picture needs matplotlib, the table does not):
+name, strategy, ranks and precision; its validation loss, measured once at the end, is a
+marker at the last step, and the steps a loss scaler skipped (--precision fp16's
+`overflow_at`) are crosses on its curve. The numbers are printed too (the picture needs
+matplotlib, the table does not):
 
-    run          strategy  ranks  steps  first loss  final loss  val loss
-    dp.jsonl     dp            1    200      4.5920      2.5763    2.6012
+    run          strategy  ranks  steps  first loss  final loss  val loss  skipped
+    dp.jsonl     dp            1    200      4.5920      2.5763    2.6012        0
 """
 
 import json
@@ -58,8 +60,14 @@ class Run:
     def label(self) -> str:
         if not self.final:
             return f"{self.name} (unfinished)"
-        ranks = self.final.get("world_size", "?")
-        return f"{self.name} ({self.strategy}, {ranks} rank{'' if ranks == 1 else 's'})"
+        ranks, precision = self.final.get("world_size", "?"), self.final.get("precision", "fp32")
+        half = f", {precision}" if precision != "fp32" else ""
+        return f"{self.name} ({self.strategy}, {ranks} rank{'' if ranks == 1 else 's'}{half})"
+
+    @property
+    def skipped(self) -> list[int]:
+        """The steps that did not update: a loss scaler's overflows, and non-finite ones."""
+        return sorted({*self.final.get("overflow_at", []), *self.final.get("skipped_steps", [])})
 
     @property
     def final_loss(self) -> float:
@@ -70,14 +78,14 @@ def table(runs: list[Run]) -> str:
     """The printed numbers: one row per run."""
     width = max(len("run"), *(len(run.name) for run in runs))
     lines = [
-        f"{'run':<{width}}  strategy  ranks  steps  first loss  final loss  val loss",
+        f"{'run':<{width}}  strategy  ranks  steps  first loss  final loss  val loss  skipped",
     ]
     for run in runs:
         val = run.final.get("val_loss")
         lines.append(
             f"{run.name:<{width}}  {run.strategy:<8}  {str(run.final.get('world_size', '?')):>5}"
             f"  {run.steps[-1] + 1:>5}  {run.losses[0]:>10.4f}  {run.final_loss:>10.4f}"
-            f"  {'-' if val is None else f'{val:.4f}':>8}"
+            f"  {'-' if val is None else f'{val:.4f}':>8}  {len(run.skipped):>7}"
         )
     return "\n".join(lines)
 
@@ -92,8 +100,11 @@ def draw(runs: list[Run], png: str) -> str | None:
         (line,) = ax.plot(run.steps, run.losses, label=run.label)
         if run.final.get("val_loss") is not None:
             ax.plot([run.steps[-1]], [run.final["val_loss"]], "o", color=line.get_color())
+        at = dict(zip(run.steps, run.losses))  # the skipped steps that were logged
+        if logged := [s for s in run.skipped if s in at]:
+            ax.plot(logged, [at[s] for s in logged], "x", color=line.get_color())
     ax.set_xlabel("step")
-    ax.set_ylabel("training loss (dots: validation loss at the end)")
+    ax.set_ylabel("training loss (dots: validation at the end; x: skipped)")
     ax.set_title("loss curves")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
