@@ -29,7 +29,14 @@ from collections.abc import Callable
 
 import numpy as np
 
-from minidp.engine.backend import backend_torch, base_of, is_torch, is_torch_dtype, namespace
+from minidp.engine.backend import (
+    backend_torch,
+    base_of,
+    is_torch,
+    is_torch_dtype,
+    namespace,
+    to_numpy,
+)
 from minidp.engine.grad_mode import _grad_mode, is_grad_enabled, no_grad
 from minidp.engine.tensor_ops import TensorOps, unbroadcast
 
@@ -137,7 +144,7 @@ class Tensor(TensorOps):
         return self.data.item()
 
     def numpy(self) -> np.ndarray:
-        return self.data if isinstance(self.data, np.ndarray) else self.data.cpu().numpy()
+        return self.data if isinstance(self.data, np.ndarray) else to_numpy(self.data)
 
     def detach(self) -> "Tensor":
         return Tensor(self.data)
@@ -216,6 +223,8 @@ class Tensor(TensorOps):
                 for hook in node._hooks:
                     hook(node)
                 continue
+            if type(g) is not np.ndarray and is_torch(g) and g.dtype != node.data.dtype:
+                g = g.to(node.data.dtype)  # torch: a gradient in its tensor's dtype (casts.py)
             for parent, pg in zip(node._parents, node._backward(g)):
                 if pg is not None and parent.requires_grad:
                     if isinstance(pg, LazyGradient) and parent._backward is not None:
