@@ -29,14 +29,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from minidp.engine.backend import (
-    backend_torch,
-    base_of,
-    is_torch,
-    is_torch_dtype,
-    namespace,
-    to_numpy,
-)
+from minidp.engine.backend import backend_torch, base_of, is_torch, is_torch_dtype, namespace
 from minidp.engine.grad_mode import _grad_mode, is_grad_enabled, no_grad
 from minidp.engine.tensor_ops import TensorOps, unbroadcast
 
@@ -144,7 +137,7 @@ class Tensor(TensorOps):
         return self.data.item()
 
     def numpy(self) -> np.ndarray:
-        return self.data if isinstance(self.data, np.ndarray) else to_numpy(self.data)
+        return backend_torch().host_view(self.data.cpu()) if is_torch(self.data) else self.data
 
     def detach(self) -> "Tensor":
         return Tensor(self.data)
