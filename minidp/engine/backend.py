@@ -116,11 +116,12 @@ def device() -> str:
 
 
 def to_numpy(a) -> np.ndarray:
-    """A host NumPy array of `a`: NumPy data itself (no copy), a torch tensor copied off."""
+    """A host NumPy array of `a`: NumPy data itself (no copy), a torch tensor copied off (a
+    CPU one viewed; bfloat16 as ml_dtypes.bfloat16: backend_torch.host_view)."""
     if isinstance(a, np.ndarray | np.generic):
         return np.asarray(a)
     if is_torch(a):
-        return a.detach().cpu().numpy()
+        return backend_torch().host_view(a.cpu())
     return np.asarray(a)
 
 

@@ -4,12 +4,18 @@ Only the functions minidp's engine, layers and optimizers call, each with NumPy'
 signature and meaning (axis, keepdims, cut indices for split), on the tensor's own device.
 New arrays (zeros, arange, a NumPy mask or index) go to the device `backend.use()` chose.
 No graph is recorded: torch's autograd is off on this path (backend.py says why).
+
+bfloat16 crosses between the libraries as its 16-bit words: NumPy has no bfloat16 of its
+own, and `torch.from_numpy` / `.numpy()` refuse ml_dtypes' (the NumPy path's bfloat16), so
+`host_view` and `from_host` reinterpret the same memory as int16 on one side and bfloat16
+on the other: no copy, no widening, the bits as they are.
 """
 
 import numpy as np
 import torch
 
 from minidp.engine import backend
+from minidp.engine.precision import is_bfloat16, named_dtype
 
 _DTYPES = {
     np.dtype(np.float32): torch.float32,
@@ -22,10 +28,32 @@ _DTYPES = {
 
 
 def torch_dtype(dtype):
-    """A torch dtype for a NumPy dtype (or a torch dtype, returned as it is)."""
+    """A torch dtype for a NumPy dtype, ml_dtypes' bfloat16 too (or a torch dtype, returned
+    as it is)."""
     if dtype is None or isinstance(dtype, torch.dtype):
         return dtype
+    if is_bfloat16(dtype):
+        return torch.bfloat16
     return _DTYPES[np.dtype(dtype)]
+
+
+def host_view(t) -> np.ndarray:
+    """A NumPy array over a CPU tensor's own memory (a bfloat16 one as ml_dtypes.bfloat16,
+    the same 16-bit words): what MPI is handed. No copy."""
+    t = t.detach()
+    if t.dtype != torch.bfloat16:
+        return t.numpy()
+    import ml_dtypes
+
+    return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+
+
+def from_host(a: np.ndarray):
+    """A CPU tensor over a NumPy array's own memory (ml_dtypes' bfloat16 as torch.bfloat16,
+    the same 16-bit words): host_view's inverse. No copy."""
+    if is_bfloat16(a.dtype):
+        return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(a)
 
 
 def asarray(a, dtype=None):
@@ -34,7 +62,7 @@ def asarray(a, dtype=None):
         return a.to(dtype=torch_dtype(dtype) or a.dtype)
     if isinstance(a, int | float) and dtype is None:
         return torch.tensor(a, dtype=torch.get_default_dtype(), device=backend.device())
-    host = torch.from_numpy(np.ascontiguousarray(np.asarray(a)))
+    host = from_host(np.ascontiguousarray(np.asarray(a)))
     return host.to(device=backend.device(), dtype=torch_dtype(dtype) or host.dtype)
 
 
@@ -47,10 +75,10 @@ def _on(a, like):
     """`a` (a tensor, NumPy array or number) as a tensor beside `like`."""
     if isinstance(a, torch.Tensor):
         return a
-    return torch.as_tensor(np.asarray(a), device=like.device)
+    return from_host(np.ascontiguousarray(a)).to(like.device)
 
 
-exp, log, sqrt, tanh = torch.exp, torch.log, torch.sqrt, torch.tanh
+exp, log, sqrt, tanh, isfinite = torch.exp, torch.log, torch.sqrt, torch.tanh, torch.isfinite
 zeros_like, ones_like, broadcast_to = torch.zeros_like, torch.ones_like, torch.broadcast_to
 
 
@@ -66,8 +94,8 @@ def where(condition, a, b):
 
 
 def like_dtype(t) -> np.dtype:
-    """The NumPy dtype of a tensor's dtype."""
-    return np.dtype(str(t.dtype).removeprefix("torch."))
+    """The NumPy dtype of a tensor's dtype (torch.bfloat16: ml_dtypes')."""
+    return named_dtype(str(t.dtype).removeprefix("torch."))
 
 
 def zeros(shape, dtype=None):

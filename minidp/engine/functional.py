@@ -13,6 +13,7 @@ import math
 import numpy as np
 
 from minidp.engine.backend import namespace
+from minidp.engine.casts import in_float32
 from minidp.engine.registry import fast
 from minidp.engine.tensor import Tensor, op, unbroadcast
 
@@ -82,6 +83,7 @@ def gelu(x: Tensor) -> Tensor:
 
 
 def softmax(x: Tensor, axis: int = -1) -> Tensor:
+    x = in_float32(x)  # 16-bit torch data: in float32 (casts.py)
     e = namespace(x.data).exp(x.data - _amax(x.data, axis))  # shift: no overflow
     s = e / e.sum(axis=axis, keepdims=True)
     # Jacobian-vector product: ds = s * (g - sum(g * s))
@@ -89,6 +91,7 @@ def softmax(x: Tensor, axis: int = -1) -> Tensor:
 
 
 def log_softmax(x: Tensor, axis: int = -1) -> Tensor:
+    x = in_float32(x)
     xp, shifted = namespace(x.data), x.data - _amax(x.data, axis)
     out = shifted - xp.log(xp.exp(shifted).sum(axis=axis, keepdims=True))
     # d log_softmax: g - softmax * sum(g)
@@ -190,6 +193,7 @@ def cross_entropy(logits: Tensor, targets) -> Tensor:
         raise ValueError(
             f"cross_entropy: targets must lie in [0, {V}), got {targets.min()}..{targets.max()}"
         )
+    logits = in_float32(logits)  # 16-bit torch logits: the loss in float32 (casts.py)
     xp, z = namespace(logits.data), logits.data.reshape(-1, V)
     t = targets.reshape(-1)
     N = len(t)

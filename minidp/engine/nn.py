@@ -28,7 +28,8 @@ from collections.abc import Iterator
 import numpy as np
 
 from minidp.engine import functional as F
-from minidp.engine.backend import is_half, is_torch, namespace, to_numpy
+from minidp.engine.backend import is_torch, namespace, to_numpy
+from minidp.engine.casts import computed, in_float32, matmul_operands
 from minidp.engine.functional import cross_entropy, mse
 from minidp.engine.registry import FAST, fast
 from minidp.engine.tensor import Tensor, op
@@ -170,6 +171,7 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, relu: bool = F
     the bias and apply the ReLU in the product's kernel.)
     """
     x = x if isinstance(x, Tensor) else Tensor(x)
+    x, weight = matmul_operands(x, weight)  # torch: x cast to a 16-bit weight's (casts.py)
     X = x.data if x.ndim == 2 else x.data.reshape(-1, x.shape[-1])  # (N, in): one plain product
     W = weight.data
     if X.shape[-1] != W.shape[0]:
@@ -269,6 +271,7 @@ class LayerNorm(Module):
         self.fused = fused
 
     def forward(self, x: Tensor) -> Tensor:
+        x = in_float32(x)  # 16-bit torch activations: normalized in float32 (casts.py)
         fused = self.fused and fast("layer_norm", x, self.weight, self.bias)
         if fused:
             return fused(x, self.weight, self.bias, self.eps)
@@ -300,14 +303,6 @@ class Embedding(Module):
         weight = computed(self.weight)  # a 16-bit table: rows summed back in float32, once cast
         fused = self.fused and fast("embedding", weight)
         return fused(weight, idx) if fused else weight[np.asarray(idx)]
-
-
-def computed(x: Tensor) -> Tensor:
-    """x as the model computes: float32 when x holds 16 bits (mixed precision keeps weights
-    in 16 bits; the ops that read them with float32 activations widen them by NumPy's
-    promotion, but a table's rows enter the model on their own: the table is widened
-    before the lookup, so its gradient's rows are summed in float32 and cast once), else x."""
-    return x.to(np.float32) if is_half(x.data) else x
 
 
 class Dropout(Module):

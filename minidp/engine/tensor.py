@@ -137,7 +137,7 @@ class Tensor(TensorOps):
         return self.data.item()
 
     def numpy(self) -> np.ndarray:
-        return self.data if isinstance(self.data, np.ndarray) else self.data.cpu().numpy()
+        return backend_torch().host_view(self.data.cpu()) if is_torch(self.data) else self.data
 
     def detach(self) -> "Tensor":
         return Tensor(self.data)
@@ -216,6 +216,8 @@ class Tensor(TensorOps):
                 for hook in node._hooks:
                     hook(node)
                 continue
+            if type(g) is not np.ndarray and is_torch(g) and g.dtype != node.data.dtype:
+                g = g.to(node.data.dtype)  # torch: a gradient in its tensor's dtype (casts.py)
             for parent, pg in zip(node._parents, node._backward(g)):
                 if pg is not None and parent.requires_grad:
                     if isinstance(pg, LazyGradient) and parent._backward is not None:

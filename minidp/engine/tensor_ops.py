@@ -14,6 +14,7 @@ from collections.abc import Callable
 import numpy as np
 
 from minidp.engine.backend import namespace
+from minidp.engine.casts import matmul_operands
 
 __all__ = ["TensorOps", "unbroadcast"]
 
@@ -262,7 +263,9 @@ def _permute(a, axes):
 
 
 def _matmul(a: TensorOps, b: TensorOps) -> TensorOps:
-    """a @ b with NumPy's rules: batched over leading axes, 1-D operands promoted."""
+    """a @ b with NumPy's rules: batched over leading axes, 1-D operands promoted (on torch,
+    mixed float dtypes multiplied in the 16-bit one: casts.py)."""
+    a, b = matmul_operands(a, b)
     A = a.data[None, :] if a.ndim == 1 else a.data
     B = b.data[:, None] if b.ndim == 1 else b.data
     if a.ndim == 0 or b.ndim == 0 or A.shape[-1] != B.shape[-2]:

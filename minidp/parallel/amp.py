@@ -26,6 +26,13 @@ products in float32, as tensor cores do), and an embedding's rows are widened as
 summing in 16 bits is wrong (bfloat16 adds 1 + 1 + ... to 256). bfloat16 comes from
 ml_dtypes (JAX's NumPy dtypes); float16 is NumPy's own.
 
+On `--backend torch` the weights are torch.bfloat16 / torch.float16 tensors and so are the
+matrix products' activations: torch's matmul does not promote mixed dtypes, so the engine
+casts explicitly, by torch.autocast's rule (engine/casts.py: products in 16 bits; the
+residual stream, LayerNorm, softmax and the loss in float32). The masters and Adam's state
+are float32 tensors; a bucket of 16-bit gradients reaches MPI as its 16-bit words
+(backend_torch.host_view: bfloat16 as ml_dtypes.bfloat16, a view, not a widened copy).
+
 Why a scaler for float16 and not bfloat16: float16 has 5 exponent bits (largest 65,504,
 smallest normal 6.1e-5); a gradient below 6e-8 is 0 in float16. Multiplying the loss by S
 (2^16 to start) multiplies every gradient by S, out of the underflow range; the optimizer
@@ -42,7 +49,7 @@ import numpy as np
 
 from minidp import comm
 from minidp.engine import optim
-from minidp.engine.backend import to_numpy
+from minidp.engine.backend import namespace
 from minidp.engine.precision import PRECISIONS, half_dtype, to_half
 
 __all__ = ["PRECISIONS", "GradScaler", "half_dtype", "to_half"]
@@ -89,9 +96,7 @@ class GradScaler:
             self._found_inf = False
             return False
         optimizer.grad_scale = self._scale
-        local = any(
-            not np.isfinite(to_numpy(p.grad)).all() for p in optimizer.params if p.grad is not None
-        )
+        local = any(not _all_finite(p.grad) for p in optimizer.params if p.grad is not None)
         self._found_inf = self._agree(local)
         return self._found_inf
 
@@ -141,3 +146,9 @@ class GradScaler:
     def load_state_dict(self, state: dict) -> None:
         self._scale = float(state["scale"])
         self._good_steps, self.skipped = int(state["good_steps"]), int(state["skipped"])
+
+
+def _all_finite(a) -> bool:
+    """No inf or NaN in array `a`, looked for in a's own library and device (a torch
+    tensor's on its GPU: one number comes back, not the gradient)."""
+    return bool(namespace(a).isfinite(a).all())

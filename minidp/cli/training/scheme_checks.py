@@ -126,15 +126,14 @@ PIPELINE_FLAGS = ("micro_batches", "schedule", "virtual")  # --pp's own
 
 
 def check_precision(config) -> None:
-    """--precision bf16 or fp16: float32 underneath (the masters, the arithmetic), on the
-    NumPy engine, its gradients reduced as they are (not by a compressor)."""
+    """--precision bf16 or fp16: float32 underneath (the masters, the loss), on either
+    backend (torch: engine/casts.py), its gradients reduced as they are (not by a
+    compressor)."""
     if config.precision == "fp32":
         return
     flag = f"--precision {config.precision}"
     if config.dtype != "float32":
         raise BadConfig(f"{flag} keeps float32 master weights and arithmetic: drop --dtype")
-    if config.backend != "numpy":
-        raise BadConfig(f"{flag} runs on --backend numpy (the torch path is not written yet)")
     if config.compress != "none" or config.compress_on != "gradient":
         raise BadConfig(f"{flag} sends 16-bit gradients already: drop --compress")
 

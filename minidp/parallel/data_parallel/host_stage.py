@@ -28,7 +28,7 @@ import time
 import numpy as np
 
 from minidp.comm.trace import Timeline
-from minidp.engine.backend import is_torch
+from minidp.engine.backend import backend_torch, is_torch
 
 
 def device_aware_mpi() -> bool:
@@ -58,7 +58,8 @@ class HostStage:
             import torch
 
             pinned = t.device.type == "cuda"
-            host = torch.empty(tuple(t.shape), dtype=t.dtype, pin_memory=pinned).numpy()
+            host = torch.empty(tuple(t.shape), dtype=t.dtype, pin_memory=pinned)
+            host = backend_torch().host_view(host)  # bfloat16: its 16-bit words, as they are
             self._buffers[key] = host
         return host
 
@@ -71,20 +72,16 @@ class HostStage:
 
     def to_host(self, t, key) -> np.ndarray:
         """Copy tensor `t` into its host buffer (one per key) and return that buffer."""
-        import torch
-
         start = time.perf_counter()
         host = self._buffer(key, t)
-        torch.from_numpy(host).copy_(t)  # waits for the device: the buffer is ready after
+        backend_torch().from_host(host).copy_(t)  # waits for the device: the buffer is ready after
         self._count(f"stage to host {key}", start, host.nbytes)
         return host
 
     def to_device(self, host: np.ndarray, t, key) -> None:
         """Copy the host buffer back into tensor `t`, in place."""
-        import torch
-
         start = time.perf_counter()
-        t.copy_(torch.from_numpy(host))
+        t.copy_(backend_torch().from_host(host))
         self._count(f"stage to device {key}", start, host.nbytes)
 
     def in_place(self, fn, array, key) -> None:
@@ -108,7 +105,7 @@ class HostStage:
 
 
 def _np_dtype(t) -> np.dtype:
-    return np.dtype(str(t.dtype).removeprefix("torch."))
+    return backend_torch().like_dtype(t)
 
 
 class HostBucket:
@@ -125,7 +122,7 @@ class PlainStage(HostStage):
 
     def to_host(self, t, key) -> np.ndarray:
         start = time.perf_counter()
-        host = t.detach().cpu().numpy()
+        host = backend_torch().host_view(t.cpu())
         if not _same_memory(host, t):
             self._count(f"stage to host {key}", start, host.nbytes)
         return host

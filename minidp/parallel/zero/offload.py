@@ -17,7 +17,8 @@ dirty, and the kernel writes it to the file when it needs the memory. So the pro
 resident set no longer holds the state (the OS's peak RSS shows it), at the price of the
 page faults each step (and, under memory pressure, the disk). The state's bytes are
 reported as `offloaded`, not `optimizer`. Checkpoints read and write the same arrays;
-`load_state_dict` puts what it loads back into the file.
+`load_state_dict` puts what it loads back into the file. The state must be NumPy arrays:
+an optimizer over torch tensors (--backend torch) is refused with one line.
 """
 
 import mmap
@@ -25,6 +26,8 @@ import os
 import tempfile
 
 import numpy as np
+
+from minidp.engine.backend import is_torch
 
 PAGE = mmap.PAGESIZE
 
@@ -36,6 +39,11 @@ class Offload:
 
     def __init__(self, optimizer, directory: str | None = None):
         optimizer.init_state()  # every array exists: the file is laid out once
+        if any(is_torch(a) for state in optimizer.state for a in state.values()):
+            raise TypeError(
+                "Offload maps NumPy optimizer state into a file; this optimizer's state is "
+                "torch tensors (--backend torch): offload runs on the NumPy backend only"
+            )
         self.optimizer = optimizer
         self.entries = [
             [(key, a.shape, a.dtype) for key, a in state.items() if np.ndim(a)]
