@@ -9,17 +9,15 @@ grad-ready hooks the moment it is final: data parallelism communicates from thos
 Writing an op, the contract (for every op here, in functional.py, and outside minidp):
 `backward(g)`, written right beside the forward, maps the gradient of the loss with respect
 to the output to a tuple with one entry per parent: that parent's gradient, or None where it
-needs none. A backward
-- never writes into `g` (it may be shared, or a read-only view), and
-- returns gradients of its inputs' shapes: `unbroadcast(grad, shape)` undoes broadcasting.
+needs none. A backward never writes into `g` (it may be shared, or a read-only view), and
+returns gradients of its inputs' shapes: `unbroadcast(grad, shape)` undoes broadcasting.
 Parallel schemes write their communication ops this way, outside this file: Megatron's f
 (identity forward, allreduce backward), ZeRO's gather-on-use.
 
 One hook for a speed trick: a backward may return a `LazyGradient` (a gradient not computed
 yet). The engine takes its value() for anything but a leaf; a leaf asks it `into_leaf(leaf)`
 what to add, and it may stay pending on the leaf until .grad is read. Deferred weight
-gradients (minidp/fast/weight_grads.py) plug in there; without them every gradient is an
-array.
+gradients (minidp/fast/weight_grads.py) plug in there; else every gradient is an array.
 
 Grad mode is per thread (grad_mode.py). The arrays are NumPy's, or torch tensors with
 `--backend torch` (backend.py). Tensor's ops are in tensor_ops.py; functional.py, next.
