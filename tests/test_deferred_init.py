@@ -1,0 +1,144 @@
+"""deferred_init (engine/deferred.py): a model built without its values is the eager model,
+bit for bit, whenever and however much of it is drawn.
+
+- NumPy's Generator gives the same numbers drawn in chunks as in one call (standard_normal
+  and uniform, scaled and cast): what a recipe's slices rely on.
+- A deferred GPT or MLP leaves its generator where the eager one does (the Dropouts draw
+  from it later), holds one element per weight, and any slice [lo, hi) of a weight, or the
+  whole of it, or a ZeRO-3 shard of it, equals the eager model's.
+- Wrapped in FullyShardedDataParallel, ZeROStages (stage 3) or SimpleZeRO3, a deferred model
+  is sharded without any weight drawn whole (a rank's chunk at most), and trains as the
+  eager one, bit for bit; so does the command line's ZeRO-3, which builds deferred.
+"""
+
+import numpy as np
+import pytest
+
+from minidp import nn
+from minidp.engine import deferred
+from minidp.engine.deferred import Recipe, deferred_init, flat_values, materialize_module
+from minidp.engine.precision import half_dtype, to_half
+from minidp.engine.units import units_of
+from minidp.parallel.zero.flat import ShardLayout
+
+DTYPES = (np.float32, np.float64, np.float16, half_dtype("bf16"))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("n, chunk", [(10_000, 7), (100_001, 4096), (5, 1), (3, 10)])
+def test_numpy_draws_the_same_numbers_in_chunks_as_in_one_call(dtype, n, chunk):
+    bound, std = 1 / np.sqrt(384), 0.02 / np.sqrt(12)
+    draws = {
+        "normal": lambda rng, k: (rng.standard_normal(k) * std).astype(dtype),
+        "uniform": lambda rng, k: rng.uniform(-bound, bound, size=k).astype(dtype),
+    }
+    for kind, draw in draws.items():
+        whole, cut = np.random.default_rng(3), np.random.default_rng(3)
+        once = draw(whole, n)
+        chunks = np.concatenate([draw(cut, min(chunk, n - i)) for i in range(0, n, chunk)])
+        assert once.tobytes() == chunks.tobytes(), kind
+        assert whole.bit_generator.state == cut.bit_generator.state, kind
+
+
+def gpt(dtype=np.float32):
+    config = nn.GPTConfig(vocab_size=13, block_size=6, n_layer=2, n_head=2, n_embd=8)
+    return nn.GPT(config, seed=5, dtype=dtype)
+
+
+def mlp(dtype=np.float32):
+    return nn.MLP([7, 9, 3], rng=np.random.default_rng(2), dtype=dtype)
+
+
+@pytest.fixture
+def small_chunks(monkeypatch):
+    monkeypatch.setattr(deferred, "CHUNK", 5)  # chunk edges inside every weight
+
+
+@pytest.mark.parametrize("build", [gpt, mlp])
+def test_a_deferred_model_is_the_eager_one_slice_by_slice(build, small_chunks):
+    eager = build()
+    with deferred_init():
+        lazy = build()
+    # the generator the Dropouts keep ends where the eager draws leave it
+    if build is gpt:
+        assert lazy.drop.rng.bit_generator.state == eager.drop.rng.bit_generator.state
+    assert lazy.num_parameters() == eager.num_parameters()
+    want, rng = dict(eager.named_parameters()), np.random.default_rng(0)
+    drawn = 0
+    for name, p in lazy.named_parameters():
+        assert p.shape == want[name].shape and p.dtype == want[name].dtype, name
+        if p.recipe is None:  # made from np.ones / np.zeros: an ordinary array
+            assert np.array_equal(p.data, want[name].data), name
+            continue
+        drawn += 1
+        assert p.data.strides == (0,) * p.ndim and not p.data.flags.writeable, name
+        flat = want[name].data.ravel()
+        for lo, hi in [(0, p.size), (0, 1), (p.size - 1, p.size), (3, 3), *[
+            sorted(rng.integers(0, p.size + 1, 2)) for _ in range(5)
+        ]]:  # fmt: skip
+            assert p.recipe.values(lo, hi).tobytes() == flat[lo:hi].tobytes(), (name, lo, hi)
+    assert drawn > 0
+    materialize_module(lazy)
+    for name, p in lazy.named_parameters():
+        assert p.recipe is None and p.data.tobytes() == want[name].data.tobytes(), name
+        assert p.data.flags.writeable, name
+
+
+def test_to_half_casts_the_recipe_as_it_casts_the_values():
+    eager = to_half(gpt(), "bf16")
+    with deferred_init():
+        lazy = gpt()
+    to_half(lazy, "bf16")
+    materialize_module(lazy)
+    for (name, p), q in zip(lazy.named_parameters(), eager.parameters()):
+        assert p.dtype == q.dtype and p.data.tobytes() == q.data.tobytes(), name
+
+
+def shards(model, n):
+    """Each of n ranks' ZeRO-3 shard (units_of's segments, as stage 3 cuts them)."""
+    names = {id(p): name for name, p in model.named_parameters()}
+    segments = [params for _, _, params in units_of(model)]
+    return [ShardLayout(segments, names, n, r).shard_of_parameters(np.float64) for r in range(n)]
+
+
+def asking(monkeypatch) -> list:
+    """(size, how many asked) of every recipe's values() from now on."""
+    asked, values = [], Recipe.values
+
+    def counted(recipe, lo=0, hi=None, out=None):
+        asked.append((recipe.size, (recipe.size if hi is None else hi) - lo))
+        return values(recipe, lo, hi, out)
+
+    monkeypatch.setattr(Recipe, "values", counted)
+    return asked
+
+
+def test_zero3_shards_of_a_deferred_gpt_are_the_eager_slices(small_chunks, monkeypatch):
+    """ShardLayout.shard_of_parameters for 3 ranks: bit-equal to the eager model's, and the
+    recipes asked for each number once over the 3 ranks together (none drawn whole on each)."""
+    want = shards(gpt(np.float64), 3)
+    with deferred_init():
+        lazy = gpt(np.float64)
+    asked = asking(monkeypatch)
+    for mine, theirs in zip(shards(lazy, 3), want):
+        assert mine.tobytes() == theirs.tobytes()
+    assert sum(n for _, n in asked) == sum(p.size for p in lazy.parameters() if p.recipe)
+
+
+def test_flat_values_mixes_arrays_and_recipes():
+    with deferred_init():
+        layer = nn.Linear(4, 3, rng=np.random.default_rng(1), dtype=np.float64)
+    eager = nn.Linear(4, 3, rng=np.random.default_rng(1), dtype=np.float64)
+    whole = np.concatenate([eager.weight.data.ravel(), eager.bias.data])
+    params = [layer.weight, layer.bias]
+    assert layer.bias.recipe is not None  # a U(-1/sqrt(in), ...) bias is drawn too
+    for lo, hi in [(0, 15), (2, 13), (11, 12), (12, 15), (5, 5)]:
+        assert flat_values(params, lo, hi, np.float64).tobytes() == whole[lo:hi].tobytes()
+
+
+def test_outside_the_block_nothing_is_deferred():
+    with deferred_init():
+        pass
+    with deferred_init(False):
+        assert mlp().parameters()[0].recipe is None
+    assert all(p.recipe is None for p in gpt().parameters())
