@@ -14,12 +14,15 @@ bit for bit, whenever and however much of it is drawn.
 import numpy as np
 import pytest
 
-from minidp import nn
+from minidp import Tensor, comm, cross_entropy, nn, optim
 from minidp.engine import deferred
 from minidp.engine.deferred import Recipe, deferred_init, flat_values, materialize_module
 from minidp.engine.precision import half_dtype, to_half
 from minidp.engine.units import units_of
+from minidp.parallel import FullyShardedDataParallel, SimpleZeRO3
 from minidp.parallel.zero.flat import ShardLayout
+from minidp.parallel.zero.stages import ZeROStages
+from minidp.tools.chunks import chunk_range
 
 DTYPES = (np.float32, np.float64, np.float16, half_dtype("bf16"))
 
@@ -142,3 +145,79 @@ def test_outside_the_block_nothing_is_deferred():
     with deferred_init(False):
         assert mlp().parameters()[0].recipe is None
     assert all(p.recipe is None for p in gpt().parameters())
+
+
+# ---- the pieces, under MPI ---------------------------------------------------------------
+class Net(nn.Module):
+    """A user's model: U(-1/sqrt(in), ..) and N(0, 0.1^2) weights, fc3 tied to fc2's weight
+    (unless not `tied`: SimpleZeRO3 shards no tied weight), fc2's bias frozen, dropout
+    drawing from the generator the weights came from."""
+
+    def __init__(self, seed: int, tied: bool = True):
+        rng = np.random.default_rng(seed)
+        self.fc1 = nn.Linear(6, 9, rng=rng, dtype=np.float64, std=0.1)
+        self.fc2, self.fc3, self.fc4 = (
+            nn.Linear(a, b, rng=rng, dtype=np.float64) for a, b in ((9, 9), (9, 9), (9, 4))
+        )
+        if tied:
+            self.fc3.weight = self.fc2.weight
+        self.fc2.bias.requires_grad = False
+        self.drop = nn.Dropout(0.2, rng=rng)
+
+    def forward(self, x):
+        h = self.fc2(self.drop(self.fc1(x).relu())).relu()  # one input each: SimpleZeRO3's
+        return self.fc4(self.fc3(h).relu())
+
+
+def trained(piece, group, steps: int = 2) -> dict:
+    """The whole model, by name, before and after `steps` AdamW steps on this rank's slice."""
+    states, opt = [piece.full_state_dict()], optim.AdamW(piece.parameters(), lr=0.01)
+    for step in range(steps):
+        rng = np.random.default_rng(step)
+        x, y = rng.standard_normal((10, 6)), rng.integers(0, 4, 10)
+        lo, hi = chunk_range(10, group.size, group.rank)
+        if hasattr(piece, "set_batch_share"):
+            piece.set_batch_share(hi - lo, 10)
+        opt.zero_grad()
+        cross_entropy(piece(Tensor(x[lo:hi])), y[lo:hi]).backward()
+        if hasattr(piece, "finish_gradient_sync"):
+            piece.finish_gradient_sync()
+        opt.step()
+    return [*states, piece.full_state_dict()]
+
+
+@pytest.mark.parallel(nprocs=[2, 3])
+@pytest.mark.timeout(120)
+def test_pieces_shard_a_deferred_model_as_the_eager_one_without_drawing_it_whole(monkeypatch):
+    """Every rank builds from its own seed (the pieces start all from rank 0's weights: its
+    recipes); FSDP ("full", "grad_op") and SimpleZeRO3 give the eager model's bits before and
+    after training. Under "full" the ranks together draw each trainable number once, and
+    the frozen bias whole on each rank; ZeROStages' shards at stages 1-3 are the eager ones."""
+    group = comm.world()
+    pieces = [
+        (lambda m: FullyShardedDataParallel(m, group, "full"), True),
+        (lambda m: FullyShardedDataParallel(m, group, "grad_op"), True),
+        (lambda m: SimpleZeRO3(m, group), False),
+    ]
+    asked = asking(monkeypatch)
+    for i, (wrap, tied) in enumerate(pieces):
+        want = trained(wrap(Net(group.rank, tied)), group)
+        asked.clear()
+        with deferred_init():
+            model = Net(group.rank, tied)
+        frozen = model.fc2.bias.size
+        deferred = sum(p.size for p in model.parameters() if p.recipe is not None) - frozen
+        got = trained(wrap(model), group)
+        assert all(p.recipe is None for p in model.parameters())
+        for mine, theirs in zip(got, want):
+            for name, value in theirs.items():
+                assert mine[name].tobytes() == value.tobytes(), (i, name)
+        if i == 0:
+            total = comm.allreduce(np.array([sum(n for _, n in asked)]), group=group)[0]
+            assert total == deferred + group.size * frozen
+    for stage in (1, 2, 3):
+        eager = ZeROStages(Net(group.rank), group, stage, optim.AdamW)
+        with deferred_init():
+            lazy = ZeROStages(Net(group.rank), group, stage, optim.AdamW)
+        assert lazy.shard().tobytes() == eager.shard().tobytes(), stage
+        eager.close(), lazy.close()

@@ -67,10 +67,11 @@ import contextlib
 import numpy as np
 
 from minidp import comm
+from minidp.engine.deferred import materialize
 from minidp.engine.nn import Module
 from minidp.engine.units import units_of
 from minidp.parallel.across_ranks import clip_global_norm
-from minidp.parallel.same_model import check_same_model
+from minidp.parallel.same_model import broadcast_parameters, check_same_model
 from minidp.parallel.zero.flat import allgather_flat, gather_whole, pieces, slices_in
 from minidp.parallel.zero.sharded import ALGOS, ShardedModel
 
@@ -114,8 +115,8 @@ class FullyShardedDataParallel:
         dtypes = sorted({str(p.dtype) for _, _, params in units for p in params})
         if len(dtypes) > 1:
             raise TypeError(f"model's trainable parameters must share one dtype, got {dtypes}")
-        for p in model.parameters():  # every rank starts from rank 0's weights, frozen too
-            comm.broadcast(p.data, root=0, group=group)
+        broadcast_parameters(model.parameters(), group)  # every rank from rank 0's weights
+        materialize(*(p for p in model.parameters() if not p.requires_grad))  # kept whole
         self.units = [name or "(the model's own)" for name, _, _ in units]
         segments = [params for _, _, params in units]
         self.shards = ShardedModel(
