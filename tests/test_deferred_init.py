@@ -11,10 +11,15 @@ bit for bit, whenever and however much of it is drawn.
   eager one, bit for bit; so does the command line's ZeRO-3, which builds deferred.
 """
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
 from minidp import Tensor, comm, cross_entropy, nn, optim
+from minidp.cli.strategies import ZeRO
+from minidp.cli.training.config import TrainConfig
+from minidp.cli.training.loop import train
 from minidp.engine import deferred
 from minidp.engine.deferred import Recipe, deferred_init, flat_values, materialize_module
 from minidp.engine.precision import half_dtype, to_half
@@ -221,3 +226,24 @@ def test_pieces_shard_a_deferred_model_as_the_eager_one_without_drawing_it_whole
             lazy = ZeROStages(Net(group.rank), group, stage, optim.AdamW)
         assert lazy.shard().tobytes() == eager.shard().tobytes(), stage
         eager.close(), lazy.close()
+
+
+@pytest.mark.parallel(nprocs=[2])
+@pytest.mark.timeout(120)
+def test_the_cli_zero3_run_builds_deferred_and_ends_with_the_eager_bits(monkeypatch, capsys):
+    """train() with --strategy zero --zero-stage 3 builds the task's model deferred; forced
+    eager instead, the final record (loss, validation loss, L2) and the sample are the same."""
+    config = TrainConfig(
+        strategy="zero", zero_stage=3, steps=3, n_layer=2, n_embd=16, n_head=2, block_size=8,
+        batch_size=6, dropout=0.1, eval_batches=2, sample_tokens=16, log_every=1,
+    )  # fmt: skip
+    assert ZeRO.builds_deferred(config) and not ZeRO.builds_deferred(replace(config, zero_stage=2))
+    runs, asked = [], asking(monkeypatch)
+    for defer in (True, False):
+        monkeypatch.setattr(ZeRO, "builds_deferred", staticmethod(lambda _, d=defer: d))
+        asked.clear()
+        final = train(config)
+        assert bool(asked) == defer  # the shards drawn from recipes, or not
+        sample = capsys.readouterr().out.split("sample:")[-1]
+        runs.append([final[k] for k in ("final_loss", "val_loss", "param_l2")] + [sample])
+    assert runs[0] == runs[1]

@@ -72,8 +72,9 @@ def _train(config: TrainConfig, group: comm.Group, preemption: Preemption, adds)
     say = functools.partial(print0, rank=group.rank)  # one writer: the group's rank 0
     if config.strategy not in STRATEGIES:
         raise BadConfig(f"--strategy {config.strategy!r}: choose from {', '.join(STRATEGIES)}")
+    deferred = STRATEGIES[config.strategy].builds_deferred(config)  # ZeRO-3: never whole
     try:
-        task = Task(config, np.dtype(config.dtype))
+        task = Task(config, np.dtype(config.dtype), deferred=deferred)
     except TextTooShort as error:  # alike on every rank: one line
         raise BadConfig(str(error)) from None
     timeline = Timeline(enabled=config.trace is not None)
