@@ -7,8 +7,8 @@ to draw them later, any slice at a time (PyTorch's meta device and torchdistx's
     fsdp = FullyShardedDataParallel(model)        # each rank draws only its own chunks
 
 Why: ZeRO stage 3 keeps 1/N of the model on each rank, but a model built eagerly is whole on
-every rank until it is sharded. Built deferred, a rank holds its shard plus one chunk of
-CHUNK numbers being drawn, never a whole weight.
+every rank until it is sharded. Built deferred and sharded, a rank has held its shard plus
+one chunk of CHUNK numbers being drawn, never a whole weight.
 
 The layers (nn.py) draw every weight through `uniform` or `normal` below. Eagerly these
 return the drawn array, as they always did. Under `deferred_init()` they return a stand-in,
@@ -22,8 +22,8 @@ and the Parameter made from it keeps a `Recipe` as `p.recipe`:
 
 The live generator still advances exactly as the eager draw would have moved it (Dropout
 modules keep the same generator and draw their masks from it later): the draw is made and
-thrown away, CHUNK numbers at a time. Small parameters made from np.ones / np.zeros (biases,
-LayerNorms) stay ordinary arrays.
+thrown away, CHUNK numbers at a time. Parameters made from np.ones / np.zeros (LayerNorms,
+the biases of normal-initialized Linears) stay ordinary arrays: small, and not drawn.
 
 Why a slice [lo, hi) of the flattened weight can be drawn exactly on its own: NumPy's
 Generator fills an array one number after another from its bit stream, each number the same
@@ -35,8 +35,9 @@ the cost of drawing up to hi. (Skipping ahead without drawing is not possible fo
 draws: the ziggurat method takes a variable number of bits per number.)
 
 A parameter stops being deferred (`p.recipe` None) when its values exist: `materialize`
-draws them whole (one process, tests); a sharding scheme takes its ranks' chunks with
-`flat_values` and hands the values to its shards.
+draws them whole (one process, tests, or before a piece that keeps the whole model, as
+DistributedDataParallel); a sharding scheme takes its ranks' chunks with `flat_values` and
+hands the values to its shards (parallel/zero/: FSDP, ZeROStages, SimpleZeRO3).
 """
 
 import contextlib
