@@ -69,7 +69,8 @@ def test_same_seed_same_result_bitwise(tmp_path, config):
     first_records, first = run(tmp_path, **config)
     second_records, second = run(tmp_path, **config)
     timing = {"time_s", "comm_s", "exposed_comm_s", "measured_step_s", "predicted_over_measured"}
-    timing.add("peak_rss")  # the OS's high-water mark: this process's, from before the run on
+    timing |= {"peak_rss", "peak_rss_built"}  # the OS's high-water marks: this process's,
+    # from before the run on
 
     def timed(k: str) -> bool:  # a clock's reading (the step model's predicted seconds too)
         return (

@@ -6,7 +6,8 @@ Conventions:
 - A Linear computes y = x W + b with W of shape (in, out), the orientation of the Megatron
   paper (Y = XA), so "split A by columns" means split the output features.
 - Every layer is initialized from a `np.random.Generator`, so every rank that builds a model
-  from the same seed holds the identical model.
+  from the same seed holds the identical model; under `deferred_init()` (deferred.py) the
+  weights drawn are recipes, drawn later a slice at a time.
 - `named_parameters()` yields, for each module, first its own Parameter attributes in the
   order each attribute was first assigned, then each sub-module's parameters, depth first,
   sub-modules also in first-assignment order (a list or tuple of modules in index order,
@@ -30,6 +31,7 @@ import numpy as np
 from minidp.engine import functional as F
 from minidp.engine.backend import is_torch, namespace, to_numpy
 from minidp.engine.casts import computed, in_float32, matmul_operands
+from minidp.engine.deferred import deferred_init, materialize_module, normal, uniform
 from minidp.engine.functional import cross_entropy, mse
 from minidp.engine.registry import FAST, fast
 from minidp.engine.tensor import Tensor, op
@@ -43,6 +45,8 @@ __all__ = [
     "LayerNorm",
     "Embedding",
     "Dropout",
+    "deferred_init",
+    "materialize_module",
     "cross_entropy",
     "mse",
 ]
@@ -50,10 +54,14 @@ __all__ = [
 
 class Parameter(Tensor):
     """A Tensor that is trained: requires a gradient, and is found by `Module.parameters()`.
-    Set `requires_grad = False` to freeze it (see the module docstring)."""
+    Set `requires_grad = False` to freeze it (see the module docstring). `recipe`: how to
+    draw its values while they are not drawn yet (deferred_init, engine/deferred.py)."""
+
+    recipe = None
 
     def __init__(self, data, dtype=None):
         super().__init__(data, requires_grad=True, dtype=dtype)
+        self.recipe = getattr(data, "recipe", None)  # a deferred draw's stand-in carries it
 
 
 class Module:
@@ -153,10 +161,6 @@ class Module:
                 p.data[...] = value
 
 
-def _uniform(rng, shape, bound, dtype):
-    return rng.uniform(-bound, bound, size=shape).astype(dtype)
-
-
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, relu: bool = False) -> Tensor:
     """y = x W + b as one op, for x of shape (..., in): what `x @ weight + bias` computes;
     with relu=True, max(x W + b, 0): what `(x @ weight + bias).relu()` computes.
@@ -218,15 +222,11 @@ class Linear(Module):
     ):
         bound = 1 / np.sqrt(in_features)
         shape = (in_features, out_features)
-        w = (
-            _uniform(rng, shape, bound, dtype)
-            if std is None
-            else (rng.standard_normal(shape) * std)
-        )
+        w = uniform(rng, shape, bound, dtype) if std is None else normal(rng, shape, std, dtype)
         self.weight = Parameter(w, dtype=dtype)
         self.bias = None
         if bias:
-            b = _uniform(rng, out_features, bound, dtype) if std is None else np.zeros(out_features)
+            b = uniform(rng, out_features, bound, dtype) if std is None else np.zeros(out_features)
             self.bias = Parameter(b, dtype=dtype)
 
     def forward(self, x: Tensor, relu: bool = False) -> Tensor:
@@ -296,7 +296,7 @@ class Embedding(Module):
         std: float = 0.02,
         fused: bool = True,
     ):
-        self.weight = Parameter(rng.standard_normal((num, dim)) * std, dtype=dtype)
+        self.weight = Parameter(normal(rng, (num, dim), std, dtype), dtype=dtype)
         self.fused = fused
 
     def forward(self, idx: np.ndarray) -> Tensor:

@@ -6,6 +6,8 @@ import sys
 
 import numpy as np
 
+from minidp.engine.deferred import astype
+
 PRECISIONS = ("fp32", "bf16", "fp16")
 
 
@@ -28,12 +30,13 @@ def half_dtype(precision: str):
 def to_half(model, precision: str):
     """Every floating-point parameter of `model` (frozen ones too) in `precision`'s 16 bits,
     in place (PyTorch's model.to(torch.bfloat16)); fp32: unchanged. Returns the model.
-    Do it before wrapping the model in DDP or ZeRO: they size their buffers from it."""
+    Do it before wrapping the model in DDP or ZeRO: they size their buffers from it. A
+    deferred parameter (deferred_init) gets the cast in its recipe."""
     dtype = half_dtype(precision)
     if dtype is not None:
         for p in model.parameters():
             if np.issubdtype(p.data.dtype, np.floating):
-                p.data = p.data.astype(dtype)
+                astype(p, dtype)
     return model
 
 

@@ -1,6 +1,8 @@
 """Task: a model together with its data, what the command line's training loop trains.
 
     task = Task(config, np.float64)         # builds the model from config.seed
+    task = Task(config, np.float64, deferred=True)    # its weights as recipes, no values
+                                            # (deferred_init: ZeRO-3 draws each rank's shard)
     inputs, targets = task.batch(indices)   # the examples at these positions of the data
     loss = task.loss(inputs, targets)       # mean cross-entropy over them
 
@@ -16,6 +18,7 @@ eval_batches, sample_tokens.
 import numpy as np
 
 from minidp.engine import backend, nn
+from minidp.engine.deferred import deferred_init
 from minidp.engine.precision import to_half
 from minidp.engine.tensor import Tensor, no_grad
 from minidp.models import data
@@ -31,7 +34,7 @@ class TextTooShort(ValueError):
 class Task:
     """A model with its data: how to read a batch and how to score it."""
 
-    def __init__(self, config, dtype):
+    def __init__(self, config, dtype, deferred: bool = False):
         self.config = config
         threads = config.threads or max(1, int(cores_per_rank()))
         backend.use(config.backend, config.device, threads)  # the model is built on the host
@@ -51,7 +54,8 @@ class Task:
                 n_embd=config.n_embd,
                 dropout=config.dropout,
             )
-            self.model = GPT(self.gpt_config, seed=config.seed, dtype=dtype)
+            with deferred_init(deferred):
+                self.model = GPT(self.gpt_config, seed=config.seed, dtype=dtype)
             self.model.recompute = config.recompute  # every block run again in backward
             self.num_examples = len(self.train_tokens) - config.block_size  # window starts
             self.unit = "tokens"
@@ -61,7 +65,8 @@ class Task:
                 seed=config.seed, dtype=dtype
             )
             sizes = [self.x_train.shape[1], config.hidden, config.hidden, 10]
-            self.model = nn.MLP(sizes, rng=np.random.default_rng(config.seed), dtype=dtype)
+            with deferred_init(deferred):
+                self.model = nn.MLP(sizes, rng=np.random.default_rng(config.seed), dtype=dtype)
             self.num_examples = len(self.x_train)
             self.unit = "examples"
             self.items_per_example = 1

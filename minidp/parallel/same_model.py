@@ -1,14 +1,17 @@
 """Before data parallelism starts: do all ranks hold the same model? One allgather of a
-checksum of every parameter's name, shape, dtype and frozen flag; on a difference, every
-rank raises ModelMismatch naming the first parameter that differs and the rank that has it
-(DDP, ZeRO and FSDP check so at construction).
+checksum of every parameter's name, shape, dtype, frozen flag and whether it is deferred
+(deferred_init); on a difference, every rank raises ModelMismatch naming the first parameter
+that differs and the rank that has it (DDP, ZeRO and FSDP check so at construction). Then
+`broadcast_parameters` starts every rank from rank 0's weights.
 """
 
+import pickle
 import zlib
 
 import numpy as np
 
 from minidp import comm
+from minidp.engine.deferred import is_deferred
 from minidp.engine.nn import Module
 
 
@@ -19,7 +22,9 @@ class ModelMismatch(RuntimeError):
 def describe_model(model: Module) -> list[str]:
     """One line per parameter: name, shape, dtype, and whether it is frozen."""
     return [
-        f"{name} {tuple(p.shape)} {p.dtype}" + ("" if p.requires_grad else " frozen")
+        f"{name} {tuple(p.shape)} {p.dtype}"
+        + ("" if p.requires_grad else " frozen")
+        + (" deferred" if is_deferred(p) else "")
         for name, p in model.named_parameters()
     ]
 
@@ -46,3 +51,20 @@ def check_same_model(model: Module, group: comm.Group) -> None:
         f"rank 0 has {int(digests[0, 1])}; first difference at parameter #{index}: "
         f"rank 0 has {ours!r}, rank {culprit} has {theirs_there!r}"
     )
+
+
+def broadcast_parameters(params, group: comm.Group) -> None:
+    """Collective: every rank's `params` set to rank 0's, as every rank must start from the
+    same weights. Each one's values broadcast into its own array; for the deferred ones
+    (deferred_init: no values yet, check_same_model agrees which) rank 0's recipes instead,
+    a few hundred bytes each (a generator's state), in one message: the weights they draw
+    are rank 0's, whichever rank draws which part."""
+    deferred = [p for p in params if is_deferred(p)]
+    if deferred:
+        mine = pickle.dumps([p.recipe for p in deferred]).hex() if group.rank == 0 else ""
+        recipes = pickle.loads(bytes.fromhex(comm.broadcast_text(mine, root=0, group=group)))
+        for p, recipe in zip(deferred, recipes):
+            p.recipe = recipe
+    for p in params:
+        if not is_deferred(p):
+            comm.broadcast(p.data, root=0, group=group)

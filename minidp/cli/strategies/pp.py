@@ -261,8 +261,12 @@ class Pipeline(MeshRecipe):
 
 def hybrid(task, config, group: comm.Group, timeline=None, optimizer=None) -> Recipe:
     """`--strategy hybrid`: the 3-D mesh (Pipeline) when --pp > 1, else dp x tp (Hybrid)."""
-    recipe = Pipeline if config.pp > 1 else Hybrid
-    return recipe(task, config, group, timeline, optimizer)
+    return picked(config)(task, config, group, timeline, optimizer)
+
+
+def picked(config) -> type[Recipe]:
+    return Pipeline if config.pp > 1 else Hybrid
 
 
 hybrid.name = "hybrid"
+hybrid.builds_deferred = lambda config: picked(config).builds_deferred(config)

@@ -30,6 +30,8 @@
   `sharded_forward` True: the loop leaves the model sharded instead (ZeRO-3), because its
   forward gathers each layer around its use; validation and sampling then run on every
   rank together, and no rank ever holds the whole model.
+- `builds_deferred(config)`: a static method, asked before the task is built: True (ZeRO-3)
+  and the loop builds the model deferred (engine/deferred.py), so no rank ever holds it whole.
 - `describe()`, `record()`, `summary()`: the header's, the final record's and a closing line.
 
 Most strategies are recipes (`Recipe`): an __init__ that checks its flags, wraps the task's
@@ -63,6 +65,13 @@ class Strategy:
     def __init__(self, task, config, group: comm.Group, timeline: Timeline | None = None):
         self.task, self.config, self.group = task, config, group
         self.timeline = timeline or Timeline(enabled=False)
+
+    @staticmethod
+    def builds_deferred(config) -> bool:
+        """Whether the loop builds the task's model under deferred_init (engine/deferred.py):
+        for a strategy that keeps the model in shards from the start (ZeRO-3), whose ranks
+        draw only their own chunks; every other one needs the whole model's values."""
+        return False
 
     def replicas(self) -> list[tuple[comm.Group, list[tuple[str, Any]]]]:
         """Collective-free: [(group, [(name, array), ...])], each group's ranks holding the

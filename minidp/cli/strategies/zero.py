@@ -80,6 +80,11 @@ class ZeRO(Recipe):
         """Each rank's chunks, their squares summed over the data-parallel group."""
         return global_l2([getattr(p, kind) for p in self.pieces], shard_group=self.dp_group)
 
+    @staticmethod
+    def builds_deferred(config) -> bool:
+        """Stage 3: the model is built deferred, each rank drawing only its shard's values."""
+        return config.zero_stage == 3
+
     @property
     def sharded_forward(self) -> bool:
         """Stage 3: the model stays in shards after training, its forward gathering each

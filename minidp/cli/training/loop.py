@@ -73,8 +73,9 @@ def _train(config: TrainConfig, group: comm.Group, preemption: Preemption, adds)
     if config.strategy not in STRATEGIES:
         raise BadConfig(f"--strategy {config.strategy!r}: choose from {', '.join(STRATEGIES)}")
     check_floor(config, group)  # --max-memory-mb: before any rank builds the model
+    deferred = STRATEGIES[config.strategy].builds_deferred(config)  # ZeRO-3: never whole
     try:
-        task = Task(config, np.dtype(config.dtype))
+        task = Task(config, np.dtype(config.dtype), deferred=deferred)
     except TextTooShort as error:  # alike on every rank: one line
         raise BadConfig(str(error)) from None
     timeline = Timeline(enabled=config.trace is not None)
@@ -82,6 +83,7 @@ def _train(config: TrainConfig, group: comm.Group, preemption: Preemption, adds)
         resume.own_save_dir(config, group),  # one job at a time in --save-dir
         STRATEGIES[config.strategy](task, config, group, timeline) as strategy,
     ):
+        built = peak_rss_bytes()  # the high-water mark of building and sharding the model
         sampler = None
         if strategy.data_shard is not None:  # None: this rank reads no data
             try:
@@ -190,9 +192,11 @@ def _train(config: TrainConfig, group: comm.Group, preemption: Preemption, adds)
         }
         check_cap(config.max_memory_mb, group.rank, "in validation or the checks")
         # the OS's figure, after training, validation and the checks; before what `adds`
-        # adds (the cost model's prediction builds and times a model of its own)
-        peak = np.array([peak_rss_bytes()], dtype=np.int64)
-        final["peak_rss"] = comm.allgather(peak, group=strategy.group).ravel().tolist()
+        # adds (the cost model's prediction builds and times a model of its own); and the
+        # same figure as it was once the task and the strategy were built
+        peaks = np.array([peak_rss_bytes(), built], dtype=np.int64)
+        peaks = comm.allgather(peaks, group=strategy.group).reshape(-1, 2)
+        final["peak_rss"], final["peak_rss_built"] = peaks[:, 0].tolist(), peaks[:, 1].tolist()
         for add in adds:
             final.update(add(config, strategy.group, step_s))
         final["config"] = vars(config)  # every field, those of other strategies too

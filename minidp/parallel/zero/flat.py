@@ -25,6 +25,7 @@ SGD are elementwise, so stepping the pieces is stepping those elements of the wh
 import numpy as np
 
 from minidp import comm
+from minidp.engine.deferred import flat_values
 from minidp.engine.tensor import Tensor
 from minidp.tools.chunks import chunk_bounds
 
@@ -62,15 +63,11 @@ class ShardLayout:
     def shard_of_parameters(self, dtype) -> np.ndarray:
         """What shard_of(the flat vector) gives, copied straight from the segments'
         parameters, one at a time: no whole flat vector is ever made (stage 3 would hold
-        the model twice while it shards it)."""
+        the model twice while it shards it). A deferred parameter (deferred_init) gives only
+        the elements in this rank's chunks, drawn from its recipe: never a whole weight."""
         shard = np.empty(self.shard_numel, dtype)
         for s, ((lo, hi), params) in enumerate(zip(self.chunks, self.segments)):
-            mine, offset = self.my_chunk(shard, s), 0
-            for p in params:
-                a, b = max(lo, offset), min(hi, offset + p.size)
-                if a < b:
-                    mine[a - lo : b - lo] = np.ravel(p.data)[a - offset : b - offset]
-                offset += p.size
+            flat_values(params, lo, hi, dtype, out=self.my_chunk(shard, s))
         return shard
 
     def segment_views(self, array: np.ndarray, s: int) -> list[np.ndarray]:
@@ -88,13 +85,14 @@ class ShardLayout:
 
 def flat_parameters(layout: ShardLayout, dtype) -> np.ndarray:
     """Copy the model's parameters into one flat array and make each `p.data` a view of it
-    (stages 1 and 2 keep all Ψ; then a segment's allgather writes straight into the model)."""
+    (stages 1 and 2 keep all Ψ; then a segment's allgather writes straight into the model).
+    A deferred parameter is drawn from its recipe straight into its place."""
     flat = np.empty(layout.numel, dtype=dtype)
-    for s in range(len(layout.segments)):
+    for s, params in enumerate(layout.segments):
         segment = flat[layout.offsets[s] : layout.offsets[s + 1]]
-        for p, view in zip(layout.segments[s], layout.segment_views(segment, s)):
-            view[...] = p.data
-            p.data = view
+        flat_values(params, 0, segment.size, dtype, out=segment)
+        for p, view in zip(params, layout.segment_views(segment, s)):
+            p.data, p.recipe = view, None
     return flat
 
 

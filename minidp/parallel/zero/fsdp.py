@@ -3,6 +3,8 @@ PyTorch's FSDP (Zhao et al., "PyTorch FSDP: Experiences on Scaling Fully Sharded
 Parallel", VLDB 2023; Rajbhandari et al., "ZeRO", SC 2020; Ψ, K, N as in stages.py's
 table).
 
+    with nn.deferred_init():            # optional: the model never whole on any rank, each
+        model = MyModel(rng)            # rank draws only its chunks (engine/deferred.py)
     fsdp = FullyShardedDataParallel(model, sharding="full")   # or "grad_op"
     opt = optim.AdamW(fsdp.parameters(), lr=1e-3)             # this rank's shards only
     loss = cross_entropy(fsdp(x), y)    # "full": each layer gathered around its forward
@@ -50,7 +52,8 @@ What is sent when (ring algorithms: a rank sends (N-1)/N of each vector it moves
 
 Which parameters, as DDP (parallel/data_parallel/ddp.py) treats them:
 - *frozen* (requires_grad False before wrapping): broadcast from rank 0 with the rest at
-  construction, then left whole on every rank: in no unit, no gradient, never moved.
+  construction (drawn whole if deferred), then left whole on every rank: in no unit, no
+  gradient, never moved.
 - *shared* (a tied weight): model.parameters() lists it once, so it is one entry in one
   segment, and its pieces get the sum of its uses.
 - *unused* by every rank's backward since the last sync: its pieces' .grad is None after
@@ -67,10 +70,11 @@ import contextlib
 import numpy as np
 
 from minidp import comm
+from minidp.engine.deferred import materialize
 from minidp.engine.nn import Module
 from minidp.engine.units import units_of
 from minidp.parallel.across_ranks import clip_global_norm
-from minidp.parallel.same_model import check_same_model
+from minidp.parallel.same_model import broadcast_parameters, check_same_model
 from minidp.parallel.zero.flat import allgather_flat, gather_whole, pieces, slices_in
 from minidp.parallel.zero.sharded import ALGOS, ShardedModel
 
@@ -114,8 +118,8 @@ class FullyShardedDataParallel:
         dtypes = sorted({str(p.dtype) for _, _, params in units for p in params})
         if len(dtypes) > 1:
             raise TypeError(f"model's trainable parameters must share one dtype, got {dtypes}")
-        for p in model.parameters():  # every rank starts from rank 0's weights, frozen too
-            comm.broadcast(p.data, root=0, group=group)
+        broadcast_parameters(model.parameters(), group)  # every rank from rank 0's weights
+        materialize(*(p for p in model.parameters() if not p.requires_grad))  # kept whole
         self.units = [name or "(the model's own)" for name, _, _ in units]
         segments = [params for _, _, params in units]
         self.shards = ShardedModel(

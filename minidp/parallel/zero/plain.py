@@ -40,8 +40,10 @@ Parameter): backward hands the chunk its gradient, and the optimizer steps the c
 import numpy as np
 
 from minidp import comm
+from minidp.engine.deferred import flat_values, materialize
 from minidp.engine.nn import Dropout, Module, Parameter
 from minidp.engine.tensor import Tensor, no_grad, op
+from minidp.parallel.same_model import broadcast_parameters
 from minidp.tools.chunks import chunk_bounds
 
 
@@ -62,8 +64,8 @@ class SimpleZeRO3:
                 "every trainable parameter must belong to exactly one direct child of the "
                 "model (FullyShardedDataParallel handles the others)"
             )
-        for p in model.parameters():  # every rank starts from rank 0's weights
-            comm.broadcast(p.data, root=0, group=self.group)
+        broadcast_parameters(model.parameters(), self.group)  # every rank from rank 0's weights
+        materialize(*(p for p in model.parameters() if not p.requires_grad))  # kept whole
         N, r = self.group.size, self.group.rank
         self.params, self.chunks = [], []  # per sharded layer: its parameters, my chunk
         for layer, params in zip(self.layers, owned):
@@ -71,10 +73,10 @@ class SimpleZeRO3:
                 continue
             if len({p.dtype for p in params}) > 1:
                 raise ValueError(f"a layer's parameters must share one dtype: {type(layer)}")
-            whole = np.concatenate([p.data.ravel() for p in params])
-            bounds = chunk_bounds(whole.size, N)
+            bounds = chunk_bounds(sum(p.size for p in params), N)  # my chunk, never the
+            mine = flat_values(params, bounds[r], bounds[r + 1], params[0].dtype)  # whole layer
             self.params.append(params)
-            self.chunks.append(Parameter(whole[bounds[r] : bounds[r + 1]].copy()))
+            self.chunks.append(Parameter(mine))
             self._free(params)
             layer.forward = self._sharded(len(self.chunks) - 1, layer, layer.forward)
 
@@ -142,7 +144,7 @@ class SimpleZeRO3:
     @staticmethod
     def _free(params) -> None:
         for p in params:  # its shape, one element of memory, NaN wherever it is read
-            p.data = np.broadcast_to(np.array(np.nan, p.dtype), p.shape)
+            p.data, p.recipe = np.broadcast_to(np.array(np.nan, p.dtype), p.shape), None
 
 
 def modules_in(module: Module) -> list[Module]:

@@ -3,7 +3,8 @@ group: the one assembly of flat.py, grads.py and stage3.py that `--strategy zero
 (stages.py) and FullyShardedDataParallel (fsdp.py) both build on.
 
     segments          the trainable parameters, laid end to end and cut into segments
-                      (DDP's buckets, or units_of's layers): a ShardLayout
+                      (DDP's buckets, or units_of's layers): a ShardLayout; a model
+                      built under deferred_init gives each rank only its chunks' values
     grad_shard        this rank's chunk of every segment's gradient: ShardedGradients
                       reduce-scatters each segment into it as backward finishes it
     parameters, not sharded (stage 2, SHARD_GRAD_OP):
@@ -64,7 +65,9 @@ class ShardedModel:
             self.flat = flat_parameters(layout, dtype)
             self.param_chunks = [self.flat[lo:hi] for lo, hi in layout.ranges()]
         else:
-            self.param_shard = layout.shard_of_parameters(dtype)
+            self.param_shard = layout.shard_of_parameters(dtype)  # deferred: drawn in chunks
+            for p in (p for segment in segments for p in segment):
+                p.recipe = None  # its values are the shards' now (deferred_init's or not)
             self.param_chunks = [layout.my_chunk(self.param_shard, s) for s in every]
             self.gathered = GatheredUnits(
                 modules, layout, self.param_shard, self.comm_group, algo, outer

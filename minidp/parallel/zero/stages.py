@@ -50,12 +50,13 @@ import numpy as np
 from minidp import comm
 from minidp.comm.trace import Timeline
 from minidp.engine.backend import is_half
+from minidp.engine.deferred import materialize
 from minidp.engine.units import units_of
 from minidp.parallel.checkpoint import Slice
 from minidp.parallel.data_parallel.buckets import bucket_groups
 from minidp.parallel.data_parallel.comm_thread import overlap_helps
 from minidp.parallel.data_parallel.ddp import DistributedDataParallel
-from minidp.parallel.same_model import check_same_model
+from minidp.parallel.same_model import broadcast_parameters, check_same_model
 from minidp.parallel.zero.flat import (
     ShardLayout,
     allgather_flat,
@@ -93,8 +94,10 @@ class ZeROStages:
         self.timeline = timeline = timeline or Timeline(enabled=False)
         if stage > 1:  # (at stage 1 DDP does both)
             check_same_model(model, group)
-            for p in model.parameters():  # every rank starts from rank 0's weights
-                comm.broadcast(p.data, root=0, group=group)
+            broadcast_parameters(model.parameters(), group)  # every rank from rank 0's weights
+        # deferred_init's model: the frozen parameters drawn whole (they stay whole), the
+        # trainable ones drawn into the flat vector (stages 1, 2) or a chunk at a time (3)
+        materialize(*(p for p in model.parameters() if not p.requires_grad))
         names = {id(p): name for name, p in model.named_parameters()}
         if stage < 3:  # the flat vector is cut as DDP's buckets: reverse parameter order
             cap = max(1, int(bucket_mb * 2**20))
