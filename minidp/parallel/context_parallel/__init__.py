@@ -10,15 +10,21 @@ Read in this order:
                        with the block's compute; backward sends dK/dV round with them
     ulysses.py         DeepSpeed-Ulysses: all-to-all to a head split, plain attention on the
                        whole sequence, all-to-all back
+    gpt.py             ContextParallel: a GPT with its sequence split over the group (its
+                       positions embedded, its attention swapped, the loss and gradients
+                       summed over the group)
 """
 
+from minidp.parallel.context_parallel.gpt import ContextParallel, ContextParallelAttention
 from minidp.parallel.context_parallel.layout import SequenceLayout
-from minidp.parallel.context_parallel.ring import Work, ring_attention, ring_bytes
+from minidp.parallel.context_parallel.ring import RingWork, ring_attention, ring_bytes
 from minidp.parallel.context_parallel.ulysses import ulysses_attention, ulysses_bytes
 
 __all__ = [
+    "ContextParallel",
+    "ContextParallelAttention",
     "SequenceLayout",
-    "Work",
+    "RingWork",
     "ring_attention",
     "ring_bytes",
     "ulysses_attention",

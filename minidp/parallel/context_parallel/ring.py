@@ -54,7 +54,7 @@ KV_TAG, GRAD_TAG = 7201, 7202  # the K/V blocks and the dK/dV accumulators, apar
 
 
 @dataclass
-class Work:
+class RingWork:
     """Score elements (one per query-key pair computed, over batch and heads) on this rank."""
 
     forward: int = 0
@@ -97,7 +97,7 @@ def _blocks(layout: SequenceLayout, rank: int, source: int, positions: list):
 
 
 def ring_attention(
-    qkv: Tensor, n_head: int, group: Group, layout: SequenceLayout, work: Work | None = None
+    qkv: Tensor, n_head: int, group: Group, layout: SequenceLayout, work: RingWork | None = None
 ) -> Tensor:
     """Causal attention of this rank's positions against the whole sequence, as one op.
 
