@@ -28,10 +28,11 @@ and the block's dK, dV to the accumulator, and passes the accumulator on after c
 (the K/V block, as in forward, before). After C steps (one hop more than the K/V) each
 accumulator is back with the rank that owns the block, holding every rank's share.
 
-Cost per call and rank, w bytes per number, a K/V block 2 B (T/C) C' w bytes (C' = n_embd):
-forward (C-1)(α + 2 B T C' w / C β); backward the K/V again plus C hops of dK/dV,
-(2C-1)(α ...) + (C-1 + C) 2 B T C' w / C β. `ring_bytes` says it; the tests check it against
-the group's counters ("ring_attention", "ring_attention_backward").
+Cost per call and rank in the α-β model, with m = 2 B (T/C) C' w the bytes of a K/V block
+(C' = n_embd, w bytes a number): forward (C-1)(α + m β); backward (C-1) K/V blocks and C
+dK/dV accumulators, (2C-1)(α + m β); each hop hidden behind a block's compute when the
+compute is the longer. `ring_bytes` says it; the tests check it against the group's counters
+(the messages are point-to-point, outside any collective: the counters' "p2p").
 """
 
 import math
