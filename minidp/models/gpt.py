@@ -110,7 +110,13 @@ def add_linear(residual: Tensor, linear: Linear, drop, x: Tensor, fused: bool = 
 
 
 class CausalSelfAttention(Module):
-    """Multi-head attention where position t attends to positions <= t only."""
+    """Multi-head attention where position t attends to positions <= t only.
+
+    `attend` is its core, `attention` above, called as attend(qkv, n_head, future,
+    attn_drop, fused): context parallelism sets its own on the instance (ring or Ulysses,
+    parallel/context_parallel/gpt.py)."""
+
+    attend = staticmethod(attention)
 
     def __init__(self, cfg: GPTConfig, *, rng, dtype=np.float32, fused: bool = True):
         C, std = cfg.n_embd, 0.02
@@ -128,7 +134,7 @@ class CausalSelfAttention(Module):
         projection: norm_linear); with `residual`, residual + the attention (the add fused
         with the output projection: add_linear)."""
         qkv = self.qkv(x) if norm is None else norm_linear(norm, self.qkv, x, self.fused)
-        y = attention(qkv, self.n_head, self.future, self.attn_drop, self.fused)
+        y = self.attend(qkv, self.n_head, self.future, self.attn_drop, self.fused)
         if residual is None:
             return self.resid_drop(self.proj(y))
         return add_linear(residual, self.proj, self.resid_drop, y, self.fused)
@@ -181,22 +187,25 @@ class GPT(Module):
         self.ln_f = LayerNorm(cfg.n_embd, dtype=dtype, fused=fused)
         self.head = Linear(cfg.n_embd, cfg.vocab_size, bias=False, rng=rng, dtype=dtype, std=0.02)
 
-    def forward(self, idx: np.ndarray) -> Tensor:
-        """idx: (B, T) token ids -> logits (B, T, vocab_size)."""
-        x = self.embed(idx)
+    def forward(self, idx: np.ndarray, positions: np.ndarray | None = None) -> Tensor:
+        """idx: (B, T) token ids -> logits (B, T, vocab_size); `positions` as in embed."""
+        x = self.embed(idx, positions)
         for block in self.blocks:
             x = checkpoint(block, x) if self.recompute else block(x)
         return self.head(self.ln_f(x))  # two ops: fused, the head's C x V would be made again
 
-    def embed(self, idx: np.ndarray) -> Tensor:
-        """idx: (B, T) token ids -> the blocks' input (B, T, n_embd): token + position."""
+    def embed(self, idx: np.ndarray, positions: np.ndarray | None = None) -> Tensor:
+        """idx: (B, T) token ids -> the blocks' input (B, T, n_embd): token + position.
+        `positions` (T,): each token's place in the sequence, 0..T-1 if None (context
+        parallelism passes the places of a rank's own tokens)."""
         idx = np.asarray(idx)
         T = idx.shape[-1]
         if T > self.config.block_size:
             raise ValueError(
                 f"sequence of {T} tokens is longer than block_size {self.config.block_size}"
             )
-        return self.drop(self.wte(idx) + self.wpe(np.arange(T)))
+        where = np.arange(T) if positions is None else positions
+        return self.drop(self.wte(idx) + self.wpe(where))
 
     def generate(
         self, idx: np.ndarray, new_tokens: int, rng: np.random.Generator, temperature: float = 1.0

@@ -18,6 +18,9 @@ other ranks only through minidp.comm and taking plain arguments (never the comma
                        (the masks: minidp.models.prune)
     checkpoint/        tree.py (a state as arrays and JSON, no pickle) -> shards.py -> store.py
                        (save, load, latest; the manifest last) -> reshard.py (another layout)
+    context_parallel/  layout.py (contiguous, zig-zag) -> online_softmax.py -> ring.py (ring
+                       attention) and ulysses.py (all-to-all to heads) -> gpt.py
+                       (ContextParallel: a GPT with its sequence split over a group)
     mesh.py            the rank grid and one group per axis; across_ranks.py, same_model.py
 
 The `--strategy` recipes that assemble these pieces from flags live in minidp.cli.strategies.
@@ -37,6 +40,16 @@ from minidp.parallel.compression.table import (
 )
 from minidp.parallel.compression.update import CompressedUpdate, LocalGradients
 from minidp.parallel.compression.velocity import MomentumCorrectedSGD, MomentumCorrection
+from minidp.parallel.context_parallel import (
+    ContextParallel,
+    ContextParallelAttention,
+    RingWork,
+    SequenceLayout,
+    ring_attention,
+    ring_bytes,
+    ulysses_attention,
+    ulysses_bytes,
+)
 from minidp.parallel.data_parallel.ddp import DistributedDataParallel
 from minidp.parallel.data_parallel.plain import SimpleDistributedDataParallel
 from minidp.parallel.mesh import Mesh
@@ -76,6 +89,8 @@ __all__ = [
     "ColumnParallelLinear",
     "CompressedUpdate",
     "Compressor",
+    "ContextParallel",
+    "ContextParallelAttention",
     "DistributedDataParallel",
     "FullyShardedDataParallel",
     "GradScaler",
@@ -90,11 +105,13 @@ __all__ = [
     "PipelineStage",
     "PowerSGD",
     "RandomK",
+    "RingWork",
     "RowParallelLinear",
     "Schedule1F1B",
     "ScheduleGPipe",
     "ScheduleInterleaved1F1B",
     "ScheduleZeroBubbleH1",
+    "SequenceLayout",
     "Sign",
     "SignNoEF",
     "SimpleDistributedDataParallel",
@@ -106,9 +123,13 @@ __all__ = [
     "ZeroRedundancyOptimizer",
     "build_schedule",
     "masked_allreduce_hook",
+    "ring_attention",
+    "ring_bytes",
     "run_schedule",
     "serve",
     "split_batch",
     "split_model",
+    "ulysses_attention",
+    "ulysses_bytes",
     "vocab_parallel_cross_entropy",
 ]
