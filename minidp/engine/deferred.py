@@ -117,6 +117,24 @@ class Recipe:
             numbers = numbers.astype(dtype)
         return numbers
 
+    def as_json(self) -> dict:
+        """The recipe as JSON-able values (what a rank sends another: no pickle)."""
+        from minidp.engine.precision import dtype_name  # (precision.py imports this module)
+
+        dtypes = [dtype_name(np.dtype(d)) for d in self.dtypes]
+        shape, scale = list(self.shape), float(self.scale)
+        name = self.bit_generator.__name__
+        return {"bit_generator": name, "state": self.state, "kind": self.kind,
+                "shape": shape, "scale": scale, "dtypes": dtypes}  # fmt: skip
+
+    @classmethod
+    def from_json(cls, d: dict) -> "Recipe":
+        from minidp.engine.precision import named_dtype
+
+        bit_generator = getattr(np.random, d["bit_generator"])
+        dtypes = tuple(named_dtype(name) for name in d["dtypes"])
+        return cls(bit_generator, d["state"], d["kind"], tuple(d["shape"]), d["scale"], dtypes)
+
     def stand_in(self) -> np.ndarray:
         """The values' place until they exist: read-only, one element of memory, NaN."""
         fill = np.nan if np.issubdtype(self.dtype, np.floating) else 0

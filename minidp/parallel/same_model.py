@@ -5,13 +5,13 @@ that differs and the rank that has it (DDP, ZeRO and FSDP check so at constructi
 `broadcast_parameters` starts every rank from rank 0's weights.
 """
 
-import pickle
+import json
 import zlib
 
 import numpy as np
 
 from minidp import comm
-from minidp.engine.deferred import is_deferred
+from minidp.engine.deferred import Recipe, is_deferred
 from minidp.engine.nn import Module
 
 
@@ -61,10 +61,10 @@ def broadcast_parameters(params, group: comm.Group) -> None:
     are rank 0's, whichever rank draws which part."""
     deferred = [p for p in params if is_deferred(p)]
     if deferred:
-        mine = pickle.dumps([p.recipe for p in deferred]).hex() if group.rank == 0 else ""
-        recipes = pickle.loads(bytes.fromhex(comm.broadcast_text(mine, root=0, group=group)))
+        mine = json.dumps([p.recipe.as_json() for p in deferred]) if group.rank == 0 else ""
+        recipes = json.loads(comm.broadcast_text(mine, root=0, group=group))
         for p, recipe in zip(deferred, recipes):
-            p.recipe = recipe
+            p.recipe = Recipe.from_json(recipe)
     for p in params:
         if not is_deferred(p):
             comm.broadcast(p.data, root=0, group=group)
