@@ -18,6 +18,8 @@ other ranks only through minidp.comm and taking plain arguments (never the comma
                        (the masks: minidp.models.prune)
     checkpoint/        tree.py (a state as arrays and JSON, no pickle) -> shards.py -> store.py
                        (save, load, latest; the manifest last) -> reshard.py (another layout)
+    experts/           communications.py (the all-to-all op) -> groups.py (EP inside DP)
+                       -> dispatch.py -> plain.py (ExpertParallel; the MoE layer: models/moe/)
     mesh.py            the rank grid and one group per axis; across_ranks.py, same_model.py
 
 The `--strategy` recipes that assemble these pieces from flags live in minidp.cli.strategies.
@@ -39,6 +41,7 @@ from minidp.parallel.compression.update import CompressedUpdate, LocalGradients
 from minidp.parallel.compression.velocity import MomentumCorrectedSGD, MomentumCorrection
 from minidp.parallel.data_parallel.ddp import DistributedDataParallel
 from minidp.parallel.data_parallel.plain import SimpleDistributedDataParallel
+from minidp.parallel.experts import ExpertParallel, expert_groups
 from minidp.parallel.mesh import Mesh
 from minidp.parallel.param_server.pieces import ParameterServerWorker, serve
 from minidp.parallel.pipeline.executor import run_schedule, split_batch
@@ -77,6 +80,7 @@ __all__ = [
     "CompressedUpdate",
     "Compressor",
     "DistributedDataParallel",
+    "ExpertParallel",
     "FullyShardedDataParallel",
     "GradScaler",
     "LocalGradients",
@@ -105,6 +109,7 @@ __all__ = [
     "VocabParallelEmbedding",
     "ZeroRedundancyOptimizer",
     "build_schedule",
+    "expert_groups",
     "masked_allreduce_hook",
     "run_schedule",
     "serve",
