@@ -19,7 +19,8 @@ The layers, bottom up, one folder each (arrows point down only: tests/test_layer
 Everything below comm/ imports without MPI, and so does cost/'s model (cost/step.py).
 `minidp.nn`, `minidp.optim` and `minidp.functional` are the engine's modules under PyTorch's
 names (`import minidp.nn as nn` works); `minidp.nn.GPT` and `minidp.nn.GPTConfig` name the
-model of models/gpt.py; `import minidp.horovod as hvd` is parallel/horovod/, Horovod's
+model of models/gpt.py, `minidp.nn.MoE` and `minidp.nn.load_balancing_loss` the experts'
+layer of models/moe/; `import minidp.horovod as hvd` is parallel/horovod/, Horovod's
 names. A new op (a communication op of a parallel scheme, say) is written with `minidp.op`:
 engine/tensor.py's docstring states its contract.
 """
@@ -44,12 +45,14 @@ from minidp.engine.tensor import Tensor, is_grad_enabled, no_grad, op
 from minidp.fast.weight_grads import Product, defer_weight_grads
 from minidp.models import data
 from minidp.models.gpt import GPT, Block, CausalSelfAttention, GPTConfig
+from minidp.models.moe import MoE, load_balancing_loss
 
 # PyTorch's names for the engine's modules: `import minidp.nn as nn`, `from minidp.optim
 # import AdamW` (and `from minidp.data import DistributedSampler`, the models' data). And
 # the GPT under nn, as the contract has it (engine/nn.py cannot import models/gpt.py,
 # which is built from it).
 nn.GPT, nn.GPTConfig, nn.Block, nn.CausalSelfAttention = GPT, GPTConfig, Block, CausalSelfAttention
+nn.MoE, nn.load_balancing_loss = MoE, load_balancing_loss  # models/moe/: experts for any model
 for _name, _module in (("nn", nn), ("optim", optim), ("functional", functional), ("data", data)):
     sys.modules[f"minidp.{_name}"] = _module
 

@@ -17,6 +17,7 @@ from minidp.engine.nn import Dropout, Embedding, LayerNorm, Linear, Module
 from minidp.engine.recompute import checkpoint
 from minidp.engine.registry import fast
 from minidp.engine.tensor import Tensor, no_grad
+from minidp.models.moe.layer import MoE
 
 __all__ = [
     "GPTConfig",
@@ -38,6 +39,12 @@ class GPTConfig:
     n_head: int = 4
     n_embd: int = 64  # C; head size = C / n_head
     dropout: float = 0.0
+    # mixture of experts (models/moe/, docs/experts.md); n_experts 0: every block's MLP
+    n_experts: int = 0  # E experts in place of the MLP
+    moe_every: int = 1  # 1: every block's MLP; 2: every other block's (blocks 1, 3, ...)
+    top_k: int = 1  # 1: Switch; 2: GShard's renormalized pair
+    capacity_factor: float = 0.0  # 0: dropless
+    aux_loss_coef: float = 0.01  # Switch's alpha: load_balancing_loss(model) adds it
 
 
 def composed_attention(qkv: Tensor, n_head: int, future: np.ndarray, attn_drop) -> Tensor:
@@ -141,24 +148,51 @@ class CausalSelfAttention(Module):
 
 
 class Block(Module):
-    """Pre-norm transformer block: x + attn(ln(x)), then x + mlp(ln(x))."""
+    """Pre-norm transformer block: x + attn(ln(x)), then x + mlp(ln(x)), or with `moe`,
+    x + drop(moe(ln(x))): experts in the MLP's place (GPTConfig.n_experts)."""
 
-    def __init__(self, cfg: GPTConfig, *, rng, dtype=np.float32, fused: bool = True):
+    moe: MoE | None = None  # the block's MoE layer, where it has one
+
+    def __init__(
+        self, cfg: GPTConfig, *, rng, dtype=np.float32, fused: bool = True, moe: bool = False
+    ):
         C, std = cfg.n_embd, 0.02
         self.ln1 = LayerNorm(C, dtype=dtype, fused=fused)
         self.attn = CausalSelfAttention(cfg, rng=rng, dtype=dtype, fused=fused)
         self.ln2 = LayerNorm(C, dtype=dtype, fused=fused)
-        self.fc = Linear(C, 4 * C, rng=rng, dtype=dtype, std=std)
-        self.fc_proj = Linear(4 * C, C, rng=rng, dtype=dtype, std=std / np.sqrt(2 * cfg.n_layer))
+        if moe:  # the MLP's place taken by experts (models/moe/), each one the MLP below
+            self.moe = MoE(
+                C,
+                cfg.n_experts,
+                cfg.top_k,
+                cfg.capacity_factor,
+                rng=rng,
+                dtype=dtype,
+                proj_std=std / np.sqrt(2 * cfg.n_layer),
+                aux_loss_coef=cfg.aux_loss_coef,
+            )
+        else:
+            self.fc = Linear(C, 4 * C, rng=rng, dtype=dtype, std=std)
+            self.fc_proj = Linear(
+                4 * C, C, rng=rng, dtype=dtype, std=std / np.sqrt(2 * cfg.n_layer)
+            )
         self.drop = Dropout(cfg.dropout, rng=rng)
         self.fused = fused
 
     def forward(self, x: Tensor) -> Tensor:
         x = self.attn(x, norm=self.ln1, residual=x)  # x + attn(ln1(x))
+        if self.moe is not None:
+            return x + self.drop(self.moe(self.ln2(x)))
         h = norm_linear(self.ln2, self.fc, x, self.fused)
         gelu = (self.fused and fast("gelu", h)) or F.gelu
         h = gelu(h)
         return add_linear(x, self.fc_proj, self.drop, h, self.fused)  # x + drop(fc_proj(h))
+
+
+def uses_moe(cfg: GPTConfig, layer: int) -> bool:
+    """Does block `layer` hold a MoE: with n_experts > 0, every moe_every-th block, the last
+    of each run of moe_every (GShard's every other layer: blocks 1, 3, ...)."""
+    return cfg.n_experts > 0 and (layer + 1) % cfg.moe_every == 0
 
 
 class GPT(Module):
@@ -183,7 +217,10 @@ class GPT(Module):
         self.wte = Embedding(cfg.vocab_size, cfg.n_embd, rng=rng, dtype=dtype, fused=fused)
         self.wpe = Embedding(cfg.block_size, cfg.n_embd, rng=rng, dtype=dtype, fused=fused)
         self.drop = Dropout(cfg.dropout, rng=rng)
-        self.blocks = [Block(cfg, rng=rng, dtype=dtype, fused=fused) for _ in range(cfg.n_layer)]
+        self.blocks = [
+            Block(cfg, rng=rng, dtype=dtype, fused=fused, moe=uses_moe(cfg, i))
+            for i in range(cfg.n_layer)
+        ]
         self.ln_f = LayerNorm(cfg.n_embd, dtype=dtype, fused=fused)
         self.head = Linear(cfg.n_embd, cfg.vocab_size, bias=False, rng=rng, dtype=dtype, std=0.02)
 

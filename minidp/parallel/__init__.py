@@ -21,6 +21,8 @@ other ranks only through minidp.comm and taking plain arguments (never the comma
     context_parallel/  layout.py (contiguous, zig-zag) -> online_softmax.py -> ring.py (ring
                        attention) and ulysses.py (all-to-all to heads) -> gpt.py
                        (ContextParallel: a GPT with its sequence split over a group)
+    experts/           communications.py (the all-to-all op) -> groups.py (EP inside DP)
+                       -> dispatch.py -> plain.py (ExpertParallel; the MoE layer: models/moe/)
     mesh.py            the rank grid and one group per axis; across_ranks.py, same_model.py
 
 The `--strategy` recipes that assemble these pieces from flags live in minidp.cli.strategies.
@@ -52,6 +54,7 @@ from minidp.parallel.context_parallel import (
 )
 from minidp.parallel.data_parallel.ddp import DistributedDataParallel
 from minidp.parallel.data_parallel.plain import SimpleDistributedDataParallel
+from minidp.parallel.experts import ExpertParallel, expert_groups
 from minidp.parallel.mesh import Mesh
 from minidp.parallel.param_server.pieces import ParameterServerWorker, serve
 from minidp.parallel.pipeline.executor import run_schedule, split_batch
@@ -92,6 +95,7 @@ __all__ = [
     "ContextParallel",
     "ContextParallelAttention",
     "DistributedDataParallel",
+    "ExpertParallel",
     "FullyShardedDataParallel",
     "GradScaler",
     "LocalGradients",
@@ -122,6 +126,7 @@ __all__ = [
     "VocabParallelEmbedding",
     "ZeroRedundancyOptimizer",
     "build_schedule",
+    "expert_groups",
     "masked_allreduce_hook",
     "ring_attention",
     "ring_bytes",

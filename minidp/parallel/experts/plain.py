@@ -1,0 +1,109 @@
+"""Expert parallelism inside data parallelism, the plain way: one allreduce per parameter.
+
+    mpiexec -n 4 python examples/experts.py
+
+    model = ExpertParallel(model, dp_group, ep=2)  # this rank keeps E/ep experts a MoE layer
+    loss = cross_entropy(model(x), y) + load_balancing_loss(model.module)   # x: my slice
+    loss.backward()                                # the all-to-alls' reverses run in here
+    model.finish_gradient_sync()                   # each gradient over its own group
+    opt.step()                                     # opt over model.parameters()
+
+What it does to the model: in every MoE layer (models/moe/), it keeps only this rank's
+experts (EP rank j of the block: experts [j E/ep, (j+1) E/ep)) and swaps the layer's
+dispatcher for AllToAllExperts (dispatch.py): tokens go to the rank of their expert and
+back in all-to-alls, and the router's counts are summed over the DP group. The groups are
+groups.py's: EP groups of ep consecutive DP ranks, expert-DP groups of their replicas.
+
+The gradients, for the mean loss over the global batch (dp equal slices, each rank's loss
+the mean over its own, as in data parallelism):
+
+    non-expert w:   dL/dw = (1/dp) sum over the dp ranks of dL_r/dw      allreduce(avg), DP
+    expert e:       the rank holding e already has sum over its EP group of dL_r/dθ_e (its
+                    all-to-alls brought every rank's tokens); the replicas in the other
+                    blocks hold the other ranks' sums, so
+                    dL/dθ_e = (1/dp) sum over e's expert-DP group       allreduce(sum), / dp
+
+Switch's auxiliary loss follows the same rule: each rank's aux is E sum_e f_e P_e with f_e
+from the whole batch (sum_over_batch) and P_e over its own tokens, so the ranks' aux losses
+and their router gradients average to one process's over the global batch.
+
+Plain: one blocking allreduce per parameter after backward, nothing overlapped, no buckets
+(ddp.py's ideas would apply to each of the two groups alike).
+"""
+
+import numpy as np
+
+from minidp import comm
+from minidp.engine.nn import Module
+from minidp.models.moe.layer import MoE, moe_layers
+from minidp.parallel.experts.dispatch import AllToAllExperts
+from minidp.parallel.experts.groups import expert_groups
+
+__all__ = ["ExpertParallel"]
+
+
+class ExpertParallel:
+    """Shard every MoE layer of `model` over EP groups of `ep` ranks of `dp_group` (default:
+    the world), and reduce each gradient over its group (see the module docstring). Every
+    rank must build the same model (the same seed); weights are broadcast from the first
+    rank of each group anyway, as data parallelism does."""
+
+    def __init__(
+        self, model: Module, dp_group: comm.Group | None = None, ep: int = 1, algo: str = "auto"
+    ):
+        self.module, self.dp_group, self.ep = model, dp_group or comm.world(), ep
+        self.ep_group, self.expert_dp_group = expert_groups(self.dp_group, ep)
+        self.layers: list[tuple[str, MoE]] = list(moe_layers(model))
+        if not self.layers:
+            raise ValueError("ExpertParallel: the model has no MoE layer (models/moe/)")
+        dispatcher = AllToAllExperts(self.ep_group, self.dp_group, algo)
+        for name, layer in self.layers:
+            E = len(layer.experts)
+            if E % ep:
+                raise ValueError(f"ExpertParallel: {name}'s {E} experts do not divide by ep={ep}")
+            lo = self.ep_group.rank * (E // ep)
+            layer.experts = layer.experts[lo : lo + E // ep]  # mine: global lo, lo + 1, ...
+            layer.dispatcher = dispatcher
+        self.expert_params = {
+            id(p) for _, layer in self.layers for x in layer.experts for p in x.parameters()
+        }
+        for p in model.parameters():
+            comm.broadcast(p.data, root=0, group=self.group_of(p))
+
+    def __call__(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    def parameters(self) -> list:
+        """This rank's parameters: the non-expert ones and its own experts'."""
+        return self.module.parameters()
+
+    def group_of(self, p) -> comm.Group:
+        """The group p's gradient is reduced over: expert-DP for an expert's, else DP."""
+        return self.expert_dp_group if id(p) in self.expert_params else self.dp_group
+
+    def finish_gradient_sync(self) -> None:
+        """After backward: every .grad becomes the global batch's gradient, in place."""
+        dp = self.dp_group.size
+        for p in self.module.parameters():
+            if not p.requires_grad or p.grad is None:
+                continue
+            if id(p) in self.expert_params:
+                comm.allreduce(p.grad, group=self.expert_dp_group, out=p.grad)
+                p.grad *= 1.0 / dp  # the sum of every rank's dL_r, over dp ranks
+            else:
+                comm.allreduce(p.grad, op="avg", group=self.dp_group, out=p.grad)
+
+    def full_state_dict(self) -> dict[str, np.ndarray]:
+        """Every parameter of the whole model by its one-process name, on every rank: the
+        experts gathered over the EP group (experts.{j E/ep + i} is EP rank j's i-th)."""
+        state = {}
+        for name, p in self.module.named_parameters():
+            if id(p) not in self.expert_params:
+                state[name] = p.data  # replicated: the same on every rank
+        for prefix, layer in self.layers:
+            for i, x in enumerate(layer.experts):
+                for pname, p in x.named_parameters():
+                    rows = comm.allgather(np.ascontiguousarray(p.data), group=self.ep_group)
+                    for j, row in enumerate(rows):
+                        state[f"{prefix}experts.{j * len(layer.experts) + i}.{pname}"] = row
+        return state
