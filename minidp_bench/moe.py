@@ -2,7 +2,7 @@
 experts' load with and without the auxiliary loss, and the all-to-all bytes against the
 formula.
 
-    mpiexec -n 2 python -m minidp bench experts [--steps 40] [--json FILE] [--out DIR]
+    mpiexec -n 2 python -m minidp bench moe [--steps 40] [--json FILE] [--out DIR]
 
 Each row trains a small GPT with E = 4 experts in every block (n_layer 2, n_embd 32,
 n_head 4, block 32, float32, AdamW lr 3e-3, global batch 8) on the embedded text for
@@ -73,7 +73,7 @@ def run(top_k: float, capacity_factor: float, coef: float, steps: int, group) ->
                 imbalance.append(load.routed.max() / load.routed.mean())
     sent = model.ep_group.counters.get("alltoall", {}).get("bytes_sent", 0)
     if sent != formula:
-        raise SystemExit(f"bench experts: all-to-all bytes {sent} != formula {formula}")
+        raise SystemExit(f"bench moe: all-to-all bytes {sent} != formula {formula}")
     return {
         "top_k": top_k, "capacity_factor": capacity_factor, "aux_loss_coef": coef,
         "dropped_pct": 100 * dropped / assignments, "imbalance": float(np.mean(imbalance)),
@@ -85,15 +85,15 @@ def run(top_k: float, capacity_factor: float, coef: float, steps: int, group) ->
 
 
 def main(argv: list[str]) -> int:
-    parser = Parser(prog="minidp bench experts", description=summary(__doc__))
+    parser = Parser(prog="minidp bench moe", description=summary(__doc__))
     parser.add_argument("--steps", type=int, default=40, help="training steps per row")
     parser.add_argument("--out", default="runs/bench_experts", help="directory for the PNGs")
     parser.add_argument("--json", metavar="FILE", help="write JSON lines (rank 0)")
     args = parser.parse_args(argv)
     group = comm.world()
     if args.steps < 2 or BATCH % group.size or E % group.size:
-        raise die("bench experts: needs --steps >= 2 and 1, 2, 4 or 8 ranks")
-    print0(f"bench experts: GPT 2 layers, n_embd {C}, block {BLOCK}, E {E} in every block, "
+        raise die("bench moe: needs --steps >= 2 and 1, 2, 4 or 8 ranks")
+    print0(f"bench moe: GPT 2 layers, n_embd {C}, block {BLOCK}, E {E} in every block, "
            f"global batch {BATCH}, {args.steps} steps, float32 | ep {group.size}")  # fmt: skip
     rows = [run(k, cf, coef, args.steps, group) for k, cf, coef in ROWS]
     if group.rank == 0:
