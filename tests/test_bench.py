@@ -261,3 +261,22 @@ def test_bench_rss_runs_each_row_as_a_job_and_checks_the_formula(tmp_path):
     ]  # fmt: skip
     for r in rows:  # the paper's bytes, AdamW's step counters aside; the OS's peak above them
         assert abs(r["vs_formula"] - 1) < 0.01 and r["peak_rss"] > r["model_states"], r
+
+
+@pytest.mark.timeout(120)
+def test_bench_cp_and_moe_check_their_bytes_and_write_their_rows(tmp_path):
+    """bench cp checks each algorithm against one process and its bytes against the counters;
+    bench moe stops if an all-to-all's bytes differ from the formula."""
+    cp, moe = tmp_path / "cp.json", tmp_path / "moe.json"
+    for args in (("cp", "--block-size", "32", "--iters", "1", "--warmup", "0", "--json", cp),
+                 ("moe", "--steps", "2", "--out", tmp_path, "--json", moe)):  # fmt: skip
+        cmd = ["mpiexec", "-n", "2", sys.executable, "-m", "minidp", "bench", *map(str, args)]
+        result = subprocess.run(cmd, capture_output=True, text=True, timeout=110)
+        assert result.returncode == 0, result.stderr
+    rows = records(cp)
+    assert {r["algo"] for r in rows} == {"ring", "ring zigzag", "ulysses"}
+    zigzag = next(r for r in rows if r["algo"] == "ring zigzag")
+    assert zigzag["busiest/mean"] == 1.0 and zigzag["fwd_KB"] > 0
+    rows = records(moe)
+    assert any(r["capacity_factor"] == 0 and r["dropped_pct"] == 0 for r in rows)
+    assert all(r["alltoall_kB"] > 0 and r["ep"] == 2 for r in rows)
