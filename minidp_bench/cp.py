@@ -16,9 +16,7 @@ over the mean (the causal imbalance), and KB kept for backward by the busiest ra
 thread per rank (threadpoolctl), so ranks do not fight over the cores.
 """
 
-import gc
 import time
-import tracemalloc
 
 import numpy as np
 
@@ -32,6 +30,7 @@ from minidp.parallel.context_parallel import (
     ulysses_attention,
 )
 from minidp.tools.log import die, print0
+from minidp.tools.memory import kept_for_backward
 from minidp.tools.parser import Parser
 from minidp_bench._common import add_round_options, median, print_table, summary, write_json
 
@@ -53,14 +52,7 @@ def contenders(args, p: int) -> dict:
 
 
 def kept_bytes(attend, qkv: np.ndarray) -> int:
-    x = Tensor(qkv, requires_grad=True)
-    gc.collect()
-    tracemalloc.start()
-    before = tracemalloc.get_traced_memory()[0]
-    y = attend(x, None)
-    gc.collect()
-    kept = tracemalloc.get_traced_memory()[0] - before - y.data.nbytes
-    tracemalloc.stop()
+    kept, y = kept_for_backward(lambda x: attend(x, None), qkv)
     y.backward(np.ones_like(y.data))  # every rank's messages answered
     return kept
 

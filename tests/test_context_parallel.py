@@ -5,8 +5,6 @@ at C = 2 and 4. Beside them: the work per rank with and without zig-zag, the byt
 algorithm sends against the group's counters, and the bytes each rank keeps for backward.
 One launch per group size and kind of check."""
 
-import gc
-import tracemalloc
 from types import SimpleNamespace
 
 import numpy as np
@@ -24,6 +22,7 @@ from minidp.parallel import (
     ulysses_attention,
     ulysses_bytes,
 )
+from minidp.tools import memory
 
 B, T, C, H = 2, 64, 32, 4  # batch, positions, n_embd, heads
 TOL = dict(rtol=1e-10, atol=1e-12)
@@ -80,17 +79,8 @@ def test_refusals_are_one_clear_line():
 
 # ---- parallel: the attention ops -------------------------------------------------------------
 def kept_for_backward(fn, qkv: np.ndarray) -> int:
-    """Bytes a forward leaves allocated while its graph lives, its output not counted
-    (tracemalloc: NumPy reports its arrays to it)."""
-    x = Tensor(qkv, requires_grad=True)
-    gc.collect()
-    tracemalloc.start()
-    before = tracemalloc.get_traced_memory()[0]
-    y = fn(x)
-    gc.collect()
-    kept = tracemalloc.get_traced_memory()[0] - before - y.data.nbytes
-    tracemalloc.stop()
-    return kept
+    """Bytes a forward leaves allocated while its graph lives, its output not counted."""
+    return memory.kept_for_backward(fn, qkv)[0]
 
 
 @pytest.mark.parallel(nprocs=[2, 4])

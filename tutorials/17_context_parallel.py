@@ -24,15 +24,13 @@
 # run, every claim asserted.
 
 # %%
-import gc
 import os
 import tempfile
-import tracemalloc
 
 import numpy as np
 from threadpoolctl import threadpool_limits
 
-from minidp import Tensor, comm, nn, optim
+from minidp import comm, nn, optim
 from minidp.comm import p2p
 from minidp.fast.fused_attention import causal_self_attention
 from minidp.parallel import (
@@ -43,6 +41,7 @@ from minidp.parallel import (
     ulysses_attention,
     ulysses_bytes,
 )
+from minidp.tools import memory
 from minidp.tools.log import print0
 from minidp.tools.plots import pyplot, save
 
@@ -312,15 +311,7 @@ for algo, zigzag in (("ring", True), ("ulysses", False)):
 # %%
 def kept_for_backward(attend, qkv: np.ndarray) -> int:
     """Bytes a forward leaves allocated while its graph lives, its output not counted."""
-    x = Tensor(qkv, requires_grad=True)
-    gc.collect()
-    tracemalloc.start()
-    before = tracemalloc.get_traced_memory()[0]
-    y = attend(x)
-    gc.collect()
-    kept = tracemalloc.get_traced_memory()[0] - before - y.data.nbytes
-    tracemalloc.stop()
-    return kept
+    return memory.kept_for_backward(attend, qkv)[0]
 
 
 Tg, Hg = CFG.block_size, CFG.n_head

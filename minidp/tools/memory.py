@@ -113,6 +113,26 @@ def activation_estimate(config, examples: int, tp: int = 1) -> int:
     return examples * per_example * itemsize + T * T
 
 
+def kept_for_backward(forward, array) -> tuple[int, object]:
+    """(bytes, y): what `y = forward(Tensor(array, requires_grad=True))` leaves allocated
+    while its graph lives, y's own data not counted, by tracemalloc (NumPy reports its
+    arrays to it; a whole process's figure, so call it where nothing else allocates)."""
+    import gc
+    import tracemalloc
+
+    from minidp.engine.tensor import Tensor
+
+    x = Tensor(array, requires_grad=True)
+    gc.collect()
+    tracemalloc.start()
+    before = tracemalloc.get_traced_memory()[0]
+    y = forward(x)
+    gc.collect()
+    kept = tracemalloc.get_traced_memory()[0] - before - y.data.nbytes
+    tracemalloc.stop()
+    return kept, y
+
+
 def peak_rss_bytes() -> int:
     """The most physical memory this process has held so far (its peak resident set size),
     as the OS counts it: every array, but also Python, the libraries and the allocator's
