@@ -72,7 +72,7 @@ def check_the_mesh(world):
     """The grid, its groups, the pipeline neighbours, the error that names the numbers."""
     mesh = Mesh(dp=2, tp=2, group=world)  # grid [[0 1] [2 3]]
     d, t = divmod(world.rank, 2)
-    assert mesh.coords == {"dp": d, "pp": 0, "tp": t}
+    assert mesh.coords == {"dp": d, "pp": 0, "cp": 0, "tp": t}
     assert mesh.tp_group.world_ranks == (2 * d, 2 * d + 1) and mesh.tp_group.rank == t
     assert mesh.dp_group.world_ranks == (t, t + 2) and mesh.dp_group.rank == d
     assert mesh.pp_group.size == 1 and mesh.pp_prev is None and mesh.pp_next is None
