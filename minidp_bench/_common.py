@@ -9,6 +9,7 @@ import time
 import numpy as np
 
 from minidp.tools.info import blas_info
+from minidp.tools.meter import AXES
 
 
 def summary(doc: str) -> str:
@@ -167,12 +168,12 @@ class Contender:
         self.timed_from, self.bytes_before = len(self.losses), self.strategy.bytes_sent_by_axis()
 
     def bytes_per_step(self, mpi) -> dict[str, float]:
-        """Bytes sent per timed step on each axis (dp, tp, pp; 0 for an axis the strategy
+        """Bytes sent per timed step on each axis (meter.AXES; 0 for an axis the strategy
         lacks), the difference of two `bytes_sent_by_axis()` readings, the largest over ranks."""
         after, steps = self.strategy.bytes_sent_by_axis(), len(self.losses) - self.timed_from
         return {
             axis: max_over_ranks((after.get(axis, 0) - self.bytes_before.get(axis, 0)) / steps, mpi)
-            for axis in ("dp", "tp", "pp")
+            for axis in AXES
         }
 
     def memory_max(self, mpi) -> dict[str, int]:

@@ -118,7 +118,7 @@ def check(s, case, group, want_losses, want_params) -> None:
     l2 = np.sqrt(sum(float(np.vdot(a, a)) for a in want_params.values()))
     assert s.param_l2() == pytest.approx(l2, rel=1e-12)
     record = s.record()
-    assert record["mesh"] == {"dp": case["dp"], "tp": case["tp"], "pp": case["pp"]}
+    assert record["mesh"] == {"dp": case["dp"], "tp": case["tp"], "pp": case["pp"], "cp": 1}
     assert 0 <= record["bubble_fraction"] < 1
 
 

@@ -245,7 +245,8 @@ def test_a_failing_comm_hook_stops_the_reductions_instead_of_pairing_the_wrong_b
 def test_the_final_record_counts_training_traffic_only():
     config = replace(TrainConfig(**TINY), steps=3, log_every=1)
     final = train(config)
-    assert final["bytes_sent_by_axis"] == {"dp": final["bytes_sent_per_rank"], "tp": 0, "pp": 0}
+    by_axis = {"dp": final["bytes_sent_per_rank"], "tp": 0, "pp": 0, "cp": 0}
+    assert final["bytes_sent_by_axis"] == by_axis
     # not the first broadcast, nor the spread check after training
     assert final["bytes_sent_by_axis"]["dp"] == final["bytes_sent_per_rank"] > 0
     assert set(final["memory_bytes"]) == {

@@ -72,7 +72,7 @@ def check_the_mesh(world):
     """The grid, its groups, the pipeline neighbours, the error that names the numbers."""
     mesh = Mesh(dp=2, tp=2, group=world)  # grid [[0 1] [2 3]]
     d, t = divmod(world.rank, 2)
-    assert mesh.coords == {"dp": d, "pp": 0, "tp": t}
+    assert mesh.coords == {"dp": d, "pp": 0, "cp": 0, "tp": t}
     assert mesh.tp_group.world_ranks == (2 * d, 2 * d + 1) and mesh.tp_group.rank == t
     assert mesh.dp_group.world_ranks == (t, t + 2) and mesh.dp_group.rank == d
     assert mesh.pp_group.size == 1 and mesh.pp_prev is None and mesh.pp_next is None
@@ -122,7 +122,7 @@ def test_tp_and_hybrid_train_like_one_process():
                 assert s.max_param_diff() == 0.0
                 l2 = np.sqrt(sum(float(np.vdot(a, a)) for a in want_params.values()))
                 assert s.param_l2() == pytest.approx(l2, rel=1e-12)
-                assert set(s.bytes_sent_by_axis()) == {"dp", "tp", "pp"}
+                assert set(s.bytes_sent_by_axis()) == {"dp", "tp", "pp", "cp"}
                 if config.strategy == "hybrid" and sp:  # resuming from this rank's state
                     state = s.state_dict()  # its shard and the shard's AdamW moments
                     with STRATEGIES["hybrid"](Task(config, np.float64), config, group) as again:
@@ -148,9 +148,9 @@ def test_the_command_line_reports_the_mesh_bytes_by_axis_and_memory(tmp_path):
     assert "tp groups {0,1} {2,3} | dp groups {0,2} {1,3}" in result.stdout
     assert result.stdout.count("minidp train |") == 1 and "sample:" in result.stdout
     final = [json.loads(line) for line in open(path)][-1]
-    assert final["mesh"] == {"dp": 2, "tp": 2, "pp": 1} and final["sequence_parallel"]
+    assert final["mesh"] == {"dp": 2, "tp": 2, "pp": 1, "cp": 1} and final["sequence_parallel"]
     by_axis = final["bytes_sent_by_axis"]
-    assert set(by_axis) == {"dp", "tp", "pp"} and by_axis["tp"] > 0 and by_axis["dp"] > 0
+    assert set(by_axis) == {"dp", "tp", "pp", "cp"} and by_axis["tp"] > 0 and by_axis["dp"] > 0
     assert by_axis["pp"] == 0
     assert min(final["memory_bytes"].values()) > 0
     config = TrainConfig(

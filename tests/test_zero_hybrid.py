@@ -98,7 +98,7 @@ def check_hybrid(world, config, want_losses, want_states, ddp_bytes):
         assert_close(s.task.model.state_dict(), want, what + "gathered ")
         assert s.max_param_diff() == 0.0
         record = s.record()
-        assert record["mesh"] == {"dp": 2, "tp": 2, "pp": 1} and record["zero_stage"] > 0
+        assert record["mesh"] == {"dp": 2, "tp": 2, "pp": 1, "cp": 1} and record["zero_stage"] > 0
         if config.zero_stage == 2 and config.sequence_parallel:  # resuming from the state
             state = s.state_dict()
             with STRATEGIES["hybrid"](Task(config, np.float64), config, world) as again:

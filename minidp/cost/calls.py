@@ -33,6 +33,13 @@ What each strategy runs in one step of K micro-batches (strategies/*.py, step.py
                sums of this rank's T/p positions, allreduced over TP after the DP sync
                (make_alike) in place of the broadcast; with ZeRO, in its grad-ready hooks
                one by one, before their segment is reduced (each micro-batch at stage 3)
+    cp         per micro-batch of b examples, t = T/C positions a rank, C' = n_embd/tp
+               channels of its TP heads, on the CP group (parallel/context_parallel/):
+               ring attention's point-to-point hops ("p2p", one message each) of a K/V
+               block, 2 b t C' numbers: C-1 a block forward, 2C-1 backward (C-1 K/V and
+               C dK/dV); or Ulysses' all-to-alls, per block q, k, v (3 b t C') and y
+               (b t C') forward, their conjugates backward; the loss's sum over the group
+               (allreduce of 1); after the DP sync every gradient summed over the group
     hybrid     tp's calls, and dp's (or zero's) over the DP axis on this rank's TP shard;
                with ZeRO the clip's norm is two float64 sums, over DP then TP, and with
                DP > 2 and a vocabulary TP does not divide, the replicated parameters are
@@ -52,13 +59,14 @@ from minidp.tools.chunks import chunk_bounds
 
 
 class Call(NamedTuple):
-    axis: str  # "dp", "tp" or "pp"
+    axis: str  # "dp", "tp", "pp" or "cp"
     collective: str
     algo: str
     n: int  # elements (the gathered whole for allgather, the whole vector for reduce_scatter)
     itemsize: int
     phase: str  # "forward", "backward" or "after"
     in_place: bool = False  # an allgather into the array that holds this rank's chunk
+    # collective "p2p": one point-to-point message of n elements (the ring's hops)
 
 
 class Shapes(NamedTuple):
@@ -230,7 +238,8 @@ def tensor_parallel(layout, shapes: Shapes, itemsize: int, examples: int) -> lis
     (each the chunk_range of its slice, so sizes may differ by one example)."""
     if layout.tp == 1:
         return []
-    K, T, C = layout.grad_accum, shapes.block_size, shapes.n_embd
+    K, C = layout.grad_accum, shapes.n_embd
+    T = shapes.block_size // layout.cp  # the positions this rank holds (all but with CP)
     regions = 1 + 2 * shapes.n_layer  # g: the embedding, two a block; f: two a block, the head
     calls = []
     bounds = chunk_bounds(examples, K)
@@ -263,4 +272,28 @@ def tensor_parallel(layout, shapes: Shapes, itemsize: int, examples: int) -> lis
     calls.append(Call("tp", "allreduce", "auto", 2, 8, "after"))  # the norm's two sums
     if layout.dp > 2 and shapes.vocab % layout.tp:  # the drift broadcast (check_drift)
         calls.append(Call("tp", "broadcast", "auto", replicated, itemsize, "after"))
+    return calls
+
+
+def context_parallel(layout, shapes: Shapes, itemsize: int, examples: int) -> list[Call]:
+    """The CP axis's calls for one step (see the module docstring): `examples` this rank's
+    DP coordinate reads, in K micro-batches."""
+    C = layout.cp
+    if C == 1:
+        return []
+    t, width = shapes.block_size // C, shapes.n_embd // layout.tp  # my rows, my heads' C'
+    calls = []
+    bounds = chunk_bounds(examples, layout.grad_accum)
+    for k in range(layout.grad_accum):
+        rows = (bounds[k + 1] - bounds[k]) * t
+        if layout.cp_algo == "ring":
+            hop = Call("cp", "p2p", "ring", 2 * rows * width, itemsize, "forward")
+            layer = [hop] * (C - 1) + [hop._replace(phase="backward")] * (2 * C - 1)
+        else:  # q, k, v to the head split and y back; backward the conjugates
+            qkv = Call("cp", "alltoall", "auto", 3 * rows * width, itemsize, "forward")
+            y = qkv._replace(n=rows * width)
+            layer = [qkv, y, y._replace(phase="backward"), qkv._replace(phase="backward")]
+        calls += layer * shapes.n_layer
+        calls.append(Call("cp", "allreduce", "auto", 1, itemsize, "forward"))  # the loss
+    calls += [Call("cp", "allreduce", "auto", n, itemsize, "after") for n in shapes.params]
     return calls

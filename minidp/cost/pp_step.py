@@ -53,6 +53,7 @@ from minidp.parallel.pipeline.actions import B, F, W
 from minidp.parallel.pipeline.schedules import build_schedule
 from minidp.parallel.pipeline.simulate import peak_activations_per_rank, simulate
 from minidp.tools.chunks import chunk_bounds
+from minidp.tools.meter import AXES
 
 HEADER_BYTES = 64  # communications._HEADER int64s, before each activation
 
@@ -142,11 +143,11 @@ def after_calls(layout: Layout, gpt, itemsize: int, rank: int) -> list[Call]:
 
 
 def bytes_by_axis(layout: Layout, gpt, itemsize: int, batch_size: int, rank=0) -> dict:
-    """{"dp", "tp", "pp": bytes} mesh rank `rank` sends in one step: exact."""
+    """{axis: bytes} mesh rank `rank` sends in one step (every axis of AXES): exact."""
     schedule, d, p, t = _mesh(layout, rank)
     S, (_, C, _, T) = schedule.num_stages, gpt
     last = schedule.stage_rank(S - 1)
-    sent = {"dp": 0, "tp": 0, "pp": 0}
+    sent = dict.fromkeys(AXES, 0)
     calls = after_calls(layout, gpt, itemsize, rank)
     for rows in micro_rows(layout, batch_size, d):
         n = rows * T * C * itemsize

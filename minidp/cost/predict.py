@@ -7,8 +7,9 @@
 The step model is minidp/cost/step.py (pure Python); this module feeds it from a TrainConfig
 (the pipeline's: predict_pp.py, the parameter server's: predict_ps.py):
 
-    layout      the flags (--strategy, --dp, --tp, --zero-stage, --grad-accum, --allreduce,
-                --bucket-mb, --overlap, --compress, --sequence-parallel) on N ranks
+    layout      the flags (--strategy, --dp, --tp, --cp, --cp-algo, --zero-stage, --grad-accum,
+                --allreduce, --bucket-mb, --overlap, --compress, --sequence-parallel) on N
+                ranks
                 (--world, or mpiexec's -n)
     shapes      the GPT's (cost.calls.gpt_shapes: no model built for the sizes)
     compute     measured here, one process: the whole model's forward, backward and
@@ -53,7 +54,7 @@ COVERED = ("dp", "zero", "tp", "hybrid", "pp", "ps")
 
 def layout_of(config, world: int) -> Layout:
     """The Layout the flags describe on `world` ranks; BadConfig (one line) if none."""
-    from minidp.cli.strategies.tp import mesh_sizes
+    from minidp.cli.strategies.tp import hybrid_sizes
     from minidp.cost.predict_pp import pipeline_layout, uses_pipeline
 
     if config.strategy not in COVERED:
@@ -74,9 +75,10 @@ def layout_of(config, world: int) -> Layout:
         from minidp.cost.predict_ps import ps_layout
 
         return ps_layout(config, world)
-    dp, tp = (world, 1) if config.strategy in ("dp", "zero") else mesh_sizes(config, world)
-    if dp * tp != world:
-        raise BadConfig(f"--world {world}: the mesh dp x tp = {dp} x {tp} = {dp * tp}")
+    whole = config.strategy in ("dp", "zero")
+    dp, tp, cp = (world, 1, 1) if whole else hybrid_sizes(config, world)
+    if dp * tp * cp != world:
+        raise BadConfig(f"--world {world}: the mesh dp x tp x cp = {dp} x {tp} x {cp}")
     if config.batch_size // dp < config.grad_accum:
         raise BadConfig(f"--batch-size {config.batch_size} over {dp} ranks: too few examples")
     overlap = {"on": True, "off": False}.get(config.overlap)
@@ -93,6 +95,8 @@ def layout_of(config, world: int) -> Layout:
         bucket_mb=config.bucket_mb,
         compress=spelled_out(config.compress),
         sequence_parallel=config.sequence_parallel,
+        cp=cp,
+        cp_algo=config.cp_algo,
     )
 
 
@@ -148,7 +152,7 @@ def run_prediction(
     task = Task(config, np.dtype(config.dtype))
     examples = -(-config.batch_size // layout.dp)  # rank 0's: chunk_bounds' first chunk
     vocab = task.model.config.vocab_size
-    tp_rank = rank % layout.tp  # mesh rank d·tp + t: its TP shard's shapes, its own bytes
+    tp_rank = rank % layout.tp  # mesh rank (d·cp + c)·tp + t: its TP shard's, its own bytes
     shapes = gpt_shapes(config.n_layer, config.n_embd, vocab, config.block_size, layout.tp, tp_rank)
     with threadpool_limits(limits=threads, user_api="blas"):
         compute = measured or measure_alone(task, config, examples, layout.tp)
@@ -206,6 +210,7 @@ def describe(prediction, layout: Layout, world: int, source: str, cores: int) ->
     mesh = (
         f"dp {layout.dp} x tp {layout.tp}"
         + (f" x pp {layout.pp}" if layout.pp > 1 else "")
+        + (f" x cp {layout.cp} ({layout.cp_algo})" if layout.cp > 1 else "")
         + (f", ZeRO stage {layout.zero_stage}" if layout.zero_stage else "")
         + (", sequence parallel" if layout.sequence_parallel else "")
     )

@@ -82,7 +82,7 @@ def on_group(config, group, network: Network):
         network = network._replace(per_call=max(0.0, measured - model))
     threads = config.threads or max(1, int(cores_per_rank()))
     measured = None
-    if layout.tp > 1 and layout.pp == 1:  # the TP model itself, on these ranks
+    if layout.tp > 1 and layout.pp == layout.cp == 1:  # the TP model itself, on these ranks
         measured = tensor_parallel_compute(config, group, layout, threads)
     prediction, layout = run_prediction(
         config, world, cores=0, network=network, threads=threads, layout=layout,

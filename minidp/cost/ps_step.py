@@ -87,6 +87,7 @@ import math
 from minidp import cost
 from minidp.cost.step import Compute, Network, Prediction
 from minidp.tools.chunks import chunk_bounds
+from minidp.tools.meter import AXES
 
 HEADER_BYTES = 64  # messages.Header: eight float64 fields
 
@@ -97,7 +98,7 @@ def shard_sizes(params: int, servers: int) -> list[int]:
 
 
 def bytes_by_axis(workers, servers, params, itemsize, rank=0, clip=True) -> dict:
-    """{"dp", "tp", "pp": bytes} rank `rank` sends in one step (servers: ranks W..P-1);
+    """{axis: bytes} rank `rank` sends in one step, all on dp (servers: ranks W..P-1);
     clip: the servers allreduce the norm (BSP with --grad-clip; never under ASP/SSP)."""
     if rank < workers:
         sent = params * itemsize + 2 * servers * HEADER_BYTES
@@ -106,7 +107,7 @@ def bytes_by_axis(workers, servers, params, itemsize, rank=0, clip=True) -> dict
         sent = workers * (HEADER_BYTES + shard_sizes(params, servers)[s] * itemsize)
         if clip and servers > 1:
             sent += cost.sent("allreduce", "auto", servers, s, 1, 8).bytes
-    return {"dp": sent, "tp": 0, "pp": 0}
+    return {**dict.fromkeys(AXES, 0), "dp": sent}
 
 
 def bytes_per_run(workers, servers, rank=0) -> int:

@@ -49,8 +49,16 @@ the activations estimate of memory.py (sequence parallelism splits its LayerNorm
 from typing import NamedTuple
 
 from minidp import cost
-from minidp.cost.calls import GATHERED, Shapes, buckets, data_parallel, tensor_parallel
+from minidp.cost.calls import (
+    GATHERED,
+    Shapes,
+    buckets,
+    context_parallel,
+    data_parallel,
+    tensor_parallel,
+)
 from minidp.tools.chunks import chunk_bounds
+from minidp.tools.meter import AXES
 
 
 class Layout(NamedTuple):
@@ -75,6 +83,8 @@ class Layout(NamedTuple):
     consistency: str = "bsp"  # ps: --consistency (bsp, asp or ssp:K)
     recompute: bool = False  # pp: every block runs its forward again in backward
     sequence_parallel: bool = False  # tp > 1: f and g as allgathers and reduce-scatters along T
+    cp: int = 1  # context-parallel ranks: T/cp positions each (mesh rank (d·cp + c)·tp + t)
+    cp_algo: str = "ring"  # --cp-algo: ring attention's hops or Ulysses' all-to-alls
 
 
 class Compute(NamedTuple):
@@ -107,7 +117,7 @@ class Prediction(NamedTuple):
     compute_s: float
     comm_s: float  # every collective, hidden or not
     exposed_comm_s: float  # what adds to the step
-    bytes_by_axis: dict  # {"dp", "tp", "pp": bytes this rank sends per step}
+    bytes_by_axis: dict  # {axis: bytes this rank sends per step}, every axis of meter.AXES
     memory_bytes: dict  # {"parameters", "gradients", "optimizer", "activations_peak"}
     forward_s: float
     backward_s: float
@@ -129,6 +139,8 @@ def call_time(call, p: int, net: Network) -> float:
     """Seconds of one call on p ranks: its α-β-γ(-δ) time, and the per-call cost."""
     if p == 1:
         return 0.0
+    if call.collective == "p2p":  # one message (a ring hop): no collective's per-call cost
+        return net.alpha + call.n * call.itemsize * net.beta
     if call.algo == "shm":
         loaded = cost.sent("allreduce", "shm", p, 0, call.n, call.itemsize).bytes
         rounds = (p - 1).bit_length()
@@ -161,20 +173,24 @@ def step_calls(layout: Layout, shapes: Shapes, itemsize: int, batch_size: int, d
         )
     bounds = chunk_bounds(batch_size, layout.dp)
     examples = bounds[dp_rank + 1] - bounds[dp_rank]
-    return data_parallel(layout, shapes, itemsize) + tensor_parallel(
-        layout, shapes, itemsize, examples
+    return (
+        data_parallel(layout, shapes, itemsize)
+        + tensor_parallel(layout, shapes, itemsize, examples)
+        + context_parallel(layout, shapes, itemsize, examples)
     )
 
 
 def bytes_by_axis(layout: Layout, shapes: Shapes, itemsize: int, batch_size: int, rank=0):
-    """{"dp", "tp", "pp": bytes} mesh rank `rank` (d·tp + t) sends in one step: exact."""
-    d, t = divmod(rank, layout.tp)
-    sizes = {"dp": layout.dp, "tp": layout.tp, "pp": layout.pp}
-    coordinate = {"dp": d, "tp": t, "pp": 0}
-    sent = dict.fromkeys(("dp", "tp", "pp"), 0)
+    """{axis: bytes} mesh rank `rank` ((d·cp + c)·tp + t) sends in one step: exact."""
+    (d, c), t = divmod(rank // layout.tp, layout.cp), rank % layout.tp
+    sizes = {"dp": layout.dp, "tp": layout.tp, "pp": layout.pp, "cp": layout.cp}
+    coordinate = {"dp": d, "tp": t, "pp": 0, "cp": c}
+    sent = dict.fromkeys(AXES, 0)
     for call in step_calls(layout, shapes, itemsize, batch_size, d):
         p = sizes[call.axis]
-        if p > 1:
+        if call.collective == "p2p":
+            sent[call.axis] += call.n * call.itemsize if p > 1 else 0
+        elif p > 1:
             c = cost.sent(
                 call.collective, call.algo, p, coordinate[call.axis], call.n, call.itemsize
             )
@@ -186,7 +202,7 @@ def memory(layout: Layout, shapes: Shapes, itemsize: int, activations: int, rank
     """Mesh rank `rank`'s model states (zero.py's table on its TP shard: a ZeRO rank's Ψ/N_d
     is its chunk of every segment) and activations, in bytes."""
     psi, n, stage = sum(shapes.params), layout.dp, layout.zero_stage
-    d = rank // layout.tp
+    d = rank // (layout.tp * layout.cp)
     if stage == 3:
         segments = shapes.units
     else:
@@ -214,11 +230,13 @@ def predict(
     """The predicted step of `layout` on mesh rank `rank` (`shapes`: its TP shard's): its
     calls timed, its bytes and memory, with rank 0's examples. The module docstring says each
     term."""
-    sizes = {"dp": layout.dp, "tp": layout.tp, "pp": layout.pp}
-    world = layout.dp * layout.tp * layout.pp
+    sizes = {"dp": layout.dp, "tp": layout.tp, "pp": layout.pp, "cp": layout.cp}
+    world = layout.dp * layout.tp * layout.pp * layout.cp
     stretch = max(1.0, world / net.cores) if net.cores else 1.0
     examples = chunk_bounds(batch_size, layout.dp)[1]
-    split = examples / compute.examples / layout.tp  # of the FLOPs; the per-op part stays
+    # of the FLOPs (CP: T/cp positions, and attention's causal half of T/cp x T: ~1/cp too);
+    # the per-op part stays
+    split = examples / compute.examples / (layout.tp * layout.cp)
     scale = compute.fixed + (1 - compute.fixed) * split
     forward, backward = compute.forward_s * scale, compute.backward_s * scale
     stepped = sum(shapes.params) / (layout.dp if layout.zero_stage else 1)

@@ -13,7 +13,7 @@ sent), so that each line reports its own window only:
             w = meter.window()        # w.steps, w.seconds, w.comm_s, w.exposed_s, w.bytes_sent
     meter.total()                     # the same sums over the whole run
     meter.steady()                    # ... and over every step after the first (warm-up)
-    meter.bytes_by_axis()             # what the run sent, per mesh axis ("dp", "tp", "pp")
+    meter.bytes_by_axis()             # what the run sent, per mesh axis (AXES)
 
 Everything is counted from the meter's making, so what a strategy sends while it is built,
 or for the reports after training (the spread between replicas), is not in it.
@@ -23,7 +23,7 @@ import contextlib
 import time
 from typing import NamedTuple
 
-AXES = ("dp", "tp", "pp")  # the mesh axes every final record names
+AXES = ("dp", "tp", "pp", "cp")  # the mesh axes every final record names
 
 
 class Totals(NamedTuple):
@@ -93,8 +93,8 @@ class StepMeter:
         return Window(self.all_steps - 1, seconds, *rest)
 
     def bytes_by_axis(self) -> dict[str, int]:
-        """Bytes this rank sent since the meter was made, per axis: every mesh axis ("dp",
-        "tp", "pp") is present, 0 where the strategy has none."""
+        """Bytes this rank sent since the meter was made, per axis: every mesh axis of AXES
+        is present, 0 where the strategy has none."""
         now = {**dict.fromkeys(AXES, 0), **self.strategy.bytes_sent_by_axis()}
         return {axis: sent - self._start_by_axis.get(axis, 0) for axis, sent in now.items()}
 

@@ -4,6 +4,7 @@ mesh, data parallelism across its DP axis.
     mpiexec -n 4 python -m minidp --strategy tp --tp 4                 # dp 1 x tp 4
     mpiexec -n 4 python -m minidp --strategy hybrid --dp 2 --tp 2      # dp 2 x tp 2
     mpiexec -n 4 python -m minidp --strategy hybrid --dp 2 --tp 2 --sequence-parallel
+    mpiexec -n 4 python -m minidp --strategy hybrid --dp 2 --cp 2      # dp 2 x cp 2, ring
 
 Every rank builds the whole nn.GPT from the seed (the task's model) and keeps its TP slice
 (parallel/tensor_parallel/gpt.py); ranks of one TP group read the same examples (the data
@@ -14,10 +15,17 @@ replicated parameters' gradients are made alike over TP (parallel/tensor_paralle
 replicated.py: summed under sequence parallelism, TP rank 0's where DP sums may differ);
 the clip's norm counts each shard once. docs/tensor_parallel.md and docs/hybrid.md have
 the step, what is sent, and the measured tables.
+
+With `--cp C` (context parallelism, docs/context_parallel.md) the mesh is dp x cp x tp and
+ContextParallel wraps the TP GPT over the CP group: each rank feeds its T/C positions of
+the examples its DP coordinate reads, attends by ring attention or Ulysses with its TP
+heads, and the loss is the whole batch's mean. Its gradients are partial sums over the
+CP group: summed there after DDP's sync (before the replicated ones are made alike).
 """
 
 import contextlib
 import math
+from dataclasses import replace
 
 import numpy as np
 
@@ -27,7 +35,9 @@ from minidp.cli.strategies.protocol import Exposed, Recipe
 from minidp.cli.strategies.step import check_micro_batches, step_from
 from minidp.cli.strategies.zero import check_zero, zero_options
 from minidp.cli.training.config import BadConfig
+from minidp.cli.training.scheme_checks import cp_zigzag
 from minidp.parallel.across_ranks import replica_spread, stand_in
+from minidp.parallel.context_parallel import ContextParallel
 from minidp.parallel.mesh import Mesh
 from minidp.parallel.tensor_parallel.gpt import TensorParallelGPT
 from minidp.parallel.tensor_parallel.replicated import make_alike, sum_of_squares
@@ -76,18 +86,37 @@ def check_drift(config, dp: int, tp: int, vocab: int) -> bool:
     return drift
 
 
+def hybrid_sizes(config, world_size: int) -> tuple[int, int, int]:
+    """(dp, tp, cp) of the mesh the tp or hybrid flags ask for (mesh_sizes on world / cp);
+    BadConfig (one line) when the flags cannot work. Their product may not be the world."""
+    cp = config.cp  # (1 for --strategy tp: --cp is hybrid's)
+    if world_size % cp:
+        raise BadConfig(f"--cp {cp} does not divide the world's {world_size} ranks")
+    if cp > 1 and config.dp == config.tp == 0:  # --cp alone: the rest of the world is DP
+        config = replace(config, tp=1)
+    dp, tp = mesh_sizes(config, world_size // cp)
+    if cp > 1 and config.cp_algo == "ulysses" and config.n_head % (tp * cp):
+        raise BadConfig(
+            f"--cp-algo ulysses: --n-head {config.n_head} must divide by --tp {tp} x --cp {cp}"
+        )
+    return dp, tp, cp
+
+
 def check_mesh(config, world_size: int, gpt) -> tuple[int, int, bool]:
     """(dp, tp, drifts): the mesh the tp or hybrid flags ask for, and whether ZeRO must
     broadcast TP rank 0's replicated parameters after each step (check_drift), for the
     task's `gpt`; BadConfig (one line) when the flags cannot work."""
-    dp, tp = mesh_sizes(config, world_size)
+    dp, tp, cp = hybrid_sizes(config, world_size)
     drifts = False
     if config.zero_stage:
         drifts = check_drift(config, dp, tp, gpt.config.vocab_size)
-    if dp * tp != world_size:  # Mesh would refuse it naming its arguments: say it in flags
+    if dp * tp * cp != world_size:  # Mesh would refuse it naming its arguments: say flags
+        sizes = {"dp": dp, "tp": tp, "pp": 1, **({"cp": cp} if cp > 1 else {})}
+        flags = "--dp, --tp and --cp" if cp > 1 else "--dp and --tp"
         raise BadConfig(
-            f"mesh: dp x tp x pp = {dp} x {tp} x 1 = {dp * tp}, but the world has {world_size} "
-            f"ranks; choose --dp and --tp whose product is {world_size}"
+            f"mesh: {' x '.join(sizes)} = {' x '.join(map(str, sizes.values()))} = "
+            f"{dp * tp * cp}, but the world has {world_size} ranks; choose {flags} whose "
+            f"product is {world_size}"
         )
     if config.zero_stage:
         check_zero(config, dp, "hybrid")
@@ -107,7 +136,8 @@ class MeshRecipe(Recipe):
 
     def record(self) -> dict:
         mesh = self.mesh
-        return {**super().record(), "mesh": {"dp": mesh.dp, "tp": mesh.tp, "pp": mesh.pp}}
+        sizes = {"dp": mesh.dp, "tp": mesh.tp, "pp": mesh.pp, "cp": mesh.cp}
+        return {**super().record(), "mesh": sizes}
 
     def close(self) -> None:
         super().close()
@@ -121,24 +151,31 @@ class OnTheMesh(MeshRecipe):
     inside `with self.on_mesh(dp, tp):` with `use_ddp` or `use_zero`."""
 
     @contextlib.contextmanager
-    def on_mesh(self, dp: int, tp: int):
-        """The mesh and the TP model; the mesh closed again if what follows fails."""
-        self.mesh = mesh = Mesh(dp=dp, tp=tp, group=self.group)
-        self.dp_group, self.dp, self.zero = mesh.dp_group, None, None
+    def on_mesh(self, dp: int, tp: int, cp: int = 1):
+        """The mesh, the TP model and, with cp > 1, its ContextParallel wrapper (`self.cp`,
+        else None); the mesh closed again if what follows fails."""
+        self.mesh = mesh = Mesh(dp=dp, tp=tp, group=self.group, cp=cp)
+        self.dp_group, self.dp, self.zero, config = mesh.dp_group, None, None, self.config
         try:
             self.model = TensorParallelGPT(
-                self.task.model, mesh.tp_group, sequence_parallel=self.config.sequence_parallel
+                self.task.model, mesh.tp_group, sequence_parallel=config.sequence_parallel
             )
+            self.cp = None
+            if cp > 1:  # each rank its T/C positions, its TP heads' attention over the group
+                algo, zigzag = config.cp_algo, cp_zigzag(config)
+                self.cp = ContextParallel(self.model, mesh.cp_group, algo, zigzag)
             self.sharded, self.replicated = self.model.sharded_and_replicated()
             yield
         except BaseException:
             mesh.close()
             raise
-        self.clocks.append(Exposed(mesh.tp_group))  # f and g: on the critical path
+        # f and g, the ring's hops and Ulysses' all-to-alls: on the critical path
+        self.clocks += [Exposed(mesh.tp_group), Exposed(mesh.cp_group)]
         self.axes = {
             "dp": [self.comm_group, mesh.dp_group],
             "tp": [mesh.tp_group],
             "pp": [mesh.pp_group],
+            "cp": [mesh.cp_group],
         }
         for p in self.task.model.parameters():  # the TP model holds copies of its slices:
             p.data = stand_in(p)  # free the whole model's (gather_model builds fresh ones)
@@ -152,8 +189,9 @@ class OnTheMesh(MeshRecipe):
         self.ddp, self.optimizer, self.comm_group = dp.ddp, dp.optimizer, dp.ddp.comm_group
         self.compressor, self.pruning = dp.compressor, dp.pruning
         self.clocks, self.clip_params = [dp.ddp], self.model.parameters()
+        cp_sum = [self.cp.finish_gradient_sync] if self.cp else []  # the CP group's parts
         self.run = dp.make_step(
-            self.loss, self.clip, self.timeline, self.group, [self.sync_replicated]
+            self.loss, self.clip, self.timeline, self.group, [*cp_sum, self.sync_replicated]
         )
 
     def use_zero(self, make_optimizer=None) -> None:
@@ -175,7 +213,7 @@ class OnTheMesh(MeshRecipe):
         )
 
     def loss(self, indices: np.ndarray):
-        return self.model.loss(*self.task.batch(indices))
+        return (self.cp or self.model).loss(*self.task.batch(indices))
 
     def sync_replicated(self) -> None:
         """After DDP's sync: the replicated parameters' gradients alike on every TP rank."""
@@ -200,13 +238,15 @@ class OnTheMesh(MeshRecipe):
         replicated = [(self.group, [(name[id(p)], p.data) for p in self.replicated])]
         if self.zero is not None:
             return replicated
-        return [(self.dp_group, [(name[id(p)], p.data) for p in self.sharded]), *replicated]
+        shards = [(name[id(p)], p.data) for p in self.sharded]
+        return [(self.dp_group, shards), (self.mesh.cp_group, shards), *replicated]
 
     def max_param_diff(self) -> float:
         if self.zero is not None:  # as ZeRO: the whole model after gather_model
             return replica_spread([p.data for p in self.task.model.parameters()], self.group)
-        shards = replica_spread([p.data for p in self.sharded], self.mesh.dp_group)
-        return max(shards, replica_spread([p.data for p in self.replicated], self.group))
+        shards = [p.data for p in self.sharded]  # alike over DP, and over CP
+        spread = max(replica_spread(shards, g) for g in (self.mesh.dp_group, self.mesh.cp_group))
+        return max(spread, replica_spread([p.data for p in self.replicated], self.group))
 
     def gather_model(self) -> None:
         """Collective: the TP model whole on each TP rank (ZeRO stage 3 gathers it over DP
@@ -217,7 +257,9 @@ class OnTheMesh(MeshRecipe):
 
     def describe(self) -> str:
         sp = "on" if self.model.sequence_parallel else "off"
-        return f"{self.mesh.describe()} | sequence parallel {sp} | {super().describe()}"
+        cp = self.cp and self.cp.attention
+        cp = f" | context parallel {cp.algo}{' zig-zag' * cp.zigzag}" if cp else ""
+        return f"{self.mesh.describe()} | sequence parallel {sp}{cp} | {super().describe()}"
 
     def record(self) -> dict:
         return {**super().record(), "sequence_parallel": self.model.sequence_parallel}
@@ -237,8 +279,9 @@ class TensorParallel(OnTheMesh):
 
 
 class Hybrid(OnTheMesh):
-    """`--strategy hybrid --dp D --tp T`: the TP GPT on a D x T mesh with DDP over its DP
-    axis; with `--zero-stage S`, ZeRO over the DP axis instead."""
+    """`--strategy hybrid --dp D --tp T [--cp C]`: the TP GPT on a D x T (x C) mesh with DDP
+    over its DP axis (and ContextParallel over its CP axis); with `--zero-stage S`, ZeRO
+    over the DP axis instead."""
 
     name = "hybrid"
 
@@ -246,7 +289,7 @@ class Hybrid(OnTheMesh):
         super().__init__(task, config, group, timeline)
         # alike on every rank, before any message; drifts: see broadcast_drift
         dp, tp, self.drifts = check_mesh(config, group.size, task.model)
-        with self.on_mesh(dp, tp):
+        with self.on_mesh(dp, tp, config.cp):
             if config.zero_stage:
                 self.use_zero(optimizer)  # (a function of the pieces, as ZeRO takes it)
             else:

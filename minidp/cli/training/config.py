@@ -8,19 +8,9 @@ Flags counted in steps (`--warmup`, `--prune-start`, `--prune-end`, `--prune-eve
 to a fraction of `--steps` (metadata "of_steps": 300 steps warm up for 20, 60 for 4). Left
 unset they are None here, and `resolved()` fills them in; a value given is kept as it is.
 
-Each field is a `flag(default, help, **metadata)` (flags.py, with the methods every config
-has: `is_set`, `resolved`, `applies`, `header`, `validate`). The metadata keys:
-  choices      the values the command line accepts
-  strategies   the --strategy names it belongs to (none: every one); set under another,
-               it is refused, never silently ignored
-  models       the --model names it belongs to (none: every one)
-  with         the flag that turns its feature on (the header hides it while that is off)
-  of_steps     (numerator, denominator, least): unset, max(least, steps * n // d)
-  interval     the values it may take, "[0, 1)" or "[0, inf)": a bracket takes its end in
-               (config_checks.py refuses the rest, NaN too, in one line)
-  on_resume    what a resumed run must keep equal (resume.py refuses another value):
-               "model" (the model), "data" (the order of the data), "run" (what each step
-               does from the saved step on: the learning rate, the optimizer, ...)
+Each field is a `flag(default, help, **metadata)` (flags.py, which lists the metadata keys
+(choices, strategies, models, with, of_steps, interval, on_resume), with the methods every
+config has: `is_set`, `resolved`, `applies`, `header`, `validate`).
 
 A new flag that changes the step is one field here, with its metadata, and the recipe that
 reads it (minidp/cli/strategies/).
@@ -204,6 +194,16 @@ class TrainConfig(Flags):
         "split LayerNorm and dropout regions along the sequence over the TP group",
         strategies=("tp", "hybrid"),
     )
+    # context parallelism (hybrid, parallel/context_parallel/): world = dp x tp x pp x cp
+    cp: int = flag(1, "context-parallel size: each rank of a CP group holds T/C positions",
+                   strategies=("hybrid",), models=("gpt",))  # fmt: skip
+    cp_algo: str = flag("ring", "attention over the CP group: ring attention or DeepSpeed-"
+                        "Ulysses' all-to-alls", choices=("ring", "ulysses"), strategies=("hybrid",),
+                        with_="cp")  # fmt: skip
+    cp_layout: str = flag("auto", "which positions a CP rank holds: zig-zag (2C chunks, balanced "
+                          "under the causal mask), contiguous, or auto: zig-zag for ring, "
+                          "contiguous for ulysses", choices=("auto", "zigzag", "contiguous"),
+                          strategies=("hybrid",), with_="cp")  # fmt: skip
 
     # memory (every strategy): parallel/amp.py, engine/recompute.py, tools/memory.py
     precision: str = flag("fp32", "weights and gradients in 16 bits (float32 masters and "

@@ -1,10 +1,23 @@
 """What a config of flags can say about itself, and `flag()`, the field that declares one.
 
 TrainConfig (config.py) is a dataclass of `flag(...)` fields over `Flags`; the command line is
-generated from its fields (commands.py). The metadata keys `flag` takes are listed in config.py's
-docstring. `Flags` answers, for any such dataclass: a field's default (a step-counted one's
-follows --steps), whether it was set, the config with the unset step counts filled in,
-whether a field applies to this --strategy and --model, the header line, and validate().
+generated from its fields (commands.py). `Flags` answers, for any such dataclass: a field's
+default (a step-counted one's follows --steps), whether it was set, the config with the
+unset step counts filled in, whether a field applies to this --strategy and --model, the
+header line, and validate().
+
+The metadata keys `flag` takes:
+  choices      the values the command line accepts
+  strategies   the --strategy names it belongs to (none: every one); set under another,
+               it is refused, never silently ignored
+  models       the --model names it belongs to (none: every one)
+  with         the flag that turns its feature on (the header hides it while that is off)
+  of_steps     (numerator, denominator, least): unset, max(least, steps * n // d)
+  interval     the values it may take, "[0, 1)" or "[0, inf)": a bracket takes its end in
+               (config_checks.py refuses the rest, NaN too, in one line)
+  on_resume    what a resumed run must keep equal (resume.py refuses another value):
+               "model" (the model), "data" (the order of the data), "run" (what each step
+               does from the saved step on: the learning rate, the optimizer, ...)
 """
 
 from dataclasses import field, fields, replace
@@ -13,8 +26,8 @@ from minidp.cli.training.config_checks import check_config
 
 
 def flag(default, help: str, *, with_: str | None = None, **metadata):
-    """A TrainConfig field: its default, its --help line and its metadata (config.py lists
-    the keys; `with_` is the "with" key, a Python keyword)."""
+    """A TrainConfig field: its default, its --help line and its metadata (listed above;
+    `with_` is the "with" key, a Python keyword)."""
     if with_ is not None:
         metadata["with"] = with_
     return field(default=default, metadata={"help": help, **metadata})

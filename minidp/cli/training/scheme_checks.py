@@ -1,5 +1,5 @@
 """Each scheme's own flags checked: the parameter server's, --prune's, --backend's,
---compress's and the pipeline's; one line each, as config_checks.py's (which runs them).
+--compress's, the pipeline's and --cp's; one line each, as config_checks.py's (which runs them).
 
 Like config_checks.py, this module reads a config's fields and its `is_set`, `resolved`,
 and does not import config.py.
@@ -170,3 +170,37 @@ def check_pipeline(config, pp: int) -> None:
         raise BadConfig(
             f"--schedule interleaved: --pp {pp} x --virtual {V} must divide --n-layer {n}"
         )
+
+
+def cp_zigzag(config) -> bool:
+    """Whether --cp-layout asks for zig-zag (auto: for ring attention, not for Ulysses)."""
+    return config.cp_layout == "zigzag" or (config.cp_layout, config.cp_algo) == ("auto", "ring")
+
+
+def check_context_parallel(config) -> None:
+    """--cp C (--strategy hybrid, the GPT: their flags' metadata): a sequence that splits
+    into C (2C zig-zag) chunks, heads that split over C for Ulysses, no attention dropout;
+    with the pipeline, ZeRO or sequence parallelism, not yet."""
+    C = config.cp
+    if C < 1:
+        raise BadConfig(f"--cp must be >= 1 (1: no context parallelism), got {C}")
+    if C == 1:
+        given = [n for n in ("cp_algo", "cp_layout") if config.is_set(n)]
+        if given:
+            raise BadConfig(f"{flag_name(given[0])} shapes context parallelism: give --cp C > 1")
+        return
+    pieces = 2 * C if cp_zigzag(config) else C
+    if config.block_size % pieces:
+        how = f"2 x --cp {C} (zig-zag)" if cp_zigzag(config) else f"--cp {C}"
+        raise BadConfig(f"--block-size {config.block_size} must divide by {how}")
+    heads = C * max(config.tp, 1)
+    if config.cp_algo == "ulysses" and config.n_head % heads:
+        tp = f" x --tp {config.tp}" if config.tp > 1 else ""
+        raise BadConfig(f"--cp-algo ulysses: --n-head {config.n_head} must divide by --cp {C}{tp}")
+    if config.dropout > 0:
+        raise BadConfig(f"--cp {C} with --dropout {config.dropout}: context parallelism "
+                        "computes no attention probabilities to drop; use --dropout 0")  # fmt: skip
+    for flag, given in (("--pp", config.pp > 1), ("--zero-stage", config.zero_stage > 0),
+                        ("--sequence-parallel", config.sequence_parallel)):  # fmt: skip
+        if given:
+            raise BadConfig(f"--cp {C} with {flag} is not yet supported: drop one")

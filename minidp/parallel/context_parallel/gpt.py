@@ -23,8 +23,11 @@ What a rank does that one process does not:
                  allreduces (sum) every gradient over the group, and every rank steps the
                  same whole model the same way
 
-The model must be a GPT, or a model whose attention layers are `CausalSelfAttention`s and
-whose forward takes `positions` as GPT's does. Attention dropout is refused (the ring
+The model must be a GPT, or a model whose attention layers have an `attend` core as
+`CausalSelfAttention`'s (a TensorParallelGPT's ParallelAttention: each TP rank then runs the
+ring, or Ulysses, with its own heads over its CP group) and whose forward takes `positions`
+as GPT's does; its `criterion(logits, targets)` is the loss where it has one (the TP GPT's
+vocab-parallel cross-entropy), else cross_entropy. Attention dropout is refused (the ring
 computes no probabilities to drop).
 """
 
@@ -82,6 +85,16 @@ def _modules(module: Module):
         yield from _modules(child)
 
 
+def attention_layers(model: Module) -> list[Module]:
+    """The layers whose core `attend` context parallelism replaces: CausalSelfAttention's,
+    and any other whose class has an `attend` (tensor parallelism's ParallelAttention)."""
+    return [
+        m
+        for m in _modules(model)
+        if isinstance(m, CausalSelfAttention) or hasattr(type(m), "attend")
+    ]
+
+
 class ContextParallel(Module):
     """`model` (a GPT) with its sequence split over `group`; see the module docstring.
 
@@ -93,7 +106,7 @@ class ContextParallel(Module):
         self.module = model
         self.group = group
         self.attention = ContextParallelAttention(group, algo, zigzag)
-        layers = [m for m in _modules(model) if isinstance(m, CausalSelfAttention)]
+        self.layers = layers = attention_layers(model)
         if not layers:
             raise ValueError("ContextParallel: the model has no CausalSelfAttention to split")
         for layer in layers:
@@ -121,8 +134,14 @@ class ContextParallel(Module):
     def loss(self, idx: np.ndarray, targets: np.ndarray) -> Tensor:
         """The mean cross-entropy over the whole batch: this rank's tokens' mean times its
         share 1/C, summed over the group (backward: this rank's share's gradient)."""
-        share = cross_entropy(self(idx), self.shard(targets)) * (1.0 / self.group.size)
+        criterion = getattr(self.module, "criterion", cross_entropy)
+        share = criterion(self(idx), self.shard(targets)) * (1.0 / self.group.size)
         return sum_over_group(share, self.group)
+
+    def restore_attention(self) -> None:
+        """Give every attention layer back its class's own core (whole sequences again)."""
+        for layer in self.layers:
+            vars(layer).pop("attend", None)
 
     def finish_gradient_sync(self) -> None:
         """Sum every parameter's gradient over the group (each rank's is a partial sum)."""

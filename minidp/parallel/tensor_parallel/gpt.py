@@ -159,19 +159,25 @@ class TensorParallelGPT(nn.Module):
         """Whether the head reads the token embedding's shard (see the module docstring)."""
         return isinstance(self.head, TiedParallelHead)
 
-    def forward(self, idx: np.ndarray) -> Tensor:
-        x = self.embed(idx)
+    def forward(self, idx: np.ndarray, positions: np.ndarray | None = None) -> Tensor:
+        x = self.embed(idx, positions)
         for block in self.blocks:
             x = checkpoint(block, x) if self.recompute else block(x)
         return self.head(self.ln_f(x))  # f (or the allgather along T), then my vocabulary
 
-    def embed(self, idx: np.ndarray) -> Tensor:
+    def embed(self, idx: np.ndarray, positions: np.ndarray | None = None) -> Tensor:
         """idx: (B, T) token ids -> the blocks' input, (B, T, C) or (B, T/p, C) with
-        sequence parallelism: this rank's positions."""
+        sequence parallelism: this rank's positions. `positions` (T,): each token's place
+        in the sequence, 0..T-1 if None (context parallelism passes a rank's own, as to
+        GPT.embed; not with sequence parallelism)."""
         idx = np.asarray(idx)
         T = idx.shape[-1]
         if T > self.config.block_size:
             raise ValueError(f"sequence of {T} tokens is longer than block_size")
+        if positions is not None:
+            if self.sequence_parallel:
+                raise ValueError("positions with sequence parallelism: not supported")
+            return self.drop(self.wte(idx) + self.wpe[positions])
         lo, hi = sequence_range(T, self.group) if self.sequence_parallel else (0, T)
         return self.drop(self.wte(idx) + self.wpe[np.arange(lo, hi)])
 

@@ -208,7 +208,10 @@ class ParallelAttention(nn.Module):
 
     QKV is column-parallel: this rank's columns of q, of k and of v (its heads' features in
     each third of the whole QKV weight); each rank attends with its own heads; the output
-    projection is row-parallel over the same features, and g sums the heads' shares."""
+    projection is row-parallel over the same features, and g sums the heads' shares.
+    `attend` is its core, as CausalSelfAttention's (context parallelism sets its own)."""
+
+    attend = staticmethod(attention)
 
     def __init__(
         self,
@@ -246,5 +249,5 @@ class ParallelAttention(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         qkv = self.qkv(x)  # (B, T, 3 H hs): T whole, also with sequence parallelism
         # nn's attention over this rank's H heads: (B, T, H hs)
-        y = attention(qkv, self.n_head, self.future, self.attn_drop, self.fused)
+        y = self.attend(qkv, self.n_head, self.future, self.attn_drop, self.fused)
         return self.resid_drop(self.proj(y))
