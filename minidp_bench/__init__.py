@@ -8,3 +8,30 @@ tutorial 13 train against; it is not a benchmark of its own (HELPERS).
 """
 
 HELPERS = ("torch_train",)  # public modules here that `python -m minidp bench` does not list
+
+
+def benchmarks() -> list[str]:
+    """The benchmarks' names: this package's public modules but the helpers."""
+    import pkgutil
+
+    return sorted(
+        m.name
+        for m in pkgutil.iter_modules(__path__)
+        if not m.name.startswith("_") and m.name not in HELPERS
+    )
+
+
+def main(argv: list[str]) -> int:
+    """`python -m minidp bench NAME [options]`: NAME.main(options)."""
+    import importlib
+
+    from minidp.tools.log import die, print0
+
+    names = benchmarks()
+    if not argv or argv[0] in ("-h", "--help"):
+        print0("usage: python -m minidp bench NAME [options]\n\nbenchmarks: " + ", ".join(names))
+        return 0
+    name, rest = argv[0], argv[1:]
+    if name not in names:
+        raise die(f"unknown benchmark {name!r}; choose from: {', '.join(names)}")
+    return importlib.import_module(f"minidp_bench.{name}").main(rest) or 0

@@ -15,7 +15,6 @@ clear line on stderr, never a traceback.
 
 import argparse
 import importlib
-import pkgutil
 import sys
 
 from minidp.cli.training.config import BadConfig, TrainConfig, config_fields
@@ -60,30 +59,9 @@ TOOLS = {
     "predict": "minidp.cost.predict",  # a run's step cost, before running it
     "simulate": "minidp.cost.simulate",  # 1,024 ranks from the cost model
     "schedule": "minidp.cost.schedule",  # a pipeline schedule in unit time: its bubble
+    "bench": "minidp_bench",  # the benchmarks, beside the package: minidp_bench/NAME.py
 }
 PREDICTION = "minidp.cost.predicted"  # a --json run's predicted_* fields (in_record)
-
-
-def benchmarks() -> list[str]:
-    import minidp_bench
-
-    return sorted(
-        m.name
-        for m in pkgutil.iter_modules(minidp_bench.__path__)
-        if not m.name.startswith("_") and m.name not in minidp_bench.HELPERS
-    )
-
-
-def run_bench(argv: list[str]) -> int:
-    names = benchmarks()
-    if not argv or argv[0] in ("-h", "--help"):
-        print0("usage: python -m minidp bench NAME [options]\n\nbenchmarks: " + ", ".join(names))
-        return 0
-    name, rest = argv[0], argv[1:]
-    if name not in names:
-        raise die(f"unknown benchmark {name!r}; choose from: {', '.join(names)}")
-    module = importlib.import_module(f"minidp_bench.{name}")
-    return module.main(rest) or 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -103,13 +81,11 @@ def main(argv: list[str] | None = None) -> int:
 
         return plot_main(argv)
     if command in TOOLS:
-        return importlib.import_module(TOOLS[command]).main(argv)
-    if command == "bench":
         try:
-            return run_bench(argv)
+            return importlib.import_module(TOOLS[command]).main(argv) or 0
         except SystemExit:  # die(): bad input, found alike on every rank
             raise
-        except BaseException as error:
+        except BaseException as error:  # a benchmark's rank that fails ends the job
             end_job(error)
             raise
     config = parse_train_args(argv)

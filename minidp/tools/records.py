@@ -95,3 +95,26 @@ def closing_lines(final: dict) -> list[str]:
         f"memory per rank, MB: {memory} | peak RSS (the OS's) "
         + "/".join(f"{b / 1e6:.0f}" for b in final["peak_rss"]),
     ]
+
+
+def progress(step: int, loss: float, lr: float, w, batch_size: int, task, say) -> dict:
+    """Print one progress line for the logging window `w` (meter.Window) that ends at
+    `step`; return its JSON record. `task` names its unit (tokens, examples) and how many
+    a global batch's example holds."""
+    n = w.steps
+    rate = batch_size * task.items_per_example * n / w.seconds
+    say(
+        f"step {step:5d} | loss {loss:.4f} | lr {lr:.2e} | "
+        f"{rate:,.0f} {task.unit}/s | comm {1e3 * w.comm_s / n:.1f} ms/step "
+        f"({100 * w.comm_s / w.seconds:.0f}%, exposed {1e3 * w.exposed_s / n:.1f} ms) | "
+        f"{w.bytes_sent / n / 1e6:.2f} MB sent/rank/step"
+    )
+    return {
+        "step": step,
+        "loss": loss,
+        "lr": lr,
+        f"{task.unit}_per_s": rate,
+        "comm_s_per_step": w.comm_s / n,
+        "exposed_comm_s_per_step": w.exposed_s / n,
+        "bytes_sent_per_step": w.bytes_sent / n,
+    }

@@ -33,8 +33,8 @@ from minidp.parallel.checkpoint import Preempted, Preemption
 from minidp.tools.info import blas_info, cores_per_rank, mpi_library
 from minidp.tools.log import RankLog, print0
 from minidp.tools.memory import check_cap, peak_rss_bytes, rank_floor_bytes
-from minidp.tools.meter import StepMeter, Window
-from minidp.tools.records import Records, closing_lines
+from minidp.tools.meter import StepMeter
+from minidp.tools.records import Records, closing_lines, progress
 
 
 def blas_threads_per_rank(requested: int) -> int:
@@ -137,7 +137,8 @@ def _train(config: TrainConfig, group: comm.Group, preemption: Preemption, adds)
                     with meter.aside():  # not a training step's time
                         check_replicas(strategy, step)  # collective; stops naming a drift
                 if step % config.log_every == 0 or step == config.steps - 1:
-                    records.write(log_line(step, loss, lr, meter.window(), task, config, say))
+                    window = meter.window()
+                    records.write(progress(step, loss, lr, window, config.batch_size, task, say))
                 counters = functools.partial(meter.so_far, skipped, before)
                 with meter.aside():
                     done = step + 1
@@ -231,24 +232,3 @@ def check_floor(config: TrainConfig, group: comm.Group) -> None:
             f"{need / 1e6:,.0f} MB (rank {group.rank}: {parts}): --strategy zero "
             "--zero-stage 3, --precision bf16, --recompute or more ranks hold less"
         )
-
-
-def log_line(step: int, loss: float, lr: float, w: Window, task: Task, config, say) -> dict:
-    """Print one progress line for the window that ends at `step`; return its JSON record."""
-    n = w.steps
-    rate = config.batch_size * task.items_per_example * n / w.seconds
-    say(
-        f"step {step:5d} | loss {loss:.4f} | lr {lr:.2e} | "
-        f"{rate:,.0f} {task.unit}/s | comm {1e3 * w.comm_s / n:.1f} ms/step "
-        f"({100 * w.comm_s / w.seconds:.0f}%, exposed {1e3 * w.exposed_s / n:.1f} ms) | "
-        f"{w.bytes_sent / n / 1e6:.2f} MB sent/rank/step"
-    )
-    return {
-        "step": step,
-        "loss": loss,
-        "lr": lr,
-        f"{task.unit}_per_s": rate,
-        "comm_s_per_step": w.comm_s / n,
-        "exposed_comm_s_per_step": w.exposed_s / n,
-        "bytes_sent_per_step": w.bytes_sent / n,
-    }
