@@ -9,9 +9,10 @@ import sys
 
 import pytest
 
-from minidp.cli.commands import benchmarks, main
+from minidp.cli.commands import main
 from minidp.cli.training.config import TrainConfig
 from minidp.tools.memory import estimated_bytes
+from minidp_bench import benchmarks
 
 
 def minidp(*args: str, nprocs: int = 1, env=None, timeout: float = 120):
