@@ -24,7 +24,6 @@ CP group: summed there after DDP's sync (before the replicated ones are made ali
 """
 
 import contextlib
-import math
 from dataclasses import replace
 
 import numpy as np
@@ -37,10 +36,8 @@ from minidp.cli.strategies.zero import check_zero, zero_options
 from minidp.cli.training.config import BadConfig
 from minidp.cli.training.scheme_checks import cp_zigzag
 from minidp.parallel.across_ranks import replica_spread, stand_in
-from minidp.parallel.context_parallel import ContextParallel
 from minidp.parallel.mesh import Mesh
-from minidp.parallel.tensor_parallel.gpt import TensorParallelGPT
-from minidp.parallel.tensor_parallel.replicated import make_alike, sum_of_squares
+from minidp.parallel.tensor_parallel.mesh_gpt import MeshGPT
 from minidp.parallel.zero.over_tp import ZeROOverTP, drifts
 
 
@@ -152,19 +149,17 @@ class OnTheMesh(MeshRecipe):
 
     @contextlib.contextmanager
     def on_mesh(self, dp: int, tp: int, cp: int = 1):
-        """The mesh, the TP model and, with cp > 1, its ContextParallel wrapper (`self.cp`,
-        else None); the mesh closed again if what follows fails."""
+        """The mesh and the GPT on it (`self.net`, parallel/tensor_parallel/mesh_gpt.py: the
+        TP GPT, and with cp > 1 its ContextParallel); the mesh closed again if what
+        follows fails."""
         self.mesh = mesh = Mesh(dp=dp, tp=tp, group=self.group, cp=cp)
         self.dp_group, self.dp, self.zero, config = mesh.dp_group, None, None, self.config
         try:
-            self.model = TensorParallelGPT(
-                self.task.model, mesh.tp_group, sequence_parallel=config.sequence_parallel
-            )
-            self.cp = None
-            if cp > 1:  # each rank its T/C positions, its TP heads' attention over the group
-                algo, zigzag = config.cp_algo, cp_zigzag(config)
-                self.cp = ContextParallel(self.model, mesh.cp_group, algo, zigzag)
-            self.sharded, self.replicated = self.model.sharded_and_replicated()
+            self.net = net = MeshGPT(
+                self.task.model, mesh, sequence_parallel=config.sequence_parallel,
+                cp_algo=config.cp_algo, zigzag=cp_zigzag(config),
+            )  # fmt: skip
+            self.model, self.sharded, self.replicated = net.model, net.sharded, net.replicated
             yield
         except BaseException:
             mesh.close()
@@ -189,10 +184,7 @@ class OnTheMesh(MeshRecipe):
         self.ddp, self.optimizer, self.comm_group = dp.ddp, dp.optimizer, dp.ddp.comm_group
         self.compressor, self.pruning = dp.compressor, dp.pruning
         self.clocks, self.clip_params = [dp.ddp], self.model.parameters()
-        cp_sum = [self.cp.finish_gradient_sync] if self.cp else []  # the CP group's parts
-        self.run = dp.make_step(
-            self.loss, self.clip, self.timeline, self.group, [*cp_sum, self.sync_replicated]
-        )
+        self.run = dp.make_step(self.loss, self.clip, self.timeline, self.group, [self.after_sync])
 
     def use_zero(self, make_optimizer=None) -> None:
         """ZeRO over the DP axis (parallel/zero/over_tp.py): rank (d, t) keeps chunk d of TP
@@ -213,13 +205,12 @@ class OnTheMesh(MeshRecipe):
         )
 
     def loss(self, indices: np.ndarray):
-        return (self.cp or self.model).loss(*self.task.batch(indices))
+        return self.net.loss(*self.task.batch(indices))
 
-    def sync_replicated(self) -> None:
-        """After DDP's sync: the replicated parameters' gradients alike on every TP rank."""
-        rank0 = self.mesh.dp > 2 or self.compressor is not None  # DP sums may differ by rank
-        partial = self.model.replicated_grads_partial
-        make_alike(self.replicated, self.mesh.tp_group, partial, rank0)
+    def after_sync(self) -> None:
+        """After DDP's sync: the CP parts summed, the replicated gradients alike over TP
+        (TP rank 0's where DP sums may differ by rank)."""
+        self.net.after_dp_sync(take_rank0=self.mesh.dp > 2 or self.compressor is not None)
 
     def broadcast_drift(self) -> None:
         """After ZeRO's step: TP rank 0's replicated parameters, where they may drift."""
@@ -227,39 +218,27 @@ class OnTheMesh(MeshRecipe):
             self.zero.broadcast_replicated()
 
     def norm(self, kind: str) -> float:
-        if self.zero is not None:
-            return self.zero.norm(kind)
-        return math.sqrt(sum_of_squares(self.sharded, self.replicated, kind, self.mesh.tp_group))
+        return (self.zero or self.net).norm(kind)
 
     def replicas(self) -> list:
-        """The TP shards alike over the DP axis, the replicated parameters on every rank
+        """The TP shards alike over DP and CP, the replicated parameters on every rank
         (under ZeRO the DP axis holds shards: only the replicated ones)."""
-        name = {id(p): n for n, p in self.model.named_parameters()}
-        replicated = [(self.group, [(name[id(p)], p.data) for p in self.replicated])]
-        if self.zero is not None:
-            return replicated
-        shards = [(name[id(p)], p.data) for p in self.sharded]
-        return [(self.dp_group, shards), (self.mesh.cp_group, shards), *replicated]
+        return self.net.replicas(self.group, shards=self.zero is None)
 
     def max_param_diff(self) -> float:
         if self.zero is not None:  # as ZeRO: the whole model after gather_model
             return replica_spread([p.data for p in self.task.model.parameters()], self.group)
-        shards = [p.data for p in self.sharded]  # alike over DP, and over CP
-        spread = max(replica_spread(shards, g) for g in (self.mesh.dp_group, self.mesh.cp_group))
-        return max(spread, replica_spread([p.data for p in self.replicated], self.group))
+        return self.net.max_param_diff(self.group)
 
     def gather_model(self) -> None:
         """Collective: the TP model whole on each TP rank (ZeRO stage 3 gathers it over DP
         first), then the whole model in task.model from the TP shards."""
         if self.zero is not None:
             self.zero.gather_model()
-        self.model.gather_into(self.task.model)
+        self.net.gather_into(self.task.model)
 
     def describe(self) -> str:
-        sp = "on" if self.model.sequence_parallel else "off"
-        cp = self.cp and self.cp.attention
-        cp = f" | context parallel {cp.algo}{' zig-zag' * cp.zigzag}" if cp else ""
-        return f"{self.mesh.describe()} | sequence parallel {sp}{cp} | {super().describe()}"
+        return f"{self.mesh.describe()} | {self.net.describe()} | {super().describe()}"
 
     def record(self) -> dict:
         return {**super().record(), "sequence_parallel": self.model.sequence_parallel}
