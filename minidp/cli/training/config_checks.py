@@ -3,9 +3,9 @@
 `check_config(config)` (TrainConfig.validate) raises BadConfig naming the flag, before any
 rank builds a model or sends a message, so a bad value never costs a run. It reads as the
 list of the checks, in the order they run: the sizes and rates, whether each flag set belongs
-to this --strategy and --model, the other ranges, the parameter server's, the output files,
-memory, the mesh, --prune, --backend, --compress, --zero-stage, the pipeline, --cp,
---log-dir. Each scheme's own checks live in scheme_checks.py.
+to this --strategy and --model, the other ranges, the parameter server's, where the run
+writes (tools/paths.py), memory, the mesh, --prune, --backend, --compress, --zero-stage,
+the pipeline, --cp. Each scheme's own checks live in scheme_checks.py.
 
 Range checks are written `not (0 < x < inf)` so that nan and inf fail them too. The checks
 read a config's fields and its `applies`, `is_set`, `resolved` (config.py); this module does
@@ -14,7 +14,6 @@ not import config.py, which imports it.
 
 import math
 import os
-import tempfile
 from dataclasses import fields
 
 from minidp.cli.training.bad_config import BadConfig, flag_name
@@ -31,6 +30,7 @@ from minidp.cli.training.scheme_checks import (
     staleness_bound,
 )
 from minidp.tools.memory import estimated_bytes, physical_memory_bytes
+from minidp.tools.paths import same_file, uncreatable_dir, unwritable_file
 
 POSITIVE = (
     "steps",
@@ -85,8 +85,6 @@ def check_config(config) -> None:
         raise BadConfig(f"--zero-stage must be 1, 2 or 3 (0: off), got {config.zero_stage}")
     check_pipeline(config, config.pp)
     check_context_parallel(config)
-    check_log_dir(config)
-    check_checkpoints(config)
     if config.check_every and (
         config.pp > 1 or (config.strategy, config.zero_stage) == ("zero", 3)
     ):
@@ -141,65 +139,32 @@ def check_belonging(config) -> None:
 
 
 def check_outputs(config) -> None:
-    """Output paths are checked here, before training, so a typo never costs a finished
-    run's results."""
+    """Where the run writes, checked before training, so a typo never costs a finished run's
+    results: --json and --trace files (not one and the same), --save-dir and --log-dir
+    directories that can be made (an existing --save-dir is written into: --resume DIR
+    then finds its newest checkpoint), --save-every and --save-signal with a --save-dir,
+    --resume an existing one, and the parameter server saving under BSP only."""
     for flag, path in (("--json", config.json), ("--trace", config.trace)):
-        if path is not None:
-            if os.path.isdir(path):
-                raise BadConfig(f"{flag} {path} is a directory; give a file name")
-            check_can_write(flag, os.path.dirname(os.path.abspath(path)))
-    if (
-        config.json
-        and config.trace
-        and os.path.realpath(config.json) == os.path.realpath(config.trace)
-    ):
-        raise BadConfig(
-            f"--json and --trace both name {config.json}: one would overwrite the other"
-        )
-
-
-def check_checkpoints(config) -> None:
-    """--save-dir must be writable (an existing one is written into: --resume DIR then
-    finds its newest checkpoint, whichever run wrote it); --save-every needs it; --resume
-    must exist; the parameter server saves under BSP only."""
+        if path is not None and (why := unwritable_file(path)):
+            raise BadConfig(f"{flag} {path}: {why}")
+    if config.json and config.trace and same_file(config.json, config.trace):
+        raise BadConfig(f"--json and --trace both name {config.json}: one would overwrite it")
+    for flag, directory in (("--save-dir", config.save_dir), ("--log-dir", config.log_dir)):
+        if directory is not None and (why := uncreatable_dir(directory)):
+            raise BadConfig(f"{flag}: {why}")
     if config.save_every < 0:
         raise BadConfig(f"--save-every must be >= 0 (0: at the end), got {config.save_every}")
     for name in ("save_every", "save_signal"):
         if config.is_set(name) and config.save_dir is None:
             raise BadConfig(f"{flag_name(name)} needs --save-dir DIR: where would it save?")
-    if config.save_dir is not None:
-        check_can_create("--save-dir", config.save_dir)
-        if config.strategy == "ps" and config.consistency != "bsp":
-            raise BadConfig(
-                f"--save-dir with --consistency {config.consistency}: a save is collective "
-                "over every rank, and a worker the servers dropped would never join it; "
-                "save under --consistency bsp"
-            )
+    if config.save_dir is not None and config.strategy == "ps" and config.consistency != "bsp":
+        raise BadConfig(
+            f"--save-dir with --consistency {config.consistency}: a save is collective "
+            "over every rank, and a worker the servers dropped would never join it; "
+            "save under --consistency bsp"
+        )
     if config.resume is not None and not os.path.isdir(config.resume):
         raise BadConfig(f"--resume {config.resume}: no such directory")
-
-
-def check_log_dir(config) -> None:
-    """--log-dir: the nearest directory that exists must take a new file."""
-    if config.log_dir is not None:
-        check_can_create("--log-dir", config.log_dir)
-
-
-def check_can_create(flag: str, directory: str) -> None:
-    """BadConfig unless `directory` can be made: the nearest one that exists takes a file."""
-    existing = os.path.abspath(directory)
-    while not os.path.exists(existing):  # the directories it would create
-        existing = os.path.dirname(existing)
-    check_can_write(flag, existing)
-
-
-def check_can_write(flag: str, directory: str) -> None:
-    """BadConfig unless a file can be created in directory (tried: root passes os.access)."""
-    try:
-        with tempfile.TemporaryFile(dir=directory):
-            pass
-    except OSError as error:
-        raise BadConfig(f"{flag}: cannot write in {directory} ({error.strerror})") from None
 
 
 def check_memory(config) -> None:
