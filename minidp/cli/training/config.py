@@ -8,19 +8,18 @@ Flags counted in steps (`--warmup`, `--prune-start`, `--prune-end`, `--prune-eve
 to a fraction of `--steps` (metadata "of_steps": 300 steps warm up for 20, 60 for 4). Left
 unset they are None here, and `resolved()` fills them in; a value given is kept as it is.
 
-Each field is a `flag(default, help, **metadata)` (flags.py, which lists the metadata keys
-(choices, strategies, models, with, of_steps, interval, on_resume), with the methods every
-config has: `is_set`, `resolved`, `applies`, `header`, `validate`).
+Each field is a `flag(default, help, **metadata)` (tools/flags.py lists the metadata keys:
+choices, strategies, models, with, of_steps, interval, on_resume; and the methods every
+config has: `is_set`, `resolved`, `applies`, `header`); `validate` is config_checks'.
 
-A new flag that changes the step is one field here, with its metadata, and the recipe that
-reads it (minidp/cli/strategies/).
+A new flag that changes the step: one field here and the recipe that reads it (strategies/).
 """
 
 from dataclasses import dataclass, fields
 
-from minidp.cli.training.config_checks import BadConfig, staleness_bound
-from minidp.cli.training.flags import Flags, flag
+from minidp.cli.training.config_checks import BadConfig, check_config, staleness_bound
 from minidp.engine.optim import OPTIMIZERS
+from minidp.tools.flags import Flags, flag
 from minidp.tools.names import ALGORITHMS, AUTO, PIPELINE_SCHEDULES
 
 DATA_PARALLEL = ("dp", "tp", "hybrid", "zero")
@@ -32,6 +31,7 @@ STEPPED = ("dp", "tp", "zero", "pp", "hybrid")  # those that run parallel/step.p
 
 @dataclass
 class TrainConfig(Flags):
+    validate = check_config  # config.validate(): BadConfig, one line, for what cannot work
     strategy: str = flag(
         "dp", "how ranks share the work (minidp.cli.strategies.STRATEGIES names them)"
     )

@@ -34,9 +34,9 @@ import numpy as np
 
 from minidp import comm
 from minidp.cli.training.config import BadConfig, TrainConfig
-from minidp.cli.training.flags import kept_on_resume
 from minidp.parallel import checkpoint
 from minidp.parallel.checkpoint.reshard import describe_layout
+from minidp.tools.flags import kept_on_resume
 from minidp.tools.log import RunStopped, print0
 
 MODEL_FIELDS = kept_on_resume(TrainConfig, "model")

@@ -1,10 +1,11 @@
 """What a config of flags can say about itself, and `flag()`, the field that declares one.
 
-TrainConfig (config.py) is a dataclass of `flag(...)` fields over `Flags`; the command line is
-generated from its fields (commands.py). `Flags` answers, for any such dataclass: a field's
-default (a step-counted one's follows --steps), whether it was set, the config with the
-unset step counts filled in, whether a field applies to this --strategy and --model, the
-header line, and validate().
+TrainConfig (cli/training/config.py) is a dataclass of `flag(...)` fields over `Flags`; the
+command line is generated from its fields (tools/parser.add_fields). `Flags` answers, for
+any such dataclass with `steps`, `strategy` and `model` fields: a field's default (a
+step-counted one's follows --steps), whether it was set, the config with the unset step
+counts filled in, whether a field applies to this --strategy and --model, and the header
+line. The checks of the values are the config's own (its validate()).
 
 The metadata keys `flag` takes:
   choices      the values the command line accepts
@@ -14,15 +15,13 @@ The metadata keys `flag` takes:
   with         the flag that turns its feature on (the header hides it while that is off)
   of_steps     (numerator, denominator, least): unset, max(least, steps * n // d)
   interval     the values it may take, "[0, 1)" or "[0, inf)": a bracket takes its end in
-               (config_checks.py refuses the rest, NaN too, in one line)
-  on_resume    what a resumed run must keep equal (resume.py refuses another value):
+               (the command line's checks refuse the rest, NaN too, in one line)
+  on_resume    what a resumed run must keep equal (cli/training/resume.py refuses another):
                "model" (the model), "data" (the order of the data), "run" (what each step
                does from the saved step on: the learning rate, the optimizer, ...)
 """
 
 from dataclasses import field, fields, replace
-
-from minidp.cli.training.config_checks import check_config
 
 
 def flag(default, help: str, *, with_: str | None = None, **metadata):
@@ -82,7 +81,3 @@ class Flags:
             if self.applies(f.name) and (feature is None or self.is_set(feature)):
                 shown.append(f"{f.name}={getattr(self, f.name)}")
         return "config: " + " ".join(shown)
-
-    def validate(self) -> None:
-        """Raise BadConfig with one clear line for a value that cannot work (config_checks)."""
-        check_config(self)
