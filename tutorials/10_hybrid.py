@@ -79,7 +79,7 @@ if plt is not None:  # the grid three times, each rank coloured by its group on 
     for ax, axis in zip(axes, ("tp", "pp", "dp")):
         for colour, members in enumerate(mesh.members(axis)):
             for r in members:
-                d, p, t = (int(i) for i in np.argwhere(mesh.grid == r)[0])
+                d, p, _, t = (int(i) for i in np.argwhere(mesh.grid == r)[0])  # (d, p, c, t)
                 x, y = 2 * p + t, 1 - d  # columns: stage, then TP shard; rows: replicas
                 ax.add_patch(plt.Rectangle((x, y), 0.9, 0.9, color=f"C{colour}", alpha=0.7))
                 ax.text(x + 0.45, y + 0.45, str(r), ha="center", va="center", fontsize=12)
