@@ -5,7 +5,7 @@ rank builds a model or sends a message, so a bad value never costs a run. It rea
 list of the checks, in the order they run: the sizes and rates, whether each flag set belongs
 to this --strategy and --model, the other ranges, the parameter server's, the output files,
 memory, the mesh, --prune, --backend, --compress, --zero-stage, the pipeline, --cp,
---log-dir. Each scheme's own checks live in scheme_checks.py.
+--experts, --log-dir. Each scheme's own checks live in scheme_checks.py.
 
 Range checks are written `not (0 < x < inf)` so that nan and inf fail them too. The checks
 read a config's fields and its `applies`, `is_set`, `resolved` (config.py); this module does
@@ -24,6 +24,7 @@ from minidp.cli.training.scheme_checks import (
     check_backend,
     check_compress,
     check_context_parallel,
+    check_experts,
     check_parameter_server,
     check_pipeline,
     check_precision,
@@ -85,6 +86,7 @@ def check_config(config) -> None:
         raise BadConfig(f"--zero-stage must be 1, 2 or 3 (0: off), got {config.zero_stage}")
     check_pipeline(config, config.pp)
     check_context_parallel(config)
+    check_experts(config)
     check_log_dir(config)
     check_checkpoints(config)
     if config.check_every and (
