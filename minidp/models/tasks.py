@@ -17,8 +17,8 @@ sample_tokens.
 
 With experts (a mixture-of-experts GPT, models/moe/), a training forward's loss adds the
 load-balancing loss, and `expert_load` sums the router's counts over the training forwards
-(models/moe/load.py's record; None without experts); validation scores the cross-entropy
-alone.
+(models/moe/load.py's record, with "slots": S a layer, the all-to-alls' width; None without
+experts); validation scores the cross-entropy alone.
 """
 
 import numpy as np
@@ -29,7 +29,7 @@ from minidp.engine.precision import to_half
 from minidp.engine.tensor import Tensor, no_grad
 from minidp.models import data
 from minidp.models.gpt import GPT, GPTConfig
-from minidp.models.moe import add_loads, expert_load, load_balancing_loss
+from minidp.models.moe import add_loads, expert_load, load_balancing_loss, moe_layers
 from minidp.tools.chunks import chunk_range
 from minidp.tools.info import cores_per_rank
 
@@ -98,7 +98,9 @@ class Task:
     def loss(self, inputs, targets) -> Tensor:
         loss = nn.cross_entropy(self.model(inputs), targets)
         if self.experts and self.model.training:  # the router's balance, and its counts
-            self.expert_load = add_loads(self.expert_load, expert_load(self.model))
+            slots = [m.load.slots for _, m in moe_layers(self.model)]  # S a layer: its bytes
+            load = {**expert_load(self.model), "slots": slots}
+            self.expert_load = add_loads(self.expert_load, load)
             loss = loss + load_balancing_loss(self.model)
         return loss
 
