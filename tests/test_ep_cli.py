@@ -171,3 +171,12 @@ def test_a_batch_that_does_not_split_evenly_is_one_line_on_rank_0():
     assert result.returncode == 2, result.stderr
     assert result.stderr.count("minidp: error:") == 1
     assert "--ep 1 and --batch-size 7 must divide by the 2 DP ranks" in result.stderr
+
+
+def test_predict_does_not_price_experts_yet(capsys):
+    from minidp.cost.predict import main as predict
+
+    with pytest.raises(SystemExit) as exit_info:
+        predict([*FLAGS, "--strategy", "hybrid", "--dp", "4", "--ep", "2", "--world", "4"])
+    assert exit_info.value.code == 2
+    assert "predict does not model --experts" in capsys.readouterr().err
