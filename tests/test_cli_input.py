@@ -196,6 +196,7 @@ def test_what_a_resume_keeps_is_written_down_here_too():
 
     assert set(resume.MODEL_FIELDS) == {
         *("model", "n_layer", "n_head", "n_embd", "block_size", "hidden", "dtype", "precision"),
+        *("experts", "moe_top_k", "capacity_factor", "moe_every", "aux_loss_coef"),
     }
     assert set(resume.DATA_ORDER) == {"seed", "batch_size"}
     assert set(resume.SAME_RUN) == {

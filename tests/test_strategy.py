@@ -148,7 +148,8 @@ def test_the_strategy_table_is_the_flag_choices():
     assert tuple(action.choices) == tuple(STRATEGIES)
     for name, make in STRATEGIES.items():  # a Strategy class, or a function picking one
         assert make.name == name
-        assert issubclass(make, Strategy) if isinstance(make, type) else name == "hybrid"
+        picks = name in ("dp", "hybrid")  # dp: Experts with --experts; hybrid: the mesh's too
+        assert issubclass(make, Strategy) if isinstance(make, type) else picks
 
 
 class _Counting:
@@ -245,7 +246,7 @@ def test_a_failing_comm_hook_stops_the_reductions_instead_of_pairing_the_wrong_b
 def test_the_final_record_counts_training_traffic_only():
     config = replace(TrainConfig(**TINY), steps=3, log_every=1)
     final = train(config)
-    by_axis = {"dp": final["bytes_sent_per_rank"], "tp": 0, "pp": 0, "cp": 0}
+    by_axis = {"dp": final["bytes_sent_per_rank"], "tp": 0, "pp": 0, "cp": 0, "ep": 0}
     assert final["bytes_sent_by_axis"] == by_axis
     # not the first broadcast, nor the spread check after training
     assert final["bytes_sent_by_axis"]["dp"] == final["bytes_sent_per_rank"] > 0

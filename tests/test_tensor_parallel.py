@@ -150,8 +150,8 @@ def test_the_command_line_reports_the_mesh_bytes_by_axis_and_memory(tmp_path):
     final = [json.loads(line) for line in open(path)][-1]
     assert final["mesh"] == {"dp": 2, "tp": 2, "pp": 1, "cp": 1} and final["sequence_parallel"]
     by_axis = final["bytes_sent_by_axis"]
-    assert set(by_axis) == {"dp", "tp", "pp", "cp"} and by_axis["tp"] > 0 and by_axis["dp"] > 0
-    assert by_axis["pp"] == 0
+    assert set(by_axis) == {"dp", "tp", "pp", "cp", "ep"} and by_axis["tp"] > 0
+    assert by_axis["dp"] > 0 and by_axis["pp"] == 0
     assert min(final["memory_bytes"].values()) > 0
     config = TrainConfig(
         n_layer=1, n_embd=16, block_size=8, batch_size=4, steps=3, log_every=1,

@@ -369,6 +369,7 @@ if rank == 0:
 # S set by the busiest expert. Equal rows mean padding (section 4); a capacity factor
 # bounds S and the bytes, but drops the assignments past it, which then ride the residual
 # untouched (section 2); the auxiliary loss evens the load (section 6), and docs/experts.md
-# measures what that saves in dropped tokens and padding. On the command line this is the
-# hybrid strategy's `--strategy hybrid --experts E --ep N`; docs/experts.md says which of
-# those flags are built.
+# measures what that saves in dropped tokens and padding. On the command line:
+# `mpiexec -n 4 python -m minidp --experts 4 --ep 2` (or `--strategy hybrid --dp 4 ...`),
+# with `--moe-top-k`, `--capacity-factor`, `--moe-every` and `--aux-loss-coef`;
+# docs/experts.md has what they compose with and a measured table.

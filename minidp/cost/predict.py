@@ -65,6 +65,8 @@ def layout_of(config, world: int) -> Layout:
         )
     if config.prune:
         raise BadConfig("predict does not model --prune yet")
+    if config.experts:  # a --json run's record then holds no prediction
+        raise BadConfig("predict does not model --experts (the MoE GPT, its all-to-alls) yet")
     if config.compress != "none":
         check_compress(config)  # cost/predict_compress.py
     if uses_pipeline(config):  # cost/predict_pp.py

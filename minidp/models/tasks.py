@@ -11,8 +11,14 @@ window of block_size tokens, so indices are window starts), and "mlp", an MLP on
 synthetic classification clusters. Every rank builds the same task from the same seed, so
 every rank starts with the same model; which examples a rank reads is the strategy's choice.
 `config` is anything with TrainConfig's fields (cli/training/config.py): model, seed,
-block_size, n_layer, n_head, n_embd, dropout, hidden, backend, device, threads, batch_size,
-eval_batches, sample_tokens.
+block_size, n_layer, n_head, n_embd, dropout, experts, moe_top_k, capacity_factor,
+moe_every, aux_loss_coef, hidden, backend, device, threads, batch_size, eval_batches,
+sample_tokens.
+
+With experts (a mixture-of-experts GPT, models/moe/), a training forward's loss adds the
+load-balancing loss, and `expert_load` sums the router's counts over the training forwards
+(models/moe/load.py's record, with "slots": S a layer, the all-to-alls' width; None without
+experts); validation scores the cross-entropy alone.
 """
 
 import numpy as np
@@ -23,6 +29,7 @@ from minidp.engine.precision import to_half
 from minidp.engine.tensor import Tensor, no_grad
 from minidp.models import data
 from minidp.models.gpt import GPT, GPTConfig
+from minidp.models.moe import add_loads, expert_load, load_balancing_loss, moe_layers
 from minidp.tools.chunks import chunk_range
 from minidp.tools.info import cores_per_rank
 
@@ -36,6 +43,8 @@ class Task:
 
     def __init__(self, config, dtype, deferred: bool = False):
         self.config = config
+        self.experts = config.model == "gpt" and config.experts > 0
+        self.expert_load: dict | None = None  # summed over training forwards (experts)
         threads = config.threads or max(1, int(cores_per_rank()))
         backend.use(config.backend, config.device, threads)  # the model is built on the host
         if config.model == "gpt":
@@ -53,6 +62,11 @@ class Task:
                 n_head=config.n_head,
                 n_embd=config.n_embd,
                 dropout=config.dropout,
+                n_experts=config.experts,
+                top_k=config.moe_top_k,
+                capacity_factor=config.capacity_factor,
+                moe_every=config.moe_every,
+                aux_loss_coef=config.aux_loss_coef,
             )
             with deferred_init(deferred):
                 self.model = GPT(self.gpt_config, seed=config.seed, dtype=dtype)
@@ -82,7 +96,13 @@ class Task:
         return Tensor(backend.to_backend(x[indices], self.config.backend)), y[indices]
 
     def loss(self, inputs, targets) -> Tensor:
-        return nn.cross_entropy(self.model(inputs), targets)
+        loss = nn.cross_entropy(self.model(inputs), targets)
+        if self.experts and self.model.training:  # the router's balance, and its counts
+            slots = [m.load.slots for _, m in moe_layers(self.model)]  # S a layer: its bytes
+            load = {**expert_load(self.model), "slots": slots}
+            self.expert_load = add_loads(self.expert_load, load)
+            loss = loss + load_balancing_loss(self.model)
+        return loss
 
     def validation_loss(self, part: tuple[int, int] = (0, 1)) -> float:
         """Mean loss over `eval_batches` fixed batches of the validation split. `part` (c,

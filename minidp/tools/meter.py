@@ -23,7 +23,7 @@ import contextlib
 import time
 from typing import NamedTuple
 
-AXES = ("dp", "tp", "pp", "cp")  # the mesh axes every final record names
+AXES = ("dp", "tp", "pp", "cp", "ep")  # the mesh axes every final record names
 
 
 class Totals(NamedTuple):

@@ -85,6 +85,13 @@ def closing_lines(final: dict) -> list[str]:
     per_rank = final["memory_bytes_per_rank"]
     names = [n for n in CATEGORIES if n in per_rank] + [n for n in per_rank if n not in CATEGORIES]
     memory = " | ".join(f"{n} {'/'.join(f'{b / 1e6:.3f}' for b in per_rank[n])}" for n in names)
+    load = final.get("expert_load")  # --experts: the router's counts over the run
+    experts = [
+        f"experts' load, tokens per expert per layer (top-k assignments over the run): "
+        f"{load['tokens_per_expert']} | dropped {load['dropped']}"
+        for load in [load]
+        if load
+    ]
     return [
         f"done: {final['steps']} steps in {final['time_s']:.1f}s | final loss "
         f"{final['final_loss']:.4f} | validation loss {final['val_loss']:.4f} | "
@@ -94,7 +101,7 @@ def closing_lines(final: dict) -> list[str]:
         f"{final['bytes_sent_per_rank'] / 1e6:.1f} MB sent per rank ({by_axis})",
         f"memory per rank, MB: {memory} | peak RSS (the OS's) "
         + "/".join(f"{b / 1e6:.0f}" for b in final["peak_rss"]),
-    ]
+    ] + experts
 
 
 def progress(step: int, loss: float, lr: float, w, batch_size: int, task, say) -> dict:

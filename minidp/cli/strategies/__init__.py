@@ -11,6 +11,7 @@ over its group (tp and hybrid: over a Mesh's axes) and hands them to the one ste
     tp.py            --strategy tp and hybrid: the TP GPT, DDP or ZeRO over the DP axis
                      (parallel/zero/over_tp.py: ZeRO's chunks of TP shards)
     ps.py            --strategy ps: the parameter server's roles
+    ep.py            --strategy dp or hybrid with --experts: ExpertParallel over the group
     pp.py            --strategy pp and hybrid --pp: the GPT cut into pipeline stages over
                      the mesh's PP axis, TP inside, DDP or ZeRO-1 over DP
                      (parallel/pipeline/step.py: the skeleton with the schedule inside)
@@ -22,6 +23,7 @@ new scheme is a module here and one line in the table.
 from collections.abc import Callable
 
 from minidp.cli.strategies.dp import DataParallel
+from minidp.cli.strategies.ep import or_experts
 from minidp.cli.strategies.pp import Pipeline, hybrid
 from minidp.cli.strategies.protocol import Recipe, StepResult, Strategy
 from minidp.cli.strategies.ps import ParameterServer
@@ -29,11 +31,11 @@ from minidp.cli.strategies.tp import Hybrid, TensorParallel
 from minidp.cli.strategies.zero import ZeRO
 
 STRATEGIES: dict[str, Callable[..., Strategy]] = {
-    DataParallel.name: DataParallel,
+    DataParallel.name: or_experts(DataParallel),  # --experts: ep.Experts
     ParameterServer.name: ParameterServer,
     ZeRO.name: ZeRO,
     TensorParallel.name: TensorParallel,
-    hybrid.name: hybrid,  # Hybrid (dp x tp), or Pipeline when --pp > 1
+    hybrid.name: or_experts(hybrid),  # Hybrid (dp x tp), Pipeline (--pp > 1), Experts
     Pipeline.name: Pipeline,
 }
 

@@ -23,7 +23,6 @@ needs the inputs, the last stage the targets. The gradient norm for clipping:
 ||g||^2 = allreduce_pp(allreduce_tp(sharded^2) + replicated^2), each shard counted once.
 """
 
-import math
 from dataclasses import replace
 
 import numpy as np
@@ -36,16 +35,12 @@ from minidp.cli.strategies.tp import Hybrid, MeshRecipe, check_drift, mesh_sizes
 from minidp.cli.strategies.zero import check_zero, zero_options
 from minidp.cli.training.config import BadConfig
 from minidp.cli.training.scheme_checks import check_pipeline
-from minidp.engine import functional
-from minidp.parallel.across_ranks import replica_spread, stand_in
+from minidp.parallel.across_ranks import replica_spread
 from minidp.parallel.mesh import Mesh
+from minidp.parallel.pipeline.mesh_stages import MeshStages
 from minidp.parallel.pipeline.schedules import build_schedule
 from minidp.parallel.pipeline.simulate import formula_bubble
-from minidp.parallel.pipeline.split import RankStages, gather_stages, split_model
-from minidp.parallel.pipeline.stage import PipelineStage
 from minidp.parallel.pipeline.step import PipelineStep
-from minidp.parallel.tensor_parallel.gpt import TensorParallelGPT, whole_arrays
-from minidp.parallel.tensor_parallel.replicated import make_alike, sum_of_squares
 from minidp.parallel.zero.over_tp import ZeROOverTP
 
 
@@ -133,7 +128,7 @@ class Pipeline(MeshRecipe):
             timeline=self.timeline,
             clip=self.clip if config.grad_clip else None,
             scaler=scaler_from(config, group),
-            before_sync=[self.sum_partial] if sequence_parallel else [],
+            before_sync=[self.net.sum_partial] if sequence_parallel else [],
             after_sync=after_sync,
             after_step=after_step,
         )
@@ -159,67 +154,28 @@ class Pipeline(MeshRecipe):
 
     def _build(self, task, config) -> None:
         """This rank's stages of the task's GPT (its TP slices when tp > 1), the others'
-        parameters released."""
-        mesh = self.mesh
-        S, rank = self.schedule.num_stages, mesh.pp_group.rank
-        model = task.model
-        self.tp_model = None
-        if mesh.tp > 1:
-            sp = config.sequence_parallel
-            self.tp_model = model = TensorParallelGPT(
-                task.model, mesh.tp_group, sequence_parallel=sp
-            )
-        self.parts = split_model(model, S, recompute=config.recompute)
-        loss_fn = self.tp_model.criterion if self.tp_model else functional.cross_entropy
-        self.stages = {
-            s: PipelineStage(self.parts[s], s, S, mesh.pp_group, loss_fn=loss_fn)
-            for s in self.schedule.stages_of(rank)
-        }
-        self.model = RankStages([self.parts[s] for s in self.stages])  # what DDP or ZeRO wraps
-        self.params = self.model.parameters()
-        mine = {id(p) for p in self.params}
-        others = task.model.parameters() + (self.tp_model.parameters() if self.tp_model else [])
-        for p in others:  # the whole model's and the other stages': released
-            if id(p) not in mine:
-                p.data = stand_in(p)
-        if self.tp_model:
-            self.sharded = [p for p in self.params if p.placement.axis is not None]
-            self.replicated = [p for p in self.params if p.placement.axis is None]
-        else:
-            self.sharded, self.replicated = [], self.params
+        parameters released (parallel/pipeline/mesh_stages.py)."""
+        sp, rc, mesh = config.sequence_parallel, config.recompute, self.mesh
+        self.net = net = MeshStages(
+            task.model, mesh, self.schedule, recompute=rc, sequence_parallel=sp
+        )
+        self.stages, self.model, self.params = net.stages, net.model, net.params
+        self.sharded, self.replicated = net.sharded, net.replicated
 
     def broadcast_drift(self) -> None:
         """After ZeRO's step: TP rank 0's replicated parameters, where they may drift (tp.py)."""
         if self.drifts:
             self.zero.broadcast_replicated()
 
-    def sum_partial(self) -> None:
-        """Sequence parallelism, after the schedule and before the DP sync: each TP rank's
-        replicated gradients cover its T/p positions; the group sums them."""
-        make_alike(self.replicated, self.mesh.tp_group, partial=True, take_rank0=False)
-
     def sync_replicated(self) -> None:
-        """After DDP's sync: TP's replicated gradients alike on every TP rank (tp.py)."""
-        make_alike(self.replicated, self.mesh.tp_group, False, take_rank0=self.mesh.dp > 2)
+        self.net.sync_replicated(take_rank0=self.mesh.dp > 2)
 
     def norm(self, kind: str) -> float:
-        """sqrt(Σ_pp (Σ_tp sharded² + replicated²)); ZeRO-1: its chunks' sum over DP and TP
-        (parallel/zero/over_tp.py), summed over PP."""
-        if self.zero is not None:
-            total = self.zero.sum_of_squares(kind)
-        else:
-            total = sum_of_squares(self.sharded, self.replicated, kind, self.mesh.tp_group)
-        return math.sqrt(float(comm.allreduce(np.array([total]), group=self.mesh.pp_group)[0]))
+        """Each shard once (mesh_stages.py); ZeRO-1: its chunks' sum over DP and TP."""
+        return self.net.norm(kind, self.zero.sum_of_squares(kind) if self.zero else None)
 
     def gather_model(self) -> None:
-        """Collective: each stage's parameters whole over TP, then broadcast from its pp
-        rank into task.model, on every rank."""
-        if self.tp_model:
-            whole = whole_arrays(self.params, self.mesh.tp_group)
-        else:
-            whole = {name: p.data for name, p in self.model.named_parameters()}
-        s = self.schedule
-        gather_stages(self.task.model, s.num_stages, whole, s.stage_rank, self.mesh.pp_group)
+        self.net.gather_into(self.task.model)
 
     def max_param_diff(self) -> float:
         """After gather_model: the whole model's copies (0.0: every rank holds its bits)."""

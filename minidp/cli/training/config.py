@@ -8,11 +8,9 @@ Flags counted in steps (`--warmup`, `--prune-start`, `--prune-end`, `--prune-eve
 to a fraction of `--steps` (metadata "of_steps": 300 steps warm up for 20, 60 for 4). Left
 unset they are None here, and `resolved()` fills them in; a value given is kept as it is.
 
-Each field is a `flag(default, help, **metadata)` (tools/flags.py lists the metadata keys:
-choices, strategies, models, with, of_steps, interval, on_resume; and the methods every
-config has: `is_set`, `resolved`, `applies`, `header`); `validate` is config_checks'.
-
-A new flag that changes the step: one field here and the recipe that reads it (strategies/).
+Each field is a `flag(default, help, **metadata)`: tools/flags.py lists the metadata keys
+and the methods every config has; `validate` is config_checks'. A new flag that changes the
+step: one field here and the recipe that reads it (strategies/).
 """
 
 from dataclasses import dataclass, fields
@@ -23,8 +21,8 @@ from minidp.tools.flags import Flags, flag
 from minidp.tools.names import ALGORITHMS, AUTO, PIPELINE_SCHEDULES
 
 DATA_PARALLEL = ("dp", "tp", "hybrid", "zero")
-"""The strategies whose ranks hold replicas (or shards) reduced by allreduce: they read the
-data-parallel flags (allreduce, buckets, overlap, micro-batches); the parameter server not."""
+"""The strategies whose ranks reduce replicas (or shards) by allreduce: they read the
+data-parallel flags (allreduce, buckets, overlap, micro-batches); not the parameter server."""
 PP = ("pp", "hybrid")  # the strategies that read the pipeline's flags
 STEPPED = ("dp", "tp", "zero", "pp", "hybrid")  # those that run parallel/step.py
 
@@ -41,21 +39,12 @@ class TrainConfig(Flags):
         16, "GLOBAL batch (sequences for gpt, examples for mlp)", on_resume="data"
     )
     lr: float = flag(3e-3, "peak learning rate", on_resume="run")
-    warmup: int | None = flag(
-        None,
-        "linear warmup steps, then cosine decay",
-        of_steps=(1, 15, 0),
-        on_resume="run",
-        interval="[0, inf)",
-    )
+    warmup: int | None = flag(None, "linear warmup steps, then cosine decay", of_steps=(1, 15, 0),
+                              on_resume="run", interval="[0, inf)")  # fmt: skip
     min_lr_ratio: float = flag(0.1, "final lr = lr * this", on_resume="run", interval="[0, 1]")
-    weight_decay: float = flag(
-        0.01,
-        "weight decay as torch applies it: AdamW's decoupled (w *= 1 - lr wd), "
-        "SGD's added to the gradient (g + wd w)",
-        on_resume="run",
-        interval="[0, inf)",
-    )
+    weight_decay: float = flag(0.01, "weight decay as torch applies it: AdamW's decoupled (w *= "
+                               "1 - lr wd), SGD's added to the gradient (g + wd w)",
+                               on_resume="run", interval="[0, inf)")  # fmt: skip
     grad_clip: float = flag(1.0, "global-norm clip (0 = off)", on_resume="run", interval="[0, inf)")
     seed: int = flag(1337, "one seed (>= 0) for init, data and dropout", on_resume="data")
     dtype: str = flag("float32", "compute dtype", choices=("float32", "float64"), on_resume="model")
@@ -66,14 +55,9 @@ class TrainConfig(Flags):
     n_layer: int = flag(2, "gpt transformer blocks", models=("gpt",), on_resume="model")
     n_head: int = flag(4, "gpt attention heads", models=("gpt",), on_resume="model")
     n_embd: int = flag(64, "gpt channels", models=("gpt",), on_resume="model")
-    dropout: float = flag(
-        0.0,
-        "dropout probability (> 0: each rank masks its own slice, so data "
-        "parallel losses match one process in distribution, not bit for bit)",
-        models=("gpt",),
-        on_resume="run",
-        interval="[0, 1)",
-    )
+    dropout: float = flag(0.0, "dropout probability (> 0: each rank masks its own slice, so data "
+                          "parallel losses match one process in distribution, not bit for bit)",
+                          models=("gpt",), on_resume="run", interval="[0, 1)")  # fmt: skip
     # model size (mlp on the synthetic classification set)
     hidden: int = flag(128, "mlp hidden width", models=("mlp",), on_resume="model")
     eval_batches: int = flag(8, "validation batches at the end")
@@ -204,6 +188,22 @@ class TrainConfig(Flags):
                           "under the causal mask), contiguous, or auto: zig-zag for ring, "
                           "contiguous for ulysses", choices=("auto", "zigzag", "contiguous"),
                           strategies=("hybrid",), with_="cp")  # fmt: skip
+    # mixture of experts (models/moe/, parallel/experts/; docs/experts.md), dp and hybrid
+    experts: int = flag(0, "experts E in each MoE block's MLP place (0: none; a MoE GPT trains "
+                        "under ExpertParallel, not DDP)", strategies=("dp", "hybrid"),
+                        models=("gpt",), on_resume="model", interval="[0, inf)",
+                        with_="experts")  # fmt: skip
+    moe_top_k: int = flag(1, "experts a token goes to: 1 (Switch) or 2 (GShard)", choices=(1, 2),
+                          on_resume="model", with_="experts")  # fmt: skip
+    capacity_factor: float = flag(0.0, "an expert takes at most this x an even share of a rank's "
+                                  "tokens (0: dropless)", on_resume="model", interval="[0, inf)",
+                                  with_="experts")  # fmt: skip
+    moe_every: int = flag(1, "a MoE in every block (1) or every other (2)", choices=(1, 2),
+                          on_resume="model", with_="experts")  # fmt: skip
+    aux_loss_coef: float = flag(0.01, "Switch's load-balancing loss weight", on_resume="model",
+                                interval="[0, inf)", with_="experts")  # fmt: skip
+    ep: int = flag(1, "expert-parallel ranks, carved out of the DP ranks: each holds E/N experts",
+                   strategies=("dp", "hybrid"), with_="experts")  # fmt: skip
 
     # memory (every strategy): parallel/amp.py, engine/recompute.py, tools/memory.py
     precision: str = flag("fp32", "weights and gradients in 16 bits (float32 masters and "

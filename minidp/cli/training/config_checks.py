@@ -5,7 +5,7 @@ rank builds a model or sends a message, so a bad value never costs a run. It rea
 list of the checks, in the order they run: the sizes and rates, whether each flag set belongs
 to this --strategy and --model, the other ranges, the parameter server's, where the run
 writes (tools/paths.py), memory, the mesh, --prune, --backend, --compress, --zero-stage,
-the pipeline, --cp. Each scheme's own checks live in scheme_checks.py.
+the pipeline, --cp, --experts. Each scheme's own checks live in scheme_checks.py.
 
 Range checks are written `not (0 < x < inf)` so that nan and inf fail them too. The checks
 read a config's fields and its `applies`, `is_set`, `resolved` (config.py); this module does
@@ -23,6 +23,7 @@ from minidp.cli.training.scheme_checks import (
     check_backend,
     check_compress,
     check_context_parallel,
+    check_experts,
     check_parameter_server,
     check_pipeline,
     check_precision,
@@ -85,6 +86,7 @@ def check_config(config) -> None:
         raise BadConfig(f"--zero-stage must be 1, 2 or 3 (0: off), got {config.zero_stage}")
     check_pipeline(config, config.pp)
     check_context_parallel(config)
+    check_experts(config)
     if config.check_every and (
         config.pp > 1 or (config.strategy, config.zero_stage) == ("zero", 3)
     ):

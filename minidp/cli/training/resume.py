@@ -57,7 +57,9 @@ def loop_state(strategy, step: int) -> dict:
 def layout_words(config, group: comm.Group) -> str:
     """The layout a checkpoint was saved in, as a refusal names it."""
     words = f"--strategy {config.strategy} over {group.size} ranks"
-    mesh = [f"--{k} {getattr(config, k)}" for k in ("dp", "tp", "pp", "cp") if config.is_set(k)]
+    mesh = [
+        f"--{k} {getattr(config, k)}" for k in ("dp", "tp", "pp", "cp", "ep") if config.is_set(k)
+    ]
     if config.strategy in ("zero", "hybrid") and config.zero_stage:  # its segments too
         mesh += [f"--zero-stage {config.zero_stage}", f"--bucket-mb {config.bucket_mb}"]
     if config.strategy == "pp" or config.pp > 1:  # which layers a rank holds

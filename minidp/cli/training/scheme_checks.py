@@ -1,5 +1,6 @@
 """Each scheme's own flags checked: the parameter server's, --prune's, --backend's,
---compress's, the pipeline's and --cp's; one line each, as config_checks.py's (which runs them).
+--compress's, the pipeline's, --cp's, --experts'; one line each, as config_checks.py's (which
+runs them).
 
 Like config_checks.py, this module reads a config's fields and its `is_set`, `resolved`,
 and does not import config.py.
@@ -204,3 +205,30 @@ def check_context_parallel(config) -> None:
                         ("--sequence-parallel", config.sequence_parallel)):  # fmt: skip
         if given:
             raise BadConfig(f"--cp {C} with {flag} is not yet supported: drop one")
+
+
+MOE_FLAGS = ("moe_top_k", "capacity_factor", "moe_every", "aux_loss_coef", "ep")  # --experts'
+
+
+def check_experts(config) -> None:
+    """--experts E (dp, hybrid; the GPT) and --ep N dividing E; what ExpertParallel does not
+    compose with yet refused (the world's checks, N | dp | batch: cli/strategies/ep.py)."""
+    E, N = config.experts, config.ep
+    if N < 1:
+        raise BadConfig(f"--ep must be >= 1 (1: every rank holds every expert), got {N}")
+    if not E:
+        given = [n for n in MOE_FLAGS if config.is_set(n)]
+        if given:
+            raise BadConfig(f"{flag_name(given[0])} shapes the experts: give --experts E")
+        return
+    if E % N or E < config.moe_top_k:
+        raise BadConfig(f"--ep {N} and --moe-top-k {config.moe_top_k} need E = --experts {E} "
+                        "to divide by N and to be >= k")  # fmt: skip
+    compress = (config.compress, config.compress_on) != ("none", "gradient")
+    for flag, given in (("--tp", config.tp > 1), ("--pp", config.pp > 1), ("--cp", config.cp > 1),
+                        ("--zero-stage", config.zero_stage), ("--prune", config.prune > 0),
+                        ("--compress", compress), ("--precision", config.precision != "fp32"),
+                        ("--backend torch", config.backend != "numpy"), ("--recompute (the "
+                        "router's counts would be summed twice)", config.recompute)):  # fmt: skip
+        if given:
+            raise BadConfig(f"--experts with {flag} is not yet supported: drop one")

@@ -13,7 +13,7 @@ from minidp.models.moe.layer import (
     load_balancing_loss,
     moe_layers,
 )
-from minidp.models.moe.load import expert_load, plot_expert_load
+from minidp.models.moe.load import add_loads, expert_load, plot_expert_load
 from minidp.models.moe.routing import Routing, capacity, route
 
 __all__ = [
@@ -22,6 +22,7 @@ __all__ = [
     "LocalExperts",
     "MoE",
     "Routing",
+    "add_loads",
     "capacity",
     "expert_load",
     "load_balancing_loss",

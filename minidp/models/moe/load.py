@@ -13,7 +13,7 @@ from minidp.engine.nn import Module
 from minidp.models.moe.layer import moe_layers
 from minidp.tools.plots import pyplot, save
 
-__all__ = ["expert_load", "plot_expert_load"]
+__all__ = ["add_loads", "expert_load", "plot_expert_load"]
 
 
 def expert_load(model: Module) -> dict:
@@ -30,6 +30,18 @@ def expert_load(model: Module) -> dict:
         "tokens": [load.tokens for _, load in layers],
         "dropped": sum(int(load.dropped.sum()) for _, load in layers),
     }
+
+
+def add_loads(total: dict | None, record: dict) -> dict:
+    """Two expert_load records summed count by count (the layers' names kept): a run's
+    load over its forwards. `total` None: `record` itself."""
+    if total is None:
+        return record
+
+    def add(a, b):
+        return [add(x, y) for x, y in zip(a, b)] if isinstance(a, list) else a + b
+
+    return {key: record[key] if key == "layers" else add(total[key], record[key]) for key in record}
 
 
 def plot_expert_load(record: dict, path: str, title: str = "tokens per expert") -> str | None:

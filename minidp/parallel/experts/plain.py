@@ -29,15 +29,30 @@ and their router gradients average to one process's over the global batch.
 
 Plain: one blocking allreduce per parameter after backward, nothing overlapped, no buckets
 (ddp.py's ideas would apply to each of the two groups alike).
+
+It is a gradient synchronizer of the one step skeleton (parallel/step.py): zero_grad,
+no_sync (nothing to hold back: every reduction waits for finish_gradient_sync anyway),
+set_batch_share (equal slices only: the 1/dp above, and Switch's P_e averaged over ranks)
+and finish_gradient_sync. For the loop around it: `norm(kind)`, the whole model's L2 norm
+with each expert counted once; `replicas()`, who holds the same bits; `gather_model()`, the
+whole model back in one process's shape. Each expert's parameters carry their name in the
+whole model (`placement`, as TP's shards do), so a checkpoint of get_state_dict(ep, opt)
+keys them `...experts.{global index}...`, held whole on their replicas: it loads into any
+other ep (EP 2 -> 1) or number of ranks.
 """
+
+import contextlib
+import copy
+import math
 
 import numpy as np
 
 from minidp import comm
 from minidp.engine.nn import Module
-from minidp.models.moe.layer import MoE, moe_layers
+from minidp.models.moe.layer import LocalExperts, MoE, moe_layers
 from minidp.parallel.experts.dispatch import AllToAllExperts
 from minidp.parallel.experts.groups import expert_groups
+from minidp.parallel.tensor_parallel.layers import Placement
 
 __all__ = ["ExpertParallel"]
 
@@ -64,6 +79,9 @@ class ExpertParallel:
             lo = self.ep_group.rank * (E // ep)
             layer.experts = layer.experts[lo : lo + E // ep]  # mine: global lo, lo + 1, ...
             layer.dispatcher = dispatcher
+            for i, expert in enumerate(layer.experts):  # their names in the whole model
+                for pname, p in expert.named_parameters():
+                    p.placement = Placement(f"{name}experts.{lo + i}.{pname}")
         self.expert_params = {
             id(p) for _, layer in self.layers for x in layer.experts for p in x.parameters()
         }
@@ -81,6 +99,22 @@ class ExpertParallel:
         """The group p's gradient is reduced over: expert-DP for an expert's, else DP."""
         return self.expert_dp_group if id(p) in self.expert_params else self.dp_group
 
+    def zero_grad(self) -> None:
+        for p in self.module.parameters():
+            p.grad = None
+
+    def no_sync(self):
+        """Micro-batches accumulate into .grad; only finish_gradient_sync reduces."""
+        return contextlib.nullcontext()
+
+    def set_batch_share(self, n: int, batch: int) -> None:
+        """This rank computes n of the global batch's examples: equal slices only."""
+        if n * self.dp_group.size != batch:
+            raise ValueError(
+                f"ExpertParallel averages equal slices: {n} examples of {batch} on each of "
+                f"{self.dp_group.size} ranks"
+            )
+
     def finish_gradient_sync(self) -> None:
         """After backward: every .grad becomes the global batch's gradient, in place."""
         dp = self.dp_group.size
@@ -92,6 +126,45 @@ class ExpertParallel:
                 p.grad *= 1.0 / dp  # the sum of every rank's dL_r, over dp ranks
             else:
                 comm.allreduce(p.grad, op="avg", group=self.dp_group, out=p.grad)
+
+    def norm(self, kind: str = "grad") -> float:
+        """The whole model's L2 norm of "grad" or "data": the replicated parameters' here,
+        each expert's once (summed over the EP group). Collective over the EP group."""
+        mine = [0.0, 0.0]  # replicated, experts
+        for p in self.module.parameters():
+            x = getattr(p, kind)
+            if x is not None:
+                mine[id(p) in self.expert_params] += float(np.vdot(x, x))
+        experts = comm.allreduce(np.array([mine[1]]), group=self.ep_group)[0]
+        return math.sqrt(mine[0] + experts)
+
+    def replicas(self) -> list:
+        """[(group, [(name, array), ...])]: the replicated parameters alike over the DP
+        group, each expert's over its expert-DP group (no message)."""
+        named = list(self.module.named_parameters())
+        theirs = [(n, p.data) for n, p in named if id(p) not in self.expert_params]
+        experts = [(n, p.data) for n, p in named if id(p) in self.expert_params]
+        return [(self.dp_group, theirs), (self.expert_dp_group, experts)]
+
+    def gather_model(self) -> None:
+        """Collective over the EP group: every MoE layer of `module` holds all E experts
+        again and runs them here (LocalExperts), as the one-process model; the wrapper's
+        all-to-alls are done with (for evaluation and sampling after training)."""
+        whole = self.full_state_dict()
+        for _, layer in self.layers:
+            mine = layer.experts
+            layer.experts = [copy.deepcopy(mine[0]) for _ in range(self.ep * len(mine))]
+            layer.dispatcher = LocalExperts()
+            for expert in layer.experts:
+                for p in expert.parameters():
+                    p.placement = None
+        self.module.load_state_dict(whole)
+        self.expert_params = set()  # every parameter whole here now
+
+    def close(self) -> None:
+        """Free the EP and expert-DP groups."""
+        self.ep_group.free()
+        self.expert_dp_group.free()
 
     def full_state_dict(self) -> dict[str, np.ndarray]:
         """Every parameter of the whole model by its one-process name, on every rank: the

@@ -1,0 +1,182 @@
+"""Mixture of experts and expert parallelism from the command line (`--experts E --ep N`
+under --strategy dp and hybrid): at 2 and 4 ranks, EP 2 and 4, top-1 and top-2, dropless,
+each equal to one process `--experts E` in final loss, validation loss (the gathered model)
+and parameter L2 to 1e-10 relative (float64), with the same experts' load; a capacity
+factor at EP 2 equal to EP 1 over the same ranks (each rank one capacity group either way:
+the one-process run with the ranks' capacity groups is tests/test_expert_parallel.py's);
+the ep bytes against alltoall_bytes; the record's load; a checkpoint at EP 2 resumed by one
+process; and the refusals, one line each before any message. The pieces themselves are
+tested in tests/test_moe.py and tests/test_expert_parallel.py."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+from minidp import comm
+from minidp.cli.commands import main
+from minidp.cli.training.config import TrainConfig
+from minidp.cli.training.loop import train
+from minidp.parallel.experts import alltoall_bytes
+
+TINY = dict(
+    n_layer=2, n_embd=32, n_head=4, block_size=16, batch_size=8, steps=3, log_every=1,
+    eval_batches=1, sample_tokens=0, dtype="float64", experts=4,
+)  # fmt: skip
+FLAGS = [f"--{k.replace('_', '-')}={v}" for k, v in TINY.items()]
+
+
+def alone(**more) -> dict:
+    """The run on one process (a group of one), `more` flags changed."""
+    solo = comm.world().split(0)
+    try:
+        return train(TrainConfig(**{**TINY, **more}), solo)
+    finally:
+        solo.free()
+
+
+@pytest.fixture(scope="module")
+def one_process() -> dict:
+    return {k: alone(moe_top_k=k) for k in (1, 2)}
+
+
+def launch(tmp_path, ranks: int, *flags: str, name="ep.json") -> tuple[dict, str]:
+    path = tmp_path / name
+    cmd = ["mpiexec", "-n", str(ranks), sys.executable, "-m", "minidp", *FLAGS, *flags,
+           "--json", str(path)]  # fmt: skip
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=200, env=dict(os.environ))
+    assert result.returncode == 0, result.stderr
+    return [json.loads(line) for line in open(path)][-1], result.stdout
+
+
+RUNS = [  # (ranks, flags)
+    (2, ["--ep", "2"]),
+    (2, ["--ep", "2", "--moe-top-k", "2"]),
+    (4, ["--ep", "2"]),
+    (4, ["--ep", "4", "--moe-top-k", "2"]),
+    (2, ["--strategy", "hybrid", "--dp", "2", "--ep", "2"]),
+]
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize(
+    "ranks,flags", RUNS, ids=lambda x: str(x) if isinstance(x, int) else " ".join(x)
+)
+def test_an_ep_run_trains_like_one_process(ranks, flags, tmp_path, one_process):
+    final, stdout = launch(tmp_path, ranks, *flags)
+    top_k = 2 if "--moe-top-k" in flags else 1
+    one = one_process[top_k]
+    for key in ("final_loss", "val_loss", "param_l2"):
+        assert final[key] == pytest.approx(one[key], rel=1e-10), key
+    assert final["max_param_diff"] == 0.0
+    assert final["expert_load"]["tokens_per_expert"] == one["expert_load"]["tokens_per_expert"]
+    ep = int(flags[flags.index("--ep") + 1])
+    assert final["ep"] == ep and f"dp {ranks} x ep {ep} ({4 // ep} of 4 experts a rank)" in stdout
+    assert "experts' load" in stdout
+
+
+def test_the_ep_bytes_are_the_all_to_alls_and_the_record_holds_the_load(tmp_path):
+    """Per layer and forward, 4 all-to-alls (dispatch, combine, their reverses) of S slots
+    (the record's "slots", summed over the run) and the agreement on S (a max of 8 bytes);
+    per step the clip's sum of the experts' squares (8 bytes): 2 ranks send each whole."""
+    final, _ = launch(tmp_path, 2, "--ep", "2", "--moe-top-k", "2")
+    load = final["expert_load"]
+    B, T, k, steps, layers = 8, 16, 2, 3, 2
+    assert load["layers"] == ["blocks.0.moe", "blocks.1.moe"] and load["dropped"] == 0
+    assert [sum(row) for row in load["tokens_per_expert"]] == [steps * B * T * k] * layers
+    assert load["tokens"] == [steps * B * T] * layers
+    a2a = sum(4 * alltoall_bytes(2, 4, S, 32, 8) for S in load["slots"])
+    by_axis = final["bytes_sent_by_axis"]
+    assert set(by_axis) == {"dp", "tp", "pp", "cp", "ep"} and by_axis["dp"] > 0
+    assert by_axis["ep"] == a2a + 8 * steps * layers + 8 * steps
+
+
+@pytest.mark.timeout(240)
+def test_a_capacity_factor_drops_alike_at_ep_1_and_2(tmp_path):
+    """Each rank's slice is its capacity group whatever --ep, so EP 2 equals EP 1."""
+    flags = ["--capacity-factor", "1.0", "--moe-top-k", "2"]
+    two, _ = launch(tmp_path, 2, *flags, "--ep", "2", name="two.json")
+    one, _ = launch(tmp_path, 2, *flags, name="one.json")
+    assert two["expert_load"]["dropped"] > 0
+    assert two["expert_load"]["dropped_per_expert"] == one["expert_load"]["dropped_per_expert"]
+    for key in ("final_loss", "val_loss", "param_l2"):
+        assert two[key] == pytest.approx(one[key], rel=1e-10), key
+
+
+@pytest.mark.timeout(240)
+def test_a_checkpoint_resumes_at_its_layout_and_refuses_another_in_one_line(tmp_path, capsys):
+    """Saved after 2 of 4 steps at dp 2 x ep 2 and resumed there: as a run of 4. The experts
+    are each rank's own in the layout (the loop reads one shard's tree under another
+    layout), so one process (EP 2 -> 1) is refused in one line."""
+    save = str(tmp_path / "ckpt")
+    launch(tmp_path, 2, "--ep", "2", "--steps", "4", "--save-dir", save, "--save-every", "2")
+    step_2 = os.path.join(save, "step_000002")
+    resumed, _ = launch(tmp_path, 2, "--ep", "2", "--steps", "4", "--resume", step_2)
+    straight = alone(steps=4)
+    for key in ("final_loss", "val_loss", "param_l2"):
+        assert resumed[key] == pytest.approx(straight[key], rel=1e-10), key
+    with pytest.raises(SystemExit) as exit_info:
+        main([*FLAGS, "--steps", "4", "--resume", step_2])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("error:") == 1 and "the experts reshard nowhere yet" in err, err
+
+
+def test_plot_reads_an_ep_run(tmp_path):
+    final, _ = launch(tmp_path, 2, "--ep", "2")
+    out = tmp_path / "loss.png"
+    assert main(["plot", str(tmp_path / "ep.json"), "--png", str(out)]) in (0, None)
+    assert math.isfinite(final["final_loss"])
+
+
+BAD = [
+    (["--ep", "2"], "--ep shapes the experts: give --experts E", False),
+    (["--experts", "3", "--ep", "2"], "need E = --experts 3 to divide by N", True),
+    (["--experts", "4", "--ep", "0"], "--ep must be >= 1", True),
+    (["--experts", "4", "--ep", "2"], "--ep 2 and --batch-size 8 must divide by the 1 DP", True),
+    (["--experts", "4", "--strategy", "zero", "--zero-stage", "1"],
+     "--experts is a flag of --strategy dp or hybrid, not of --strategy zero", True),
+    (["--experts", "4", "--strategy", "tp"], "--experts is a flag of --strategy dp or", True),
+    (["--experts", "4", "--model", "mlp"], "--experts is a flag of --model gpt", True),
+    (["--strategy", "hybrid", "--tp", "2"], "--experts with --tp is not yet supported", True),
+    (["--strategy", "hybrid", "--pp", "2"], "--experts with --pp is not yet supported", True),
+    (["--strategy", "hybrid", "--cp", "2"], "--experts with --cp is not yet supported", True),
+    (["--strategy", "hybrid", "--zero-stage", "1"], "with --zero-stage is not yet", True),
+    (["--compress", "fp16"], "--experts with --compress is not yet supported", True),
+    (["--prune", "0.5"], "--experts with --prune is not yet supported", True),
+    (["--recompute"], "--experts with --recompute (the router's counts would be summed", True),
+    (["--moe-top-k", "3"], "invalid choice", True),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("args,message,experts", BAD, ids=lambda x: str(x)[:40])
+def test_bad_ep_flags_are_one_line_and_exit_code_2(args, message, experts, capsys):
+    flags = [f for f in FLAGS if not f.startswith("--experts")] if not experts else FLAGS
+    if "mlp" in args:
+        flags = ["--steps", "3", "--batch-size", "4"]
+    with pytest.raises(SystemExit) as exit_info:
+        main([*flags, *args])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err, err
+    assert err.count("error:") == 1, err
+
+
+def test_a_batch_that_does_not_split_evenly_is_one_line_on_rank_0():
+    cmd = ["mpiexec", "-n", "2", sys.executable, "-m", "minidp", *FLAGS, "--batch-size", "7"]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.count("minidp: error:") == 1
+    assert "--ep 1 and --batch-size 7 must divide by the 2 DP ranks" in result.stderr
+
+
+def test_predict_does_not_price_experts_yet(capsys):
+    from minidp.cost.predict import main as predict
+
+    with pytest.raises(SystemExit) as exit_info:
+        predict([*FLAGS, "--strategy", "hybrid", "--dp", "4", "--ep", "2", "--world", "4"])
+    assert exit_info.value.code == 2
+    assert "predict does not model --experts" in capsys.readouterr().err
