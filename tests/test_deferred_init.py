@@ -11,6 +11,7 @@ bit for bit, whenever and however much of it is drawn.
   eager one, bit for bit; so does the command line's ZeRO-3, which builds deferred.
 """
 
+import json
 from dataclasses import replace
 
 import numpy as np
@@ -24,7 +25,7 @@ from minidp.engine import deferred
 from minidp.engine.deferred import Recipe, deferred_init, flat_values, materialize_module
 from minidp.engine.precision import half_dtype, to_half
 from minidp.engine.units import units_of
-from minidp.parallel import FullyShardedDataParallel, SimpleZeRO3
+from minidp.parallel import DistributedDataParallel, FullyShardedDataParallel, SimpleZeRO3
 from minidp.parallel.zero.flat import ShardLayout
 from minidp.parallel.zero.stages import ZeROStages
 from minidp.tools.chunks import chunk_range
@@ -247,3 +248,20 @@ def test_the_cli_zero3_run_builds_deferred_and_ends_with_the_eager_bits(monkeypa
         sample = capsys.readouterr().out.split("sample:")[-1]
         runs.append([final[k] for k in ("final_loss", "val_loss", "param_l2")] + [sample])
     assert runs[0] == runs[1]
+
+
+@pytest.mark.parametrize("bit_generator", [np.random.PCG64, np.random.MT19937, np.random.SFC64])
+def test_a_recipe_travels_as_json_whatever_its_generator(bit_generator):
+    rng = np.random.Generator(bit_generator(5))
+    with deferred_init():
+        layer = nn.Linear(7, 3, rng=rng)
+    recipe = layer.weight.recipe
+    back = Recipe.from_json(json.loads(json.dumps(recipe.as_json())))  # what a rank sends
+    assert np.array_equal(back.values(), recipe.values())
+
+
+def test_a_piece_that_needs_the_values_refuses_a_deferred_model_in_one_line():
+    with deferred_init():
+        model = nn.MLP([4, 8, 2], rng=np.random.default_rng(0))
+    with pytest.raises(ValueError, match="materialize_module"):
+        DistributedDataParallel(model, comm.world())

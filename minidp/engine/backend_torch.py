@@ -75,7 +75,7 @@ def _on(a, like):
     """`a` (a tensor, NumPy array or number) as a tensor beside `like`."""
     if isinstance(a, torch.Tensor):
         return a
-    return from_host(np.ascontiguousarray(a)).to(like.device)
+    return from_host(np.ascontiguousarray(a).reshape(np.shape(a))).to(like.device)  # 0-d: 0-d
 
 
 exp, log, sqrt, tanh, isfinite = torch.exp, torch.log, torch.sqrt, torch.tanh, torch.isfinite

@@ -124,7 +124,8 @@ class Recipe:
         dtypes = [dtype_name(np.dtype(d)) for d in self.dtypes]
         shape, scale = list(self.shape), float(self.scale)
         name = self.bit_generator.__name__
-        return {"bit_generator": name, "state": self.state, "kind": self.kind,
+        state = _jsonable(self.state)  # MT19937's, Philox's, SFC64's hold arrays
+        return {"bit_generator": name, "state": state, "kind": self.kind,
                 "shape": shape, "scale": scale, "dtypes": dtypes}  # fmt: skip
 
     @classmethod
@@ -132,6 +133,7 @@ class Recipe:
         from minidp.engine.precision import named_dtype
 
         bit_generator = getattr(np.random, d["bit_generator"])
+        d = {**d, "state": _from_jsonable(d["state"])}
         dtypes = tuple(named_dtype(name) for name in d["dtypes"])
         return cls(bit_generator, d["state"], d["kind"], tuple(d["shape"]), d["scale"], dtypes)
 
@@ -157,7 +159,7 @@ class _StandIn(np.ndarray):
 def _deferred(rng, kind: str, shape, scale, dtype) -> np.ndarray:
     """Note the recipe, move `rng` as the draw would, return the stand-in carrying it."""
     shape = (shape,) if isinstance(shape, int | np.integer) else tuple(shape)
-    dtype = np.dtype(np.float32 if dtype is None else dtype)  # what Parameter would cast to
+    dtype = np.dtype(np.float64 if dtype is None else dtype)  # as the eager draw comes out
     state = rng.bit_generator.state
     recipe = Recipe(type(rng.bit_generator), state, kind, shape, float(scale), (dtype,))
     skip(rng, recipe, recipe.size)
@@ -227,3 +229,20 @@ def materialize_module(module) -> None:
     """Every deferred parameter of `module` drawn whole (PyTorch's `to_empty` and
     `reset_parameters`, or torchdistx's `materialize_module`)."""
     materialize(*module.parameters())
+
+
+def _jsonable(value):
+    """A generator's state with its arrays as {"array": [...], "dtype": "uint64"}."""
+    if isinstance(value, dict):
+        return {k: _jsonable(v) for k, v in value.items()}
+    if isinstance(value, np.ndarray):
+        return {"array": value.tolist(), "dtype": value.dtype.str}
+    return value
+
+
+def _from_jsonable(value):
+    if isinstance(value, dict) and set(value) == {"array", "dtype"}:
+        return np.array(value["array"], dtype=value["dtype"])
+    if isinstance(value, dict):
+        return {k: _from_jsonable(v) for k, v in value.items()}
+    return value

@@ -29,12 +29,19 @@ def describe_model(model: Module) -> list[str]:
     ]
 
 
-def check_same_model(model: Module, group: comm.Group) -> None:
-    """Raise ModelMismatch on every rank if any rank's parameter list differs from rank 0's."""
+def check_same_model(model: Module, group: comm.Group, deferred_ok: bool = False) -> None:
+    """Raise ModelMismatch on every rank if any rank's parameter list differs from rank 0's;
+    ValueError on every rank for a model built under deferred_init unless `deferred_ok`
+    (the sharding pieces draw each rank's part; the others need the values)."""
     mine = describe_model(model)
     digest = np.array([zlib.crc32("\n".join(mine).encode()), len(mine)], dtype=np.int64)
     digests = comm.allgather(digest, group=group).reshape(group.size, 2)
     if (digests == digests[0]).all():
+        if not deferred_ok and any(is_deferred(p) for p in model.parameters()):  # alike
+            raise ValueError(
+                "the model was built under deferred_init(): draw its values first "
+                "(nn.materialize_module(model)), or shard it with FullyShardedDataParallel"
+            )
         return
     theirs = comm.broadcast_text("\n".join(mine), root=0, group=group).split("\n")
     first = next(

@@ -163,11 +163,11 @@ def rank_floor_bytes(config, world: int) -> dict[str, int] | None:
     """The least a rank of this run holds, by part, before it builds anything: the process
     as it is now (Python, NumPy, MPI), the model states of `model_state_bytes` and half
     `activation_estimate` for its share of a micro-batch (the estimate is within 2x of the
-    count). For --strategy dp and zero, whose formulas these are; None for the others."""
-    if config.strategy not in ("dp", "zero") or config.model != "gpt":
-        return None
-    T, C, L, V = config.block_size, config.n_embd, config.n_layer, 128
-    psi, half = L * 12 * C * C + (V + T) * C, config.precision != "fp32"
+    count). For --strategy dp and zero on NumPy, whose formulas these are; else None."""
+    if config.strategy not in ("dp", "zero") or config.model != "gpt" or config.backend != "numpy":
+        return None  # (on torch the states may live on a GPU, not in this process)
+    T, C, L = config.block_size, config.n_embd, config.n_layer
+    psi, half = L * 12 * C * C + T * C, config.precision != "fp32"  # fewer than the GPT's
     size = 2 if half else (8 if config.dtype == "float64" else 4)
     moments = {"adamw": 2, "momentum": 1, "sgd": 0}[config.optimizer]
     k = moments * (4 if half else size) + (4 if half else 0)  # 16 bits: fp32 ones, masters

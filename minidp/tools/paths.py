@@ -9,7 +9,7 @@ import tempfile
 def unwritable_file(path: str) -> str | None:
     """Why a file `path` could not be written (a directory, or a folder that takes no file)."""
     if os.path.isdir(path):
-        return "is a directory; give a file name"
+        return "names a directory; give a file name"
     return unwritable_dir(os.path.dirname(os.path.abspath(path)))
 
 

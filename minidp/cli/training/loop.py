@@ -224,11 +224,12 @@ def check_floor(config: TrainConfig, group: comm.Group) -> None:
     floor = config.max_memory_mb and rank_floor_bytes(config, group.size)
     if not floor:
         return
-    need = comm.allreduce(np.array([sum(floor.values())]), op="max", group=group)[0]
-    if need > config.max_memory_mb * 1e6:
-        parts = ", ".join(f"{part} {b / 1e6:,.0f}" for part, b in floor.items())
+    every = comm.allgather(np.array(list(floor.values())), group=group).reshape(group.size, -1)
+    r = int(np.argmax(every.sum(axis=1)))  # the largest rank's parts, the same on every rank
+    if every[r].sum() > config.max_memory_mb * 1e6:
+        parts = ", ".join(f"{part} {b / 1e6:,.0f}" for part, b in zip(floor, every[r]))
         raise BadConfig(
             f"--max-memory-mb {config.max_memory_mb:g}: a rank of this run holds at least "
-            f"{need / 1e6:,.0f} MB (rank {group.rank}: {parts}): --strategy zero "
+            f"{every[r].sum() / 1e6:,.0f} MB (rank {r}: {parts}): --strategy zero "
             "--zero-stage 3, --precision bf16, --recompute or more ranks hold less"
         )

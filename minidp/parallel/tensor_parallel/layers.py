@@ -208,10 +208,9 @@ class ParallelAttention(nn.Module):
 
     QKV is column-parallel: this rank's columns of q, of k and of v (its heads' features in
     each third of the whole QKV weight); each rank attends with its own heads; the output
-    projection is row-parallel over the same features, and g sums the heads' shares.
-    `attend` is its core, as CausalSelfAttention's (context parallelism sets its own)."""
+    projection is row-parallel over the same features, and g sums the heads' shares."""
 
-    attend = staticmethod(attention)
+    attend = staticmethod(attention)  # its core, as CausalSelfAttention's (CP sets its own)
 
     def __init__(
         self,
@@ -226,13 +225,8 @@ class ParallelAttention(nn.Module):
         self.head_size = C // full.n_head
         features = head_features(full.n_head, self.head_size, group)
         qkv_columns = np.concatenate([features, C + features, 2 * C + features])
-        self.qkv = ColumnParallelLinear(
-            full.qkv,
-            group,
-            name=name + "qkv.",
-            columns=qkv_columns,
-            sequence_parallel=sequence_parallel,
-        )
+        self.qkv = ColumnParallelLinear(full.qkv, group, name=name + "qkv.", columns=qkv_columns,
+                                        sequence_parallel=sequence_parallel)  # fmt: skip
         self.proj = RowParallelLinear(
             full.proj,
             group,
@@ -248,6 +242,5 @@ class ParallelAttention(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         qkv = self.qkv(x)  # (B, T, 3 H hs): T whole, also with sequence parallelism
-        # nn's attention over this rank's H heads: (B, T, H hs)
-        y = self.attend(qkv, self.n_head, self.future, self.attn_drop, self.fused)
+        y = self.attend(qkv, self.n_head, self.future, self.attn_drop, self.fused)  # H heads
         return self.resid_drop(self.proj(y))

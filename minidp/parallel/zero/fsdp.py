@@ -111,7 +111,7 @@ class FullyShardedDataParallel:
             raise ValueError(f"algo must be one of {', '.join(ALGOS)}, got {algo!r}")
         self.model, self.sharding, self.algo = model, sharding, algo
         self.group = group = group or comm.world()
-        check_same_model(model, group)  # frozen ones too: what follows is alike everywhere
+        check_same_model(model, group, deferred_ok=True)  # frozen ones too: alike everywhere
         units = units_of(model)
         if not units:
             raise ValueError("model has no parameter that requires grad: nothing to shard")

@@ -30,11 +30,10 @@ out: parameters outside the children or shared by two (a tied weight), uneven ba
 micro-batches accumulated without communication (no_sync), overlap.
 
 Between its forward and its backward a layer's parameters are NaN stand-ins (their shape,
-one element of memory): a read elsewhere (a weight tied by hand in the parent's forward,
-model.state_dict()) gives NaN, not a silently wrong number; full_state_dict() gathers them.
-
-Each layer is one op of the autograd engine whose parents are its input and its chunk (a
-Parameter): backward hands the chunk its gradient, and the optimizer steps the chunks.
+one element of memory): a read elsewhere (a tied weight, model.state_dict()) gives NaN, not
+a silently wrong number; full_state_dict() gathers them. Each layer is one op of the engine
+whose parents are its input and its chunk (a Parameter): backward hands the chunk its
+gradient, and the optimizer steps the chunks.
 """
 
 import numpy as np
@@ -43,7 +42,7 @@ from minidp import comm
 from minidp.engine.deferred import flat_values, materialize
 from minidp.engine.nn import Dropout, Module, Parameter
 from minidp.engine.tensor import Tensor, no_grad, op
-from minidp.parallel.same_model import broadcast_parameters
+from minidp.parallel.same_model import broadcast_parameters, check_same_model
 from minidp.tools.chunks import chunk_bounds
 
 
@@ -64,10 +63,10 @@ class SimpleZeRO3:
                 "every trainable parameter must belong to exactly one direct child of the "
                 "model (FullyShardedDataParallel handles the others)"
             )
+        check_same_model(model, self.group, deferred_ok=True)  # what follows: alike
         broadcast_parameters(model.parameters(), self.group)  # every rank from rank 0's weights
         materialize(*(p for p in model.parameters() if not p.requires_grad))  # kept whole
-        N, r = self.group.size, self.group.rank
-        self.params, self.chunks = [], []  # per sharded layer: its parameters, my chunk
+        N, r, self.params, self.chunks = self.group.size, self.group.rank, [], []
         for layer, params in zip(self.layers, owned):
             if not params:  # nothing to shard (an activation, a frozen layer): left alone
                 continue
@@ -75,12 +74,12 @@ class SimpleZeRO3:
                 raise ValueError(f"a layer's parameters must share one dtype: {type(layer)}")
             bounds = chunk_bounds(sum(p.size for p in params), N)  # my chunk, never the
             mine = flat_values(params, bounds[r], bounds[r + 1], params[0].dtype)  # whole layer
-            self.params.append(params)
+            self.params.append(params)  # per sharded layer: its parameters, my chunk
             self.chunks.append(Parameter(mine))
             self._free(params)
             layer.forward = self._sharded(len(self.chunks) - 1, layer, layer.forward)
 
-    def __call__(self, *args, **kwargs):
+    def __call__(self, *args, **kwargs):  # the model, its layers sharded in place
         return self.model(*args, **kwargs)
 
     def parameters(self) -> list[Parameter]:
@@ -131,8 +130,7 @@ class SimpleZeRO3:
         return run
 
     def _gather(self, u: int) -> None:
-        """Every rank's chunk of layer u, in rank order: the whole flat vector, viewed back
-        into the parameters' shapes."""
+        """Every rank's chunk of layer u in rank order: the whole vector, in the parameters."""
         params = self.params[u]
         whole = np.empty(sum(p.size for p in params), self.chunks[u].dtype)
         comm.allgather(self.chunks[u].data, group=self.group, out=whole)

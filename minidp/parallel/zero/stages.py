@@ -93,7 +93,7 @@ class ZeROStages:
         self.dp_group, self.stage, self.algo = group, stage, algo
         self.timeline = timeline = timeline or Timeline(enabled=False)
         if stage > 1:  # (at stage 1 DDP does both)
-            check_same_model(model, group)
+            check_same_model(model, group, deferred_ok=True)
             broadcast_parameters(model.parameters(), group)  # every rank from rank 0's weights
         # deferred_init's model: the frozen parameters drawn whole (they stay whole), the
         # trainable ones drawn into the flat vector (stages 1, 2) or a chunk at a time (3)
