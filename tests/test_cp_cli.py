@@ -2,7 +2,9 @@
 tp x cp, ring (zig-zag and contiguous) and Ulysses, each equal to one process in final
 loss, validation loss (the gathered model) and parameter L2 to 1e-10 relative (float64);
 the cp axis in the record and the header; the cp bytes the cost model predicts equal to
-what the run counts; and the refusals, one line each before any message. The pieces
+what the run counts; inside the pipeline (--pp: dp x cp x pp and cp x pp x tp at 8 ranks,
+cp x pp at 4), equal to one process too, the cp bytes counted (the cost model refuses
+--cp with --pp); and the refusals, one line each before any message. The pieces
 themselves (ring_attention, ulysses_attention, ContextParallel) are tested in
 tests/test_context_parallel.py."""
 
@@ -37,9 +39,9 @@ def one_process() -> dict:
         solo.free()
 
 
-def hybrid(tmp_path, *mesh: str) -> tuple[dict, str]:
+def hybrid(tmp_path, *mesh: str, ranks: int = 4) -> tuple[dict, str]:
     path = tmp_path / "cp.json"
-    cmd = ["mpiexec", "-n", "4", sys.executable, "-m", "minidp", *FLAGS,
+    cmd = ["mpiexec", "-n", str(ranks), sys.executable, "-m", "minidp", *FLAGS,
            "--strategy", "hybrid", *mesh, "--json", str(path)]  # fmt: skip
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=200, env=dict(os.environ))
     assert result.returncode == 0, result.stderr
@@ -81,6 +83,42 @@ def test_a_cp_mesh_trains_like_one_process_and_its_cp_bytes_are_predicted(
     assert final["predicted_bytes_by_axis"] == by_axis
 
 
+PIPELINES = [  # (ranks, flags, the record's mesh): --micro-batches 2 (2 examples a replica)
+    (8, ["--dp", "2", "--cp", "2", "--pp", "2"], {"dp": 2, "tp": 1, "pp": 2, "cp": 2}),
+    (8, ["--tp", "2", "--cp", "2", "--pp", "2", "--schedule", "zb-h1", "--cp-algo", "ulysses"],
+     {"dp": 1, "tp": 2, "pp": 2, "cp": 2}),
+    (4, ["--cp", "2", "--pp", "2", "--schedule", "gpipe", "--cp-layout", "contiguous",
+         "--recompute"], {"dp": 1, "tp": 1, "pp": 2, "cp": 2}),
+]  # fmt: skip
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize(
+    "ranks,mesh,sizes", PIPELINES, ids=["dp2-cp2-pp2", "tp2-cp2-pp2", "cp2-pp2"]
+)
+def test_cp_inside_the_pipeline_trains_like_one_process(ranks, mesh, sizes, tmp_path, one_process):
+    final, stdout = hybrid(tmp_path, *mesh, "--micro-batches", "2", ranks=ranks)
+    for key in ("final_loss", "val_loss", "param_l2"):
+        assert final[key] == pytest.approx(one_process[key], rel=1e-10), key
+    assert final["max_param_diff"] == 0.0
+    assert final["mesh"] == sizes
+    assert "cp groups" in stdout and "pp groups" in stdout
+    by_axis = final["bytes_sent_by_axis"]
+    assert by_axis["cp"] > 0 and by_axis["pp"] > 0
+    assert (by_axis["tp"] > 0) == (sizes["tp"] > 1) and (by_axis["dp"] > 0) == (sizes["dp"] > 1)
+    assert "predicted_bytes_by_axis" not in final  # predict refuses --cp with --pp
+
+
+def test_predict_refuses_cp_with_pp(capsys):
+    from minidp.cost.predict import main as predict
+
+    args = [*FLAGS, "--strategy", "hybrid", "--cp", "2", "--pp", "2", "--world", "4"]
+    with pytest.raises(SystemExit) as exit_info:
+        predict(args)
+    assert exit_info.value.code == 2
+    assert "predict does not model --cp with --pp yet" in capsys.readouterr().err
+
+
 def test_the_cp_bytes_of_the_step_model_are_the_ring_and_ulysses_formulas():
     """Per step on one rank: the ring's (C-1) + (2C-1) K/V-sized hops a layer against
     Ulysses' 4 (C-1)/C of q, k, v and y, each with the loss's and the gradients' sums."""
@@ -115,7 +153,8 @@ BAD = [
      "--n-head 4 must divide by --cp 4 x --tp 2"),
     (["--strategy", "hybrid", "--cp", "2", "--dropout", "0.1"], "--cp 2 with --dropout 0.1"),
     (["--strategy", "hybrid", "--cp", "2"], "--cp 2 does not divide the world's 1 ranks"),
-    (["--strategy", "hybrid", "--cp", "2", "--pp", "2"], "--cp 2 with --pp is not yet"),
+    (["--strategy", "hybrid", "--cp", "2", "--pp", "2", "--zero-stage", "1"],
+     "with --zero-stage is not yet"),
     (["--strategy", "hybrid", "--cp", "2", "--zero-stage", "1"], "with --zero-stage is not yet"),
     (["--strategy", "hybrid", "--tp", "2", "--cp", "2", "--sequence-parallel"],
      "with --sequence-parallel is not yet"),

@@ -72,6 +72,8 @@ def layout_of(config, world: int) -> Layout:
     if uses_pipeline(config):  # cost/predict_pp.py
         if config.sequence_parallel:
             raise BadConfig("predict does not model --sequence-parallel with --pp yet")
+        if config.cp > 1:  # the ring's (or Ulysses') bytes inside each stage: not priced
+            raise BadConfig("predict does not model --cp with --pp yet")
         return pipeline_layout(config, world)
     if config.strategy == "ps":  # cost/predict_ps.py
         from minidp.cost.predict_ps import ps_layout

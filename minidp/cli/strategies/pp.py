@@ -4,14 +4,16 @@ over the PP axis of a mesh, TP inside each stage, DDP or ZeRO-1 over the DP axis
     mpiexec -n 2 python -m minidp --strategy pp --n-layer 4 --micro-batches 4 --schedule 1f1b
     mpiexec -n 2 python -m minidp --strategy pp --n-layer 4 --schedule interleaved --virtual 2
     mpiexec -n 8 python -m minidp --strategy hybrid --dp 2 --tp 2 --pp 2 --n-layer 4
+    mpiexec -n 8 python -m minidp --strategy hybrid --dp 2 --cp 2 --pp 2 --n-layer 2
 
 Every rank builds the whole nn.GPT from the seed (the task's model). The recipe, pieces
 composed (Megatron-LM's 3-D mesh, Narayanan et al. 2021):
 
-    Mesh(dp, tp, pp)                 rank (d, p, t); one group per axis (mesh.py)
+    Mesh(dp, tp, pp, cp)             rank (d, p, c, t); one group per axis (mesh.py)
     TensorParallelGPT on tp_group    each rank's TP slice of every layer (tp > 1 only)
     split_model(..., pp x V)         the parts; stage s on pp rank s % pp, the others'
                                      parameters released (parallel/pipeline/split.py)
+    StagesOverCP on cp_group         each rank's T/C positions (cp > 1 only)
     PipelineStage per stage          its messages on pp_group
     DDP (or ZeRO-1) over dp_group    this rank's stages' parameters, reduced once per step
     PipelineStep                     the skeleton with the schedule inside
@@ -31,10 +33,10 @@ from minidp import comm
 from minidp.cli.strategies.ddp_axis import DDPAxis
 from minidp.cli.strategies.protocol import Exposed, Recipe
 from minidp.cli.strategies.step import scaler_from
-from minidp.cli.strategies.tp import Hybrid, MeshRecipe, check_drift, mesh_sizes
+from minidp.cli.strategies.tp import Hybrid, MeshRecipe, check_drift, hybrid_sizes
 from minidp.cli.strategies.zero import check_zero, zero_options
 from minidp.cli.training.config import BadConfig
-from minidp.cli.training.scheme_checks import check_pipeline
+from minidp.cli.training.scheme_checks import check_pipeline, cp_zigzag
 from minidp.parallel.across_ranks import replica_spread
 from minidp.parallel.mesh import Mesh
 from minidp.parallel.pipeline.mesh_stages import MeshStages
@@ -74,11 +76,11 @@ def pipeline_mesh(config, world_size: int) -> tuple[int, int, int]:
         raise BadConfig(f"--pp {pp} does not divide the world's {world_size} ranks")
     if config.dp == config.tp == 0:  # --pp alone: the rest of the world is data parallel
         config = replace(config, tp=1)
-    dp, tp = mesh_sizes(config, world_size // pp)
-    if dp * tp * pp != world_size:
+    dp, tp, cp = hybrid_sizes(config, world_size // pp)  # cp: --cp's (1 without it)
+    if (n := dp * tp * pp * cp) != world_size:
         raise BadConfig(
-            f"mesh: dp x tp x pp = {dp} x {tp} x {pp} = {dp * tp * pp}, but the world has "
-            f"{world_size} ranks; choose --dp, --tp and --pp whose product is {world_size}"
+            f"mesh: dp x tp x pp = {dp} x {tp} x {pp}{f' (x cp {cp})' * (cp > 1)} = {n}, but the"
+            f" world has {world_size} ranks; choose --dp, --tp, --pp whose product is {world_size}"
         )
     if config.zero_stage:
         check_zero(config, dp, "hybrid")  # --allreduce: one of reduce-scatter's
@@ -107,7 +109,7 @@ class Pipeline(MeshRecipe):
             )
         except ValueError as error:  # the piece names its argument; say the flag
             raise BadConfig(f"--schedule {config.schedule}: {error}") from None
-        self.mesh = mesh = Mesh(dp=dp, tp=tp, pp=pp, group=group)
+        self.mesh = mesh = Mesh(dp=dp, tp=tp, pp=pp, group=group, cp=config.cp)
         self.dp, self.zero = None, None
         try:
             self._build(task, config)
@@ -117,18 +119,17 @@ class Pipeline(MeshRecipe):
             raise
         reducer = self.dp.ddp if self.dp else self.zero  # whose comm group carries the DP bytes
         self.axes = {"dp": [reducer.comm_group, mesh.dp_group], "tp": [mesh.tp_group],
-                     "pp": [mesh.pp_group]}  # fmt: skip
-        self.clocks = [reducer, Exposed(mesh.tp_group), Exposed(mesh.pp_group)]
+                     "pp": [mesh.pp_group], "cp": [mesh.cp_group]}  # fmt: skip
+        self.clocks = [reducer, *map(Exposed, (mesh.tp_group, mesh.pp_group, mesh.cp_group))]
         self.data_shard = (mesh.dp_group.rank, dp)
-        sequence_parallel = config.sequence_parallel and tp > 1
         self.run = PipelineStep(
-            *(self.schedule, self.stages, mesh.pp_group, task.batch, sync, stepper),
+            *(self.schedule, self.stages, mesh.pp_group, self.net.batch(task.batch), sync, stepper),
             batch_size=config.batch_size,
             dp_group=mesh.dp_group,
             timeline=self.timeline,
             clip=self.clip if config.grad_clip else None,
             scaler=scaler_from(config, group),
-            before_sync=[self.net.sum_partial] if sequence_parallel else [],
+            before_sync=self.net.before_sync,  # SP's sums over TP, CP's over CP
             after_sync=after_sync,
             after_step=after_step,
         )
@@ -155,10 +156,9 @@ class Pipeline(MeshRecipe):
     def _build(self, task, config) -> None:
         """This rank's stages of the task's GPT (its TP slices when tp > 1), the others'
         parameters released (parallel/pipeline/mesh_stages.py)."""
-        sp, rc, mesh = config.sequence_parallel, config.recompute, self.mesh
-        self.net = net = MeshStages(
-            task.model, mesh, self.schedule, recompute=rc, sequence_parallel=sp
-        )
+        self.net = net = MeshStages(task.model, self.mesh, self.schedule, zigzag=cp_zigzag(config),
+                                    recompute=config.recompute, cp_algo=config.cp_algo,
+                                    sequence_parallel=config.sequence_parallel)  # fmt: skip
         self.stages, self.model, self.params = net.stages, net.model, net.params
         self.sharded, self.replicated = net.sharded, net.replicated
 

@@ -181,7 +181,7 @@ def cp_zigzag(config) -> bool:
 def check_context_parallel(config) -> None:
     """--cp C (--strategy hybrid, the GPT: their flags' metadata): a sequence that splits
     into C (2C zig-zag) chunks, heads that split over C for Ulysses, no attention dropout;
-    with the pipeline, ZeRO or sequence parallelism, not yet."""
+    with ZeRO or sequence parallelism, not yet (the pipeline: yes)."""
     C = config.cp
     if C < 1:
         raise BadConfig(f"--cp must be >= 1 (1: no context parallelism), got {C}")
@@ -201,7 +201,7 @@ def check_context_parallel(config) -> None:
     if config.dropout > 0:
         raise BadConfig(f"--cp {C} with --dropout {config.dropout}: context parallelism "
                         "computes no attention probabilities to drop; use --dropout 0")  # fmt: skip
-    for flag, given in (("--pp", config.pp > 1), ("--zero-stage", config.zero_stage > 0),
+    for flag, given in (("--zero-stage", config.zero_stage > 0),
                         ("--sequence-parallel", config.sequence_parallel)):  # fmt: skip
         if given:
             raise BadConfig(f"--cp {C} with {flag} is not yet supported: drop one")

@@ -13,17 +13,21 @@ Read in this order:
     gpt.py             ContextParallel: a GPT with its sequence split over the group (its
                        positions embedded, its attention swapped, the loss and gradients
                        summed over the group)
+    stages.py          StagesOverCP: the same changes on a pipeline's stages (the first's
+                       embed, the last's loss), for MeshStages on a mesh with cp > 1
 """
 
 from minidp.parallel.context_parallel.gpt import ContextParallel, ContextParallelAttention
 from minidp.parallel.context_parallel.layout import SequenceLayout
 from minidp.parallel.context_parallel.ring import RingWork, ring_attention, ring_bytes
+from minidp.parallel.context_parallel.stages import StagesOverCP
 from minidp.parallel.context_parallel.ulysses import ulysses_attention, ulysses_bytes
 
 __all__ = [
     "ContextParallel",
     "ContextParallelAttention",
     "SequenceLayout",
+    "StagesOverCP",
     "RingWork",
     "ring_attention",
     "ring_bytes",

@@ -1,6 +1,6 @@
-"""MeshStages: a GPT cut into pipeline stages over a mesh's PP axis, TP inside each stage,
-what a data-parallel axis (DDP, or ZeRO-1 over TP shards) then wraps (Megatron-LM's 3-D
-placement, Narayanan et al. 2021, as one piece):
+"""MeshStages: a GPT cut into pipeline stages over a mesh's PP axis, TP inside each stage
+and its sequence split over the CP axis, what a data-parallel axis (DDP, or ZeRO-1 over TP
+shards) then wraps (Megatron-LM's 3-D placement, Narayanan et al. 2021, as one piece):
 
     mesh = Mesh(dp=2, tp=2, pp=2)
     schedule = build_schedule("1f1b", pp=2, micro_batches=4)
@@ -10,12 +10,19 @@ placement, Narayanan et al. 2021, as one piece):
     TensorParallelGPT on tp_group    each rank's TP slice of every layer (tp > 1 only)
     split_model(..., pp x V)         the parts; stage s on pp rank s % pp, the others'
                                      parameters released (split.py)
+    StagesOverCP on cp_group         each rank's T/C positions: its attention, embedded
+                                     positions, batch and loss (cp > 1 only;
+                                     parallel/context_parallel/stages.py)
     PipelineStage per stage          its messages on pp_group (stage.py)
 
-Then, around the data-parallel sync: `sum_partial()` (sequence parallelism: each TP rank's
-replicated gradients cover its T/tp positions), `sync_replicated(take_rank0)` (TP's
+Then `batch(whole_batch)` (what the pipeline's step reads: this rank's positions of the
+examples), and around the data-parallel sync: `before_sync` (the hooks the step runs
+before it: `sum_partial()` under sequence parallelism, each TP rank's replicated
+gradients covering its T/tp positions; the CP group's sum of every gradient, each CP
+rank's covering its T/C positions), `sync_replicated(take_rank0)` (TP's
 replicated gradients alike), `norm(kind)` (each shard counted once: the square sums over TP,
-then over PP), and `gather_into(gpt)`, the whole model back on every rank.
+then over PP), and `gather_into(gpt)`, the whole model back on every rank (its attention
+whole-sequence again).
 """
 
 import math
@@ -25,6 +32,7 @@ import numpy as np
 from minidp import comm
 from minidp.engine import functional
 from minidp.parallel.across_ranks import stand_in
+from minidp.parallel.context_parallel.stages import StagesOverCP
 from minidp.parallel.pipeline.split import RankStages, gather_stages, split_model
 from minidp.parallel.pipeline.stage import PipelineStage
 from minidp.parallel.tensor_parallel.gpt import TensorParallelGPT, whole_arrays
@@ -35,9 +43,11 @@ class MeshStages:
     """This rank's stages of `gpt` under `schedule` on `mesh` (see the module docstring).
     Attributes: `stages` {stage index: PipelineStage}, `model` (a RankStages of their
     parts: what DDP or ZeRO wraps), `params`, `sharded` and `replicated` (TP-split or
-    whole), `tp_model` (None at tp = 1)."""
+    whole), `tp_model` (None at tp = 1), `cp` (the StagesOverCP, None at cp = 1),
+    `before_sync` (hooks). `cp_algo`, `zigzag`: ContextParallelAttention's."""
 
-    def __init__(self, gpt, mesh, schedule, *, recompute=False, sequence_parallel=False):
+    def __init__(self, gpt, mesh, schedule, *, recompute=False, sequence_parallel=False,
+                 cp_algo="ring", zigzag=False):  # fmt: skip
         self.mesh, self.schedule = mesh, schedule
         S, rank = schedule.num_stages, mesh.pp_group.rank
         self.tp_model, model = None, gpt
@@ -47,6 +57,10 @@ class MeshStages:
             )
         self.parts = split_model(model, S, recompute=recompute)
         loss_fn = self.tp_model.criterion if self.tp_model else functional.cross_entropy
+        self.cp = None
+        if mesh.cp > 1:
+            self.cp = StagesOverCP(self.parts, mesh.cp_group, cp_algo, zigzag)
+            loss_fn = self.cp.loss(loss_fn)
         self.stages = {
             s: PipelineStage(self.parts[s], s, S, mesh.pp_group, loss_fn=loss_fn)
             for s in schedule.stages_of(rank)
@@ -61,6 +75,14 @@ class MeshStages:
         split = [p.placement.axis is not None if self.tp_model else False for p in self.params]
         self.sharded = [p for p, s in zip(self.params, split) if s]
         self.replicated = [p for p, s in zip(self.params, split) if not s]
+        self.before_sync = [self.sum_partial] if self.tp_model and sequence_parallel else []
+        if self.cp:
+            self.before_sync.append(lambda: self.cp.finish_gradient_sync(self.params))
+
+    def batch(self, whole_batch):
+        """What the step reads, `whole_batch(indices) -> (inputs, targets)`: whole
+        sequences, or with cp > 1 this rank's positions of them."""
+        return self.cp.batch(whole_batch) if self.cp else whole_batch
 
     def sum_partial(self) -> None:
         """Sequence parallelism, after the schedule and before the DP sync: each TP rank's
@@ -82,7 +104,10 @@ class MeshStages:
 
     def gather_into(self, gpt) -> None:
         """Collective: each stage's parameters whole over TP, then broadcast from its pp
-        rank into `gpt`, on every rank."""
+        rank into `gpt`, on every rank; its attention layers whole-sequence again (at
+        tp = 1 the stages' layers are gpt's own)."""
+        if self.cp:
+            self.cp.restore_attention()
         if self.tp_model:
             whole = whole_arrays(self.params, self.mesh.tp_group)
         else:
