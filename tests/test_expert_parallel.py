@@ -4,13 +4,15 @@ with ExpertParallel, each rank on its batch slice, against the same model in one
 over the global batch: the loss, the experts' load and every parameter (1e-10). With a
 capacity factor the one-process model cuts the batch into one capacity group per rank, so it
 drops exactly the tokens the ranks drop. At 2 ranks EP 2; at 4 ranks EP 4, and dp 4 x ep 2.
-Then the all-to-all bytes against the formula, and the groups."""
+Then the all-to-all bytes against the formula, the groups, and a checkpoint of the pieces
+(get_state_dict / save at EP 2, load / set_state_dict in one process)."""
 
 import numpy as np
 import pytest
 
 from minidp import comm, cross_entropy, nn, optim
 from minidp.models.moe import expert_load, load_balancing_loss, moe_layers
+from minidp.parallel import checkpoint
 from minidp.parallel.experts import ExpertParallel, alltoall_bytes, expert_groups
 
 F64 = np.float64
@@ -114,3 +116,44 @@ def test_ep_must_divide_the_data_parallel_ranks_and_the_experts():
         expert_groups(world, world.size + 1)
     with pytest.raises(ValueError, match="no MoE layer"):
         ExpertParallel(nn.GPT(config(1, 0.0, n_experts=0), seed=1), world)
+
+
+@pytest.mark.parallel(nprocs=[2])
+@pytest.mark.timeout(120)
+def test_a_checkpoint_at_ep_2_loads_into_one_process(tmp_path_factory):
+    """get_state_dict / save at EP 2 on 2 ranks, after 2 of 3 steps; load / set_state_dict
+    in one process (each expert read from the shard of the rank that saved it): the last
+    step ends where the one process's 3 steps end (1e-10)."""
+    world, cfg = comm.world(), config(2, 0.0)
+    want = one_process(cfg, world.size)[2]
+    path = (str(tmp_path_factory.mktemp("ep")) if world.rank == 0 else "") + "/step_2"
+    path = comm.broadcast_text(path, root=0, group=world)
+    model = ExpertParallel(nn.GPT(cfg, seed=1, dtype=F64), world, ep=2)
+    opt = optim.AdamW(model.parameters(), lr=1e-2)
+    mine = slice(world.rank * PER_RANK, (world.rank + 1) * PER_RANK)
+    for x, y in batches(world.size)[:2]:
+        opt.zero_grad()
+        (cross_entropy(model(x[mine]), y[mine]) + load_balancing_loss(model.module)).backward()
+        model.finish_gradient_sync()
+        opt.step()
+    model_sd, optim_sd = checkpoint.get_state_dict(model, opt)
+    assert ("blocks.0.moe.experts.3.fc.weight" in model_sd) == (world.rank == 1)  # its own
+    checkpoint.save({"model": model_sd, "optim": optim_sd}, path, world, step=2)
+    model.close()
+    alone = world.split(0 if world.rank == 0 else None)
+    if alone is None:
+        return
+    net = nn.GPT(cfg, seed=7, dtype=F64)  # other weights: every one must load
+    for _, layer in moe_layers(net):
+        layer.capacity_groups = world.size
+    opt = optim.AdamW(net.parameters(), lr=1e-2)
+    model_sd, optim_sd = checkpoint.get_state_dict(net, opt)
+    state = {"model": model_sd, "optim": optim_sd}
+    checkpoint.load(state, path, alone)
+    checkpoint.set_state_dict(net, opt, model_state_dict=model_sd, optim_state_dict=optim_sd)
+    x, y = batches(world.size)[2]
+    opt.zero_grad()
+    (cross_entropy(net(x), y) + load_balancing_loss(net)).backward()
+    opt.step()
+    for name, p in net.named_parameters():
+        np.testing.assert_allclose(p.data, want[name].data, rtol=1e-10, atol=1e-13, err_msg=name)

@@ -59,13 +59,14 @@ from minidp.tools.chunks import chunk_bounds
 
 
 class Call(NamedTuple):
-    axis: str  # "dp", "tp", "pp" or "cp"
+    axis: str  # "dp", "tp", "pp", "cp" or "ep"
     collective: str
     algo: str
     n: int  # elements (the gathered whole for allgather, the whole vector for reduce_scatter)
     itemsize: int
     phase: str  # "forward", "backward" or "after"
     in_place: bool = False  # an allgather into the array that holds this rank's chunk
+    ranks: int = 0  # the group's size, where not the axis's: an expert-DP group (experts.py)
     # collective "p2p": one point-to-point message of n elements (the ring's hops)
 
 

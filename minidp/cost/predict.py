@@ -8,8 +8,8 @@ The step model is minidp/cost/step.py (pure Python); this module feeds it from a
 (the pipeline's: predict_pp.py, the parameter server's: predict_ps.py):
 
     layout      the flags (--strategy, --dp, --tp, --cp, --cp-algo, --zero-stage, --grad-accum,
-                --allreduce, --bucket-mb, --overlap, --compress, --sequence-parallel) on N
-                ranks
+                --allreduce, --bucket-mb, --overlap, --compress, --sequence-parallel; the
+                experts': predict_experts.py) on N ranks
                 (--world, or mpiexec's -n)
     shapes      the GPT's (cost.calls.gpt_shapes: no model built for the sizes)
     compute     measured here, one process: the whole model's forward, backward and
@@ -41,6 +41,7 @@ import numpy as np
 from minidp import comm
 from minidp.cli.training.config import BadConfig
 from minidp.cost.calls import gpt_shapes
+from minidp.cost.experts import moe_shapes
 from minidp.cost.predict_compress import check_compress, compressor_seconds, spelled_out
 from minidp.cost.predict_compute import measure_compute, runs_alone
 from minidp.cost.step import Compute, Layout, Network, fixed_part, predict
@@ -65,8 +66,10 @@ def layout_of(config, world: int) -> Layout:
         )
     if config.prune:
         raise BadConfig("predict does not model --prune yet")
-    if config.experts:  # a --json run's record then holds no prediction
-        raise BadConfig("predict does not model --experts (the MoE GPT, its all-to-alls) yet")
+    if config.experts:  # cost/predict_experts.py: ExpertParallel's all-to-alls
+        from minidp.cost.predict_experts import experts_layout
+
+        return experts_layout(config, world)
     if config.compress != "none":
         check_compress(config)  # cost/predict_compress.py
     if uses_pipeline(config):  # cost/predict_pp.py
@@ -158,6 +161,9 @@ def run_prediction(
     vocab = task.model.config.vocab_size
     tp_rank = rank % layout.tp  # mesh rank (d·cp + c)·tp + t: its TP shard's, its own bytes
     shapes = gpt_shapes(config.n_layer, config.n_embd, vocab, config.block_size, layout.tp, tp_rank)
+    if layout.experts:  # this rank's E/ep experts a MoE block
+        shapes = moe_shapes(config.n_layer, config.n_embd, vocab, config.block_size,
+                            layout.experts, layout.ep)  # fmt: skip
     with threadpool_limits(limits=threads, user_api="blas"):
         compute = measured or measure_alone(task, config, examples, layout.tp)
         if layout.compress != "none":  # on the whole model's buckets; a TP shard has fewer
@@ -216,6 +222,7 @@ def describe(prediction, layout: Layout, world: int, source: str, cores: int) ->
         + (f" x pp {layout.pp}" if layout.pp > 1 else "")
         + (f" x cp {layout.cp} ({layout.cp_algo})" if layout.cp > 1 else "")
         + (f", ZeRO stage {layout.zero_stage}" if layout.zero_stage else "")
+        + (f", ep {layout.ep}" if layout.experts else "")
         + (", sequence parallel" if layout.sequence_parallel else "")
     )
     ps = layout.strategy == "ps"
@@ -256,6 +263,7 @@ def describe(prediction, layout: Layout, world: int, source: str, cores: int) ->
 def main(argv: list[str]) -> int:
     """`python -m minidp predict [train flags] [--world N] [--calibration FILE]`."""
     from minidp.cli.commands import train_parser
+    from minidp.cost.predict_experts import assumed_slots
     from minidp.tools.log import die, print0
 
     parser = train_parser()
@@ -274,6 +282,8 @@ def main(argv: list[str]) -> int:
     except BadConfig as error:
         raise die(str(error)) from None
     print0(describe(prediction, layout, world, source, cores))
+    if layout.experts:  # which S the ep bytes assume (cost/experts.py)
+        print0(assumed_slots(config, layout))
     if config.json and comm.world().rank == 0:
         with open(config.json, "w") as f:
             record = {"world_size": world, "strategy": config.strategy}

@@ -41,9 +41,12 @@ The model of one step on one rank, term by term:
 Bytes by axis are exact for dp, zero 1-3, tp and hybrid, with --compress and with
 --sequence-parallel too (the pipeline's: cost/pp_step.py): minidp.cost.sent
 of every call, summed per axis, as the run's `bytes_sent_by_axis` counts them for rank
-`rank` (tests/test_cost_step.py checks against real runs). Memory per rank: the parameters,
-gradients and AdamW moments this rank holds (zero.py's table on this rank's TP shard) and
-the activations estimate of memory.py (sequence parallelism splits its LayerNorms' part).
+`rank` (tests/test_cost_step.py checks against real runs). A MoE GPT (Layout.experts:
+ExpertParallel's calls, cost/experts.py): the dp bytes exact, the ep bytes exact where its
+slots S are the capacity, a lower bound when dropless (the routing decides S). Memory per
+rank: the parameters, gradients and AdamW moments this rank holds (zero.py's table on this
+rank's TP shard) and the activations estimate of memory.py (sequence parallelism splits its
+LayerNorms' part).
 """
 
 from typing import NamedTuple
@@ -57,6 +60,7 @@ from minidp.cost.calls import (
     data_parallel,
     tensor_parallel,
 )
+from minidp.cost.experts import Experts, expert_parallel
 from minidp.tools.chunks import chunk_bounds
 from minidp.tools.meter import AXES
 
@@ -85,6 +89,8 @@ class Layout(NamedTuple):
     sequence_parallel: bool = False  # tp > 1: f and g as allgathers and reduce-scatters along T
     cp: int = 1  # context-parallel ranks: T/cp positions each (mesh rank (d·cp + c)·tp + t)
     cp_algo: str = "ring"  # --cp-algo: ring attention's hops or Ulysses' all-to-alls
+    ep: int = 1  # expert-parallel ranks, carved out of the DP ranks (cost/experts.py)
+    experts: Experts | None = None  # a MoE GPT under ExpertParallel: its calls replace DDP's
 
 
 class Compute(NamedTuple):
@@ -173,6 +179,8 @@ def step_calls(layout: Layout, shapes: Shapes, itemsize: int, batch_size: int, d
         )
     bounds = chunk_bounds(batch_size, layout.dp)
     examples = bounds[dp_rank + 1] - bounds[dp_rank]
+    if layout.experts is not None:  # ExpertParallel, not DDP: tp = cp = 1
+        return expert_parallel(layout, shapes, itemsize, examples)
     return (
         data_parallel(layout, shapes, itemsize)
         + tensor_parallel(layout, shapes, itemsize, examples)
@@ -183,18 +191,18 @@ def step_calls(layout: Layout, shapes: Shapes, itemsize: int, batch_size: int, d
 def bytes_by_axis(layout: Layout, shapes: Shapes, itemsize: int, batch_size: int, rank=0):
     """{axis: bytes} mesh rank `rank` ((d·cp + c)·tp + t) sends in one step: exact."""
     (d, c), t = divmod(rank // layout.tp, layout.cp), rank % layout.tp
-    sizes = {"dp": layout.dp, "tp": layout.tp, "pp": layout.pp, "cp": layout.cp}
-    coordinate = {"dp": d, "tp": t, "pp": 0, "cp": c}
+    sizes = {"dp": layout.dp, "tp": layout.tp, "pp": layout.pp, "cp": layout.cp, "ep": layout.ep}
+    coordinate = {"dp": d, "tp": t, "pp": 0, "cp": c, "ep": d % layout.ep}
     sent = dict.fromkeys(AXES, 0)
     for call in step_calls(layout, shapes, itemsize, batch_size, d):
-        p = sizes[call.axis]
+        p = call.ranks or sizes[call.axis]
+        where = d // layout.ep if call.ranks else coordinate[call.axis]  # expert-DP: d // ep
         if call.collective == "p2p":
             sent[call.axis] += call.n * call.itemsize if p > 1 else 0
         elif p > 1:
-            c = cost.sent(
-                call.collective, call.algo, p, coordinate[call.axis], call.n, call.itemsize
-            )
-            sent[call.axis] += c.bytes
+            sent[call.axis] += cost.sent(
+                call.collective, call.algo, p, where, call.n, call.itemsize
+            ).bytes
     return sent
 
 
@@ -230,7 +238,7 @@ def predict(
     """The predicted step of `layout` on mesh rank `rank` (`shapes`: its TP shard's): its
     calls timed, its bytes and memory, with rank 0's examples. The module docstring says each
     term."""
-    sizes = {"dp": layout.dp, "tp": layout.tp, "pp": layout.pp, "cp": layout.cp}
+    sizes = {"dp": layout.dp, "tp": layout.tp, "pp": layout.pp, "cp": layout.cp, "ep": layout.ep}
     world = layout.dp * layout.tp * layout.pp * layout.cp
     stretch = max(1.0, world / net.cores) if net.cores else 1.0
     examples = chunk_bounds(batch_size, layout.dp)[1]
@@ -243,7 +251,7 @@ def predict(
     optimizer = compute.optimizer_s * stepped / compute.params
     comm = hideable = 0.0  # hideable: the DP axis's reductions during backward
     for call in step_calls(layout, shapes, itemsize, batch_size):
-        seconds = call_time(call, sizes[call.axis], net)
+        seconds = call_time(call, call.ranks or sizes[call.axis], net)
         comm += seconds
         if call.axis == "dp" and call.phase == "backward":
             hideable += seconds

@@ -65,13 +65,10 @@ class Experts(Recipe):
     def state_dict(self) -> dict:  # each expert under its name in the whole model
         return dict(zip(("model", "optimizer"), get_state_dict(self.ep, self.optimizer)))
 
-    def state_layout(self) -> dict:  # the experts each rank's own: the loop's reads of another
-        layout = declared(self.state_dict())[1]  # layout take one shard's tree (store._load)
-        return {path: where for path, where in layout.items() if ".experts." not in path}
+    def state_layout(self) -> dict:  # each expert whole on the ranks that hold it: another
+        return declared(self.state_dict())[1]  # --ep reads it from theirs (reshard.cut_tree)
 
-    def load_state_dict(self, state: dict) -> None:
-        if state["model"].keys() != get_state_dict(self.ep)[0].keys():  # another rank's experts
-            raise ValueError("saved at another --ep or world size: the experts reshard nowhere yet")
+    def load_state_dict(self, state: dict) -> None:  # my experts' keys; others' are left
         model, optimizer = state["model"], state["optimizer"]
         set_state_dict(self.ep, self.optimizer, model_state_dict=model, optim_state_dict=optimizer)
 

@@ -24,6 +24,7 @@ import numpy as np
 
 from minidp.engine.precision import named_dtype
 from minidp.parallel.checkpoint.shards import CheckpointError, read_shard
+from minidp.parallel.checkpoint.tree import put, unflatten
 
 
 class LayoutMismatch(CheckpointError):
@@ -105,8 +106,11 @@ def assemble(name: str, manifest: dict, layout: dict, here_words: str, path: str
             f"that layout, not over {here_words}"
         )
     here = layout.get(name) or declared_under(layout, name)
-    source = next(iter(reads))  # the shard read for the tree: any replica is as good
-    if saved.get("replicated"):
+    if saved.get("replicated"):  # whole on the ranks `on` names: one read already, or the first
+        on = saved.get("on", list(range(manifest["world_size"])))
+        source = next((rank for rank in reads if rank in on), on[0])
+        if source not in reads:
+            reads[source] = read_shard(path, manifest["shards"][source])[0]
         whole = reads[source][name]
         if not isinstance(layout.get(name), dict):  # held whole here too
             return whole
@@ -144,6 +148,24 @@ def assemble(name: str, manifest: dict, layout: dict, here_words: str, path: str
     if not covered.all():
         raise LayoutMismatch(f"{where}: no shard holds part of what {here_words} needs here")
     return out
+
+
+def cut_tree(path: str, manifest: dict, layout: dict, here_words: str, rank: int):
+    """This rank's state tree under `layout`, another layout than the one saved: shard
+    (rank mod the ranks saved)'s tree, each of its arrays cut for this rank (assemble), and
+    each array `layout` declares that this shard lacks put in at its path, taken from a shard
+    that holds it: a key saved by any rank is read by any (an expert that another EP rank
+    saved). What the shard holds and `layout` does not declare comes as it was saved."""
+    source = rank % manifest["world_size"]
+    arrays, skeleton = read_shard(path, manifest["shards"][source])
+    reads = {source: dict(arrays)}
+    for name in list(arrays):
+        arrays[name] = assemble(name, manifest, layout, here_words, path, reads)
+    state = unflatten(arrays, skeleton)
+    for name in manifest["tensors"]:
+        if name not in arrays and (name in layout or declared_under(layout, name)):
+            put(state, name, assemble(name, manifest, layout, here_words, path, reads))
+    return state
 
 
 def cut(name: str, saved: dict, want, own, shard, manifest: dict) -> np.ndarray:

@@ -43,7 +43,7 @@ from minidp import comm
 from minidp.engine.precision import dtype_name as named
 from minidp.parallel.checkpoint.reshard import (
     LayoutMismatch,
-    assemble,
+    cut_tree,
     declared_under,
     describe_layout,
 )
@@ -263,16 +263,12 @@ def _load(path: str, manifest: dict, group: comm.Group, layout, here: str):
             f"{path} was saved over {describe_layout(manifest)}; {here} says nothing of how "
             "its state is cut: cannot reshard"
         )
-    arrays, skeleton = read_shard(path, shards[group.rank % saved])  # the scalars, the tree
-    reads = {group.rank % saved: dict(arrays)}
-    for name in list(arrays):
-        arrays[name] = assemble(name, manifest, layout, here, path, reads)
-    return state_of(arrays, skeleton)
+    return cut_tree(path, manifest, layout, here, group.rank)  # reshard.py
 
 
 def _place_of(tensor: dict, rank: int) -> dict:
-    if tensor.get("replicated"):
-        return {"replicated": True}
+    if tensor.get("replicated"):  # on this rank's shard, or not there (another's expert)
+        return {"replicated": True} if rank in tensor.get("on", [rank]) else {}
     if "held" in tensor:
         return {"slice": {"shape": tensor["shape"], **tensor["held"][rank]}}
     return {}

@@ -68,6 +68,18 @@ def join_path(path: str, key) -> str:
     return f"{path}/{part}" if path else part
 
 
+def put(state: dict, path: str, value) -> None:
+    """Set the leaf at `path` ("a/b/c": state["a"]["b"]["c"]) of a tree of dicts to `value`,
+    making the dicts on the way that are not there yet (each key matched by its path name)."""
+    *parents, last = path.split("/")
+    for part in parents:
+        if not isinstance(state, dict):
+            raise TypeError(f"{path}: {part!r} is under a {type(state).__name__}, not a dict")
+        key = next((k for k in state if join_path("", k) == part), part)
+        state = state.setdefault(key, {})
+    state[last] = value
+
+
 def unflatten(arrays, skeleton: dict):
     """The state tree back from `flatten`'s two halves (`arrays` any mapping by path)."""
     if "array" in skeleton:
