@@ -4,7 +4,8 @@ loss, validation loss (the gathered model) and parameter L2 to 1e-10 relative (f
 the cp axis in the record and the header; the cp bytes the cost model predicts equal to
 what the run counts; inside the pipeline (--pp: dp x cp x pp and cp x pp x tp at 8 ranks,
 cp x pp at 4), equal to one process too, the cp bytes counted (the cost model refuses
---cp with --pp); and the refusals, one line each before any message. The pieces
+--cp with --pp); checkpoints that reshard (cp 2 -> 2, cp 2 -> dp 1 and dp 2, dp 1 -> cp 2,
+dp 2 x cp 2 -> tp 2 x cp 2); and the refusals, one line each before any message. The pieces
 themselves (ring_attention, ulysses_attention, ContextParallel) are tested in
 tests/test_context_parallel.py."""
 
@@ -107,6 +108,43 @@ def test_cp_inside_the_pipeline_trains_like_one_process(ranks, mesh, sizes, tmp_
     assert by_axis["cp"] > 0 and by_axis["pp"] > 0
     assert (by_axis["tp"] > 0) == (sizes["tp"] > 1) and (by_axis["dp"] > 0) == (sizes["dp"] > 1)
     assert "predicted_bytes_by_axis" not in final  # predict refuses --cp with --pp
+
+
+def alone(**more) -> dict:
+    """TINY on one process (a group of one), `more` flags changed."""
+    solo = comm.world().split(0)
+    try:
+        return train(TrainConfig(**{**TINY, **more}), solo)
+    finally:
+        solo.free()
+
+
+@pytest.mark.timeout(300)
+def test_a_checkpoint_resumes_at_its_cp_and_at_another_cp(tmp_path, capsys):
+    """Saved after 2 of 4 steps and resumed as a run of 4 (float64, 1e-10 of one process):
+    cp 2 at its layout; in one process and over dp 2 (CP 2 -> 1: the model and its moments
+    are whole on every CP rank, declared replicated or a TP slice of one); one process into
+    cp 2 (CP 1 -> 2); dp 2 x cp 2 into tp 2 x cp 2 (the TP slices cut from the whole)."""
+    straight = alone(steps=4)
+    four = ["--steps", "4", "--save-every", "2"]
+    for ranks, mesh in ((2, ["--cp", "2"]), (4, ["--dp", "2", "--cp", "2"])):
+        hybrid(tmp_path, *mesh, *four, "--save-dir", str(tmp_path / f"ckpt{ranks}"), ranks=ranks)
+    alone(steps=4, strategy="hybrid", dp=1, save_dir=str(tmp_path / "ckpt1"), save_every=2)
+    saved = {n: str(tmp_path / f"ckpt{n}" / "step_000002") for n in (1, 2, 4)}
+    capsys.readouterr()
+    resumed = {"cp 2 -> 1": (alone(steps=4, strategy="hybrid", dp=1, resume=saved[2]),
+                             capsys.readouterr().out)}  # fmt: skip
+    for case, ranks, mesh, path in (
+        ("cp 2 -> 2", 2, ["--cp", "2"], saved[2]),
+        ("cp 2 -> dp 2", 2, ["--dp", "2"], saved[2]),
+        ("cp 1 -> 2", 2, ["--cp", "2"], saved[1]),
+        ("dp 2 x cp 2 -> tp 2 x cp 2", 4, ["--tp", "2", "--cp", "2"], saved[4]),
+    ):
+        resumed[case] = hybrid(tmp_path, *mesh, "--steps", "4", "--resume", path, ranks=ranks)
+    for case, (run, stdout) in resumed.items():
+        assert "at step 2" in stdout, case  # resumed, not trained again from step 0
+        for key in ("final_loss", "val_loss", "param_l2"):
+            assert run[key] == pytest.approx(straight[key], rel=1e-10), (case, key)
 
 
 def test_predict_refuses_cp_with_pp(capsys):
