@@ -1,6 +1,7 @@
 """Mixture of experts and expert parallelism from the command line (`--experts E --ep N`
 under --strategy dp and hybrid): at 2 and 4 ranks, EP 2 and 4, top-1 and top-2, dropless,
-each equal to one process `--experts E` in final loss, validation loss (the gathered model)
+and under TP (hybrid dp 2 x tp 2 x ep 2 at 4 ranks, dp 4 x tp 2 x ep 2 at 8), each equal to
+one process `--experts E` in final loss, validation loss (the gathered model)
 and parameter L2 to 1e-10 relative (float64), with the same experts' load; a capacity
 factor at EP 2 equal to EP 1 over the same ranks (each rank one capacity group either way:
 the one-process run with the ranks' capacity groups is tests/test_expert_parallel.py's);
@@ -59,6 +60,11 @@ RUNS = [  # (ranks, flags)
     (4, ["--ep", "2"]),
     (4, ["--ep", "4", "--moe-top-k", "2"]),
     (2, ["--strategy", "hybrid", "--dp", "2", "--ep", "2"]),
+    # under TP: attention split over TP, each MoE layer whole on the TP ranks, its experts
+    # over EP groups of the DP ranks at one TP coordinate (parallel/tensor_parallel/mesh_gpt.py)
+    (4, ["--strategy", "hybrid", "--dp", "2", "--tp", "2", "--ep", "2"]),
+    (4, ["--strategy", "hybrid", "--dp", "2", "--tp", "2", "--ep", "2", "--moe-top-k", "2"]),
+    (8, ["--strategy", "hybrid", "--dp", "4", "--tp", "2", "--ep", "2"]),
 ]
 
 
@@ -74,8 +80,12 @@ def test_an_ep_run_trains_like_one_process(ranks, flags, tmp_path, one_process):
         assert final[key] == pytest.approx(one[key], rel=1e-10), key
     assert final["max_param_diff"] == 0.0
     assert final["expert_load"]["tokens_per_expert"] == one["expert_load"]["tokens_per_expert"]
-    ep = int(flags[flags.index("--ep") + 1])
-    assert final["ep"] == ep and f"dp {ranks} x ep {ep} ({4 // ep} of 4 experts a rank)" in stdout
+    ep, tp = (int(flags[flags.index(f) + 1]) if f in flags else 1 for f in ("--ep", "--tp"))
+    header = f"dp {ranks // tp} x ep {ep} ({4 // ep} of 4 experts a rank)"
+    assert final["ep"] == ep and header in stdout
+    if tp > 1:
+        assert f"x tp {tp} (each MoE layer whole on its TP ranks)" in stdout
+        assert final["bytes_sent_by_axis"]["tp"] > 0
     assert "experts' load" in stdout
 
 
@@ -161,7 +171,8 @@ BAD = [
      "--experts is a flag of --strategy dp or hybrid, not of --strategy zero", True),
     (["--experts", "4", "--strategy", "tp"], "--experts is a flag of --strategy dp or", True),
     (["--experts", "4", "--model", "mlp"], "--experts is a flag of --model gpt", True),
-    (["--strategy", "hybrid", "--tp", "2"], "--experts with --tp is not yet supported", True),
+    (["--strategy", "hybrid", "--tp", "2", "--sequence-parallel"],
+     "--experts with --sequence-parallel is not yet supported", True),
     (["--strategy", "hybrid", "--pp", "2"], "--experts with --pp is not yet supported", True),
     (["--strategy", "hybrid", "--cp", "2"], "--experts with --cp is not yet supported", True),
     (["--strategy", "hybrid", "--zero-stage", "1"], "with --zero-stage is not yet", True),

@@ -3,7 +3,9 @@ block 16, E = 4, top-1 and top-2, dropless and with a capacity factor) trained 3
 with ExpertParallel, each rank on its batch slice, against the same model in one process
 over the global batch: the loss, the experts' load and every parameter (1e-10). With a
 capacity factor the one-process model cuts the batch into one capacity group per rank, so it
-drops exactly the tokens the ranks drop. At 2 ranks EP 2; at 4 ranks EP 4, and dp 4 x ep 2.
+drops exactly the tokens the ranks drop. At 2 ranks EP 2; at 4 ranks EP 4, and dp 4 x ep 2,
+and under tensor parallelism dp 2 x tp 2 x ep 2 (MeshGPT: each MoE layer whole on its TP
+ranks, the experts over EP groups of the DP ranks), the gathered model and its norm too.
 Then the all-to-all bytes against the formula, the groups, and a checkpoint of the pieces
 (get_state_dict / save at EP 2, load / set_state_dict in one process)."""
 
@@ -14,6 +16,8 @@ from minidp import comm, cross_entropy, nn, optim
 from minidp.models.moe import expert_load, load_balancing_loss, moe_layers
 from minidp.parallel import checkpoint
 from minidp.parallel.experts import ExpertParallel, alltoall_bytes, expert_groups
+from minidp.parallel.mesh import Mesh
+from minidp.parallel.tensor_parallel.mesh_gpt import MeshGPT
 
 F64 = np.float64
 STEPS, PER_RANK = 3, 2
@@ -80,6 +84,44 @@ def test_expert_parallel_equals_one_process_over_the_global_batch():
         for top_k in (1, 2):
             for capacity_factor in (0.0, 1.0):
                 check_expert_parallel(ep, top_k, capacity_factor)
+
+
+@pytest.mark.parallel(nprocs=[4])
+@pytest.mark.timeout(120)
+def test_experts_over_dp_with_the_moe_whole_on_each_tp_rank_equal_one_process():
+    """dp 2 x tp 2 x ep 2: attention split over TP, the MoE layers replicated over TP, their
+    experts spread over the DP ranks at one TP coordinate; each DP coordinate one capacity
+    group, as one process with 2 capacity groups."""
+    mesh = Mesh(dp=2, tp=2)
+    d = mesh.coords["dp"]
+    mine = slice(d * PER_RANK, (d + 1) * PER_RANK)
+    for top_k, capacity_factor in ((1, 0.0), (2, 1.0)):
+        cfg = config(top_k, capacity_factor)
+        want_losses, want_loads, want = one_process(cfg, mesh.dp)
+        gpt = nn.GPT(cfg, seed=1, dtype=F64)
+        net = MeshGPT(gpt, mesh, ep=2)
+        assert [len(layer.experts) for _, layer in net.experts.layers] == [2, 2]
+        opt = optim.AdamW(net.model.parameters(), lr=1e-2)
+        case = f"dp 2 x tp 2 x ep 2, top-{top_k}, capacity factor {capacity_factor}"
+        for step, (x, y) in enumerate(batches(mesh.dp)):
+            opt.zero_grad()
+            loss = net.loss(x[mine], y[mine]) + load_balancing_loss(net.model)
+            loss.backward()
+            net.experts.finish_gradient_sync()  # experts over expert-DP, the rest over DP
+            net.after_dp_sync(take_rank0=False)  # the replicated ones alike over TP
+            opt.step()
+            mean = comm.allreduce(np.array([loss.item()]), op="avg", group=mesh.dp_group)[0]
+            np.testing.assert_allclose(mean, want_losses[step], rtol=1e-10, err_msg=case)
+            assert expert_load(net.model) == want_loads[step], case
+        squares = sum(float(np.vdot(p.data, p.data)) for p in want.values())
+        assert net.norm("data") == pytest.approx(np.sqrt(squares), rel=1e-10)
+        net.gather_into(gpt)
+        for name, p in gpt.named_parameters():
+            np.testing.assert_allclose(
+                p.data, want[name].data, rtol=1e-10, atol=1e-13, err_msg=name
+            )
+        net.experts.close()
+    mesh.close()
 
 
 @pytest.mark.parallel(nprocs=[4])

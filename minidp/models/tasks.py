@@ -95,13 +95,20 @@ class Task:
         x, y = (self.x_train, self.y_train) if split == "train" else (self.x_val, self.y_val)
         return Tensor(backend.to_backend(x[indices], self.config.backend)), y[indices]
 
-    def loss(self, inputs, targets) -> Tensor:
-        loss = nn.cross_entropy(self.model(inputs), targets)
-        if self.experts and self.model.training:  # the router's balance, and its counts
-            slots = [m.load.slots for _, m in moe_layers(self.model)]  # S a layer: its bytes
-            load = {**expert_load(self.model), "slots": slots}
+    def loss(self, inputs, targets, net=None) -> Tensor:
+        """The mean cross-entropy of task.model, or of `net` (the model placed otherwise,
+        parallel/tensor_parallel/mesh_gpt.py's MeshGPT: its `loss`, its MoE layers in
+        `net.model`), plus, training with experts, their load-balancing loss."""
+        model = self.model if net is None else net.model
+        if net is None:
+            loss = nn.cross_entropy(model(inputs), targets)
+        else:
+            loss = net.loss(inputs, targets)
+        if self.experts and model.training:  # the router's balance, and its counts
+            slots = [m.load.slots for _, m in moe_layers(model)]  # S a layer: its bytes
+            load = {**expert_load(model), "slots": slots}
             self.expert_load = add_loads(self.expert_load, load)
-            loss = loss + load_balancing_loss(self.model)
+            loss = loss + load_balancing_loss(model)
         return loss
 
     def validation_loss(self, part: tuple[int, int] = (0, 1)) -> float:

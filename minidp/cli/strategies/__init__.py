@@ -11,7 +11,7 @@ over its group (tp and hybrid: over a Mesh's axes) and hands them to the one ste
     tp.py            --strategy tp and hybrid: the TP GPT, DDP or ZeRO over the DP axis
                      (parallel/zero/over_tp.py: ZeRO's chunks of TP shards)
     ps.py            --strategy ps: the parameter server's roles
-    ep.py            --strategy dp or hybrid with --experts: ExpertParallel over the group
+    ep.py            --strategy dp or hybrid with --experts: ExpertParallel over DP (x TP)
     pp.py            --strategy pp and hybrid --pp: the GPT cut into pipeline stages over
                      the mesh's PP axis, TP inside, DDP or ZeRO-1 over DP
                      (parallel/pipeline/step.py: the skeleton with the schedule inside)

@@ -13,8 +13,6 @@ Replicas stay identical bit for bit, so the norm of the gradient and of the para
 the same on every rank: each computes them alone, with nothing to gather.
 """
 
-import numpy as np
-
 from minidp import comm
 from minidp.cli.strategies.ddp_axis import DDPAxis
 from minidp.cli.strategies.protocol import Recipe
@@ -39,10 +37,6 @@ class DataParallel(Recipe):
         self.clip_params = dp.ddp.parameters()
         self.run = dp.make_step(self.loss, self.clip, self.timeline, group)
         self.data_shard = (group.rank, group.size)
-
-    def loss(self, indices: np.ndarray):
-        """The mean loss over these examples (a Tensor, to backpropagate)."""
-        return self.task.loss(*self.task.batch(indices))
 
     def norm(self, kind: str) -> float:
         """Replicas: the local norm is the global one."""

@@ -1,8 +1,10 @@
-"""`--strategy dp|hybrid --experts E [--ep N]`: a MoE GPT under ExpertParallel over the
-whole group (parallel/experts/plain.py; docs/experts.md), which is the skeleton's gradient
+"""`--strategy dp|hybrid --experts E [--ep N]`: a MoE GPT under ExpertParallel over the DP
+group (parallel/experts/plain.py; docs/experts.md), which is the skeleton's gradient
 synchronizer itself: E/N experts a rank, all-to-alls in EP groups of N DP ranks, the
 router's counts summed over the DP group (DDP would leave each rank's own). hybrid: a
-dp x 1 mesh, the same recipe.    mpiexec -n 4 python -m minidp --experts 4 --ep 2
+dp x tp mesh; with --tp > 1 the TP GPT with each MoE layer whole on the TP ranks (MeshGPT,
+parallel/tensor_parallel/mesh_gpt.py), its replicated gradients made alike over TP after
+the sync.    mpiexec -n 8 python -m minidp --strategy hybrid --dp 4 --tp 2 --experts 4 --ep 2
 """
 
 from minidp import comm
@@ -11,10 +13,11 @@ from minidp.cli.strategies.step import check_micro_batches, step_from
 from minidp.cli.strategies.tp import check_mesh
 from minidp.cli.training.config import BadConfig
 from minidp.engine import optim
-from minidp.parallel.across_ranks import replica_spread
 from minidp.parallel.checkpoint import get_state_dict, set_state_dict
 from minidp.parallel.checkpoint.state_dict import declared
 from minidp.parallel.experts import ExpertParallel
+from minidp.parallel.mesh import Mesh
+from minidp.parallel.tensor_parallel.mesh_gpt import MeshGPT
 from minidp.tools.memory import MEMORY, count_bytes, optimizer_bytes
 
 
@@ -23,30 +26,38 @@ class Experts(Recipe):
 
     def __init__(self, task, config, group: comm.Group, timeline=None, optimizer=None):
         super().__init__(task, config, group, timeline)
-        if config.strategy == "hybrid" and check_mesh(config, group.size, task.model)[1] > 1:
-            raise BadConfig("--experts with a TP group of more than one rank is not yet "
-                            "supported: give --dp the world's size")  # fmt: skip
-        dp, N, B = group.size, config.ep, config.batch_size  # alike on every rank:
+        hybrid = config.strategy == "hybrid"
+        dp, tp = check_mesh(config, group.size, task.model)[:2] if hybrid else (group.size, 1)
+        N, B = config.ep, config.batch_size  # alike on every rank:
         if dp % N or B % dp:  # before any message
             raise BadConfig(f"--ep {N} and --batch-size {B} must divide by the {dp} DP ranks "
                             "(ExpertParallel averages equal slices)")  # fmt: skip
         check_micro_batches(config, dp)
-        self.ep = ep = ExpertParallel(task.model, group, N)
+        self.mesh = mesh = Mesh(dp=dp, tp=tp, group=group)  # tp > 1: MoE whole on TP ranks
+        self.net = MeshGPT(task.model, mesh, ep=N) if tp > 1 else None
+        self.ep = ep = self.net.experts if tp > 1 else ExpertParallel(task.model, mesh.dp_group, N)
         self.optimizer = opt = optimizer or optim.make_optimizer(
             config.optimizer, ep.parameters(), config.lr, config.weight_decay
         )
-        self.axes = {"dp": [group, ep.expert_dp_group], "ep": [ep.ep_group]}
-        self.clocks = [Exposed(g) for g in (group, ep.expert_dp_group, ep.ep_group)]
-        self.clip_params, self.norm, self.replicas = ep.parameters(), ep.norm, ep.replicas
-        self.gather_model, self.close = ep.gather_model, ep.close  # gather: all E, LocalExperts
-        self.run = step_from(config, self.loss, ep, opt, group, self.timeline, self.clip, job=group)
-        self.data_shard, self.axis = (group.rank, group.size), None  # reports: below
+        self.axes = {"dp": [mesh.dp_group, ep.expert_dp_group], "ep": [ep.ep_group],
+                     "tp": [mesh.tp_group]}  # fmt: skip
+        self.clocks = [Exposed(g) for g in (*self.axes["dp"], ep.ep_group, mesh.tp_group)]
+        reports = self.net or ep  # the norm and the replicas: each expert counted once
+        self.clip_params, self.norm, self.replicas = ep.parameters(), reports.norm, reports.replicas
+        self.run = step_from(config, self.loss, ep, opt, mesh.dp_group, self.timeline,
+                             self.clip, job=group, after_sync=[self.after_sync])  # fmt: skip
+        self.data_shard, self.axis = (mesh.dp_group.rank, dp), None  # reports: below
 
-    def loss(self, indices):
-        return self.task.loss(*self.task.batch(indices))
+    def after_sync(self) -> None:  # tp > 1: the replicated gradients alike over TP
+        if self.net is not None:
+            self.net.after_dp_sync(take_rank0=self.mesh.dp > 2)
 
-    def max_param_diff(self) -> float:  # after gather_model: every rank the whole model
-        return replica_spread([p.data for p in self.task.model.parameters()], self.group)
+    def gather_model(self) -> None:  # all E in task.model, LocalExperts
+        self.net.gather_into(self.task.model) if self.net else self.ep.gather_model()
+
+    def close(self) -> None:
+        self.ep.close()
+        self.mesh.close()
 
     def memory_bytes(self) -> dict[str, int]:
         params, groups = self.ep.parameters(), self.axes["dp"] + self.axes["ep"]
@@ -56,8 +67,9 @@ class Experts(Recipe):
         return {c: count_bytes([x for x in held[c] if x is not None]) for c in MEMORY if c in held}
 
     def describe(self) -> str:
-        E, N = self.config.experts, self.ep.ep
-        return f"expert parallel: dp {self.group.size} x ep {N} ({E // N} of {E} experts a rank)"
+        E, N, tp = self.config.experts, self.ep.ep, self.mesh.tp
+        tp = f" x tp {tp} (each MoE layer whole on its TP ranks)" if tp > 1 else ""
+        return f"expert parallel: dp {self.mesh.dp} x ep {N} ({E // N} of {E} experts a rank){tp}"
 
     def record(self) -> dict:
         return {"ep": self.ep.ep, "expert_load": self.task.expert_load}

@@ -37,7 +37,6 @@ from minidp.cli.strategies.tp import Hybrid, MeshRecipe, check_drift, hybrid_siz
 from minidp.cli.strategies.zero import check_zero, zero_options
 from minidp.cli.training.config import BadConfig
 from minidp.cli.training.scheme_checks import check_pipeline, cp_zigzag
-from minidp.parallel.across_ranks import replica_spread
 from minidp.parallel.mesh import Mesh
 from minidp.parallel.pipeline.mesh_stages import MeshStages
 from minidp.parallel.pipeline.schedules import build_schedule
@@ -176,10 +175,6 @@ class Pipeline(MeshRecipe):
 
     def gather_model(self) -> None:
         self.net.gather_into(self.task.model)
-
-    def max_param_diff(self) -> float:
-        """After gather_model: the whole model's copies (0.0: every rank holds its bits)."""
-        return replica_spread([p.data for p in self.task.model.parameters()], self.group)
 
     def describe(self) -> str:
         s, c = self.schedule, self.config

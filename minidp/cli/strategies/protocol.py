@@ -48,7 +48,7 @@ import numpy as np
 from minidp import comm
 from minidp.comm.trace import Timeline
 from minidp.engine import optim
-from minidp.parallel.across_ranks import bytes_sent
+from minidp.parallel.across_ranks import bytes_sent, replica_spread
 from minidp.parallel.step import StepResult
 from minidp.tools.memory import MEMORY, count_bytes
 
@@ -129,9 +129,19 @@ class Recipe(Strategy):
     clocks: list
     clip_params: list
     axis: Any
+    net = None  # the model placed over ranks (MeshGPT), whose loss the task's adds to
 
     def step(self, local: np.ndarray, lr: float) -> StepResult:
         return self.run(local, lr)
+
+    def loss(self, indices: np.ndarray):
+        """The mean loss over these examples (a Tensor, to backpropagate): the task's
+        model's, or `net`'s (with a MoE's load-balancing loss: models/tasks.py)."""
+        return self.task.loss(*self.task.batch(indices), net=self.net)
+
+    def max_param_diff(self) -> float:
+        """After gather_model: the whole model's copies (0.0: every rank holds its bits)."""
+        return replica_spread([p.data for p in self.task.model.parameters()], self.group)
 
     def clip(self) -> float:
         """Scale the gradients by --grad-clip / the global norm; return that norm. Under a

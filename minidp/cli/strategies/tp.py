@@ -26,8 +26,6 @@ CP group: summed there after DDP's sync (before the replicated ones are made ali
 import contextlib
 from dataclasses import replace
 
-import numpy as np
-
 from minidp import comm
 from minidp.cli.strategies.ddp_axis import DDPAxis
 from minidp.cli.strategies.protocol import Exposed, Recipe
@@ -203,9 +201,6 @@ class OnTheMesh(MeshRecipe):
             after_sync=z.after_sync,
             after_step=[*z.after_step, self.broadcast_drift],
         )
-
-    def loss(self, indices: np.ndarray):
-        return self.net.loss(*self.task.batch(indices))
 
     def after_sync(self) -> None:
         """After DDP's sync: the CP parts summed, the replicated gradients alike over TP

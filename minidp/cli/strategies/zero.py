@@ -9,14 +9,12 @@ optimizer and hooks; over a mesh's DP axis, with a TP model inside, the hybrid r
 (tp.py) builds parallel/zero/over_tp.py instead.
 """
 
-import numpy as np
-
 from minidp import comm
 from minidp.cli.strategies.protocol import Recipe
 from minidp.cli.strategies.step import OVERLAP, check_micro_batches, step_from
 from minidp.cli.training.config import BadConfig
 from minidp.engine import optim
-from minidp.parallel.across_ranks import global_l2, replica_spread
+from minidp.parallel.across_ranks import global_l2
 from minidp.parallel.zero.sharded import ALGOS
 from minidp.parallel.zero.stages import ZeROStages
 
@@ -72,10 +70,6 @@ class ZeRO(Recipe):
         )
         self.data_shard = (group.rank, group.size)
 
-    def loss(self, indices: np.ndarray):
-        """The mean loss over these examples (a Tensor, to backpropagate)."""
-        return self.task.loss(*self.task.batch(indices))
-
     def norm(self, kind: str) -> float:
         """Each rank's chunks, their squares summed over the data-parallel group."""
         return global_l2([getattr(p, kind) for p in self.pieces], shard_group=self.dp_group)
@@ -94,9 +88,7 @@ class ZeRO(Recipe):
     def max_param_diff(self) -> float:
         """Spread among the ranks of the whole model (stages 1 and 2: every rank holds it);
         0.0 at stage 3, where no two ranks hold the same parameters (as `replicas`)."""
-        if self.stage == 3:
-            return 0.0
-        return replica_spread([p.data for p in self.task.model.parameters()], self.group)
+        return 0.0 if self.stage == 3 else super().max_param_diff()
 
     def replicas(self) -> list:
         """Stages 1 and 2: every rank the whole model, updated by allgather; stage 3: shards."""

@@ -225,7 +225,8 @@ def check_experts(config) -> None:
         raise BadConfig(f"--ep {N} and --moe-top-k {config.moe_top_k} need E = --experts {E} "
                         "to divide by N and to be >= k")  # fmt: skip
     compress = (config.compress, config.compress_on) != ("none", "gradient")
-    for flag, given in (("--tp", config.tp > 1), ("--pp", config.pp > 1), ("--cp", config.cp > 1),
+    for flag, given in (("--sequence-parallel", config.sequence_parallel),
+                        ("--pp", config.pp > 1), ("--cp", config.cp > 1),
                         ("--zero-stage", config.zero_stage), ("--prune", config.prune > 0),
                         ("--compress", compress), ("--precision", config.precision != "fp32"),
                         ("--backend torch", config.backend != "numpy"), ("--recompute (the "

@@ -13,6 +13,9 @@ experts (EP rank j of the block: experts [j E/ep, (j+1) E/ep)) and swaps the lay
 dispatcher for AllToAllExperts (dispatch.py): tokens go to the rank of their expert and
 back in all-to-alls, and the router's counts are summed over the DP group. The groups are
 groups.py's: EP groups of ep consecutive DP ranks, expert-DP groups of their replicas.
+The model may be a tensor-parallel GPT whose MoE layers every TP rank holds whole: MeshGPT
+(parallel/tensor_parallel/mesh_gpt.py) wraps it over the mesh's DP group, which makes the
+replicated gradients alike over TP after this sync.
 
 The gradients, for the mean loss over the global batch (dp equal slices, each rank's loss
 the mean over its own, as in data parallelism):
@@ -173,6 +176,12 @@ class ExpertParallel:
         for name, p in self.module.named_parameters():
             if id(p) not in self.expert_params:
                 state[name] = p.data  # replicated: the same on every rank
+        return {**state, **self.whole_experts()}
+
+    def whole_experts(self) -> dict[str, np.ndarray]:
+        """Collective over the EP group: every MoE layer's E experts' parameters by their
+        names in the whole model (experts.{j E/ep + i} is EP rank j's i-th), on every rank."""
+        state = {}
         for prefix, layer in self.layers:
             for i, x in enumerate(layer.experts):
                 for pname, p in x.named_parameters():

@@ -13,6 +13,9 @@ What each rank holds (p = TP group size), and where the group talks:
     attn.proj      row-parallel, the same heads' features          g      (fwd)
     mlp.fc         column-parallel, 4C/p hidden features           f      (bwd)
     mlp.fc_proj    row-parallel, the same hidden features          g      (fwd)
+    moe            a MoE block's (models/moe/): replicated, router and experts whole
+                   (every rank has the same tokens; ExpertParallel over the DP
+                   ranks may then spread the experts, mesh_gpt.py)
     head           column-parallel over the vocabulary             f      (bwd)
                    (tied to wte: wte's own shard, logits_i = f(X) E_i^T)
     loss           vocab_parallel_cross_entropy: N-element allreduces, never the logits
@@ -40,6 +43,7 @@ from minidp.engine import nn
 from minidp.engine.recompute import checkpoint
 from minidp.engine.tensor import Tensor
 from minidp.models.gpt import GPT, Block
+from minidp.models.moe.layer import MoE
 from minidp.parallel.tensor_parallel.communications import (
     copy_to_tensor_parallel,
     gather_sequence,
@@ -49,6 +53,7 @@ from minidp.parallel.tensor_parallel.layers import (
     ColumnParallelLinear,
     ParallelAttention,
     ParallelMLP,
+    Placement,
     dropout_of_rank,
     replica,
 )
@@ -86,8 +91,20 @@ def tied_to_embedding(full: GPT) -> bool:
     return False
 
 
+def _replicated_moe(full: MoE, name: str) -> MoE:
+    """A copy of `full` held whole by every rank of the group (router and experts): every TP
+    rank has the same tokens, so each routes them alike and runs the same experts."""
+    moe = copy.deepcopy(full)
+    for pname, p in moe.named_parameters():
+        p.placement = Placement(name + pname)
+    return moe
+
+
 class ParallelBlock(nn.Module):
-    """nn.Block with parallel attention and MLP: x + attn(ln1(x)), then x + mlp(ln2(x))."""
+    """nn.Block with parallel attention and MLP: x + attn(ln1(x)), then x + mlp(ln2(x));
+    a block whose MLP is a MoE keeps it whole (`moe`, replicated): x + drop(moe(ln2(x)))."""
+
+    moe: MoE | None = None
 
     def __init__(self, full: Block, group: comm.Group, *, name: str, sequence_parallel: bool):
         sp = sequence_parallel
@@ -95,14 +112,20 @@ class ParallelBlock(nn.Module):
         self.attn = ParallelAttention(full.attn, group, name=name + "attn.", sequence_parallel=sp)
         self.ln2 = _replicated_layer_norm(full.ln2, name + "ln2.")
         fused = getattr(full, "fused", True)  # the one-process Block's choice of ops
-        self.mlp = ParallelMLP(
-            full.fc, full.fc_proj, group, name=name, sequence_parallel=sp, fused=fused
-        )
+        if full.moe is not None:
+            if sp:  # each rank would route its own T/p positions: the counts over TP too
+                raise ValueError("a MoE block with sequence parallelism: not supported")
+            self.moe = _replicated_moe(full.moe, name + "moe.")
+        else:
+            self.mlp = ParallelMLP(
+                full.fc, full.fc_proj, group, name=name, sequence_parallel=sp, fused=fused
+            )
         self.drop = dropout_of_rank(full.drop, group if sp else None)  # SP: T/p of its own
 
     def forward(self, x: Tensor) -> Tensor:
         x = x + self.attn(self.ln1(x))
-        return x + self.drop(self.mlp(self.ln2(x)))
+        mlp = self.mlp if self.moe is None else self.moe
+        return x + self.drop(mlp(self.ln2(x)))
 
 
 class TiedParallelHead(nn.Module):
