@@ -137,7 +137,8 @@ class Recipe(Strategy):
     def loss(self, indices: np.ndarray):
         """The mean loss over these examples (a Tensor, to backpropagate): the task's
         model's, or `net`'s (with a MoE's load-balancing loss: models/tasks.py)."""
-        return self.task.loss(*self.task.batch(indices), net=self.net)
+        batch = self.task.batch(indices)
+        return self.task.loss(*batch) if self.net is None else self.task.loss(*batch, net=self.net)
 
     def max_param_diff(self) -> float:
         """After gather_model: the whole model's copies (0.0: every rank holds its bits)."""
