@@ -137,8 +137,10 @@ class Recipe(Strategy):
     def loss(self, indices: np.ndarray):
         """The mean loss over these examples (a Tensor, to backpropagate): the task's
         model's, or `net`'s (with a MoE's load-balancing loss: models/tasks.py)."""
-        batch = self.task.batch(indices)
-        return self.task.loss(*batch) if self.net is None else self.task.loss(*batch, net=self.net)
+        batch, net = self.task.batch(indices), self.net
+        if net is not None and getattr(self.task, "experts", False):  # the MoE's own loss too
+            return self.task.loss(*batch, net=net)
+        return self.task.loss(*batch) if net is None else net.loss(*batch)
 
     def max_param_diff(self) -> float:
         """After gather_model: the whole model's copies (0.0: every rank holds its bits)."""
