@@ -8,7 +8,8 @@ The layers, bottom up, one folder each (arrows point down only: tests/test_layer
 
     engine/     Tensor + op + backward, functional, nn, optim: plain, no MPI, no speed tricks
     fast/       the engine's speed tricks, switched in by the engine's table (registry.py)
-    tools/      log, names, chunks, plots, memory, info, the parser, records, the meter
+    tools/      log, names, chunks, plots, memory, info, the parser and flags, paths,
+                records, the meter
     models/     the GPT, the PyTorch reference, the data and the sampler, tasks, pruning
     comm/       hand-written collectives on MPI point to point; the trace of what ranks did
     parallel/   the pieces a user wraps around their own model, one folder per scheme

@@ -19,6 +19,7 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
+from test_torch_backend import numpy_afterwards, one_rank  # noqa: F401  (the fixture: autouse)
 
 from minidp import comm, functional, nn, optim
 from minidp.cli.training.config import TrainConfig
@@ -36,18 +37,6 @@ TINY = dict(
     threads=1,
 )  # fmt: skip
 UNIT_ROUNDOFF = {"bf16": 2.0**-8, "fp16": 2.0**-11}
-
-
-@pytest.fixture(autouse=True)
-def numpy_afterwards():
-    """Each test leaves the process on the NumPy backend, as it found it."""
-    yield
-    backend.use("numpy")
-
-
-def one_rank():
-    world = comm.world()
-    return world.split(world.rank)
 
 
 def tiny_gpt_on_torch(precision: str):

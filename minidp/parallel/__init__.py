@@ -7,11 +7,13 @@ other ranks only through minidp.comm and taking plain arguments (never the comma
                        ZeroRedundancyOptimizer) -> flat.py -> grads.py
                        -> stage3.py -> sharded.py -> fsdp.py (stages 2 and 3 as a piece)
     tensor_parallel/   communications.py (Megatron's f and g) -> layers.py -> vocab.py -> gpt.py
+                       -> mesh_gpt.py (MeshGPT: a GPT on a mesh's TP and CP axes, EP inside)
     param_server/      messages.py -> server.py -> pieces.py (the worker and the server loop)
     pipeline/          plain.py (GPipe, one stage per rank, blocking messages) -> schedules
                        as checked data (actions, schedules, lowering, validate,
                        dry_run, simulate, diagram) -> the stage (communications, split,
                        recompute, backward_split, stage.py: PipelineStage) -> executor.py
+                       -> mesh_stages.py (MeshStages: a GPT's stages on a mesh, TP and CP)
     compression/       base.py (error feedback) -> cast, sparse, quant, lowrank -> table.py;
                        update.py and velocity.py (the optimizer-side placements)
     pruning.py         the DDP hook that reduces only the kept gradients
@@ -20,7 +22,7 @@ other ranks only through minidp.comm and taking plain arguments (never the comma
                        (save, load, latest; the manifest last) -> reshard.py (another layout)
     context_parallel/  layout.py (contiguous, zig-zag) -> online_softmax.py -> ring.py (ring
                        attention) and ulysses.py (all-to-all to heads) -> gpt.py
-                       (ContextParallel: a GPT with its sequence split over a group)
+                       (ContextParallel: a GPT with its sequence split over a group), stages.py
     experts/           communications.py (the all-to-all op) -> groups.py (EP inside DP)
                        -> dispatch.py -> plain.py (ExpertParallel; the MoE layer: models/moe/)
     mesh.py            the rank grid and one group per axis; across_ranks.py, same_model.py

@@ -18,6 +18,10 @@ backward closure keeps besides its output (a dropout mask, a softmax) are not se
 a lower bound on what backward holds. Nor are the rows a weight keeps during gradient
 accumulation (weight_grads.defer_weight_grads): at most its gradient's size per weight, from the
 first micro-batch to the last.
+
+Beside the arrays, the OS's own figures: `peak_rss_bytes` (the high-water mark) and
+`current_rss_bytes`; a run's cap on them, `--max-memory-mb` (`rank_floor_bytes`: the least a
+rank will hold, refused at start; `check_cap`: the peak after each step, `OutOfMemory`).
 """
 
 import os
