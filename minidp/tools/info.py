@@ -62,6 +62,20 @@ def cores_per_rank() -> float:
     return mask if mask < machine else machine / local_ranks()
 
 
+def one_blas_thread(threads: int = 1) -> None:
+    """Cap this process's BLAS pool at `threads` (default one), for the rest of the process.
+
+    Call it once at the top of a tutorial or script that runs several ranks on one machine:
+    4 ranks on 2 cores, each with OpenBLAS's own pool of spinning threads, run many times
+    slower than 4 ranks of one thread each, and any timing they print is the fight, not the
+    idea (`train` does the same through `--threads`). Without threadpoolctl: nothing."""
+    try:
+        from threadpoolctl import threadpool_limits
+    except ImportError:
+        return
+    threadpool_limits(limits=threads, user_api="blas")
+
+
 def main(argv: list[str]) -> int:
     if argv:
         from minidp.tools.log import die
