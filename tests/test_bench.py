@@ -268,7 +268,7 @@ def test_bench_cp_and_moe_check_their_bytes_and_write_their_rows(tmp_path):
     """bench cp checks each algorithm against one process and its bytes against the counters;
     bench moe stops if an all-to-all's bytes differ from the formula."""
     cp, moe = tmp_path / "cp.json", tmp_path / "moe.json"
-    for args in (("cp", "--block-size", "32", "--iters", "1", "--warmup", "0", "--json", cp),
+    for args in (("cp", "--block-size", "16,32", "--iters", "1", "--warmup", "0", "--json", cp),
                  ("moe", "--steps", "2", "--out", tmp_path, "--json", moe)):  # fmt: skip
         cmd = ["mpiexec", "-n", "2", sys.executable, "-m", "minidp", "bench", *map(str, args)]
         result = subprocess.run(cmd, capture_output=True, text=True, timeout=110)
@@ -277,6 +277,8 @@ def test_bench_cp_and_moe_check_their_bytes_and_write_their_rows(tmp_path):
     assert {r["algo"] for r in rows} == {"ring", "ring zigzag", "ulysses"}
     zigzag = next(r for r in rows if r["algo"] == "ring zigzag")
     assert zigzag["busiest/mean"] == 1.0 and zigzag["fwd_KB"] > 0
+    assert {r["T"] for r in rows} == {16, 32}  # a sweep over the sequence length
+    assert all(r["kept_vs_1/C"] < 1 for r in rows if r["algo"].startswith("ring"))  # no P kept
     rows = records(moe)
     assert any(r["capacity_factor"] == 0 and r["dropped_pct"] == 0 for r in rows)
     assert all(r["alltoall_kB"] > 0 and r["ep"] == 2 for r in rows)
