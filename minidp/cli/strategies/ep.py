@@ -60,7 +60,8 @@ class Experts(Recipe):
         self.mesh.close()
 
     def memory_bytes(self) -> dict[str, int]:
-        params, groups = self.ep.parameters(), self.axes["dp"] + self.axes["ep"]
+        params, groups = self.ep.parameters(), [*self.axes["dp"], *self.axes["ep"]]
+        groups += self.axes["tp"] if self.mesh.tp > 1 else []  # TP's scratch, where it sends
         held = {"parameters": [p.data for p in params], "gradients": [p.grad for p in params],
                 "optimizer": [optimizer_bytes(self.optimizer)], "buffers": [g.scratch.nbytes
                 for g in groups], "activations_peak": [self.run.activations_peak]}  # fmt: skip
