@@ -195,8 +195,9 @@ def bytes_by_axis(layout: Layout, gpt, itemsize: int, batch_size: int, rank=0) -
         if call.collective == "p2p":  # a ring hop: one message
             sent[call.axis] += call.n * call.itemsize
         elif size > 1:
-            c = cost.sent(call.collective, call.algo, size, me, call.n, call.itemsize)
-            sent[call.axis] += c.bytes
+            sent[call.axis] += cost.sent(
+                call.collective, call.algo, size, me, call.n, call.itemsize
+            ).bytes
     return sent
 
 
