@@ -3,11 +3,11 @@ tp x cp, ring (zig-zag and contiguous) and Ulysses, each equal to one process in
 loss, validation loss (the gathered model) and parameter L2 to 1e-10 relative (float64);
 the cp axis in the record and the header; the cp bytes the cost model predicts equal to
 what the run counts; inside the pipeline (--pp: dp x cp x pp and cp x pp x tp at 8 ranks,
-cp x pp at 4), equal to one process too, the cp bytes counted (the cost model refuses
---cp with --pp); checkpoints that reshard (cp 2 -> 2, cp 2 -> dp 1 and dp 2, dp 1 -> cp 2,
-dp 2 x cp 2 -> tp 2 x cp 2); and the refusals, one line each before any message. The pieces
-themselves (ring_attention, ulysses_attention, ContextParallel) are tested in
-tests/test_context_parallel.py."""
+cp x pp at 4), equal to one process too, its bytes on every axis predicted exactly
+(cost/pp_step.py: each stage's hops or all-to-alls); checkpoints that reshard (cp 2 -> 2,
+cp 2 -> dp 1 and dp 2, dp 1 -> cp 2, dp 2 x cp 2 -> tp 2 x cp 2); and the refusals, one
+line each before any message. The pieces themselves (ring_attention, ulysses_attention,
+ContextParallel) are tested in tests/test_context_parallel.py."""
 
 import json
 import os
@@ -107,7 +107,9 @@ def test_cp_inside_the_pipeline_trains_like_one_process(ranks, mesh, sizes, tmp_
     by_axis = final["bytes_sent_by_axis"]
     assert by_axis["cp"] > 0 and by_axis["pp"] > 0
     assert (by_axis["tp"] > 0) == (sizes["tp"] > 1) and (by_axis["dp"] > 0) == (sizes["dp"] > 1)
-    assert "predicted_bytes_by_axis" not in final  # predict refuses --cp with --pp
+    # the cost model (cost/pp_step.py): each stage's ring hops or all-to-alls a micro-batch
+    # (again in backward with --recompute), the loss's and the gradients' sums over CP
+    assert final["predicted_bytes_by_axis"] == by_axis
 
 
 def alone(**more) -> dict:
@@ -147,14 +149,24 @@ def test_a_checkpoint_resumes_at_its_cp_and_at_another_cp(tmp_path, capsys):
             assert run[key] == pytest.approx(straight[key], rel=1e-10), (case, key)
 
 
-def test_predict_refuses_cp_with_pp(capsys):
+def test_predict_prices_cp_inside_the_pipeline(capsys):
+    """dp 2 x pp 2 x cp 2, ring, rank 0 (stage 0: the embeddings and block 0): per
+    micro-batch of 1 example (t = 16 positions, 32 channels) the block's 1 + 3 K/V hops,
+    and per step each of its stage's gradients summed over CP; its activations to stage 1
+    hold its 16 positions (a 64-byte header before each), beside the pipeline's four
+    float64 sums (the bubble's three, the clip's)."""
+    from minidp import cost
+    from minidp.cost.pp_step import stage_params
     from minidp.cost.predict import main as predict
 
-    args = [*FLAGS, "--strategy", "hybrid", "--cp", "2", "--pp", "2", "--world", "4"]
-    with pytest.raises(SystemExit) as exit_info:
-        predict(args)
-    assert exit_info.value.code == 2
-    assert "predict does not model --cp with --pp yet" in capsys.readouterr().err
+    args = [*FLAGS, "--strategy", "hybrid", "--dp", "2", "--cp", "2", "--pp", "2"]
+    assert predict([*args, "--micro-batches", "2", "--world", "8"]) == 0
+    out = capsys.readouterr().out
+    hops = 2 * 4 * (2 * 16 * 32 * 8)  # 2 micro-batches x 4 hops of (k, v): 2 x 16 x 32
+    gpt = (2, 32, 96, 32)  # L, C, V (the corpus's characters), T
+    sums = sum(cost.sent("allreduce", "auto", 2, 0, n, 8).bytes for n in stage_params(gpt, 2, 0))
+    assert "(dp 2 x tp 1 x pp 2 x cp 2 (ring)" in out, out
+    assert f"pp {2 * (64 + 16 * 32 * 8) + 4 * 8:,}, cp {hops + sums:,}" in out, out
 
 
 def test_the_cp_bytes_of_the_step_model_are_the_ring_and_ulysses_formulas():

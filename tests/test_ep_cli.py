@@ -2,10 +2,12 @@
 under --strategy dp and hybrid): at 2 and 4 ranks, EP 2 and 4, top-1 and top-2, dropless,
 and under TP (hybrid dp 2 x tp 2 x ep 2 at 4 ranks, dp 4 x tp 2 x ep 2 at 8), each equal to
 one process `--experts E` in final loss, validation loss (the gathered model)
-and parameter L2 to 1e-10 relative (float64), with the same experts' load; a capacity
-factor at EP 2 equal to EP 1 over the same ranks (each rank one capacity group either way:
-the one-process run with the ranks' capacity groups is tests/test_expert_parallel.py's);
-the ep bytes against alltoall_bytes; the record's load; checkpoints that reshard (EP 2 -> 2,
+and parameter L2 to 1e-10 relative (float64), with the same experts' load, the predicted
+dp and tp bytes the run's (the ep bytes a lower bound, dropless); a capacity factor at EP 2
+equal to EP 1 over the same ranks and to dp 2 x tp 2 x ep 2 (each DP rank one capacity
+group either way: the one-process run with the ranks' capacity groups is
+tests/test_expert_parallel.py's), its bytes predicted exactly on every axis; the ep bytes
+against alltoall_bytes; the record's load; checkpoints that reshard (EP 2 -> 2,
 EP 2 -> 1, EP 1 -> 2, 4 ranks -> 2 at EP 2); and the refusals, one line each before any
 message. The pieces themselves are tested in tests/test_moe.py and
 tests/test_expert_parallel.py."""
@@ -83,10 +85,18 @@ def test_an_ep_run_trains_like_one_process(ranks, flags, tmp_path, one_process):
     ep, tp = (int(flags[flags.index(f) + 1]) if f in flags else 1 for f in ("--ep", "--tp"))
     header = f"dp {ranks // tp} x ep {ep} ({4 // ep} of 4 experts a rank)"
     assert final["ep"] == ep and header in stdout
+    by_axis, predicted = final["bytes_sent_by_axis"], final["predicted_bytes_by_axis"]
     if tp > 1:
         assert f"x tp {tp} (each MoE layer whole on its TP ranks)" in stdout
-        assert final["bytes_sent_by_axis"]["tp"] > 0
+        assert by_axis["tp"] > 0
     assert "experts' load" in stdout
+    # predicted (cost/experts.py): dp and tp exactly (under TP: attention's g and f, the
+    # loss's sums, the norm, TP rank 0's replicated gradients at dp 4); dropless, the ep
+    # bytes at an even load: a lower bound
+    assert {a: predicted[a] for a in ("dp", "tp", "pp", "cp")} == {
+        a: by_axis[a] for a in ("dp", "tp", "pp", "cp")
+    }
+    assert predicted["ep"] <= by_axis["ep"]
 
 
 def test_the_ep_bytes_are_the_all_to_alls_and_the_record_holds_the_load(tmp_path):
@@ -113,20 +123,26 @@ def test_the_ep_bytes_are_the_all_to_alls_and_the_record_holds_the_load(tmp_path
 
 
 @pytest.mark.timeout(240)
-def test_a_capacity_factor_drops_alike_at_ep_1_and_2(tmp_path):
-    """Each rank's slice is its capacity group whatever --ep, so EP 2 equals EP 1."""
+def test_a_capacity_factor_drops_alike_at_ep_1_and_2_and_under_tp(tmp_path):
+    """Each DP rank's slice is its capacity group whatever --ep, and its TP ranks route it
+    alike, so EP 2 equals EP 1, and dp 2 x tp 2 x ep 2 on 4 ranks equals both."""
     flags = ["--capacity-factor", "1.0", "--moe-top-k", "2"]
     two, _ = launch(tmp_path, 2, *flags, "--ep", "2", name="two.json")
     one, _ = launch(tmp_path, 2, *flags, name="one.json")
+    mesh = ["--strategy", "hybrid", "--dp", "2", "--tp", "2", "--ep", "2"]
+    tp, _ = launch(tmp_path, 4, *flags, *mesh, name="tp.json")
     assert two["expert_load"]["dropped"] > 0
     # every forward fills some expert's capacity, ceil(1.0 * 64 * 2 / 4) = 32: S is the
-    # capacity, and the prediction's bytes are the run's (cost/experts.py)
-    assert two["expert_load"]["slots"] == [3 * 32] * 2
-    for run in (one, two):
+    # capacity, and the prediction's bytes are the run's (cost/experts.py), every axis
+    assert two["expert_load"]["slots"] == tp["expert_load"]["slots"] == [3 * 32] * 2
+    for run in (one, two, tp):
         assert run["predicted_bytes_by_axis"] == run["bytes_sent_by_axis"]
-    assert two["expert_load"]["dropped_per_expert"] == one["expert_load"]["dropped_per_expert"]
-    for key in ("final_loss", "val_loss", "param_l2"):
-        assert two[key] == pytest.approx(one[key], rel=1e-10), key
+    assert tp["bytes_sent_by_axis"]["tp"] > 0 and tp["bytes_sent_by_axis"]["ep"] > 0
+    for run in (one, tp):
+        drops = run["expert_load"]["dropped_per_expert"]
+        assert drops == two["expert_load"]["dropped_per_expert"]
+        for key in ("final_loss", "val_loss", "param_l2"):
+            assert two[key] == pytest.approx(run[key], rel=1e-10), key
 
 
 @pytest.mark.timeout(300)
@@ -209,8 +225,12 @@ def test_predict_prices_the_all_to_alls(capsys):
     load); per step and MoE layer 4 all-to-alls and the 8-byte agreement on S, the clip's 8."""
     from minidp.cost.predict import main as predict
 
-    assert predict([*FLAGS, "--strategy", "hybrid", "--ep", "2", "--world", "4"]) == 0
+    assert predict([*FLAGS, "--strategy", "hybrid", "--dp", "4", "--ep", "2", "--world", "4"]) == 0
     out = capsys.readouterr().out
     ep = 2 * (4 * alltoall_bytes(2, 4, 8, 32, 8) + 8) + 8
     assert f"ep {ep:,}" in out and "(dp 4 x tp 1, ep 2" in out, out
     assert "S = 8 slots an expert, an even load of the 32 tokens" in out, out
+    # dp 4 x tp 2 on 8 ranks: the same all-to-alls on each TP rank (its MoE layers whole)
+    assert predict([*FLAGS, "--strategy", "hybrid", "--tp", "2", "--ep", "2", "--world", "8"]) == 0
+    out = capsys.readouterr().out
+    assert f"ep {ep:,}" in out and "(dp 4 x tp 2, ep 2" in out and "tp 0," not in out, out

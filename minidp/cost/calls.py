@@ -38,8 +38,10 @@ What each strategy runs in one step of K micro-batches (strategies/*.py, step.py
                ring attention's point-to-point hops ("p2p", one message each) of a K/V
                block, 2 b t C' numbers: C-1 a block forward, 2C-1 backward (C-1 K/V and
                C dK/dV); or Ulysses' all-to-alls, per block q, k, v (3 b t C') and y
-               (b t C') forward, their conjugates backward; the loss's sum over the group
-               (allreduce of 1); after the DP sync every gradient summed over the group
+               (b t C') forward, their conjugates backward (`cp_attention`; a pipeline's
+               stages: pp_step.py, the forward's again in backward with --recompute); the
+               loss's sum over the group (allreduce of 1); after the DP sync every gradient
+               summed over the group
     hybrid     tp's calls, and dp's (or zero's) over the DP axis on this rank's TP shard;
                with ZeRO the clip's norm is two float64 sums, over DP then TP, and with
                DP > 2 and a vocabulary TP does not divide, the replicated parameters are
@@ -276,25 +278,33 @@ def tensor_parallel(layout, shapes: Shapes, itemsize: int, examples: int) -> lis
     return calls
 
 
+def cp_attention(layout, tokens: int, width: int, itemsize: int, recompute=False):
+    """(forward, backward) CP calls of one block's attention on one micro-batch: `tokens`
+    = b·t rows of this rank, `width` = C' channels of its TP heads (the module docstring);
+    `recompute`: the forward's calls again in backward (a checkpointed block, --recompute)."""
+    C = layout.cp
+    if layout.cp_algo == "ring":  # a K/V block a hop
+        hop = Call("cp", "p2p", "ring", 2 * tokens * width, itemsize, "forward")
+        forward, backward = [hop] * (C - 1), [hop._replace(phase="backward")] * (2 * C - 1)
+    else:  # q, k, v to the head split and y back; backward the conjugates
+        qkv = Call("cp", "alltoall", "auto", 3 * tokens * width, itemsize, "forward")
+        forward = [qkv, qkv._replace(n=tokens * width)]
+        backward = [c._replace(phase="backward") for c in reversed(forward)]
+    again = [c._replace(phase="backward") for c in forward] if recompute else []
+    return forward, again + backward
+
+
 def context_parallel(layout, shapes: Shapes, itemsize: int, examples: int) -> list[Call]:
     """The CP axis's calls for one step (see the module docstring): `examples` this rank's
     DP coordinate reads, in K micro-batches."""
-    C = layout.cp
-    if C == 1:
+    if layout.cp == 1:
         return []
-    t, width = shapes.block_size // C, shapes.n_embd // layout.tp  # my rows, my heads' C'
+    t, width = shapes.block_size // layout.cp, shapes.n_embd // layout.tp  # my rows, C'
     calls = []
     bounds = chunk_bounds(examples, layout.grad_accum)
     for k in range(layout.grad_accum):
-        rows = (bounds[k + 1] - bounds[k]) * t
-        if layout.cp_algo == "ring":
-            hop = Call("cp", "p2p", "ring", 2 * rows * width, itemsize, "forward")
-            layer = [hop] * (C - 1) + [hop._replace(phase="backward")] * (2 * C - 1)
-        else:  # q, k, v to the head split and y back; backward the conjugates
-            qkv = Call("cp", "alltoall", "auto", 3 * rows * width, itemsize, "forward")
-            y = qkv._replace(n=rows * width)
-            layer = [qkv, y, y._replace(phase="backward"), qkv._replace(phase="backward")]
-        calls += layer * shapes.n_layer
+        forward, backward = cp_attention(layout, (bounds[k + 1] - bounds[k]) * t, width, itemsize)
+        calls += (forward + backward) * shapes.n_layer
         calls.append(Call("cp", "allreduce", "auto", 1, itemsize, "forward"))  # the loss
     calls += [Call("cp", "allreduce", "auto", n, itemsize, "after") for n in shapes.params]
     return calls

@@ -10,14 +10,20 @@ Per MoE layer and micro-batch of N_r = b·T tokens on a rank (b its examples):
          allreduce(max) of 1 int64, forward
     dp   the router's counts over the DP group (Switch's f_e, the load record): an
          allreduce of 2E + 1 int64, forward
+    tp   on a dp x tp mesh (MeshGPT: each MoE layer whole on every TP rank, attention
+         split), per micro-batch TP's g and f (calls.tensor_parallel's) in the embedding,
+         each block's attention and a dense block's MLP, none in a MoE layer, and the
+         vocab-parallel loss's max and sums (`tensor_parallel` here)
 
 and per step, after backward (finish_gradient_sync: one blocking call a tensor, nothing
 overlapped):
 
     dp   the global loss (1 float64); each non-expert parameter allreduced (avg) over the DP
          group of dp ranks; each of this rank's experts' tensors over its expert-DP group
-         (dp/N ranks, this rank its d // N-th: `Call.ranks`)
+         (dp/N ranks, this rank its d // N-th: `Call.ranks`), on its TP shard
     ep   the clip's sum of the experts' squares (1 float64), with --grad-clip
+    tp   the clip's sum of the shards' squares (1 float64), and when dp > 2 TP rank 0's
+         replicated gradients (the experts' included) broadcast over TP (make_alike)
 
 S, the slots an expert, is what a run agrees on in each forward: the largest load of any
 expert on any rank of the EP group. A prediction cannot know the routing, so it assumes
@@ -60,35 +66,57 @@ def moe_blocks(n_layer: int, experts: Experts) -> list[int]:
     return [i for i in range(n_layer) if (i + 1) % experts.every == 0]
 
 
-def parameters(n_layer, n_embd, vocab, block_size, experts: Experts, ep: int):
-    """(the replicated tensors' shapes, this rank's experts' shapes) of the MoE GPT: a
-    MoE block's MLP is a router (C, E) and E/ep experts, each the MLP (fc, fc_proj)."""
+def parameters(n_layer, n_embd, vocab, block_size, experts: Experts, ep: int, tp=1, t=0):
+    """(the non-expert tensors' shapes, this rank's experts' shapes, the elements every TP
+    rank holds whole) of the MoE GPT on TP rank t of tp (tp 1: the whole model): a MoE
+    block's MLP is a router (C, E) and E/ep experts, each the MLP (fc, fc_proj), held whole
+    on every TP rank (parallel/tensor_parallel/gpt.py); attention, the dense blocks' MLP,
+    the vocabulary split as gpt_shapes splits them. The order is the one-process GPT's."""
     C, V, T, E = n_embd, vocab, block_size, experts.n_experts
+    v = chunk_bounds(V, tp)[t + 1] - chunk_bounds(V, tp)[t]
     mlp = [(C, 4 * C), (4 * C,), (4 * C, C), (C,)]
-    attention = [(C,), (C,), (C, 3 * C), (3 * C,), (C, C), (C,), (C,), (C,)]  # + ln2
+    split_mlp = [(C, 4 * C // tp), (4 * C // tp,), (4 * C // tp, C), (C,)]
+    attention = [(C,), (C,), (C, 3 * C // tp), (3 * C // tp,), (C // tp, C), (C,), (C,), (C,)]
     moe = set(moe_blocks(n_layer, experts))
-    shared = [(V, C), (T, C)]
+    shared, mine = [(v, C), (T, C)], mlp * (E // ep) * len(moe)
     for i in range(n_layer):
-        shared += attention + ([(C, E)] if i in moe else mlp)
-    shared += [(C,), (C,), (C, V)]
-    return shared, mlp * (E // ep) * len(moe)
+        shared += attention + ([(C, E)] if i in moe else split_mlp)
+    shared += [(C,), (C,), (C, v)]
+    # wpe; a block's ln1, proj's bias, ln2, and its router or fc_proj's bias; ln_f; experts
+    whole = T * C + sum(5 * C + (C * E if i in moe else C) for i in range(n_layer)) + 2 * C
+    return shared, mine, whole + sum(map(math.prod, mine))
 
 
-def moe_shapes(n_layer, n_embd, vocab, block_size, experts: Experts, ep: int) -> Shapes:
-    """Shapes of one rank's MoE GPT (its E/ep experts a MoE block), for step.py's memory
-    and optimizer terms."""
-    shared, mine = parameters(n_layer, n_embd, vocab, block_size, experts, ep)
+def moe_shapes(n_layer, n_embd, vocab, block_size, experts: Experts, ep: int, tp=1, t=0):
+    """Shapes of one rank's MoE GPT (its TP shard, its E/ep experts a MoE block last):
+    `replicated` the elements whole on every TP rank (make_alike's broadcast)."""
+    shared, mine, whole = parameters(n_layer, n_embd, vocab, block_size, experts, ep, tp, t)
     dims = shared + mine
-    return Shapes([math.prod(d) for d in dims], [], (), n_layer, n_embd, block_size, vocab,
-                  tuple(dims))  # fmt: skip
+    return Shapes([math.prod(d) for d in dims], [], (whole,) * (tp > 1), n_layer, n_embd,
+                  block_size, vocab, tuple(dims))  # fmt: skip
+
+
+def tensor_parallel(layout, shapes: Shapes, itemsize: int, tokens: int) -> list[Call]:
+    """The TP calls of one micro-batch of `tokens` N = b·T tokens (calls.tensor_parallel's
+    without the MoE blocks' MLP: their layer is whole on every TP rank): g forward in the
+    embedding and in each block's attention (and a dense block's MLP), f backward in as
+    many, the head's included; the vocab-parallel loss's max (N) and sums (2N)."""
+    if layout.tp == 1:
+        return []
+    regions = 1 + 2 * shapes.n_layer - len(moe_blocks(shapes.n_layer, layout.experts))
+    g = Call("tp", "allreduce", "auto", tokens * shapes.n_embd, itemsize, "forward")
+    loss = [g._replace(n=tokens), g._replace(n=2 * tokens)]
+    return [g] * regions + loss + [g._replace(phase="backward")] * regions
 
 
 def expert_parallel(layout, shapes: Shapes, itemsize: int, examples: int) -> list[Call]:
     """The calls of one step of ExpertParallel on a rank with `examples` examples in
-    layout.grad_accum micro-batches (the module docstring)."""
+    layout.grad_accum micro-batches (the module docstring), on its TP shard of a dp x tp
+    mesh (MeshGPT: the TP calls; after the sync, the replicated gradients, experts
+    included, broadcast from TP rank 0 when dp > 2)."""
     moe, ep, dp = layout.experts, layout.ep, layout.dp
     E, C = moe.n_experts, shapes.n_embd
-    layers = len(moe_blocks(shapes.n_layer, moe))
+    layers = moe_blocks(shapes.n_layer, moe)
     calls = [LOSS]
     bounds = chunk_bounds(examples, layout.grad_accum)
     for b in (hi - lo for lo, hi in zip(bounds, bounds[1:])):
@@ -97,13 +125,16 @@ def expert_parallel(layout, shapes: Shapes, itemsize: int, examples: int) -> lis
         agree = Call("ep", "allreduce", "auto", 1, COUNTS, "forward")
         counts = Call("dp", "allreduce", "auto", 2 * E + 1, COUNTS, "forward")
         back = a2a._replace(phase="backward")
-        calls += [a2a, agree, a2a, counts, back, back] * layers
-    shared, mine = parameters(shapes.n_layer, C, shapes.vocab, shapes.block_size, moe, ep)
-    calls += [Call("dp", "allreduce", "auto", math.prod(d), itemsize, "after") for d in shared]
-    calls += [
-        Call("dp", "allreduce", "auto", math.prod(d), itemsize, "after", ranks=dp // ep)
-        for d in mine
-    ]
-    if layout.clip:
+        calls += [a2a, agree, a2a, counts, back, back] * len(layers)
+        calls += tensor_parallel(layout, shapes, itemsize, b * shapes.block_size)
+    mine = 4 * (E // ep) * len(layers)  # the experts' tensors, last in shapes.params
+    shared, experts = shapes.params[:-mine], shapes.params[-mine:]
+    calls += [Call("dp", "allreduce", "auto", n, itemsize, "after") for n in shared]
+    expert_dp = Call("dp", "allreduce", "auto", 0, itemsize, "after", ranks=dp // ep)
+    calls += [expert_dp._replace(n=n) for n in experts]
+    if layout.clip:  # the norm: TP's shards' squares (1 float64), the experts' over EP
+        calls += [Call("tp", "allreduce", "auto", 1, 8, "after")] * (layout.tp > 1)
         calls.append(Call("ep", "allreduce", "auto", 1, 8, "after"))
+    if layout.tp > 1 and dp > 2:  # make_alike: TP rank 0's replicated gradients
+        calls.append(Call("tp", "broadcast", "auto", shapes.replicated[0], itemsize, "after"))
     return calls

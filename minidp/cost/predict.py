@@ -75,8 +75,6 @@ def layout_of(config, world: int) -> Layout:
     if uses_pipeline(config):  # cost/predict_pp.py
         if config.sequence_parallel:
             raise BadConfig("predict does not model --sequence-parallel with --pp yet")
-        if config.cp > 1:  # the ring's (or Ulysses') bytes inside each stage: not priced
-            raise BadConfig("predict does not model --cp with --pp yet")
         return pipeline_layout(config, world)
     if config.strategy == "ps":  # cost/predict_ps.py
         from minidp.cost.predict_ps import ps_layout
@@ -163,7 +161,7 @@ def run_prediction(
     shapes = gpt_shapes(config.n_layer, config.n_embd, vocab, config.block_size, layout.tp, tp_rank)
     if layout.experts:  # this rank's E/ep experts a MoE block
         shapes = moe_shapes(config.n_layer, config.n_embd, vocab, config.block_size,
-                            layout.experts, layout.ep)  # fmt: skip
+                            layout.experts, layout.ep, layout.tp, tp_rank)  # fmt: skip
     with threadpool_limits(limits=threads, user_api="blas"):
         compute = measured or measure_alone(task, config, examples, layout.tp)
         if layout.compress != "none":  # on the whole model's buckets; a TP shard has fewer

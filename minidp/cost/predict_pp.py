@@ -1,5 +1,5 @@
 """`python -m minidp predict` for the pipeline: `--strategy pp`, and `--strategy hybrid
---dp D --tp T --pp P [--zero-stage 1] [--recompute]`, fed to cost/pp_step.py.
+--dp D --tp T --pp P [--cp C] [--zero-stage 1] [--recompute]`, fed to cost/pp_step.py.
 
     python -m minidp predict --strategy pp --world 4 --n-layer 4 --schedule gpipe
     mpiexec -n 2 python -m minidp --strategy pp --micro-batches 4 --json F   # F: predicted_*
@@ -43,6 +43,8 @@ def pipeline_layout(config, world: int) -> Layout:
         micro_batches=config.micro_batches,
         virtual=config.virtual,
         clip=config.grad_clip > 0,
+        cp=config.cp if config.strategy == "hybrid" else 1,  # StagesOverCP inside each stage
+        cp_algo=config.cp_algo,
     )
 
 

@@ -42,8 +42,9 @@ Bytes by axis are exact for dp, zero 1-3, tp and hybrid, with --compress and wit
 --sequence-parallel too (the pipeline's: cost/pp_step.py): minidp.cost.sent
 of every call, summed per axis, as the run's `bytes_sent_by_axis` counts them for rank
 `rank` (tests/test_cost_step.py checks against real runs). A MoE GPT (Layout.experts:
-ExpertParallel's calls, cost/experts.py): the dp bytes exact, the ep bytes exact where its
-slots S are the capacity, a lower bound when dropless (the routing decides S). Memory per
+ExpertParallel's calls, on a dp x tp mesh, cost/experts.py): the dp and tp bytes exact, the
+ep bytes exact where its slots S are the capacity, a lower bound when dropless (the
+routing decides S). Memory per
 rank: the parameters, gradients and AdamW moments this rank holds (zero.py's table on this
 rank's TP shard) and the activations estimate of memory.py (sequence parallelism splits its
 LayerNorms' part).
@@ -179,7 +180,7 @@ def step_calls(layout: Layout, shapes: Shapes, itemsize: int, batch_size: int, d
         )
     bounds = chunk_bounds(batch_size, layout.dp)
     examples = bounds[dp_rank + 1] - bounds[dp_rank]
-    if layout.experts is not None:  # ExpertParallel, not DDP: tp = cp = 1
+    if layout.experts is not None:  # ExpertParallel (and TP's calls), not DDP: cp = 1
         return expert_parallel(layout, shapes, itemsize, examples)
     return (
         data_parallel(layout, shapes, itemsize)
