@@ -4,7 +4,7 @@ The command line is generated from this dataclass (cli/commands.py), so a new fi
 new flag; the values that cannot work are refused by config_checks.py, one line each. The
 default run: a GPT of ~0.1 M parameters, 1024 tokens a step, 300 steps.
 
-Flags counted in steps (`--warmup`, `--prune-start`, `--prune-end`, `--prune-every`) default
+Flags counted in steps (`--warmup`, `--prune-start`, `--prune-end`, `--prune-every`, ...) default
 to a fraction of `--steps` (metadata "of_steps": 300 steps warm up for 20, 60 for 4). Left
 unset they are None here, and `resolved()` fills them in; a value given is kept as it is.
 
@@ -128,30 +128,17 @@ class TrainConfig(Flags):
 
     # parameter server (--strategy ps): the last S ranks serve, the others work
     servers: int = flag(1, "server ranks (the last S of the world)", strategies=("ps",))
-    consistency: str = flag(
-        "bsp",
-        "bsp (every clock together), asp (each push as it comes) or ssp:K "
-        "(no worker more than K clocks ahead of the slowest)",
-        strategies=("ps",),
-    )
-    ps_optimizer: str = flag(
-        "adamw",
-        "the servers' optimizer (momentum: SGD with momentum 0.9)",
-        choices=("sgd", "momentum", "adamw"),
-        strategies=("ps",),
-        on_resume="run",
-    )
-    ps_slow_worker_ms: float = flag(
-        0.0,
-        "the last worker sleeps this long every step (to show ASP's gain)",
-        strategies=("ps",),
-    )
-    ps_timeout: float = flag(
-        60.0,
-        "seconds a server waits for a silent worker (asp/ssp: dropped; bsp: an "
-        "error) and a worker for a server's reply",
-        strategies=("ps",),
-    )
+    consistency: str = flag("bsp", "bsp (every clock together), asp (each push as it comes) or "
+                            "ssp:K (no worker more than K clocks ahead of the slowest)",
+                            strategies=("ps",))  # fmt: skip
+    ps_optimizer: str = flag("adamw", "the servers' optimizer (momentum: SGD with momentum 0.9)",
+                             choices=("sgd", "momentum", "adamw"), strategies=("ps",),
+                             on_resume="run")  # fmt: skip
+    ps_slow_worker_ms: float = flag(0.0, "the last worker sleeps this long every step (to show "
+                                    "ASP's gain)", strategies=("ps",))  # fmt: skip
+    ps_timeout: float = flag(60.0, "seconds a server waits for a silent worker (asp/ssp: dropped;"
+                             " bsp: an error) and a worker for a server's reply",
+                             strategies=("ps",))  # fmt: skip
 
     # the array backend (minidp/engine/backend.py): NumPy, or torch tensors on the CPU or a GPU
     backend: str = flag(
@@ -271,38 +258,24 @@ class TrainConfig(Flags):
         on_resume="run",
         interval="[0, 1)",
     )
-    prune_start: int | None = flag(
-        None,
-        "step the cubic pruning ramp starts",
-        strategies=("dp",),
-        of_steps=(1, 6, 0),
-        with_="prune",
-        on_resume="run",
-    )
-    prune_end: int | None = flag(
-        None,
-        "step the target sparsity is reached",
-        strategies=("dp",),
-        of_steps=(2, 3, 0),
-        with_="prune",
-        on_resume="run",
-    )
-    prune_every: int | None = flag(
-        None,
-        "steps between pruning steps",
-        strategies=("dp",),
-        of_steps=(1, 30, 1),
-        with_="prune",
-        on_resume="run",
-    )
-    prune_scope: str = flag(
-        "global",
-        "one magnitude threshold over all weight matrices, or one per matrix",
-        choices=("global", "layer"),
-        strategies=("dp",),
-        with_="prune",
-        on_resume="run",
-    )
+    prune_start: int | None = flag(None, "step the cubic pruning ramp starts", strategies=("dp",),
+                                   of_steps=(1, 6, 0), with_="prune", on_resume="run")  # fmt: skip
+    prune_end: int | None = flag(None, "step the target sparsity is reached", strategies=("dp",),
+                                 of_steps=(2, 3, 0), with_="prune", on_resume="run")  # fmt: skip
+    prune_every: int | None = flag(None, "steps between pruning steps", strategies=("dp",),
+                                   of_steps=(1, 30, 1), with_="prune", on_resume="run")  # fmt: skip
+    prune_scope: str = flag("global", "one magnitude threshold over all weight matrices, or one "
+                            "per matrix", choices=("global", "layer"), strategies=("dp",),
+                            with_="prune", on_resume="run")  # fmt: skip
+    # structured pruning (minidp/models/prune/structured.py, parallel/structured_pruning.py)
+    prune_structured: float = flag(0.0, "remove this fraction of each block's attention heads and "
+                                   "MLP channels (an MLP's hidden channels) by L2 norm at one "
+                                   "step and slice the weights: a smaller dense model, fine-tuned "
+                                   "for the steps left (0 = off)", strategies=("dp",),
+                                   on_resume="run", interval="[0, 1)")  # fmt: skip
+    prune_structured_at: int | None = flag(None, "the step --prune-structured prunes at",
+                                           strategies=("dp",), of_steps=(1, 3, 0), on_resume="run",
+                                           with_="prune_structured")  # fmt: skip
 
 
 def config_fields():
