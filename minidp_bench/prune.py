@@ -3,7 +3,7 @@ model against simply training a smaller one.
 
     mpiexec -n 2 python -m minidp bench prune [--steps 300] [--repeats 1] [--out DIR]
     mpiexec -n 2 python -m minidp bench prune --sparsities 0,0.9 --widths 64 --json FILE
-    mpiexec -n 4 python -m minidp bench prune --structured   # heads, channels: prune_structured.py
+    mpiexec -n 4 python -m minidp bench prune --structured   # heads, channels: _prune_structured.py
 
 Contenders: the default GPT (`python -m minidp train`'s defaults: 2 layers, 4 heads, width
 64, 300 steps, float32) trained with `--prune S` for each sparsity S (0, 50, 80, 90, 95%
@@ -38,7 +38,7 @@ from minidp.models.tasks import Task
 from minidp.tools.log import die, print0
 from minidp.tools.parser import Parser
 from minidp.tools.plots import pyplot, save
-from minidp_bench import prune_structured
+from minidp_bench import _prune_structured as prune_structured
 from minidp_bench._common import median, print_table, rotated_rounds, summary, write_json
 
 SPARSITIES = (0.0, 0.5, 0.8, 0.9, 0.95)
@@ -134,7 +134,7 @@ def parse_args(argv: list[str]):
     parser.add_argument("--json", metavar="FILE", help="write JSON lines (rank 0)")
     parser.add_argument("--structured", action="store_true",
                         help="dense against --fractions of heads and channels removed "
-                        "(prune_structured.py)")  # fmt: skip
+                        "(_prune_structured.py)")  # fmt: skip
     parser.add_argument("--fractions", default="0.25,0.5,0.75", help="with --structured")
     parser.add_argument("--rounds", type=int, default=20, help="with --structured: timed rounds")
     args = parser.parse_args(argv)

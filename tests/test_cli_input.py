@@ -205,4 +205,5 @@ def test_what_a_resume_keeps_is_written_down_here_too():
         *("dropout", "compress", "compress_warmup", "compress_on"),
         *("prune", "prune_start", "prune_end", "prune_every", "prune_scope"),
         *("prune_structured", "prune_structured_at"),  # (--resume refuses them anyway)
+        *("teacher", "temperature", "alpha"),  # distillation's loss
     }

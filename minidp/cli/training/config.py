@@ -211,43 +211,29 @@ class TrainConfig(Flags):
     virtual: int = flag(1, "stages per rank (V > 1: --schedule interleaved)", strategies=PP)
 
     # ZeRO (--strategy zero, hybrid)
-    zero_stage: int = flag(
-        0,
-        "what ZeRO shards over the data-parallel ranks: 1 the optimizer state, "
-        "2 and the gradients, 3 and the parameters (0: not set)",
-        strategies=("zero", "hybrid"),
-    )
+    zero_stage: int = flag(0, "what ZeRO shards over the data-parallel ranks: 1 the optimizer "
+                           "state, 2 and the gradients, 3 and the parameters (0: not set)",
+                           strategies=("zero", "hybrid"))  # fmt: skip
 
     # gradient compression and pruning (--strategy dp, hybrid)
-    compress: str = flag(
-        "none",
-        "gradient compression NAME[:PARAM]: none, fp16, bf16, topk:DENSITY, "
-        "randomk:DENSITY, sign, sign-noef, qsgd:LEVELS, powersgd:RANK "
-        "(minidp/parallel/compression/table.py)",
-        strategies=("dp", "hybrid"),
-        on_resume="run",
-    )
-    compress_warmup: int = flag(
-        0,
-        "the first STEPS reductions of each bucket are the plain allreduce, "
-        "uncompressed, and compression starts from a zero residual after (PyTorch "
-        "PowerSGD's start_powerSGD_iter)",
-        strategies=("dp", "hybrid"),
-        with_="compress",
-        on_resume="run",
-    )
-    compress_on: str = flag(
-        "gradient",
-        "what --compress compresses: the summed gradient, before one shared "
-        "optimizer (gradient), each rank's optimizer step, lr-scaled, with error "
-        "feedback on the step as in EF-SignSGD (update; minidp/parallel/compression/update.py), "
-        "or each rank's momentum-SGD velocity, DGC's momentum correction and factor "
-        "masking (velocity, with --optimizer momentum and --compress topk or randomk; "
-        "minidp/parallel/compression/velocity.py)",
-        choices=("gradient", "update", "velocity"),
-        strategies=("dp",),
-        on_resume="run",
-    )
+    compress: str = flag("none", "gradient compression NAME[:PARAM]: none, fp16, bf16, "
+                         "topk:DENSITY, randomk:DENSITY, sign, sign-noef, qsgd:LEVELS, "
+                         "powersgd:RANK (minidp/parallel/compression/table.py)",
+                         strategies=("dp", "hybrid"), on_resume="run")  # fmt: skip
+    compress_warmup: int = flag(0, "the first STEPS reductions of each bucket are the plain "
+                                "allreduce, uncompressed, and compression starts from a zero "
+                                "residual after (PyTorch PowerSGD's start_powerSGD_iter)",
+                                strategies=("dp", "hybrid"), with_="compress",
+                                on_resume="run")  # fmt: skip
+    compress_on: str = flag("gradient", "what --compress compresses: the summed gradient, before "
+                            "one shared optimizer (gradient), each rank's optimizer step, "
+                            "lr-scaled, with error feedback on the step as in EF-SignSGD (update; "
+                            "minidp/parallel/compression/update.py), or each rank's momentum-SGD "
+                            "velocity, DGC's momentum correction and factor masking (velocity, "
+                            "with --optimizer momentum and --compress topk or randomk; minidp/"
+                            "parallel/compression/velocity.py)", on_resume="run",
+                            strategies=("dp",),
+                            choices=("gradient", "update", "velocity"))  # fmt: skip
 
     # pruning (minidp/models/prune/magnitude.py; the default run's schedule: docs/pruning.md)
     prune: float = flag(
@@ -276,6 +262,14 @@ class TrainConfig(Flags):
     prune_structured_at: int | None = flag(None, "the step --prune-structured prunes at",
                                            strategies=("dp",), of_steps=(1, 3, 0), on_resume="run",
                                            with_="prune_structured")  # fmt: skip
+    # distillation (`python -m minidp distill`: models/distill.py, parallel/distill.py)
+    teacher: str | None = flag(None, "train the model as a student of the one saved in DIR "
+                               "(a run's --save-dir): Hinton et al.'s soft targets and the "
+                               "labels", strategies=("dp",), on_resume="run")  # fmt: skip
+    temperature: float = flag(2.0, "the soft targets' temperature T", with_="teacher",
+                              strategies=("dp",), on_resume="run", interval="(0, inf)")  # fmt: skip
+    alpha: float = flag(0.5, "the soft targets' weight (1 - alpha: the labels')", with_="teacher",
+                        strategies=("dp",), on_resume="run", interval="[0, 1]")  # fmt: skip
 
 
 def config_fields():
@@ -283,11 +277,4 @@ def config_fields():
     return [(f.name, f.default, f.type, f.metadata) for f in fields(TrainConfig)]
 
 
-__all__ = [
-    "DATA_PARALLEL",
-    "BadConfig",
-    "TrainConfig",
-    "config_fields",
-    "flag",
-    "staleness_bound",
-]
+__all__ = ["DATA_PARALLEL", "BadConfig", "TrainConfig", "config_fields", "flag", "staleness_bound"]

@@ -11,6 +11,7 @@ import math
 from minidp.cli.training.bad_config import BadConfig, flag_name
 
 VELOCITY_COMPRESSORS = ("topk", "randomk")  # what --compress-on velocity runs: sparsifiers
+SHAPED = {"prune_structured_at": "prune_structured", "temperature": "teacher", "alpha": "teacher"}
 TORCH_STRATEGIES = ("dp",)  # what --backend torch runs; the rest refuse (docs/torch.md)
 
 
@@ -71,11 +72,12 @@ def check_prune(config) -> None:
 
 
 def check_structured(config) -> None:
-    """--prune-structured (parallel/structured_pruning.py): at a step of the run, leaving a
-    head and a channel in every layer, and alone (the model changes shape mid-run)."""
+    """--prune-structured (parallel/structured_pruning.py) at a step of the run, leaving a head
+    and a channel in each layer, alone; it and --teacher, each with the flags it is shaped by."""
+    for name, feature in SHAPED.items():
+        if config.is_set(name) and not config.is_set(feature):
+            raise BadConfig(f"{flag_name(name)} shapes {flag_name(feature)}: give it")
     if not config.prune_structured:
-        if config.is_set("prune_structured_at"):
-            raise BadConfig("--prune-structured-at is the step of --prune-structured: give it")
         return
     clashes = [("--prune", config.prune), ("--compress", config.compress != "none"),
                ("--compress-on", config.compress_on != "gradient"), ("--resume", config.resume),
