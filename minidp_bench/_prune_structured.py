@@ -1,5 +1,6 @@
 """Structured pruning, measured: the dense model against each fraction of heads and MLP
-channels removed, in one run (`python -m minidp bench prune --structured`; prune.py hands over here).
+channels removed, in one run (`python -m minidp bench prune --structured`: prune.py hands
+over here).
 
     mpiexec -n 4 python -m minidp bench prune --structured              # the main job's model
     mpiexec -n 2 python -m minidp bench prune --structured --fractions 0.5 --steps 60
