@@ -3,6 +3,7 @@ model against simply training a smaller one.
 
     mpiexec -n 2 python -m minidp bench prune [--steps 300] [--repeats 1] [--out DIR]
     mpiexec -n 2 python -m minidp bench prune --sparsities 0,0.9 --widths 64 --json FILE
+    mpiexec -n 4 python -m minidp bench prune --structured   # heads, channels: _prune_structured.py
 
 Contenders: the default GPT (`python -m minidp train`'s defaults: 2 layers, 4 heads, width
 64, 300 steps, float32) trained with `--prune S` for each sparsity S (0, 50, 80, 90, 95%
@@ -37,6 +38,7 @@ from minidp.models.tasks import Task
 from minidp.tools.log import die, print0
 from minidp.tools.parser import Parser
 from minidp.tools.plots import pyplot, save
+from minidp_bench import _prune_structured as prune_structured
 from minidp_bench._common import median, print_table, rotated_rounds, summary, write_json
 
 SPARSITIES = (0.0, 0.5, 0.8, 0.9, 0.95)
@@ -130,20 +132,31 @@ def parse_args(argv: list[str]):
     parser.add_argument("--repeats", type=int, default=1, help="rounds (times: medians)")
     parser.add_argument("--out", default="runs/bench_prune", help="directory for the PNG")
     parser.add_argument("--json", metavar="FILE", help="write JSON lines (rank 0)")
+    parser.add_argument("--structured", action="store_true",
+                        help="dense against --fractions of heads and channels removed "
+                        "(_prune_structured.py)")  # fmt: skip
+    parser.add_argument("--fractions", default="0.25,0.5,0.75", help="with --structured")
+    parser.add_argument("--rounds", type=int, default=20, help="with --structured: timed rounds")
     args = parser.parse_args(argv)
     try:
+        args.fractions = [float(f) for f in args.fractions.split(",")]
         args.sparsities = [float(s) for s in args.sparsities.split(",")]
         args.widths = [int(w) for w in args.widths.split(",")]
     except ValueError as error:
         raise die(f"bench prune: bad --sparsities or --widths: {error}") from None
-    if args.steps < 6 or args.repeats < 1:
-        raise die("bench prune: --steps must be >= 6 and --repeats >= 1")
+    if args.steps < 6 or args.repeats < 1 or args.rounds < 1:
+        raise die("bench prune: --steps must be >= 6, --repeats and --rounds >= 1")
     return args
 
 
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
     group = comm.world()
+    if args.structured:  # heads and channels removed, the weights sliced
+        try:
+            return prune_structured.main(args, group)
+        except BadConfig as error:
+            raise die(f"bench prune --structured: {error}") from None
     print0(
         f"bench prune: GPT {args.n_layer} layers, widths {args.widths}, block "
         f"{args.block_size}, global batch {args.batch_size}, {args.steps} steps, float32 | "

@@ -204,4 +204,6 @@ def test_what_a_resume_keeps_is_written_down_here_too():
         *("optimizer", "ps_optimizer", "weight_decay", "grad_clip"),  # what each step does
         *("dropout", "compress", "compress_warmup", "compress_on"),
         *("prune", "prune_start", "prune_end", "prune_every", "prune_scope"),
+        *("prune_structured", "prune_structured_at"),  # (--resume refuses them anyway)
+        *("teacher", "temperature", "alpha"),  # distillation's loss
     }

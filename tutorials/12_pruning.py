@@ -18,7 +18,8 @@
 # sends only the gradients of the weights still alive. This tutorial builds it up: the mask,
 # why AdamW needs more than a zeroed gradient, the cubic schedule, the DP hook that packs
 # the kept gradients, the same on your own model with torch.nn.utils.prune's functions,
-# and last, pruning a model against simply training a smaller one.
+# pruning a model against simply training a smaller one, and last, structured pruning,
+# which removes whole heads and channels so the model really shrinks.
 
 # %%
 import contextlib
@@ -35,11 +36,14 @@ from minidp.cli.strategies import DataParallel
 from minidp.cli.training.config import TrainConfig
 from minidp.cli.training.loop import train
 from minidp.models.data import DistributedSampler
+from minidp.models.gpt import GPT, GPTConfig
 from minidp.models.prune import functions as prune
+from minidp.models.prune import structured
 from minidp.models.prune.magnitude import MagnitudePruner, cubic_sparsity, magnitude_masks
 from minidp.models.tasks import Task
 from minidp.parallel import DistributedDataParallel
 from minidp.parallel.pruning import masked_allreduce_hook
+from minidp.parallel.structured_pruning import prune_structured
 from minidp.tools.log import print0
 from minidp.tools.plots import pyplot, save
 
@@ -205,3 +209,26 @@ if plt is not None:
     right.set(xlabel="step", ylabel="kB sent per rank per step", title="bytes on the wire")
     left.legend()
     save(fig, os.path.join(tempfile.gettempdir(), "minidp_12_pruning.png"))
+
+# %% [markdown]
+# ## 7. Structured pruning: remove heads and channels, and the model really shrinks
+# Masks keep every matrix its shape. Remove whole attention heads and MLP channels
+# instead, by the L2 norm of what each owns (torch's `ln_structured`), and slice the
+# weights: a smaller dense GPT. The scores are averaged over the group first, so every
+# rank removes the same ones. Slicing drops only zeros: the sliced model computes what the
+# masked dense model computes.
+
+# %%
+tiny = GPTConfig(vocab_size=20, block_size=8, n_layer=2, n_head=4, n_embd=16)
+masked = GPT(tiny, seed=1, dtype=np.float64)
+sliced = GPT(tiny, seed=1, dtype=np.float64)
+tokens = np.random.default_rng(0).integers(0, 20, (3, 8))
+structured.prune(structured.gpt_units(masked), 0.5, masks_only=True)  # heads zeroed in place
+prune_structured(sliced, 0.5, group)  # the same heads gone, the weights sliced
+gap = np.abs(sliced(tokens).data - masked(tokens).data).max()
+print0(f"heads per block {sliced.config.heads}, MLP channels {sliced.config.mlp_channels}")
+print0(f"parameters {masked.num_parameters():,} -> {sliced.num_parameters():,}, max gap {gap}")
+assert gap <= 1e-12 and sliced.config.heads == (2, 2) and sliced.config.mlp_channels == (32, 32)
+assert sliced.num_parameters() == 4_176 and masked.num_parameters() == 7_360
+# `--prune-structured 0.5` does this at step steps/3 of a DP run, then fine-tunes;
+# `python -m minidp bench prune --structured` measures what it buys (docs/pruning.md)

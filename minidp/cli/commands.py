@@ -2,6 +2,7 @@
 
     python -m minidp                      # train the tiny GPT on one process (train is the default)
     mpiexec -n 4 python -m minidp         # the same job, data parallel over 4 ranks
+    python -m minidp distill --teacher DIR --n-layer 1 --n-embd 32   # a student of a saved run
     python -m minidp bench autograd       # a benchmark (minidp_bench/<name>.py)
     python -m minidp info                 # versions, BLAS, MPI library, world size
     python -m minidp schedule --pp 4 --micro-batches 8 --schedule 1f1b   # a pipeline schedule
@@ -24,7 +25,7 @@ from minidp.parallel.param_server.membership import end_without
 from minidp.tools.log import RunStopped, die, print0
 from minidp.tools.parser import Parser, add_fields  # below: the benchmarks take it there
 
-SUBCOMMANDS = ("train", "bench", "info", "schedule", "plot", "predict", "simulate")
+SUBCOMMANDS = ("train", "distill", "bench", "info", "schedule", "plot", "predict", "simulate")
 
 
 def train_parser() -> argparse.ArgumentParser:
@@ -89,6 +90,8 @@ def main(argv: list[str] | None = None) -> int:
             end_job(error)
             raise
     config = parse_train_args(argv)
+    if command == "distill" and config.teacher is None:  # train's flags, a teacher required
+        raise die("minidp distill: give --teacher DIR (a run's --save-dir)")
     from minidp.cli.training.loop import train
 
     try:

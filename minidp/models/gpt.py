@@ -45,6 +45,17 @@ class GPTConfig:
     top_k: int = 1  # 1: Switch; 2: GShard's renormalized pair
     capacity_factor: float = 0.0  # 0: dropless
     aux_loss_coef: float = 0.01  # Switch's alpha: load_balancing_loss(model) adds it
+    # after structured pruning (models/prune/structured.py), per block; (): every block full
+    heads: tuple[int, ...] = ()  # heads kept per block; the head size stays n_embd / n_head
+    mlp_channels: tuple[int, ...] = ()  # MLP hidden channels per block (full: 4 n_embd)
+
+    def layer_heads(self, layer: int) -> int:
+        """Block `layer`'s heads: n_head, or what structured pruning left (`heads`)."""
+        return self.heads[layer] if self.heads else self.n_head
+
+    def layer_channels(self, layer: int) -> int:
+        """Block `layer`'s MLP hidden width: 4 n_embd, or what pruning left (`mlp_channels`)."""
+        return self.mlp_channels[layer] if self.mlp_channels else 4 * self.n_embd
 
 
 def composed_attention(qkv: Tensor, n_head: int, future: np.ndarray, attn_drop) -> Tensor:
@@ -125,12 +136,13 @@ class CausalSelfAttention(Module):
 
     attend = staticmethod(attention)
 
-    def __init__(self, cfg: GPTConfig, *, rng, dtype=np.float32, fused: bool = True):
+    def __init__(self, cfg: GPTConfig, *, rng, dtype=np.float32, fused: bool = True, layer=0):
         C, std = cfg.n_embd, 0.02
-        self.n_head = cfg.n_head
-        self.qkv = Linear(C, 3 * C, rng=rng, dtype=dtype, std=std)
+        self.n_head = cfg.layer_heads(layer)  # n_head, or fewer after structured pruning
+        A = self.n_head * (C // cfg.n_head)  # the heads' width: C, unless pruned
+        self.qkv = Linear(C, 3 * A, rng=rng, dtype=dtype, std=std)
         # residual projections scaled by 1/sqrt(2 n_layer) (GPT-2)
-        self.proj = Linear(C, C, rng=rng, dtype=dtype, std=std / np.sqrt(2 * cfg.n_layer))
+        self.proj = Linear(A, C, rng=rng, dtype=dtype, std=std / np.sqrt(2 * cfg.n_layer))
         self.attn_drop = Dropout(cfg.dropout, rng=rng)
         self.resid_drop = Dropout(cfg.dropout, rng=rng)
         self.future = np.triu(np.ones((cfg.block_size, cfg.block_size), dtype=bool), k=1)
@@ -154,11 +166,11 @@ class Block(Module):
     moe: MoE | None = None  # the block's MoE layer, where it has one
 
     def __init__(
-        self, cfg: GPTConfig, *, rng, dtype=np.float32, fused: bool = True, moe: bool = False
+        self, cfg: GPTConfig, *, rng, dtype=np.float32, fused: bool = True, moe=False, layer=0
     ):
         C, std = cfg.n_embd, 0.02
         self.ln1 = LayerNorm(C, dtype=dtype, fused=fused)
-        self.attn = CausalSelfAttention(cfg, rng=rng, dtype=dtype, fused=fused)
+        self.attn = CausalSelfAttention(cfg, rng=rng, dtype=dtype, fused=fused, layer=layer)
         self.ln2 = LayerNorm(C, dtype=dtype, fused=fused)
         if moe:  # the MLP's place taken by experts (models/moe/), each one the MLP below
             self.moe = MoE(
@@ -172,10 +184,9 @@ class Block(Module):
                 aux_loss_coef=cfg.aux_loss_coef,
             )
         else:
-            self.fc = Linear(C, 4 * C, rng=rng, dtype=dtype, std=std)
-            self.fc_proj = Linear(
-                4 * C, C, rng=rng, dtype=dtype, std=std / np.sqrt(2 * cfg.n_layer)
-            )
+            F = cfg.layer_channels(layer)  # 4C, or fewer after structured pruning
+            self.fc = Linear(C, F, rng=rng, dtype=dtype, std=std)
+            self.fc_proj = Linear(F, C, rng=rng, dtype=dtype, std=std / np.sqrt(2 * cfg.n_layer))
         self.drop = Dropout(cfg.dropout, rng=rng)
         self.fused = fused
 
@@ -218,7 +229,7 @@ class GPT(Module):
         self.wpe = Embedding(cfg.block_size, cfg.n_embd, rng=rng, dtype=dtype, fused=fused)
         self.drop = Dropout(cfg.dropout, rng=rng)
         self.blocks = [
-            Block(cfg, rng=rng, dtype=dtype, fused=fused, moe=uses_moe(cfg, i))
+            Block(cfg, rng=rng, dtype=dtype, fused=fused, moe=uses_moe(cfg, i), layer=i)
             for i in range(cfg.n_layer)
         ]
         self.ln_f = LayerNorm(cfg.n_embd, dtype=dtype, fused=fused)

@@ -32,6 +32,15 @@ def flag(default, help: str, *, with_: str | None = None, **metadata):
     return field(default=default, metadata={"help": help, **metadata})
 
 
+def outside(value, interval: str) -> bool:
+    """Whether `value` lies outside `interval` ("[0, 1)", "[0, inf)": a bracket takes its end
+    in, a parenthesis leaves it out). NaN lies outside every interval."""
+    lo, hi = (float(end) for end in interval[1:-1].split(","))
+    above_lo = lo <= value if interval[0] == "[" else lo < value
+    below_hi = value <= hi if interval[-1] == "]" else value < hi
+    return not (above_lo and below_hi)
+
+
 def kept_on_resume(config_class, kind: str) -> tuple[str, ...]:
     """The fields whose metadata says a resumed run keeps them: "model", "data" or "run"."""
     return tuple(f.name for f in fields(config_class) if f.metadata.get("on_resume") == kind)
@@ -81,3 +90,23 @@ class Flags:
             if self.applies(f.name) and (feature is None or self.is_set(feature)):
                 shown.append(f"{f.name}={getattr(self, f.name)}")
         return "config: " + " ".join(shown)
+
+    def out_of_interval(self) -> tuple[str, object, str] | None:
+        """The first (name, value, interval) whose value, resolved, lies outside its field's
+        "interval"; None if every one is inside its own."""
+        resolved = self.resolved()
+        for f in fields(self):
+            value, interval = getattr(resolved, f.name), f.metadata.get("interval")
+            if interval is not None and outside(value, interval):
+                return f.name, value, interval
+        return None
+
+    def misplaced(self) -> tuple[str, str, tuple, str] | None:
+        """The first field set under a --strategy or --model it does not belong to, as
+        (name, "strategy" or "model", the ones it belongs to, this config's); None: none."""
+        for f in fields(self):
+            if not self.applies(f.name) and self.is_set(f.name):
+                if self.strategy not in f.metadata.get("strategies", (self.strategy,)):
+                    return f.name, "strategy", f.metadata["strategies"], self.strategy
+                return f.name, "model", f.metadata.get("models"), self.model
+        return None

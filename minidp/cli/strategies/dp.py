@@ -18,6 +18,7 @@ from minidp.cli.strategies.ddp_axis import DDPAxis
 from minidp.cli.strategies.protocol import Recipe
 from minidp.cli.strategies.step import check_micro_batches
 from minidp.parallel.across_ranks import global_l2, replica_spread
+from minidp.parallel.structured_pruning import StructuredPruning
 
 
 class DataParallel(Recipe):
@@ -30,13 +31,39 @@ class DataParallel(Recipe):
         super().__init__(task, config, group, timeline)
         check_micro_batches(config, group.size)  # alike on every rank, before any message
         self.model, self.dp_group = task.model, group
-        self.dp = self.axis = dp = DDPAxis(task.model, group, config, self.timeline, optimizer)
+        self.axes, self.clocks = {"dp": [group]}, []  # each DDP built adds its own
+        at = config.resolved().prune_structured_at  # --prune-structured's one step, or None
+        self.structured = config.prune_structured and StructuredPruning(
+            task.model, config.prune_structured, at, group
+        )
+        self.build(optimizer)
+        self.data_shard = (group.rank, group.size)
+
+    def build(self, optimizer) -> None:
+        """DDP around the model as it is now, the optimizer, the step skeleton."""
+        dp = DDPAxis(self.model, self.group, self.config, self.timeline, optimizer)
+        self.dp = self.axis = dp
         self.ddp, self.optimizer = dp.ddp, dp.optimizer
         self.compressor, self.pruning = dp.compressor, dp.pruning
-        self.axes, self.clocks = {"dp": [dp.ddp.comm_group, group]}, [dp.clock]
+        self.axes["dp"].insert(0, dp.ddp.comm_group)  # what the DDPs before it sent stays
+        self.clocks.append(dp.clock)
         self.clip_params = dp.ddp.parameters()
-        self.run = dp.make_step(self.loss, self.clip, self.timeline, group)
-        self.data_shard = (group.rank, group.size)
+        self.run = dp.make_step(self.loss, self.clip, self.timeline, self.group)
+
+    def step(self, local, lr):
+        if self.structured and self.structured.begin_step():  # --prune-structured: the step
+            self.dp.close()  # DDP's buckets hold the old shapes: sliced, it is built again
+            self.structured.prune(self.optimizer)  # AdamW's m and v sliced with the weights
+            from_config = self.dp.optimizer_from_config
+            self.build(self.optimizer)
+            self.dp.optimizer_from_config = from_config
+        return self.run(local, lr)
+
+    def describe(self) -> str:
+        return super().describe() + (f" | {self.structured.describe()}" if self.structured else "")
+
+    def record(self) -> dict:
+        return {**super().record(), **(self.structured.record() if self.structured else {})}
 
     def norm(self, kind: str) -> float:
         """Replicas: the local norm is the global one."""

@@ -4,7 +4,7 @@ The command line is generated from this dataclass (cli/commands.py), so a new fi
 new flag; the values that cannot work are refused by config_checks.py, one line each. The
 default run: a GPT of ~0.1 M parameters, 1024 tokens a step, 300 steps.
 
-Flags counted in steps (`--warmup`, `--prune-start`, `--prune-end`, `--prune-every`) default
+Flags counted in steps (`--warmup`, `--prune-start`, `--prune-end`, `--prune-every`, ...) default
 to a fraction of `--steps` (metadata "of_steps": 300 steps warm up for 20, 60 for 4). Left
 unset they are None here, and `resolved()` fills them in; a value given is kept as it is.
 
@@ -128,30 +128,17 @@ class TrainConfig(Flags):
 
     # parameter server (--strategy ps): the last S ranks serve, the others work
     servers: int = flag(1, "server ranks (the last S of the world)", strategies=("ps",))
-    consistency: str = flag(
-        "bsp",
-        "bsp (every clock together), asp (each push as it comes) or ssp:K "
-        "(no worker more than K clocks ahead of the slowest)",
-        strategies=("ps",),
-    )
-    ps_optimizer: str = flag(
-        "adamw",
-        "the servers' optimizer (momentum: SGD with momentum 0.9)",
-        choices=("sgd", "momentum", "adamw"),
-        strategies=("ps",),
-        on_resume="run",
-    )
-    ps_slow_worker_ms: float = flag(
-        0.0,
-        "the last worker sleeps this long every step (to show ASP's gain)",
-        strategies=("ps",),
-    )
-    ps_timeout: float = flag(
-        60.0,
-        "seconds a server waits for a silent worker (asp/ssp: dropped; bsp: an "
-        "error) and a worker for a server's reply",
-        strategies=("ps",),
-    )
+    consistency: str = flag("bsp", "bsp (every clock together), asp (each push as it comes) or "
+                            "ssp:K (no worker more than K clocks ahead of the slowest)",
+                            strategies=("ps",))  # fmt: skip
+    ps_optimizer: str = flag("adamw", "the servers' optimizer (momentum: SGD with momentum 0.9)",
+                             choices=("sgd", "momentum", "adamw"), strategies=("ps",),
+                             on_resume="run")  # fmt: skip
+    ps_slow_worker_ms: float = flag(0.0, "the last worker sleeps this long every step (to show "
+                                    "ASP's gain)", strategies=("ps",))  # fmt: skip
+    ps_timeout: float = flag(60.0, "seconds a server waits for a silent worker (asp/ssp: dropped;"
+                             " bsp: an error) and a worker for a server's reply",
+                             strategies=("ps",))  # fmt: skip
 
     # the array backend (minidp/engine/backend.py): NumPy, or torch tensors on the CPU or a GPU
     backend: str = flag(
@@ -224,43 +211,29 @@ class TrainConfig(Flags):
     virtual: int = flag(1, "stages per rank (V > 1: --schedule interleaved)", strategies=PP)
 
     # ZeRO (--strategy zero, hybrid)
-    zero_stage: int = flag(
-        0,
-        "what ZeRO shards over the data-parallel ranks: 1 the optimizer state, "
-        "2 and the gradients, 3 and the parameters (0: not set)",
-        strategies=("zero", "hybrid"),
-    )
+    zero_stage: int = flag(0, "what ZeRO shards over the data-parallel ranks: 1 the optimizer "
+                           "state, 2 and the gradients, 3 and the parameters (0: not set)",
+                           strategies=("zero", "hybrid"))  # fmt: skip
 
     # gradient compression and pruning (--strategy dp, hybrid)
-    compress: str = flag(
-        "none",
-        "gradient compression NAME[:PARAM]: none, fp16, bf16, topk:DENSITY, "
-        "randomk:DENSITY, sign, sign-noef, qsgd:LEVELS, powersgd:RANK "
-        "(minidp/parallel/compression/table.py)",
-        strategies=("dp", "hybrid"),
-        on_resume="run",
-    )
-    compress_warmup: int = flag(
-        0,
-        "the first STEPS reductions of each bucket are the plain allreduce, "
-        "uncompressed, and compression starts from a zero residual after (PyTorch "
-        "PowerSGD's start_powerSGD_iter)",
-        strategies=("dp", "hybrid"),
-        with_="compress",
-        on_resume="run",
-    )
-    compress_on: str = flag(
-        "gradient",
-        "what --compress compresses: the summed gradient, before one shared "
-        "optimizer (gradient), each rank's optimizer step, lr-scaled, with error "
-        "feedback on the step as in EF-SignSGD (update; minidp/parallel/compression/update.py), "
-        "or each rank's momentum-SGD velocity, DGC's momentum correction and factor "
-        "masking (velocity, with --optimizer momentum and --compress topk or randomk; "
-        "minidp/parallel/compression/velocity.py)",
-        choices=("gradient", "update", "velocity"),
-        strategies=("dp",),
-        on_resume="run",
-    )
+    compress: str = flag("none", "gradient compression NAME[:PARAM]: none, fp16, bf16, "
+                         "topk:DENSITY, randomk:DENSITY, sign, sign-noef, qsgd:LEVELS, "
+                         "powersgd:RANK (minidp/parallel/compression/table.py)",
+                         strategies=("dp", "hybrid"), on_resume="run")  # fmt: skip
+    compress_warmup: int = flag(0, "the first STEPS reductions of each bucket are the plain "
+                                "allreduce, uncompressed, and compression starts from a zero "
+                                "residual after (PyTorch PowerSGD's start_powerSGD_iter)",
+                                strategies=("dp", "hybrid"), with_="compress",
+                                on_resume="run")  # fmt: skip
+    compress_on: str = flag("gradient", "what --compress compresses: the summed gradient, before "
+                            "one shared optimizer (gradient), each rank's optimizer step, "
+                            "lr-scaled, with error feedback on the step as in EF-SignSGD (update; "
+                            "minidp/parallel/compression/update.py), or each rank's momentum-SGD "
+                            "velocity, DGC's momentum correction and factor masking (velocity, "
+                            "with --optimizer momentum and --compress topk or randomk; minidp/"
+                            "parallel/compression/velocity.py)", on_resume="run",
+                            strategies=("dp",),
+                            choices=("gradient", "update", "velocity"))  # fmt: skip
 
     # pruning (minidp/models/prune/magnitude.py; the default run's schedule: docs/pruning.md)
     prune: float = flag(
@@ -271,38 +244,32 @@ class TrainConfig(Flags):
         on_resume="run",
         interval="[0, 1)",
     )
-    prune_start: int | None = flag(
-        None,
-        "step the cubic pruning ramp starts",
-        strategies=("dp",),
-        of_steps=(1, 6, 0),
-        with_="prune",
-        on_resume="run",
-    )
-    prune_end: int | None = flag(
-        None,
-        "step the target sparsity is reached",
-        strategies=("dp",),
-        of_steps=(2, 3, 0),
-        with_="prune",
-        on_resume="run",
-    )
-    prune_every: int | None = flag(
-        None,
-        "steps between pruning steps",
-        strategies=("dp",),
-        of_steps=(1, 30, 1),
-        with_="prune",
-        on_resume="run",
-    )
-    prune_scope: str = flag(
-        "global",
-        "one magnitude threshold over all weight matrices, or one per matrix",
-        choices=("global", "layer"),
-        strategies=("dp",),
-        with_="prune",
-        on_resume="run",
-    )
+    prune_start: int | None = flag(None, "step the cubic pruning ramp starts", strategies=("dp",),
+                                   of_steps=(1, 6, 0), with_="prune", on_resume="run")  # fmt: skip
+    prune_end: int | None = flag(None, "step the target sparsity is reached", strategies=("dp",),
+                                 of_steps=(2, 3, 0), with_="prune", on_resume="run")  # fmt: skip
+    prune_every: int | None = flag(None, "steps between pruning steps", strategies=("dp",),
+                                   of_steps=(1, 30, 1), with_="prune", on_resume="run")  # fmt: skip
+    prune_scope: str = flag("global", "one magnitude threshold over all weight matrices, or one "
+                            "per matrix", choices=("global", "layer"), strategies=("dp",),
+                            with_="prune", on_resume="run")  # fmt: skip
+    # structured pruning (minidp/models/prune/structured.py, parallel/structured_pruning.py)
+    prune_structured: float = flag(0.0, "remove this fraction of each block's attention heads and "
+                                   "MLP channels (an MLP's hidden channels) by L2 norm at one "
+                                   "step and slice the weights: a smaller dense model, fine-tuned "
+                                   "for the steps left (0 = off)", strategies=("dp",),
+                                   on_resume="run", interval="[0, 1)")  # fmt: skip
+    prune_structured_at: int | None = flag(None, "the step --prune-structured prunes at",
+                                           strategies=("dp",), of_steps=(1, 3, 0), on_resume="run",
+                                           with_="prune_structured")  # fmt: skip
+    # distillation (`python -m minidp distill`: models/distill.py, parallel/distill.py)
+    teacher: str | None = flag(None, "train the model as a student of the one saved in DIR "
+                               "(a run's --save-dir): Hinton et al.'s soft targets and the "
+                               "labels", strategies=("dp",), on_resume="run")  # fmt: skip
+    temperature: float = flag(2.0, "the soft targets' temperature T", with_="teacher",
+                              strategies=("dp",), on_resume="run", interval="(0, inf)")  # fmt: skip
+    alpha: float = flag(0.5, "the soft targets' weight (1 - alpha: the labels')", with_="teacher",
+                        strategies=("dp",), on_resume="run", interval="[0, 1]")  # fmt: skip
 
 
 def config_fields():
@@ -310,11 +277,4 @@ def config_fields():
     return [(f.name, f.default, f.type, f.metadata) for f in fields(TrainConfig)]
 
 
-__all__ = [
-    "DATA_PARALLEL",
-    "BadConfig",
-    "TrainConfig",
-    "config_fields",
-    "flag",
-    "staleness_bound",
-]
+__all__ = ["DATA_PARALLEL", "BadConfig", "TrainConfig", "config_fields", "flag", "staleness_bound"]

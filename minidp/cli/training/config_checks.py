@@ -28,8 +28,10 @@ from minidp.cli.training.scheme_checks import (
     check_pipeline,
     check_precision,
     check_prune,
+    check_structured,
     staleness_bound,
 )
+from minidp.tools.flags import outside as outside  # (tests/test_cli_input.py reads it here)
 from minidp.tools.memory import estimated_bytes, physical_memory_bytes
 from minidp.tools.paths import same_file, uncreatable_dir, unwritable_file
 
@@ -77,6 +79,7 @@ def check_config(config) -> None:
     if config.sequence_parallel and config.tp == 1:
         raise BadConfig("--sequence-parallel needs --tp > 1 (it splits over the TP group)")
     check_prune(config)
+    check_structured(config)
     check_backend(config)
     check_compress(config)
     check_precision(config)
@@ -97,15 +100,6 @@ def check_config(config) -> None:
         )
 
 
-def outside(value, interval: str) -> bool:
-    """Whether `value` lies outside `interval` ("[0, 1)", "[0, inf)": a bracket takes its end
-    in, a parenthesis leaves it out). NaN lies outside every interval."""
-    lo, hi = (float(end) for end in interval[1:-1].split(","))
-    above_lo = lo <= value if interval[0] == "[" else lo < value
-    below_hi = value <= hi if interval[-1] == "]" else value < hi
-    return not (above_lo and below_hi)
-
-
 def check_ranges(config) -> None:
     """Sizes, rates and probabilities in their ranges; --threads no more than the cores."""
     if config.model == "gpt" and config.n_embd % config.n_head:
@@ -118,26 +112,19 @@ def check_ranges(config) -> None:
             f"--threads {config.threads} is more than the {cores} cores here: BLAS threads "
             "beyond them only wait for each other (0: the cores shared among the ranks)"
         )
-    resolved = config.resolved()
-    for f in fields(config):  # each flag's own interval (its metadata: config.py)
-        value, interval = getattr(resolved, f.name), f.metadata.get("interval")
-        if interval is not None and outside(value, interval):
-            within = f"in {interval}" if interval != "[0, inf)" else ">= 0 and finite"
-            raise BadConfig(f"{flag_name(f.name)} must be {within}, got {value}")
+    if bad := config.out_of_interval():  # each flag's own interval (its metadata: config.py)
+        name, value, interval = bad
+        within = f"in {interval}" if interval != "[0, inf)" else ">= 0 and finite"
+        raise BadConfig(f"{flag_name(name)} must be {within}, got {value}")
 
 
 def check_belonging(config) -> None:
     """A flag set under a --strategy or --model it does not belong to is refused, never
     silently ignored (its metadata's "strategies" and "models")."""
-    for f in fields(config):
-        if not config.applies(f.name) and config.is_set(f.name):
-            whose = ("--model", f.metadata.get("models"), config.model)
-            if config.strategy not in f.metadata.get("strategies", (config.strategy,)):
-                whose = ("--strategy", f.metadata["strategies"], config.strategy)
-            raise BadConfig(
-                f"{flag_name(f.name)} is a flag of {whose[0]} "
-                f"{' or '.join(whose[1])}, not of {whose[0]} {whose[2]}"
-            )
+    if bad := config.misplaced():
+        name, kind, owners, this = bad
+        whose = f"--{kind} {' or '.join(owners)}, not of --{kind} {this}"
+        raise BadConfig(f"{flag_name(name)} is a flag of {whose}")
 
 
 def check_outputs(config) -> None:

@@ -29,7 +29,8 @@ from minidp.engine import optim
 from minidp.models import data
 from minidp.models.tasks import Task, TextTooShort
 from minidp.parallel import across_ranks
-from minidp.parallel.checkpoint import Preempted, Preemption
+from minidp.parallel.checkpoint import CheckpointError, Preempted, Preemption
+from minidp.parallel.distill import distilled as distill_from
 from minidp.tools.info import blas_info, cores_per_rank, mpi_library
 from minidp.tools.log import RankLog, print0
 from minidp.tools.memory import check_cap, peak_rss_bytes, rank_floor_bytes
@@ -78,6 +79,11 @@ def _train(config: TrainConfig, group: comm.Group, preemption: Preemption, adds)
         task = Task(config, np.dtype(config.dtype), deferred=deferred)
     except TextTooShort as error:  # alike on every rank: one line
         raise BadConfig(str(error)) from None
+    if config.teacher is not None:  # distill: the student's loss from the saved teacher's
+        try:
+            task = distill_from(task, config.teacher, group, config.temperature, config.alpha)
+        except CheckpointError as error:  # alike on every rank: one line
+            raise BadConfig(f"--teacher {config.teacher}: {error}") from None
     timeline = Timeline(enabled=config.trace is not None)
     with (
         resume.own_save_dir(config, group),  # one job at a time in --save-dir

@@ -1,6 +1,6 @@
-"""Each scheme's own flags checked: the parameter server's, --prune's, --backend's,
---compress's, the pipeline's, --cp's, --experts'; one line each, as config_checks.py's (which
-runs them).
+"""Each scheme's own flags checked: the parameter server's, --prune's, --prune-structured's,
+--backend's, --compress's, the pipeline's, --cp's, --experts'; one line each, as
+config_checks.py's (which runs them).
 
 Like config_checks.py, this module reads a config's fields and its `is_set`, `resolved`,
 and does not import config.py.
@@ -11,6 +11,7 @@ import math
 from minidp.cli.training.bad_config import BadConfig, flag_name
 
 VELOCITY_COMPRESSORS = ("topk", "randomk")  # what --compress-on velocity runs: sparsifiers
+SHAPED = {"prune_structured_at": "prune_structured", "temperature": "teacher", "alpha": "teacher"}
 TORCH_STRATEGIES = ("dp",)  # what --backend torch runs; the rest refuse (docs/torch.md)
 
 
@@ -68,6 +69,26 @@ def check_prune(config) -> None:
             f"--prune-end {r.prune_end} is past the last step (--steps {r.steps} "
             f"runs steps 0 to {r.steps - 1}): lower --prune-end"
         )
+
+
+def check_structured(config) -> None:
+    """--prune-structured (parallel/structured_pruning.py) at a step of the run, leaving a head
+    and a channel in each layer, alone; it and --teacher, each with the flags it is shaped by."""
+    for name, feature in SHAPED.items():
+        if config.is_set(name) and not config.is_set(feature):
+            raise BadConfig(f"{flag_name(name)} shapes {flag_name(feature)}: give it")
+    if not config.prune_structured:
+        return
+    clashes = [("--prune", config.prune), ("--compress", config.compress != "none"),
+               ("--compress-on", config.compress_on != "gradient"), ("--resume", config.resume),
+               ("--experts", config.experts), ("--backend", config.backend != "numpy")]  # fmt: skip
+    if clash := next((name for name, given in clashes if given), None):
+        raise BadConfig(f"--prune-structured with {clash} is not supported: pick one")
+    if not 0 <= config.resolved().prune_structured_at < config.steps:
+        raise BadConfig(f"--prune-structured-at must be a step in [0, --steps {config.steps})")
+    units = (config.n_head, 4 * config.n_embd) if config.model == "gpt" else (config.hidden,)
+    if any(round(config.prune_structured * n) >= n for n in units):
+        raise BadConfig(f"--prune-structured {config.prune_structured:g} leaves no head or channel")
 
 
 def check_backend(config) -> None:
