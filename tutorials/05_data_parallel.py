@@ -27,8 +27,10 @@ import numpy as np
 from minidp import Tensor, comm, cross_entropy, data, nn
 from minidp.comm.trace import Timeline
 from minidp.parallel import DistributedDataParallel, SimpleDistributedDataParallel
+from minidp.tools.info import one_blas_thread
 from minidp.tools.log import print0
 
+one_blas_thread()  # 4 ranks on a few cores: one BLAS thread each, or they fight
 group = comm.world()
 rank, world = group.rank, group.size
 
