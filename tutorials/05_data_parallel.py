@@ -38,6 +38,7 @@ x_all, y_all, _, _ = data.classification(seed=0, dtype=np.float64)
 B = 64  # the global batch
 sampler = data.DistributedSampler(len(x_all), B, rank, world, seed=0)
 local = sampler.local_indices(0)  # this rank's contiguous slice of the global batch
+assert len(local) == B // world  # the batch divides evenly here
 print0(f"{world} ranks; global batch {B}; rank 0 reads {len(local)} examples")
 
 
@@ -129,7 +130,9 @@ ddp.close()
 # ## 4. Overlap: send a bucket as soon as its gradients are final
 # The grad-ready hook of each parameter counts its bucket down; the last one hands the bucket
 # to a communication thread, which reduces it while backward continues with earlier layers.
-# The timeline records compute on one track and communication on another.
+# The timeline records compute on one track and communication on another. The lines below
+# are this run's: with 4 ranks sharing a few cores the thread may get to a bucket only
+# after backward has ended, and the line says so.
 
 # %%
 model = new_model()
@@ -145,6 +148,7 @@ backward = next(e for e in timeline.events if e["name"] == "backward")
 sends = sorted(
     (e for e in timeline.events if e["name"].startswith("allreduce")), key=lambda e: e["ts"]
 )
+assert len(sends) == len(ddp.buckets)  # one allreduce a bucket
 backward_end = backward["ts"] + backward["dur"]
 for e in sends:  # when the thread got to each bucket: on a busy machine, maybe only later
     where = "during backward" if e["ts"] < backward_end else "after backward"
