@@ -214,7 +214,7 @@ for layer in model.layers:
     params = layer.parameters()
     g = np.concatenate([p.grad.ravel() for p in params]) * (1 / N)  # this rank's share
     lo, hi = chunk_range(g.size, N, rank)
-    mine.append(Tensor(flat_of(params)[lo:hi]))
+    mine.append(Tensor(flat_of(params)[lo:hi].copy()))
     mine[-1].grad = comm.reduce_scatter(g, algo="ring", group=group)  # the sum's chunk r
     for p in params:
         p.grad = None  # the whole gradient is dropped
@@ -264,6 +264,11 @@ print0(f"FSDP grad_op == stage 2 by hand, bit for bit; {mine_numel:,} of {psi:,}
 # %%
 model = Net()
 layers, n = model.layers, len(model.layers)
+mine = []  # my chunk of each layer: all this rank keeps of the model
+for layer in layers:
+    v = flat_of(layer.parameters())
+    lo, hi = chunk_range(v.size, N, rank)
+    mine.append(Tensor(v[lo:hi].copy()))  # a copy: the whole layer goes
 whole_now, peak = {}, 0  # layer -> its whole parameters, while gathered
 
 
@@ -282,12 +287,8 @@ def release(u: int) -> None:
         p.data = np.broadcast_to(np.nan, p.shape)
 
 
-mine = []  # my chunk of each layer: all this rank keeps of the model
-for u, layer in enumerate(layers):
-    v = flat_of(layer.parameters())
-    lo, hi = chunk_range(v.size, N, rank)
-    mine.append(Tensor(v[lo:hi]))
-    release(u)
+for u in range(n):
+    release(u)  # from here on, this rank keeps only its chunks
 
 
 def relu_but_last(u: int, h: Tensor) -> Tensor:
@@ -320,6 +321,7 @@ calls = {c: group.counters[c]["calls"] for c in ("allgather", "reduce_scatter")}
 assert calls == {"allgather": 2 * n, "reduce_scatter": n}  # each layer: 2 gathers, 1 sum
 largest = b * max(sum(p.size for p in layer.parameters()) for layer in layers)
 assert peak == largest < b * psi  # one layer whole at a time
+mine_numel = sum(c.size for c in mine)
 held = {"parameters": b * mine_numel, "gradients": b * mine_numel, "optimizer": moments(opt)}
 check(3, held, mine_numel, psi)
 print0(f"stage 3 held at most {peak:,} gathered bytes (the largest layer) of the {b * psi:,} "
@@ -329,9 +331,9 @@ print0(f"stage 3 held at most {peak:,} gathered bytes (the largest layer) of the
 # The library's plain stage 3, `SimpleZeRO3` (parallel/zero/plain.py), is this loop as a
 # piece around your model: each layer's forward wrapped as one op that gathers, runs and
 # releases, and in backward does what our second loop did. Our bits. Then FSDP with
-# `sharding="full"` (PyTorch's FULL_SHARD): the same sharding, without the second forward,
-# with two gather slots reused in turn (stage3.py explains why that is safe), so it holds
-# up to two layers at once; DP's step to rounding.
+# `sharding="full"` (PyTorch's FULL_SHARD): the same sharding without the second forward,
+# its gathers written into two slots reused in turn (stage3.py explains why that is safe,
+# and measures what they hold); DP's step, to rounding.
 
 # %%
 model = Net()
