@@ -292,6 +292,42 @@ def test_split_errors_name_the_argument():
         split_model(tiny_mlp(4), 2, recompute=True)
     with pytest.raises(TypeError, match=r"model must be a GPT \(an nn.GPT or a Tensor"):
         split_model(nn.Linear(2, 2, rng=np.random.default_rng(0)), 1)
+    with pytest.raises(TypeError, match="a sequential model is a non-empty list of Modules"):
+        split_model([nn.Linear(2, 2, rng=np.random.default_rng(0)), np.tanh], 1)
+    with pytest.raises(ValueError, match="num_stages \\(4\\) exceeds the model's 3 modules"):
+        split_model(tiny_mlp(3).layers, 4)
+
+
+class Block(nn.Module):
+    """A user's layer: relu(x W + b)."""
+
+    def __init__(self, rng):
+        self.fc = nn.Linear(5, 5, rng=rng, dtype=F64)
+
+    def forward(self, x):
+        return self.fc(x).relu()
+
+
+def test_a_list_of_modules_is_cut_in_order_named_as_torch_sequential():
+    rng = np.random.default_rng(0)
+    layers = [Block(rng) for _ in range(5)]  # the user's sequential model: 2 + 2 + 1
+    x = rng.standard_normal((3, 5))
+    whole = split_model(layers, 1)[0]
+    parts = split_model(layers, 3)
+    assert [len(part.layers) for part in parts] == [2, 2, 1]
+    assert [name for name, _ in parts[1].named_parameters()] == [
+        "2.fc.weight", "2.fc.bias", "3.fc.weight", "3.fc.bias"
+    ]  # fmt: skip
+    assert all(p is q for (_, p), (_, q) in zip(whole.named_parameters(), (
+        item for part in parts for item in part.named_parameters())))  # fmt: skip
+    y = x
+    for part in parts:
+        y = part(y)
+    (y * y).sum().backward()
+    grads = [p.grad.copy() for p in whole.parameters()]
+    whole.zero_grad()
+    (whole(x) ** 2).sum().backward()  # the parts chained are the whole model
+    assert all(np.array_equal(g, p.grad) for g, p in zip(grads, whole.parameters()))
 
 
 def test_stage_errors_name_the_argument():

@@ -27,8 +27,10 @@ import numpy as np
 from minidp import Tensor, comm, cross_entropy, data, nn
 from minidp.comm.trace import Timeline
 from minidp.parallel import DistributedDataParallel, SimpleDistributedDataParallel
+from minidp.tools.info import one_blas_thread
 from minidp.tools.log import print0
 
+one_blas_thread()  # 4 ranks on a few cores: one BLAS thread each, or they fight
 group = comm.world()
 rank, world = group.rank, group.size
 
@@ -36,6 +38,7 @@ x_all, y_all, _, _ = data.classification(seed=0, dtype=np.float64)
 B = 64  # the global batch
 sampler = data.DistributedSampler(len(x_all), B, rank, world, seed=0)
 local = sampler.local_indices(0)  # this rank's contiguous slice of the global batch
+assert len(local) == B // world  # the batch divides evenly here
 print0(f"{world} ranks; global batch {B}; rank 0 reads {len(local)} examples")
 
 
@@ -75,17 +78,29 @@ def has_reference_gradients(net) -> bool:
 model = new_model()
 plain = SimpleDistributedDataParallel(model, group)  # every rank starts from rank 0's weights
 cross_entropy(plain(Tensor(x_all[local])), y_all[local]).backward()
+assert not has_reference_gradients(model)  # after backward: this rank's own gradient
 group.reset_counters()
 plain.finish_gradient_sync()
 assert has_reference_gradients(model)
 calls = group.counters["allreduce"]["calls"]
+assert calls == len(model.parameters())
 print0(f"per-parameter averaging matches one process: {calls} allreduce calls")
+
+# %% [markdown]
+# **Where a PyTorch user trips.** In PyTorch (DDP, and picotron's data parallelism),
+# `loss.backward()` returns with the gradients already averaged: DDP's reducer waits for its
+# last bucket at the end of backward. In minidp, `backward()` returns with each rank's own
+# gradient (the assert above), and `finish_gradient_sync()` averages them: every wrapper
+# here (DDP, ZeRO, FSDP) needs it between backward and the optimizer's step. Forget it and
+# each rank steps with its own gradient: the copies drift apart, with no error.
 
 # %% [markdown]
 # ## 3. Buckets: fewer, larger messages
 # Each allreduce pays a latency α however small it is. DDP packs gradients into a few flat
-# buckets, in reverse parameter order (the order backward produces them), and makes each
-# `p.grad` a *view* into its bucket: no packing copy, one message per bucket. Without
+# buckets of at most `bucket_cap_mb`, in reverse parameter order (the order backward
+# produces them; a parameter larger than the cap, here layers.1.weight, gets a bucket of its
+# own), and makes each `p.grad` a *view* into its bucket: no packing copy, one message per
+# bucket. Without
 # overlap every bucket goes after backward. Two of DDP's speed tricks show here, each a
 # module of its own (`ddp.tricks` lists them all; each gives the plain path's bits): the
 # buckets lie in shared memory (parallel/data_parallel/shm_arena.py, algo "auto" on one machine),
@@ -98,6 +113,7 @@ ddp = DistributedDataParallel(model, group, bucket_cap_mb=0.3, overlap=False)
 for b in ddp.buckets:
     names = [n for n, p in model.named_parameters() if any(p is q for q in b.params)]
     print0(f"bucket {b.index}: {b.data.nbytes / 2**20:.2f} MiB  {names}")
+    assert b.data.nbytes <= 0.3 * 2**20 or len(b.params) == 1  # a big one gets its own
 print0(f"speed tricks: {ddp.tricks}")
 assert all(np.shares_memory(p.grad, b.data) for b in ddp.buckets for p in b.params)
 ddp.comm_group.reset_counters()
@@ -106,6 +122,7 @@ cross_entropy(ddp(Tensor(x_all[local])), y_all[local]).backward()
 ddp.finish_gradient_sync()
 assert has_reference_gradients(model)
 calls = ddp.comm_group.counters["allreduce"]["calls"]
+assert calls == (1 if ddp.tricks["coalesce"] else len(ddp.buckets))
 print0(f"bucketed: {len(ddp.buckets)} buckets in {calls} allreduce call(s), same gradients")
 ddp.close()
 
@@ -113,7 +130,9 @@ ddp.close()
 # ## 4. Overlap: send a bucket as soon as its gradients are final
 # The grad-ready hook of each parameter counts its bucket down; the last one hands the bucket
 # to a communication thread, which reduces it while backward continues with earlier layers.
-# The timeline records compute on one track and communication on another.
+# The timeline records compute on one track and communication on another. The lines below
+# are this run's: with 4 ranks sharing a few cores the thread may get to a bucket only
+# after backward has ended, and the line says so.
 
 # %%
 model = new_model()
@@ -129,6 +148,7 @@ backward = next(e for e in timeline.events if e["name"] == "backward")
 sends = sorted(
     (e for e in timeline.events if e["name"].startswith("allreduce")), key=lambda e: e["ts"]
 )
+assert len(sends) == len(ddp.buckets)  # one allreduce a bucket
 backward_end = backward["ts"] + backward["dur"]
 for e in sends:  # when the thread got to each bucket: on a busy machine, maybe only later
     where = "during backward" if e["ts"] < backward_end else "after backward"
@@ -210,23 +230,46 @@ ddp.zero_grad()
 accumulate(ddp, True, ddp.no_sync)
 ddp.finish_gradient_sync()
 assert has_reference_gradients(model)
-print0(f"{K} micro-batches under no_sync: the whole global batch's gradient")
+print0(f"{K} micro-batches, the last outside no_sync: the whole global batch's gradient")
+ddp.zero_grad()
+for part in parts:  # every micro-batch inside no_sync, the last one too
+    with ddp.no_sync():
+        loss = cross_entropy(ddp(Tensor(x_all[part])), y_all[part])
+        (loss * (len(part) / len(local))).backward()
+ddp.finish_gradient_sync()  # reduces what was accumulated
+assert has_reference_gradients(model)
+print0(f"{K} micro-batches, all inside no_sync, then finish_gradient_sync(): the same")
 ddp.close()
 
-# One process, the same K backward passes with and without deferring (medians of 30; each
-# twice, the second counts):
+# %% [markdown]
+# **Where a PyTorch user trips.** In PyTorch the sync happens inside a backward: the one
+# that runs *outside* `no_sync()`. Run every micro-batch inside it and nothing is ever
+# averaged (silently); so the last micro-batch must run outside. In minidp the sync is
+# `finish_gradient_sync()`, which reduces whatever was accumulated, inside `no_sync` or not
+# (the second check above). Running the last micro-batch outside `no_sync` is still the
+# better order: its buckets then go out while its backward runs (section 4).
+#
+# Is deferring faster? It saves K−1 passes that read and write each weight's gradient, and
+# does one product of K·m rows instead of K products of m rows; it costs copying the rows.
+# Which wins depends on the sizes and on the BLAS: with one BLAS thread a rank (several
+# threads per rank on a shared machine measure the threads' fight, not the idea) and these
+# 256-wide layers it is usually deferring, but the line below is this run's measurement,
+# one process, the two alternated, 30 pairs; this tutorial asserts no time.
+
+# %%
 net = new_model()
-seconds = {}
-for defer in (False, True, False, True):
-    times = []
-    for _ in range(30):
+seconds = {False: [], True: []}
+for pair in range(32):  # plain, deferred, plain, deferred, ...: the two see the same machine
+    for defer in (False, True):
         net.zero_grad()
         start = time.perf_counter()
         accumulate(net, defer)
         _ = [p.grad for p in net.parameters()]  # the read that multiplies deferred rows
-        times.append(time.perf_counter() - start)
-    seconds[defer] = float(np.median(times))
+        if pair >= 2:  # two warm-up pairs
+            seconds[defer].append(time.perf_counter() - start)
+plain_ms, deferred_ms = (1e3 * float(np.median(seconds[d])) for d in (False, True))
+ratio = float(np.median(np.array(seconds[False]) / np.array(seconds[True])))
 print0(
-    f"{K} micro-batches of {len(parts[0])} rows: plain {1e3 * seconds[False]:.2f} ms, "
-    f"deferred {1e3 * seconds[True]:.2f} ms per accumulation"
+    f"{K} micro-batches of {len(parts[0])} rows: plain {plain_ms:.2f} ms, deferred "
+    f"{deferred_ms:.2f} ms per accumulation (median plain/deferred per pair: {ratio:.2f})"
 )

@@ -4,6 +4,8 @@
                                 stage 1:            blocks 2 3
                                 stage 2:            block  4,  ln_f + head
     MLP, 4 Linears, 3 stages:   stage 0: layers 0 1 | stage 1: layer 2 | stage 2: layer 3
+    your list of 4 modules:     the same as the MLP's (torch.nn.Sequential's contract:
+                                each module's output is the next one's input)
 
 Blocks (or layers) go to stages as evenly as possible, the first `n % S` stages taking one
 more (`chunk_bounds`, as a vector is cut into chunks). A part holds the user's own modules,
@@ -24,7 +26,7 @@ from minidp.engine.tensor import Tensor
 from minidp.models.gpt import GPT
 from minidp.tools.chunks import chunk_bounds
 
-__all__ = ["GPTPart", "MLPPart", "RankStages", "gather_stages", "split_model"]
+__all__ = ["GPTPart", "LayersPart", "MLPPart", "RankStages", "gather_stages", "split_model"]
 
 
 def _renumbered(named, list_name: str, offset: int):
@@ -92,11 +94,37 @@ class MLPPart(nn.Module):
         return _renumbered(super()._every_named_parameter(prefix), prefix + "layers", self.offset)
 
 
-def split_model(model: nn.Module, num_stages: int, *, recompute: bool = False) -> list[nn.Module]:
-    """The `num_stages` parts of a user's nn.GPT (or its TensorParallelGPT) or nn.MLP, in order.
-    ValueError naming `num_stages` when the model has fewer blocks (layers) than stages.
-    `recompute` (GPT only): every block recomputed in backward (engine/recompute.py)."""
-    if isinstance(model, GPT) or _is_gpt(model):
+class LayersPart(nn.Module):
+    """Modules [lo, hi) of a user's sequential model, a list of modules each taking the one
+    before's output (torch.nn.Sequential's contract). Parameters are named by the module's
+    index in the whole list, as torch.nn.Sequential names them ("3.fc.weight")."""
+
+    def __init__(self, layers: list, lo: int, hi: int):
+        self.offset = lo
+        self.layers = list(layers[lo:hi])
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+    def _every_named_parameter(self, prefix: str):
+        for i, layer in enumerate(self.layers):
+            yield from layer._every_named_parameter(f"{prefix}{self.offset + i}.")
+
+
+def split_model(model, num_stages: int, *, recompute: bool = False) -> list[nn.Module]:
+    """The `num_stages` parts of a user's nn.GPT (or its TensorParallelGPT), nn.MLP, or
+    sequential model (a list or tuple of modules run in order), in order. ValueError naming
+    `num_stages` when the model has fewer blocks (layers) than stages. `recompute` (GPT
+    only): every block recomputed in backward (engine/recompute.py)."""
+    if isinstance(model, list | tuple):
+        if not model or not all(isinstance(m, nn.Module) for m in model):
+            raise TypeError("split_model: a sequential model is a non-empty list of Modules")
+        if recompute:
+            raise ValueError("recompute=True: for an nn.GPT's blocks")
+        units, part, what = len(model), LayersPart, "modules"
+    elif isinstance(model, GPT) or _is_gpt(model):
         units, what = len(model.blocks), "blocks"
         part = functools.partial(GPTPart, recompute=recompute)
     elif isinstance(model, nn.MLP):
@@ -107,8 +135,8 @@ def split_model(model: nn.Module, num_stages: int, *, recompute: bool = False) -
             )
     else:
         raise TypeError(
-            f"split_model: model must be a GPT (an nn.GPT or a TensorParallelGPT) or an "
-            f"nn.MLP, got {type(model)}"
+            f"split_model: model must be a GPT (an nn.GPT or a TensorParallelGPT), an nn.MLP "
+            f"or a list of Modules run in order, got {type(model)}"
         )
     if not isinstance(num_stages, int) or num_stages < 1:
         raise ValueError(f"num_stages must be a positive integer, got {num_stages!r}")
