@@ -8,6 +8,7 @@ import copy
 
 import numpy as np
 import pytest
+from test_bench import minidp, records
 from test_prune_structured import AT, LR, STEPS, assert_one_process, assert_trains, digest
 from test_prune_structured import CONFIG as STRUCTURED
 
@@ -113,3 +114,22 @@ def test_low_rank_under_data_parallelism_is_one_process():
 
     assert_one_process(config, by_hand, losses, params)
     alone.free()
+
+
+def test_bench_prune_structured_has_the_low_rank_rows_and_the_profile(tmp_path):
+    quality = tmp_path / "q.jsonl"
+    run = minidp(1, "bench", "prune", "--structured", "--steps", "6", "--fractions", "0.5",
+                 "--low-rank", "4", "--rounds", "1", "--out", str(tmp_path), "--json",
+                 str(quality))  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    rows = {r["contender"]: r for r in records(quality)}
+    assert rows["low-rank 4"]["parameters"] < rows["structured 0.5"]["parameters"]
+    assert run.stdout.splitlines()[-1].startswith("structured 0.5: speedup")
+    where = tmp_path / "p.jsonl"
+    run = minidp(1, *("bench", "prune", "--structured", "--profile", "--rounds", "1"),
+                 "--json", str(where))  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    rows = {r["model"]: r for r in records(where)}
+    assert list(rows) == ["dense", "structured 0.5", "blocks' floor", "no blocks"]
+    assert rows["no blocks"]["parameters"] < rows["blocks' floor"]["parameters"] < 66880
+    assert "Amdahl's cap" in run.stdout
