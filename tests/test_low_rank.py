@@ -20,6 +20,7 @@ from minidp.models.gpt import GPT, GPTConfig
 from minidp.models.prune import low_rank
 from minidp.models.tasks import Task
 from minidp.parallel.low_rank import LowRankFactorization, factorize_replicas
+from minidp_bench._prune_structured import low_rank_run
 
 CFG = GPTConfig(vocab_size=20, block_size=8, n_layer=2, n_head=4, n_embd=16)
 IDX = np.random.default_rng(0).integers(0, 20, (3, 8))
@@ -116,15 +117,11 @@ def test_low_rank_under_data_parallelism_is_one_process():
     alone.free()
 
 
-def test_bench_prune_structured_has_the_low_rank_rows_and_the_profile(tmp_path):
-    quality = tmp_path / "q.jsonl"
-    run = minidp(1, "bench", "prune", "--structured", "--steps", "6", "--fractions", "0.5",
-                 "--low-rank", "4", "--rounds", "1", "--out", str(tmp_path), "--json",
-                 str(quality))  # fmt: skip
-    assert run.returncode == 0, run.stderr
-    rows = {r["contender"]: r for r in records(quality)}
-    assert rows["low-rank 4"]["parameters"] < rows["structured 0.5"]["parameters"]
-    assert run.stdout.splitlines()[-1].startswith("structured 0.5: speedup")
+def test_bench_low_rank_run_and_the_profile(tmp_path):
+    config = TrainConfig(**{**CONFIG, "dtype": "float32", "steps": 6})
+    final = low_rank_run(config, RANK, comm.world())  # the bench's low-rank contender
+    assert np.isfinite(final["val_loss"]) and final["low_rank_at"] == 2
+    assert final["parameters_after"] < final["parameters_before"]
     where = tmp_path / "p.jsonl"
     run = minidp(1, *("bench", "prune", "--structured", "--profile", "--rounds", "1"),
                  "--json", str(where))  # fmt: skip
