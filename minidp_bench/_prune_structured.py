@@ -7,8 +7,11 @@ over here).
 
 Two parts, for each contender: the default GPT (`python -m minidp train`'s defaults: 2 layers,
 4 heads, width 64, 300 steps, float32, --strategy dp), dense or with `--prune-structured F`
-for each fraction F (pruned at step steps/3, then fine-tuned for the steps left), and the
-same with magnitude pruning to 90% (`--prune 0.9`, masks: unstructured) for comparison.
+for each fraction F (pruned at step steps/3, then fine-tuned for the steps left), the same
+with magnitude pruning to 90% (`--prune 0.9`, masks: unstructured) for comparison, and for
+each rank R of --low-rank, every block's qkv, proj, fc and fc_proj factorized to rank R at
+step steps/3 (models/prune/low_rank.py; no flag sets it: `low_rank_run` below is the loop's
+steps with parallel/low_rank.py's LowRankFactorization in the dp recipe).
 
 1. Quality: each contender one whole training run (training/loop.py's loop): the validation
    loss at the end, the parameters left.
@@ -34,9 +37,11 @@ from minidp import comm
 from minidp.cli.strategies import DataParallel
 from minidp.cli.training.config import TrainConfig
 from minidp.cli.training.loop import blas_threads_per_rank, train
+from minidp.engine.optim import warmup_cosine
 from minidp.models.data import DistributedSampler
 from minidp.models.tasks import Task
 from minidp.parallel.across_ranks import bytes_sent
+from minidp.parallel.low_rank import LowRankFactorization
 from minidp.tools.log import print0
 from minidp.tools.plots import pyplot, save
 from minidp_bench._common import median, print_table, rotated_rounds, write_json
@@ -55,25 +60,53 @@ def contenders(base: TrainConfig, fractions) -> dict[str, TrainConfig]:
     return configs
 
 
-def quality(configs: dict, group: comm.Group) -> dict[str, dict]:
+def low_rank_name(rank: int) -> str:
+    return f"low-rank {rank}"
+
+
+def quality(configs: dict, group: comm.Group, ranks=()) -> dict[str, dict]:
     """Each contender trained once, whole: its final record."""
     finals = {}
     for name, config in configs.items():
         with contextlib.redirect_stdout(io.StringIO()):  # the table is the output
             finals[name] = train(config, group)
         print0(f"  {name}: val loss {finals[name]['val_loss']:.4f}", rank=group.rank)
+    for rank in ranks:
+        with threadpool_limits(limits=blas_threads_per_rank(0), user_api="blas"):
+            finals[low_rank_name(rank)] = low_rank_run(configs["dense"], rank, group)
+        val = finals[low_rank_name(rank)]["val_loss"]
+        print0(f"  {low_rank_name(rank)}: val loss {val:.4f}", rank=group.rank)
     return finals
 
 
-def speed(configs: dict, group: comm.Group, rounds: int) -> dict[str, dict]:
+def low_rank_run(config: TrainConfig, rank: int, group: comm.Group) -> dict:
+    """training/loop.py's steps for the dp recipe (lr schedule, sampler, step), the model
+    factorized to `rank` at step steps/3: the validation loss and the parameters."""
+    config = config.resolved()
+    strategy = DataParallel(Task(config, np.float32), config, group)
+    strategy.structured = LowRankFactorization(strategy.model, rank, config.steps // 3, group)
+    sampler = DistributedSampler(
+        strategy.task.num_examples, config.batch_size, *strategy.data_shard, seed=config.seed
+    )
+    for step in range(config.steps):
+        lr = warmup_cosine(step, config.lr, config.warmup, config.steps, config.min_lr_ratio)
+        strategy.step(sampler.local_indices(step), lr)
+    strategy.close()
+    return {"val_loss": strategy.task.validation_loss(), **strategy.record()}
+
+
+def speed(configs: dict, group: comm.Group, rounds: int, ranks=()) -> dict[str, dict]:
     """The contenders stepped side by side, each already pruned: step time (median of the
     slowest rank's), gradient bytes sent per step, memory by category."""
     built, local = {}, None
-    for name, config in configs.items():
+    low = {low_rank_name(r): r for r in ranks}
+    for name, config in (configs | {name: configs["dense"] for name in low}).items():
         at_once = replace(config, prune_structured_at=0 if config.prune_structured else None)
         if config.prune:  # the masks at their target from the first step
             at_once = replace(at_once, prune_start=0, prune_end=0)
         strategy = DataParallel(Task(at_once, np.float32), at_once, group)
+        if name in low:  # factorized at its first step
+            strategy.structured = LowRankFactorization(strategy.model, low[name], 0, group)
         sampler = DistributedSampler(
             strategy.task.num_examples, config.batch_size, *strategy.data_shard, seed=config.seed
         )
@@ -97,9 +130,9 @@ def measure(args, group: comm.Group) -> list[dict]:
     base = TrainConfig(steps=args.steps, batch_size=args.batch_size, log_every=args.steps,
                        sample_tokens=0)  # fmt: skip
     configs = contenders(base, args.fractions)
-    finals = quality(configs, group)
+    finals = quality(configs, group, args.low_rank)
     with threadpool_limits(limits=blas_threads_per_rank(0), user_api="blas"):
-        figures = speed(configs, group, args.rounds)
+        figures = speed(configs, group, args.rounds, args.low_rank)
     rows, dense = [], finals["dense"]
     total = Task(base, np.float32).model.num_parameters()  # the dense model's
     for name, final in finals.items():
@@ -118,7 +151,8 @@ def plot(rows: list[dict], out: str) -> None:
         return
     fig, ax = plt.subplots(figsize=(6, 4))
     for r in rows:
-        ax.plot(r["step_ms"], r["val_loss"], "o", color="C1" if "unstr" in r["contender"] else "C0")
+        color = "C1" if "unstr" in r["contender"] else "C2" if "low" in r["contender"] else "C0"
+        ax.plot(r["step_ms"], r["val_loss"], "o", color=color)
         label = f"{r['contender']} ({r['parameters'] / 1e3:.0f}k)"
         ax.annotate(label, (r["step_ms"], r["val_loss"]), fontsize=7, xytext=(4, 4),
                     textcoords="offset points")  # fmt: skip
@@ -131,6 +165,7 @@ def main(args, group: comm.Group) -> int:
     print0(
         f"bench prune --structured: the default GPT, global batch {args.batch_size}, "
         f"{args.steps} steps, float32 | {group.size} ranks | fractions {args.fractions} | "
+        f"low ranks {args.low_rank} | "
         f"{args.rounds} timed rounds",
         rank=group.rank,
     )

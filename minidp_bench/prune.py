@@ -4,6 +4,7 @@ model against simply training a smaller one.
     mpiexec -n 2 python -m minidp bench prune [--steps 300] [--repeats 1] [--out DIR]
     mpiexec -n 2 python -m minidp bench prune --sparsities 0,0.9 --widths 64 --json FILE
     mpiexec -n 4 python -m minidp bench prune --structured   # heads, channels: _prune_structured.py
+    mpiexec -n 4 python -m minidp bench prune --structured --profile  # where: _prune_profile.py
 
 Contenders: the default GPT (`python -m minidp train`'s defaults: 2 layers, 4 heads, width
 64, 300 steps, float32) trained with `--prune S` for each sparsity S (0, 50, 80, 90, 95%
@@ -38,6 +39,7 @@ from minidp.models.tasks import Task
 from minidp.tools.log import die, print0
 from minidp.tools.parser import Parser
 from minidp.tools.plots import pyplot, save
+from minidp_bench import _prune_profile as prune_profile
 from minidp_bench import _prune_structured as prune_structured
 from minidp_bench._common import median, print_table, rotated_rounds, summary, write_json
 
@@ -137,13 +139,18 @@ def parse_args(argv: list[str]):
                         "(_prune_structured.py)")  # fmt: skip
     parser.add_argument("--fractions", default="0.25,0.5,0.75", help="with --structured")
     parser.add_argument("--rounds", type=int, default=20, help="with --structured: timed rounds")
+    parser.add_argument("--low-rank", default="16,32", help="with --structured: ranks of the "
+                        "low-rank contenders (models/prune/low_rank.py; '' for none)")  # fmt: skip
+    parser.add_argument("--profile", action="store_true", help="with --structured: where the "
+                        "step's time goes, dense against 0.5 (_prune_profile.py)")  # fmt: skip
     args = parser.parse_args(argv)
     try:
         args.fractions = [float(f) for f in args.fractions.split(",")]
+        args.low_rank = [int(r) for r in args.low_rank.split(",") if r]
         args.sparsities = [float(s) for s in args.sparsities.split(",")]
         args.widths = [int(w) for w in args.widths.split(",")]
     except ValueError as error:
-        raise die(f"bench prune: bad --sparsities or --widths: {error}") from None
+        raise die(f"bench prune: bad --sparsities, --widths or --low-rank: {error}") from None
     if args.steps < 6 or args.repeats < 1 or args.rounds < 1:
         raise die("bench prune: --steps must be >= 6, --repeats and --rounds >= 1")
     return args
@@ -154,7 +161,7 @@ def main(argv: list[str]) -> int:
     group = comm.world()
     if args.structured:  # heads and channels removed, the weights sliced
         try:
-            return prune_structured.main(args, group)
+            return (prune_profile if args.profile else prune_structured).main(args, group)
         except BadConfig as error:
             raise die(f"bench prune --structured: {error}") from None
     print0(

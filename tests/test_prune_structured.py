@@ -71,12 +71,17 @@ def test_sliced_mlp_forward_and_optimizer_state():
     # the optimizer trains the new parameters, its m and v the kept columns of the old ones
     assert sliced_opt.params[0] is sliced.layers[0].weight
     np.testing.assert_array_equal(sliced_opt.state[0]["m"], old_m[id(old_first)]["m"][:, kept[0]])
+    assert_trains(sliced, sliced_opt, x, y, 20)
+
+
+def assert_trains(model, opt, x, y, steps: int) -> None:
+    """`steps` steps of `opt` on (x, y) lower the loss by a quarter or more."""
     losses = []
-    for _ in range(20):  # the sliced model trains
-        sliced_opt.zero_grad()
-        loss = nn.cross_entropy(sliced(Tensor(x)), y)
+    for _ in range(steps):
+        opt.zero_grad()
+        loss = nn.cross_entropy(model(Tensor(x)), y)
         loss.backward()
-        sliced_opt.step()
+        opt.step()
         losses.append(loss.item())
     assert losses[-1] < 0.75 * losses[0]
 
@@ -133,13 +138,22 @@ def test_prune_structured_under_data_parallelism_is_one_process():
     strategy.close()
 
     # one process, the global batch, pruned by hand at step AT (the optimizer sliced along)
+    def by_hand(model, opt):
+        structured.prune(structured.gpt_units(model), 0.5, optimizer=opt)
+
+    assert_one_process(config, by_hand, losses, params)
+
+
+def assert_one_process(config, shrink, losses, params) -> None:
+    """Training in one process on the global batch, `shrink(model, optimizer)` at step AT,
+    gives these losses and parameters."""
     task = Task(config, np.float64)
     opt = optim.AdamW(task.model.parameters(), lr=LR, weight_decay=config.weight_decay)
     whole = DistributedSampler(task.num_examples, config.batch_size, seed=config.seed)
     want = []
     for step in range(STEPS):
         if step == AT:
-            structured.prune(structured.gpt_units(task.model), 0.5, optimizer=opt)
+            shrink(task.model, opt)
         opt.zero_grad()
         loss = task.loss(*task.batch(whole.local_indices(step)))
         loss.backward()

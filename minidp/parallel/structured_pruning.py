@@ -47,19 +47,28 @@ def prune_structured(
     return structured.prune(units, amount, score, optimizer, agree=agreed_scores(group))
 
 
-class StructuredPruning:
-    """One-shot structured pruning at step `at` of a data-parallel run (`--prune-structured`,
-    strategies/dp.py): `begin_step()` is True at that step, `prune(optimizer)` removes
-    `amount` of the units on every rank alike; the caller builds DDP again after it."""
+class OneShot:
+    """A model made smaller once, at step `at` of a data-parallel run: `begin_step()` is True
+    at that step; then the caller closes DDP, calls `prune(optimizer)` and builds DDP again
+    (strategies/dp.py's step, for whatever it holds in `structured`)."""
 
-    def __init__(self, model: Module, amount: float, at: int, group: comm.Group, score="l2"):
-        self.model, self.amount, self.at, self.group, self.score = model, amount, at, group, score
+    def __init__(self, model: Module, at: int, group: comm.Group):
+        self.model, self.at, self.group = model, at, group
         self.t = 0  # steps begun
         self.before = self.after = model.num_parameters()
 
     def begin_step(self) -> bool:
         t, self.t = self.t, self.t + 1
         return t == self.at
+
+
+class StructuredPruning(OneShot):
+    """One-shot structured pruning at step `at` (`--prune-structured`): `prune(optimizer)`
+    removes `amount` of the units on every rank alike."""
+
+    def __init__(self, model: Module, amount: float, at: int, group: comm.Group, score="l2"):
+        super().__init__(model, at, group)
+        self.amount, self.score = amount, score
 
     def prune(self, optimizer=None) -> None:
         prune_structured(self.model, self.amount, self.group, self.score, optimizer)
