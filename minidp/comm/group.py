@@ -8,6 +8,7 @@ A Group wraps one MPI communicator and adds what the algorithms need:
     left, right         ring neighbours: (rank - 1) % size and (rank + 1) % size
     world_ranks         world rank of each group rank (for error messages and logs)
     scratch             reusable work buffers (buffers.py), owned by this group alone
+    plans               the fast path's plans, one per kind of call (fast_path.py)
     shared              its shm.SharedMemory, made when shm is first used: whether its
                         ranks share a machine, the pool of their shared arrays, a scratch
     counters            {collective: {"calls", "bytes_sent", "bytes_recv", "messages_sent"}}
@@ -75,6 +76,7 @@ class Group:
         self._timeout = timeout  # _FROM_ENV: follow self.checks (the timeout property)
         self._timeout_for = (timeout_from_env(False), timeout_from_env(True))  # [checks]
         self.scratch = Scratch()
+        self.plans: dict = {}  # the fast path's plans for this group's calls (fast_path.py)
         self.deadline: float | None = None  # set while a collective runs with a timeout
         self.broken: str | None = None  # why this group refuses further collectives
         self.abandoned: list = []  # requests left by a failed call, kept alive for MPI
@@ -149,6 +151,9 @@ class Group:
         """Release the communicator (collective over the group); the group is unusable after."""
         if self._fingerprints is not None and not self.broken:
             self._fingerprints.free()
+        if not self.broken:  # a broken group's requests may still be active
+            for plan in self.plans.values():
+                getattr(plan, "free", lambda: None)()
         if self.comm not in (MPI.COMM_WORLD, MPI.COMM_SELF, MPI.COMM_NULL):
             self.comm.Free()
         self.broken = "freed"

@@ -1,0 +1,97 @@
+"""The fast path of small collectives (comm/fast_path.py) against the plain path, bit for bit.
+
+    python -m pytest -q tests/test_comm_fast_path.py
+
+Every call the fast path takes is run twice in one launch, through the fast path and inside
+`fast_path.plain()`, on random floats (so a changed order of operands would change bits),
+and must give the same bytes and count the same messages and bytes: sizes 0, 1, odd, not
+divisible by the group, 4 KiB and 64 KiB, each trick on and off, at 2, 3 and 4 ranks.
+"""
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+from minidp import comm
+from minidp.comm import fast_path
+from minidp.comm.collectives import FAST
+
+
+def lengths(p: int) -> list[int]:
+    """0, 1, odd, not divisible by p, 4 KiB and 64 KiB of float32."""
+    return [0, 1, 7, 5 * p + 1, 1024, 16384]
+
+
+def both_paths(call, g: comm.Group):
+    """(fast result, plain result, fast counters, plain counters) of call()."""
+    g.reset_counters()
+    fast = call().copy()
+    counted = g.counters
+    g.reset_counters()
+    with fast_path.plain():
+        plain = call().copy()
+    return fast, plain, counted, g.counters
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parallel(nprocs=[2, 3, 4])
+def test_allreduce_fast_equals_plain_bit_for_bit():
+    g = comm.world().dup()
+    rng = np.random.default_rng(g.rank)
+    taken, staged = 0, 0
+    for persistent in (True, False):
+        fast_path.TRICKS["persistent"] = persistent
+        for n in lengths(g.size):
+            for dtype in (np.float32, np.float64):
+                x = rng.standard_normal(n).astype(dtype)
+                for algo in ("ring", "recursive_doubling", "auto"):
+                    for op in ("sum", "avg", "max"):
+                        for where in ("new", "out", "in place"):
+                            what = f"{algo} {op} {dtype.__name__} n={n} {where} {persistent}"
+
+                            def call(x=x, where=where, algo=algo, op=op):
+                                y = x.copy()
+                                out = {"new": None, "out": np.empty_like(x), "in place": y}
+                                return comm.allreduce(y, op=op, algo=algo, group=g, out=out[where])
+
+                            fast, plain, counted, counted_plain = both_paths(call, g)
+                            assert fast.tobytes() == plain.tobytes(), what
+                            assert counted == counted_plain, what
+        taken += len(g.plans)
+        staged += sum(getattr(plan, "steps", None) is not None for plan in g.plans.values())
+    fast_path.TRICKS["persistent"] = True
+    assert taken > 0 and staged > 0  # the fast path ran, and staged some calls
+    g.free()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parallel(nprocs=[2, 3])
+def test_fast_path_catches_mismatched_calls():
+    """Checks on: a rank with another size raises CollectiveMismatch on every rank; checks
+    off, two ranks whose first messages both differ: the staged messages' size check raises
+    MessageSizeMismatch on both (fewer bytes on one, MPI's truncation on the other)."""
+    g = comm.world().dup()
+    x = np.ones(100 + (g.rank == 0), np.float32)
+    with pytest.raises(comm.CollectiveMismatch, match="different arguments"):
+        comm.allreduce(x, algo="ring", group=g)
+    if g.size != 2:
+        return
+    quiet = comm.Group(MPI.COMM_WORLD.Dup(), checks=False, timeout=None)
+    comm.allreduce(np.ones(4, np.float32), algo="ring", group=quiet)  # a plan, staged
+    with pytest.raises(comm.MessageSizeMismatch):  # chunks of 3 against 2
+        comm.allreduce(np.ones(6 if quiet.rank == 0 else 4, np.float32), algo="ring", group=quiet)
+
+
+def test_switched_off_by_the_environment():
+    code = "from minidp import comm; from minidp.comm.collectives import FAST; print(len(FAST))"
+    for value, want in (("0", "0"), ("1", str(len(fast_path.PATHS)))):
+        env = {**os.environ, "MINIDP_FAST_COMM": value}
+        got = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+        assert got.stdout.strip() == want, got.stderr
+    with fast_path.plain():
+        assert not FAST
+    assert FAST
