@@ -42,7 +42,7 @@ def both_paths(call, g: comm.Group):
 def test_allreduce_fast_equals_plain_bit_for_bit():
     g = comm.world().dup()
     rng = np.random.default_rng(g.rank)
-    taken, staged = 0, 0
+    taken, staged, bound = 0, 0, 0
     for persistent in (True, False):
         fast_path.TRICKS["persistent"] = persistent
         for n in lengths(g.size):
@@ -62,9 +62,35 @@ def test_allreduce_fast_equals_plain_bit_for_bit():
                             assert fast.tobytes() == plain.tobytes(), what
                             assert counted == counted_plain, what
         taken += len(g.plans)
-        staged += sum(getattr(plan, "steps", None) is not None for plan in g.plans.values())
+        staged += sum(getattr(plan, "staged", None) is not None for plan in g.plans.values())
+        bound += sum(len(getattr(plan, "bound", ())) for plan in g.plans.values())
     fast_path.TRICKS["persistent"] = True
-    assert taken > 0 and staged > 0  # the fast path ran, and staged some calls
+    assert taken > 0 and staged > 0 and bound > 0  # the fast path ran, staged and bound
+    g.free()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parallel(nprocs=[2, 3])
+def test_bound_steps_reused_on_new_values():
+    """The same x and out, called again and again with new values (as a training loop
+    calls): the requests bound to their addresses are made once and give the plain bits;
+    a call with other buffers of the same size binds them too."""
+    g = comm.world().dup()
+    rng = np.random.default_rng(g.rank)
+    for algo, n in (("ring", 16384), ("ring", 65536), ("recursive_doubling", 1000)):
+        x, out, other = (np.empty(n, np.float32) for _ in range(3))
+        for i in range(4):
+            x[:] = rng.standard_normal(n)
+            target = other if i == 3 else out
+            fast, plain, counted, counted_plain = both_paths(
+                lambda x=x, algo=algo, target=target: comm.allreduce(
+                    x, algo=algo, group=g, out=target
+                ),
+                g,
+            )
+            assert fast.tobytes() == plain.tobytes() and counted == counted_plain, (algo, n, i)
+        plan = g.plans[("allreduce", n, x.dtype, "sum", algo, True)]
+        assert len(plan.bound) == (2 if algo == "ring" or g.size == 2 else 0), (algo, n)
     g.free()
 
 

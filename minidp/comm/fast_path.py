@@ -14,9 +14,11 @@ each switchable in `TRICKS`:
     plans        a call's decisions (the algorithm auto picks, the op and dtype checks, the
                  chunk bounds) made once per (group, size, dtype, op, algorithm) and kept in
                  `group.plans`; a call looks its plan up and runs it
-    persistent   at most STAGE_MAX bytes: the steps as persistent requests (MPI_Send_init,
-                 MPI_Recv_init, started with MPI_Startall) on the plan's own buffers, made
-                 once: a call copies x in, starts and waits each step, copies the result out
+    persistent   the steps as persistent requests (MPI_Send_init, MPI_Recv_init, started
+                 with MPI_Startall; persistent.py), made once: bound to the caller's own
+                 x and out where a call passes `out` (keyed by their addresses: no copy),
+                 else, up to STAGE_MAX bytes, staged on the plan's buffers (the call
+                 copies x in and the result out)
 
 The plain functions (collectives.py) ask `FAST[name]` first (a table filled here, as
 engine/registry.py's is by minidp/fast/); a plan returns None where it does not apply (a
@@ -36,124 +38,59 @@ from mpi4py import MPI
 
 from minidp.comm import collectives
 from minidp.comm.args import flat, pick
-from minidp.comm.errors import MessageSizeMismatch
-from minidp.comm.p2p import BYTE, DATA_TAG
-from minidp.comm.reduce_ops import _UFUNC, check_op, finish
+from minidp.comm.persistent import allreduce_steps
+from minidp.comm.reduce_ops import check_op, finish
 from minidp.comm.shm_memory import in_shared_memory, pool
-from minidp.tools.chunks import chunk_bounds
 
 TRICKS = {"persistent": True}  # "plans": the table itself (plain() empties it)
 STAGE_MAX = 16 * 1024  # bytes: persistent requests on staged buffers up to here
+BOUND_MAX = 4  # per plan: (x, out) address pairs with persistent requests of their own
 FAST_MAX = 512 * 1024  # bytes: above it every call takes the plain path
 MAX_PLANS = 64  # per group: more distinct calls than this, and the plans start over
 NOT_FAST = object()  # a plan's entry where the plain path runs
 PLAIN = dict(collectives.ALLREDUCE)  # the algorithms the staged steps copy
 
 
-class Steps:
-    """A staged schedule: `work` holds the vector; each step starts a receive and a send on
-    persistent requests and waits, then maybe combines `a ⊕ b` into `out` (views of the
-    plan's buffers, fixed when the plan is made)."""
-
-    def __init__(self, group, n: int, dtype: np.dtype, spare: int) -> None:
-        self.comm, self.work = group.comm, np.empty(n, dtype)
-        self.recv = np.empty(max(spare, 1), dtype)
-        self.steps: list[tuple] = []
-        self.statuses = [MPI.Status(), MPI.Status()]
-        self.sent = self.received = 0
-
-    def add(self, send: np.ndarray, dest: int, got: np.ndarray, source: int, combine=None):
-        """One step: send `send` to dest while receiving `got` from source; then combine,
-        (ufunc, a, b, out), if given."""
-        comm = self.comm
-        requests = [
-            comm.Recv_init([got, BYTE], source, DATA_TAG),
-            comm.Send_init([send, BYTE], dest, DATA_TAG),
-        ]
-        self.steps.append((requests, got.nbytes, source, combine))
-        self.sent += send.nbytes
-        self.received += got.nbytes
-
-    def run(self, group) -> None:
-        """Every step, in order: the messages of the plain algorithm, counted as p2p counts."""
-        counts, statuses = group.current, self.statuses
-        counts[1] += self.sent
-        counts[2] += self.received
-        counts[3] += len(self.steps)
-        for requests, nbytes, source, combine in self.steps:
-            group.waiting_on = source  # for the watchdog (watchdog.py)
-            MPI.Prequest.Startall(requests)
-            try:
-                MPI.Request.Waitall(requests, statuses)
-            except MPI.Exception as error:
-                raise MessageSizeMismatch(group.size_message(source, nbytes, None)) from error
-            if statuses[0].Get_count(BYTE) != nbytes:
-                got = statuses[0].Get_count(BYTE)
-                raise MessageSizeMismatch(group.size_message(source, nbytes, got))
-            if combine is not None:
-                ufunc, a, b, out = combine
-                ufunc(a, b, out=out)
-
-    def free(self) -> None:
-        for requests, *_ in self.steps:
-            for request in requests:
-                request.Free()
-        self.steps = []
-
-
-def ring_allreduce_steps(group, n: int, dtype: np.dtype, op: str) -> Steps:
-    """ring.py's ring_allreduce on the plan's buffers: reduce-scatter, then allgather."""
-    p, r, ufunc = group.size, group.rank, _UFUNC[op]
-    b = chunk_bounds(n, p)
-    plan = Steps(group, n, dtype, b[1] - b[0])
-    work, recv = plan.work, plan.recv
-    s = (r - 1) % p
-    sending = work[b[s] : b[s + 1]]
-    for k in range(p - 1):
-        t = (r - k - 2) % p
-        target = work[b[t] : b[t + 1]]
-        received = recv[: b[t + 1] - b[t]]
-        plan.add(sending, group.right, received, group.left, (ufunc, received, target, target))
-        sending = target
-    for k in range(p - 1):
-        s, t = (r - k) % p, (r - k - 1) % p
-        plan.add(work[b[s] : b[s + 1]], group.right, work[b[t] : b[t + 1]], group.left)
-    return plan
-
-
-def doubling_allreduce_steps(group, n: int, dtype: np.dtype, op: str) -> Steps | None:
-    """recursive.py's recursive doubling, for a group whose size is a power of two (no fold:
-    else None, and the plain path runs)."""
-    p, r, ufunc = group.size, group.rank, _UFUNC[op]
-    if p & (p - 1):
-        return None
-    plan = Steps(group, n, dtype, n)
-    work, recv = plan.work, plan.recv[:n]
-    mask = 1
-    while mask < p:
-        low, high = (work, recv) if r & mask == 0 else (recv, work)
-        plan.add(work, r ^ mask, recv, r ^ mask, (ufunc, low, high, work))
-        mask *= 2
-    return plan
-
-
-STAGED = {"ring": ring_allreduce_steps, "recursive_doubling": doubling_allreduce_steps}
-
-
 class AllreducePlan:
     """What one kind of allreduce call needs, decided once: the algorithm and, where the
-    persistent trick applies, its staged steps."""
+    persistent trick applies, its steps: staged on the plan's own buffers (up to STAGE_MAX
+    bytes, for a call without `out`), bound to the caller's x and out (keyed by their
+    addresses, at most BOUND_MAX pairs per plan)."""
 
     def __init__(self, group, n: int, dtype: np.dtype, op: str, algo: str) -> None:
-        self.algo, self.op = algo, op
+        self.algo, self.op, self.group = algo, op, group
         self.run = collectives.ALLREDUCE[algo]
-        self.steps = None
-        if TRICKS["persistent"] and n * dtype.itemsize <= STAGE_MAX and algo in STAGED:
-            self.steps = STAGED[algo](group, n, dtype, op)
+        self.staged = self.build = self.running = None
+        self.bound: dict = {}
+        found = allreduce_steps(algo, n, group.size)
+        if TRICKS["persistent"] and n > 0 and found is not None:
+            build, spare = found
+            recv = np.empty(spare, dtype)
+            self.build = lambda src, dst: build(group, src, dst, recv, op)
+            if n * dtype.itemsize <= STAGE_MAX:
+                self.work = np.empty(n, dtype)
+                self.staged = self.build(self.work, self.work)
+
+    def bind(self, src: np.ndarray, dst: np.ndarray, key: tuple):
+        """The steps on src and dst themselves. The requests hold the raw addresses, not the
+        arrays (MPI.buffer.fromaddress), so nothing the caller frees is kept alive; they are
+        started only when a call passes arrays at these very addresses, of this very size."""
+        if len(self.bound) >= BOUND_MAX:
+            self.free_bound()
+        size = src.nbytes
+        views = [np.frombuffer(MPI.buffer.fromaddress(address, size), src.dtype) for address in key]
+        steps = self.bound[key] = self.build(*views)
+        return steps
+
+    def free_bound(self) -> None:
+        for steps in self.bound.values():
+            steps.free()
+        self.bound.clear()
 
     def free(self) -> None:
-        if self.steps is not None:
-            self.steps.free()
+        if self.staged is not None:
+            self.staged.free()
+        self.free_bound()
 
 
 def _plan(group, key: tuple, make):
@@ -213,14 +150,20 @@ def allreduce(x, op: str, algo: str, group, out):
         return None
     src = x if x.ndim == 1 else x.reshape(-1)
     dst = res if res.ndim == 1 else res.reshape(-1)
-    steps = plan.steps
-    with group.collective("allreduce", plan.algo, op, dtype, None, x.shape):
-        if steps is None:
-            plan.run(group, src, dst, op)
-        else:
-            np.copyto(steps.work, src)
+    running = plan.running  # the enter/exit of this kind of call, made once (group.py)
+    if running is None or running.shape != x.shape:
+        running = plan.running = group.collective("allreduce", plan.algo, op, dtype, None, x.shape)
+    with running:
+        if plan.build is not None and out is not None:  # bound: on x and out themselves
+            key = (MPI.buffer(src).address, MPI.buffer(dst).address)
+            steps = plan.bound.get(key) or plan.bind(src, dst, key)
             steps.run(group)
-            np.copyto(dst, steps.work)
+        elif plan.staged is not None:  # staged: x copied in, the result out
+            np.copyto(plan.work, src)
+            plan.staged.run(group)
+            np.copyto(dst, plan.work)
+        else:
+            plan.run(group, src, dst, op)
         if op == "avg":
             finish(op, dst, group.size)
     return res

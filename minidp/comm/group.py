@@ -244,7 +244,6 @@ class _Running:
 
     def __enter__(self) -> Group:
         g, name = self.group, self.name
-        self.start = time.perf_counter()
         if g.broken:
             raise CollectiveError(f"{name} on a broken group (rank {g.rank}): {g.broken}")
         if not g._lock.acquire(False):
@@ -252,10 +251,14 @@ class _Running:
                 f"{name}: this group is already running a collective on "
                 "another thread; give each thread its own group.dup()"
             )
+        self.start = now = time.perf_counter()  # under the lock: a _Running may be reused
         try:
             g._seq += 1
-            if g.timeout is not None:
-                g.deadline = time.monotonic() + g.timeout
+            timeout = g._timeout
+            if timeout is _FROM_ENV:
+                timeout = g._timeout_for[bool(g.checks)]
+            if timeout is not None:
+                g.deadline = time.monotonic() + timeout
             if g.checks and g.size > 1:
                 g._doing = (name, self.algo, "fingerprint exchange")
                 g.current = g._counts.setdefault("checks", [0, 0, 0, 0])
@@ -268,10 +271,14 @@ class _Running:
                 # exchange cannot wait on a rank that is not coming, so it needs no deadline
                 # and runs on MPI's blocking calls (the fast path of p2p.py).
                 g.deadline = None
+                now = time.perf_counter()
             g._doing = (name, self.algo, "data exchange")
-            g.exchanging_since = time.perf_counter()  # past timeout: the watchdog aborts
-            g.current = g._counts.setdefault(name, [0, 0, 0, 0])
-            g.current[0] += 1
+            g.exchanging_since = now  # past timeout: the watchdog aborts
+            counts = g._counts.get(name)
+            if counts is None:
+                counts = g._counts[name] = [0, 0, 0, 0]
+            g.current = counts
+            counts[0] += 1
         except BaseException as error:
             self.__exit__(type(error), error, None)
             raise
