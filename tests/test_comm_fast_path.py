@@ -121,3 +121,48 @@ def test_switched_off_by_the_environment():
     with fast_path.plain():
         assert not FAST
     assert FAST
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parallel(nprocs=[2, 3])
+def test_auto_reduces_small_shared_arrays_by_messages_and_large_ones_by_shm():
+    """auto on arrays in shared memory (DDP's buckets): below auto.SHM_MIN, the ring (its
+    messages counted, the bits of the ring, and so of shm, on a plain array);
+    from SHM_MIN up, shm (no message). allreduce_coalesced splits a list the same way, and
+    the cost model prices DDP's buckets by the same rule (auto.choose_shared)."""
+    from minidp import cost
+    from minidp.comm import auto
+    from minidp.cost.calls import Shapes, data_parallel
+    from minidp.cost.step import Layout
+
+    g = comm.world().dup()
+    p, small, large = g.size, 1000, auto.SHM_MIN // 4  # float32 elements
+    rng = np.random.default_rng(g.rank)
+    values = [rng.standard_normal(n).astype(np.float32) for n in (small, large)]
+    shared = [comm.shared_zeros(n, np.float32, g) for n in (small, large)]
+    for coalesced in (False, True):
+        for x, v in zip(shared, values):
+            x[:] = v
+        g.reset_counters()
+        if coalesced:
+            comm.allreduce_coalesced(shared, group=g)
+        else:
+            for x in shared:
+                comm.allreduce(x, group=g, out=x)
+        counted = g.counters["allreduce"]
+        for x, v in zip(shared, values):
+            algo = auto.choose_shared(v.nbytes, p)
+            assert (algo == "shm") == (v.size == large), algo
+            want = comm.allreduce(v, algo=algo, group=g)
+            assert x.tobytes() == want.tobytes(), (algo, coalesced)
+        algos = [auto.choose_shared(v.nbytes, p) for v in values]
+        priced = sum(
+            cost.sent("allreduce", a, p, g.rank, v.size, 4).bytes for a, v in zip(algos, values)
+        )
+        assert counted["calls"] == 2 and counted["bytes_sent"] == priced, counted
+    layout = Layout("dp", dp=p, algo="auto", bucket_mb=auto.SHM_MIN / 2**20)
+    priced = [c.algo for c in data_parallel(layout, Shapes([small, large], []), 4)[2:]]
+    assert priced == ["shm", "ring"]  # the buckets: the large one first (reverse order)
+    for x in shared:
+        comm.release_shared(x, g)
+    g.free()

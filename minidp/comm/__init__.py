@@ -25,7 +25,8 @@ this order, every module of it:
                     collectives.py and rooted.py (the functions and their contract),
                     text.py (strings over collectives)
   speed beside      fast_path.py (the same steps with less Python per call: plans made
-                    once, persistent requests; MINIDP_FAST_COMM=0 turns it off)
+                    once, persistent requests, laid out by persistent.py;
+                    MINIDP_FAST_COMM=0 turns it off)
   what ranks did    trace.py (the Timeline: each rank's spans, saved as a Chrome trace)
 
 Public: the names in `__all__` below, and `minidp.comm.p2p` (`send`, `recv`, `sendrecv`,

@@ -37,6 +37,7 @@ import numpy as np
 
 from minidp.comm.alltoall import naive_alltoall, pairwise_alltoall
 from minidp.comm.args import flat, pick, result, same_memory, writable
+from minidp.comm.auto import choose_shared
 from minidp.comm.barrier import dissemination_barrier
 from minidp.comm.builtin import (
     mpi_allgather,
@@ -124,7 +125,7 @@ def allreduce(
         if res is not None:
             return res
     if algo == "auto" and in_shared_memory(x, group):  # made by shared_zeros: read in place
-        algo = "shm"
+        algo = choose_shared(x.nbytes, group.size)  # shm, or the ring below auto.SHM_MIN
     group, src, algo = _reduction(x, op, algo, group, ALLREDUCE, "allreduce")
     res = result(out, x.shape, x.dtype)
     dst = res if res.ndim == 1 else res.reshape(-1)
@@ -144,7 +145,8 @@ def allreduce_coalesced(
 ) -> None:
     """Reduce every array of xs in place, with the bits of `allreduce(x, out=x)` for each.
 
-    With "shm" (or "auto" when every x lies in shared memory, as DDP's buckets do) it is one
+    With "shm" (or "auto" when every x lies in shared memory, as DDP's buckets do, for those
+    of at least auto.SHM_MIN bytes; the smaller ones go first, one by one) it is one
     collective: one agreement, one barrier after the reductions and one after the copies,
     for all of them, instead of three synchronizations per array (torch.distributed's
     all_reduce_coalesced, Horovod's tensor fusion, without packing: the arrays stay where
@@ -155,8 +157,11 @@ def allreduce_coalesced(
     if not xs:
         return
     if algo == "auto" and all(in_shared_memory(x, group) for x in xs):
-        algo = "shm"
-    if algo != "shm" or group.size == 1 or len(xs) == 1:
+        small = [x for x in xs if choose_shared(x.nbytes, group.size) != "shm"]
+        for x in small:  # below auto.SHM_MIN: the ring (the same bits), one by one
+            allreduce(x, op=op, algo="auto", group=group, out=x)
+        xs, algo = [x for x in xs if not any(x is y for y in small)], "shm"
+    if algo != "shm" or group.size == 1 or len(xs) <= 1:
         for x in xs:
             allreduce(x, op=op, algo=algo, group=group, out=x)
         return

@@ -38,6 +38,7 @@ from mpi4py import MPI
 
 from minidp.comm import collectives
 from minidp.comm.args import flat, pick
+from minidp.comm.auto import choose_shared
 from minidp.comm.persistent import allreduce_steps
 from minidp.comm.reduce_ops import check_op, finish
 from minidp.comm.shm_memory import in_shared_memory, pool
@@ -128,7 +129,9 @@ def allreduce(x, op: str, algo: str, group, out):
     if type(x) is not np.ndarray or not x.flags.c_contiguous:
         return None
     if algo == "auto" and pool(group) and in_shared_memory(x, group):
-        return None  # shared memory: the plain path picks shm or, below its threshold, ring
+        algo = choose_shared(x.nbytes, group.size)  # in shared memory: shm or the ring
+        if algo == "shm":
+            return None  # the plain path reduces it by loads
     dtype = x.dtype
     plan = group.plans.get(("allreduce", x.size, dtype, op, algo, TRICKS["persistent"]))
     if plan is None:
