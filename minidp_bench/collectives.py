@@ -3,6 +3,7 @@
     mpiexec -n 2 python -m minidp bench collectives
     mpiexec -n 4 python -m minidp bench collectives --ops allreduce --algos ring,rabenseifner \
         --sizes 4K,64K,1M,16M,64M --json collectives.json
+    mpiexec -n 2 python -m minidp bench collectives --ops allreduce,p2p --algos auto,ring --paths
 
 For each collective, size and algorithm, the hand-written call and MPI's builtin (called
 directly through mpi4py) alternate in one job, A B A B ...: after --warmup calls of each,
@@ -10,12 +11,16 @@ directly through mpi4py) alternate in one job, A B A B ...: after --warmup calls
 the table shows medians. Both sides get preallocated inputs and outputs; page faults per
 call (ru_minflt) show who allocates temporaries. allreduce `shm` runs in place on an array
 in shared memory (comm.shared_zeros, as DDP's buckets are), against MPI's in place
-(MPI_IN_PLACE) on a plain array of the same values.
+(MPI_IN_PLACE) on a plain array of the same values. `auto` (asked for by name: --algos
+auto) is the algorithm DDP and the schemes use. `p2p` pairs the ranks (0 sends to 1, 2 to
+3, ...): comm.p2p.send/recv against MPI's Send/Recv. `--paths` adds ours through the plain
+path (comm/fast_path.py's `plain()`) as a third in every round: plain_us, and speedup =
+the median over rounds of plain's time / the fast path's.
 
     algbw = bytes / time            bytes: the whole vector (allgather: the gathered output)
     busbw = algbw * 2(p-1)/p        allreduce
             algbw * (p-1)/p         reduce_scatter, allgather, alltoall
-            algbw                   broadcast, reduce
+            algbw                   broadcast, reduce, p2p
     ratio = the median over pairs of MPI's time / ours (> 1: ours is faster)
 
 Before timing, each algorithm's result at each size is compared with the builtin's (same
@@ -26,14 +31,17 @@ measures what minidp's default (fingerprints and deadlines) costs per call.
 """
 
 import argparse
+import contextlib
 
 import numpy as np
 from mpi4py import MPI
 
 from minidp import comm
+from minidp.comm import fast_path
 from minidp.tools.info import mpi_library
 from minidp.tools.log import die
 from minidp.tools.parser import Parser
+from minidp_bench._collective_calls import contenders
 from minidp_bench._common import (
     environment,
     median,
@@ -50,6 +58,7 @@ BUS_FACTOR = {
     "alltoall": lambda p: (p - 1) / p,
     "broadcast": lambda p: 1.0,
     "reduce": lambda p: 1.0,
+    "p2p": lambda p: 1.0,
 }
 DEFAULT_OPS = "allreduce,reduce_scatter,allgather,broadcast"
 UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
@@ -60,84 +69,6 @@ def parse_size(text: str) -> int:
     if text and text[-1] in UNITS:
         return int(float(text[:-1]) * UNITS[text[-1]])
     return int(text)
-
-
-def contenders(op: str, algo: str, nbytes: int, dtype: np.dtype, group: comm.Group):
-    """(ours, builtin, output): zero-argument callables on buffers allocated once, here;
-    output() is what the last call wrote (None where this rank gets nothing)."""
-    p, r, mpi = group.size, group.rank, group.comm
-    n = max(nbytes // dtype.itemsize, 1)
-    rng = np.random.default_rng(r)
-    x = rng.standard_normal(n).astype(dtype)
-    out = np.empty_like(x)
-    if op == "allreduce" and algo == "shm":  # in place on shared memory, as DDP's buckets
-        return _in_place_shm(x, group)
-    if op == "allreduce":
-        return (
-            lambda: comm.allreduce(x, algo=algo, group=group, out=out),
-            lambda: mpi.Allreduce(x, out, op=MPI.SUM),
-            out.copy,
-        )
-    if op == "reduce_scatter":
-        bounds = comm.chunk_bounds(n, p)
-        mine = np.empty(bounds[r + 1] - bounds[r], dtype)
-        counts = [b - a for a, b in zip(bounds, bounds[1:])]
-        return (
-            lambda: comm.reduce_scatter(x, algo=algo, group=group, out=mine),
-            lambda: mpi.Reduce_scatter(x, mine, counts, op=MPI.SUM),
-            mine.copy,
-        )
-    if op == "allgather":
-        bounds = comm.chunk_bounds(n, p)
-        mine = x[bounds[r] : bounds[r + 1]].copy()
-        counts = [b - a for a, b in zip(bounds, bounds[1:])]
-        return (
-            lambda: comm.allgather(mine, algo=algo, group=group, out=out),
-            lambda: mpi.Allgatherv(
-                mine, [out, counts, bounds[:-1], MPI.Datatype.fromcode(dtype.char)]
-            ),
-            out.copy,
-        )
-    if op == "broadcast":
-        return (
-            lambda: comm.broadcast(x, root=0, algo=algo, group=group),
-            lambda: mpi.Bcast(x, root=0),
-            x.copy,  # in place: ours runs first, on the ranks' own data
-        )
-    if op == "reduce":
-        return (
-            lambda: comm.reduce(x, root=0, algo=algo, group=group, out=out),
-            lambda: mpi.Reduce(x, out if r == 0 else None, op=MPI.SUM, root=0),
-            lambda: out.copy() if r == 0 else None,
-        )
-    if op == "alltoall":
-        rows = x[: n // p * p].reshape(p, -1)
-        got = np.empty_like(rows)
-        return (
-            lambda: comm.alltoall(rows, algo=algo, group=group, out=got),
-            lambda: mpi.Alltoall(rows, got),
-            got.copy,
-        )
-    raise AssertionError(op)
-
-
-def _in_place_shm(x: np.ndarray, group: comm.Group):
-    """contenders() for allreduce "shm": ours in place on a copy of x in shared memory, MPI's
-    in place (MPI_IN_PLACE) on a plain copy; output() is what the last call reduced. Both
-    start from x and sum in place every call, so their values grow alike."""
-    shared, plain = comm.shared_zeros(x.size, x.dtype, group), x.copy()
-    shared[...] = x
-    last = [shared]
-
-    def ours():
-        comm.allreduce(shared, algo="shm", group=group, out=shared)
-        last[0] = shared
-
-    def builtin():
-        group.comm.Allreduce(MPI.IN_PLACE, plain, op=MPI.SUM)
-        last[0] = plain
-
-    return ours, builtin, lambda: last[0].copy()
 
 
 def check_result(op: str, algo: str, nbytes: int, dtype: np.dtype, group: comm.Group, calls):
@@ -166,25 +97,33 @@ def check_result(op: str, algo: str, nbytes: int, dtype: np.dtype, group: comm.G
 
 
 def measure(
-    op: str, algo: str, nbytes: int, dtype: np.dtype, group: comm.Group, warmup: int, iters: int
+    op: str,
+    algo: str,
+    nbytes: int,
+    dtype: np.dtype,
+    group: comm.Group,
+    warmup: int,
+    iters: int,
+    paths: bool = False,
 ) -> dict:
     """One row of the table: `op` by `algo` against MPI's own on nbytes of dtype, alternated
     (warmup calls of each, then iters timed pairs); medians, busbw, ratio and page faults as
     the module docstring defines them. Every rank of group calls it and gets the same row.
+    paths: ours through the plain path too (fast_path.plain()), a third in each round.
     Public: tutorial 04 measures its ring with it."""
     calls = contenders(op, algo, nbytes, dtype, group)
     check_result(op, algo, nbytes, dtype, group, calls)
     ours, builtin, _ = calls
-    for _ in range(warmup):
-        ours()
-        builtin()
-    times: dict[str, list[float]] = {"ours": [], "mpi": []}
-    faults = {"ours": 0, "mpi": 0}
-    for _ in range(iters):  # A B A B: drift hits both alike
-        for name, call in (("ours", ours), ("mpi", builtin)):
-            t, f = timed(call, group.comm)
-            times[name].append(t)
-            faults[name] += f
+    rounds = [("ours", ours), ("mpi", builtin)] + [("plain", ours)] * paths
+    times: dict[str, list[float]] = {name: [] for name, _ in rounds}
+    faults = dict.fromkeys(times, 0)
+    for i in range(warmup + iters):  # A B A B: drift hits both alike
+        for name, call in rounds:
+            with fast_path.plain() if name == "plain" else contextlib.nullcontext():
+                t, f = timed(call, group.comm)
+            if i >= warmup:
+                times[name].append(t)
+                faults[name] += f
     p = group.size
     t_ours, t_mpi = median(times["ours"]), median(times["mpi"])
     nbytes = max(nbytes // dtype.itemsize, 1) * dtype.itemsize
@@ -208,7 +147,15 @@ def measure(
         "ratio": median_ratio(times["mpi"], times["ours"]),
         "faults_per_call": worst / iters,
         "builtin_faults_per_call": worst_mpi / iters,
-    }
+    } | _plain_path(times, paths)
+
+
+def _plain_path(times: dict, paths: bool) -> dict:
+    """The plain path's median and its time over the fast path's, per round (> 1: faster)."""
+    if not paths:
+        return {}
+    plain = times["plain"]
+    return {"plain_us": median(plain) * 1e6, "speedup": median_ratio(plain, times["ours"])}
 
 
 def human(nbytes: int) -> str:
@@ -234,6 +181,9 @@ COLUMNS = [
 ]
 
 
+PATH_COLUMNS = [("plain_us", ".1f"), ("speedup", ".2f")]
+
+
 def check_args(args) -> tuple[np.dtype, list[int], list[tuple[str, list[str]]]]:
     """(dtype, sizes, [(op, its algorithms)]), or die() naming the bad value: every rank alike.
 
@@ -249,12 +199,14 @@ def check_args(args) -> tuple[np.dtype, list[int], list[tuple[str, list[str]]]]:
     if unknown:
         choices = ", ".join(BUS_FACTOR)
         raise die(f"bench collectives: unknown collective(s) {unknown}; choose from {choices}")
-    known = {op: [a for a in comm.ALGORITHMS[op] if a != "mpi"] for op in ops}
+    known = {op: ["send_recv"] if op == "p2p" else [*comm.ALGORITHMS[op], "auto"] for op in ops}
     wanted = args.algos.split(",") if args.algos else []
     stray = [a for a in wanted if not any(a in algos for algos in known.values())]
     if stray:
         raise die(f"bench collectives: no chosen collective has algorithm(s) {stray}")
-    plan = [(op, [a for a in have if not wanted or a in wanted]) for op, have in known.items()]
+    default = [a for algos in known.values() for a in algos if a not in ("mpi", "auto")]
+    wanted = wanted or default
+    plan = [(op, [a for a in have if a in wanted or op == "p2p"]) for op, have in known.items()]
     return dtype, sizes, [(op, algos) for op, algos in plan if algos]
 
 
@@ -272,6 +224,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--checks", choices=("on", "off"), default="off", help="default off")
     parser.add_argument("--json", default=None, help="write JSON lines here")
+    parser.add_argument(
+        "--paths", action="store_true", help="time ours through the plain path too (a third)"
+    )
     args = parser.parse_args(argv)
     from threadpoolctl import threadpool_limits
 
@@ -288,13 +243,13 @@ def main(argv: list[str] | None = None) -> int:
     records = []
     for op, algos in plan:
         rows = [
-            measure(op, algo, nbytes, dtype, group, args.warmup, args.iters)
+            measure(op, algo, nbytes, dtype, group, args.warmup, args.iters, args.paths)
             for nbytes in sizes
             for algo in algos
         ]
         records += [{**row, "env": env} for row in rows]
         if group.rank == 0:
-            print_table(rows, COLUMNS)
+            print_table(rows, COLUMNS + PATH_COLUMNS * args.paths)
     if group.rank == 0:
         write_json(args.json, records)
     group.free()

@@ -1,6 +1,7 @@
 """Tensor parallelism, measured: step time, TP bytes against the formula, memory per rank.
 
     mpiexec -n 4 python -m minidp bench tp [--n-embd 256] [--iters 5] [--json FILE] [--out DIR]
+    mpiexec -n 4 python -m minidp bench tp --paths     # + each tp mesh on the plain comm path
 
 Contenders, on one world of P ranks and one global batch: every mesh dp x tp with tp in
 {1, 2, 4} dividing P (tp = 1 is plain data parallelism over P ranks), and for tp > 1 also
@@ -27,11 +28,13 @@ times are the slowest rank's, medians over rounds, contenders rotated.
 """
 
 import contextlib
+import functools
 
 import numpy as np
 
 from minidp import comm
 from minidp.cli.training.config import TrainConfig
+from minidp.comm import fast_path
 from minidp.tools.log import print0
 from minidp.tools.parser import Parser
 from minidp.tools.plots import pyplot, save
@@ -54,6 +57,9 @@ from minidp_bench._common import (
 def parse_args(argv: list[str]):
     parser = Parser(prog="minidp bench tp", description=summary(__doc__))
     add_gpt_arguments(parser, "tp", n_embd=256, n_layer=2, n_head=8, iters=5, warmup=1)
+    parser.add_argument(
+        "--paths", action="store_true", help="each tp > 1 mesh also on the plain comm path"
+    )
     return parser.parse_args(argv)
 
 
@@ -90,6 +96,10 @@ def measure(args) -> int:
             flags = {} if tp == 1 else {"dp": dp, "tp": tp, "sequence_parallel": sp}
             config = TrainConfig(**base, strategy=strategy, **flags)
             contenders[name] = closing.enter_context(Contender(config, world))
+            if args.paths and tp > 1:  # a twin whose collectives take the plain path
+                twin = closing.enter_context(Contender(config, world))
+                twin.step = functools.partial(_on_the_plain_path, twin.step)
+                contenders[name + " plain"] = twin
         times = time_contenders(contenders, args.warmup, args.iters, world.comm)
         if not first_losses_agree(contenders, "tp"):
             return 1
@@ -123,6 +133,11 @@ def measure(args) -> int:
         write_json(args.json, [{**r, "world_size": world.size} for r in rows])
         plot(rows, args.out)
     return 0
+
+
+def _on_the_plain_path(step) -> None:
+    with fast_path.plain():
+        step()
 
 
 def plot(rows: list[dict], out: str) -> None:

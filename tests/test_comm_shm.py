@@ -2,15 +2,23 @@
 
 The collectives table (test_comm_collectives.py) runs it on plain arrays, through the shared
 scratch, beside every other algorithm. Here: arrays made in shared memory, reduced in place
-with no message; what "auto" picks; disagreements between ranks; freeing; DDP's buckets."""
+with no message; what "auto" picks; disagreements between ranks; freeing; DDP's buckets.
+These small arrays stand for large ones: "auto" picks "shm" for them because the tests set
+comm/auto.py's SHM_MIN to 0 (test_comm_fast_path.py tests the threshold itself)."""
 
 import numpy as np
 import pytest
 
 from minidp import Tensor, comm, nn
-from minidp.comm import shm, shm_memory
+from minidp.comm import auto, shm, shm_memory
 from minidp.comm.shm import SharedMemory
 from minidp.parallel import DistributedDataParallel
+
+
+@pytest.fixture(autouse=True)
+def shm_from_any_size(monkeypatch):
+    """auto picks shm for a shared array of any size, as it does from auto.SHM_MIN up."""
+    monkeypatch.setattr(auto, "SHM_MIN", 0)
 
 
 @pytest.mark.timeout(120)

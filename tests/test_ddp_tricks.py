@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from minidp import Tensor, comm, nn, optim
+from minidp.comm import auto
 from minidp.parallel import DistributedDataParallel
 from minidp.parallel.data_parallel import ddp as dp
 from minidp.parallel.data_parallel.plain import SimpleDistributedDataParallel
@@ -121,9 +122,10 @@ def test_each_trick_gives_the_bits_of_the_path_without_it():
 
 @pytest.mark.parallel(nprocs=[2])
 @pytest.mark.timeout(120)
-def test_each_trick_runs_when_on_and_not_when_off():
+def test_each_trick_runs_when_on_and_not_when_off(monkeypatch):
     import sys
 
+    monkeypatch.setattr(auto, "SHM_MIN", 0)  # the tiny buckets reduced by shm, as large ones
     group, before = comm.world(), sys.getswitchinterval()
     on, off = train(group, False)[2], train(group, False, shared_memory=False)[2]
     assert on["arena"] and not off["arena"]  # algo auto, one machine: buckets in an arena

@@ -24,6 +24,9 @@ this order, every module of it:
   the public calls  auto.py (algo="auto" by size), args.py (local argument checks),
                     collectives.py and rooted.py (the functions and their contract),
                     text.py (strings over collectives)
+  speed beside      fast_path.py (the same steps with less Python per call: plans made
+                    once, persistent requests, laid out by persistent.py;
+                    MINIDP_FAST_COMM=0 turns it off)
   what ranks did    trace.py (the Timeline: each rank's spans, saved as a Chrome trace)
 
 Public: the names in `__all__` below, and `minidp.comm.p2p` (`send`, `recv`, `sendrecv`,
@@ -33,6 +36,7 @@ tutorials build collectives from.
 The other modules are the implementation; import them to read them, not to rely on them.
 """
 
+from minidp.comm import fast_path  # noqa: F401 (fills collectives.FAST)
 from minidp.comm.abort import end_job
 from minidp.comm.auto import choose
 from minidp.comm.collectives import (

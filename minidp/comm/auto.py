@@ -21,6 +21,17 @@ machine (one run's table is in docs/collectives.md):
     gather, scatter  tree when p > 2, else naive;   alltoall: pairwise;
     barrier          dissemination
 
+An allreduce of an array in shared memory (shared_zeros; DDP's buckets, shm_arena.py) may
+also be reduced by loads, "shm" (shm.py), whose three synchronizations of all ranks cost
+more than the ring's messages on small arrays (2 ranks: shm 36 µs against the ring's 19 at
+64 KiB, 55 against 38 at 256 KiB, a tie at 512 KiB; docs/collectives.md). `choose_shared`
+picks "shm" from SHM_MIN up and the ring below: shm sums each chunk in the ring's order, so
+the bits are the same on either side of the threshold, and retuning it never changes a
+training run's bits (recursive doubling, faster at 4 KiB by ~1.5 µs a call, would change
+them at 4 ranks and more). DDP's buckets (collectives.allreduce_coalesced, and one by one
+with overlap) and the cost model's pricing of them (cost/calls.py) both ask this one
+function, so they cannot differ.
+
 Rerun the benchmark to retune these for another machine: the crossover moves with α/β.
 Every name choose() can return is one of minidp/tools/names.py's, checked when this module loads.
 """
@@ -29,6 +40,7 @@ from minidp.tools.names import ALGORITHMS
 
 SHORT = 64 * 1024
 LONG = 8 * 1024 * 1024
+SHM_MIN = 512 * 1024  # shm from here up; below, it lost to the ring (docs/collectives.md)
 
 
 def _power_of_two(p: int) -> bool:
@@ -48,6 +60,12 @@ def choose(collective: str, nbytes: int, p: int) -> str:
     if collective in ("gather", "scatter"):
         return "tree" if p > 2 else "naive"
     return {"alltoall": "pairwise", "barrier": "dissemination"}[collective]
+
+
+def choose_shared(nbytes: int, p: int) -> str:
+    """The algorithm "auto" means for an allreduce of nbytes lying in shared memory (p, the
+    group's size, for a rule that one day depends on it)."""
+    return "shm" if nbytes >= SHM_MIN else "ring"
 
 
 def _check_choices() -> None:

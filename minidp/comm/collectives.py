@@ -37,6 +37,7 @@ import numpy as np
 
 from minidp.comm.alltoall import naive_alltoall, pairwise_alltoall
 from minidp.comm.args import flat, pick, result, same_memory, writable
+from minidp.comm.auto import choose_shared
 from minidp.comm.barrier import dissemination_barrier
 from minidp.comm.builtin import (
     mpi_allgather,
@@ -96,6 +97,10 @@ ALLTOALL = table(
 )
 BARRIER = table("barrier", {"dissemination": dissemination_barrier, "mpi": mpi_barrier})
 
+FAST: dict = {}
+"""The fast path's table (fast_path.py fills it): name -> a function taking the public
+call's arguments that returns the result, or None where the plain path below must run."""
+
 
 def _reduction(x, op: str, algo: str, group, table: dict, name: str):
     """The checks every reduction starts with: (group, flat view of x, algorithm to run)."""
@@ -114,8 +119,13 @@ def allreduce(
 ) -> np.ndarray:
     """The op over every rank's x, on every rank. `out=x` reduces in place."""
     group = group or world()
+    fast = FAST.get("allreduce")
+    if fast is not None:
+        res = fast(x, op, algo, group, out)
+        if res is not None:
+            return res
     if algo == "auto" and in_shared_memory(x, group):  # made by shared_zeros: read in place
-        algo = "shm"
+        algo = choose_shared(x.nbytes, group.size)  # shm, or the ring below auto.SHM_MIN
     group, src, algo = _reduction(x, op, algo, group, ALLREDUCE, "allreduce")
     res = result(out, x.shape, x.dtype)
     dst = res if res.ndim == 1 else res.reshape(-1)
@@ -135,7 +145,8 @@ def allreduce_coalesced(
 ) -> None:
     """Reduce every array of xs in place, with the bits of `allreduce(x, out=x)` for each.
 
-    With "shm" (or "auto" when every x lies in shared memory, as DDP's buckets do) it is one
+    With "shm" (or "auto" when every x lies in shared memory, as DDP's buckets do, for those
+    of at least auto.SHM_MIN bytes; the smaller ones go first, one by one) it is one
     collective: one agreement, one barrier after the reductions and one after the copies,
     for all of them, instead of three synchronizations per array (torch.distributed's
     all_reduce_coalesced, Horovod's tensor fusion, without packing: the arrays stay where
@@ -146,8 +157,11 @@ def allreduce_coalesced(
     if not xs:
         return
     if algo == "auto" and all(in_shared_memory(x, group) for x in xs):
-        algo = "shm"
-    if algo != "shm" or group.size == 1 or len(xs) == 1:
+        small = [x for x in xs if choose_shared(x.nbytes, group.size) != "shm"]
+        for x in small:  # below auto.SHM_MIN: the ring (the same bits), one by one
+            allreduce(x, op=op, algo="auto", group=group, out=x)
+        xs, algo = [x for x in xs if not any(x is y for y in small)], "shm"
+    if algo != "shm" or group.size == 1 or len(xs) <= 1:
         for x in xs:
             allreduce(x, op=op, algo=algo, group=group, out=x)
         return

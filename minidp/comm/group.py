@@ -8,6 +8,7 @@ A Group wraps one MPI communicator and adds what the algorithms need:
     left, right         ring neighbours: (rank - 1) % size and (rank + 1) % size
     world_ranks         world rank of each group rank (for error messages and logs)
     scratch             reusable work buffers (buffers.py), owned by this group alone
+    plans               the fast path's plans, one per kind of call (fast_path.py)
     shared              its shm.SharedMemory, made when shm is first used: whether its
                         ranks share a machine, the pool of their shared arrays, a scratch
     counters            {collective: {"calls", "bytes_sent", "bytes_recv", "messages_sent"}}
@@ -75,6 +76,7 @@ class Group:
         self._timeout = timeout  # _FROM_ENV: follow self.checks (the timeout property)
         self._timeout_for = (timeout_from_env(False), timeout_from_env(True))  # [checks]
         self.scratch = Scratch()
+        self.plans: dict = {}  # the fast path's plans for this group's calls (fast_path.py)
         self.deadline: float | None = None  # set while a collective runs with a timeout
         self.broken: str | None = None  # why this group refuses further collectives
         self.abandoned: list = []  # requests left by a failed call, kept alive for MPI
@@ -149,6 +151,9 @@ class Group:
         """Release the communicator (collective over the group); the group is unusable after."""
         if self._fingerprints is not None and not self.broken:
             self._fingerprints.free()
+        if not self.broken:  # a broken group's requests may still be active
+            for plan in self.plans.values():
+                getattr(plan, "free", lambda: None)()
         if self.comm not in (MPI.COMM_WORLD, MPI.COMM_SELF, MPI.COMM_NULL):
             self.comm.Free()
         self.broken = "freed"
@@ -239,7 +244,6 @@ class _Running:
 
     def __enter__(self) -> Group:
         g, name = self.group, self.name
-        self.start = time.perf_counter()
         if g.broken:
             raise CollectiveError(f"{name} on a broken group (rank {g.rank}): {g.broken}")
         if not g._lock.acquire(False):
@@ -247,10 +251,14 @@ class _Running:
                 f"{name}: this group is already running a collective on "
                 "another thread; give each thread its own group.dup()"
             )
+        self.start = now = time.perf_counter()  # under the lock: a _Running may be reused
         try:
             g._seq += 1
-            if g.timeout is not None:
-                g.deadline = time.monotonic() + g.timeout
+            timeout = g._timeout
+            if timeout is _FROM_ENV:
+                timeout = g._timeout_for[bool(g.checks)]
+            if timeout is not None:
+                g.deadline = time.monotonic() + timeout
             if g.checks and g.size > 1:
                 g._doing = (name, self.algo, "fingerprint exchange")
                 g.current = g._counts.setdefault("checks", [0, 0, 0, 0])
@@ -263,10 +271,14 @@ class _Running:
                 # exchange cannot wait on a rank that is not coming, so it needs no deadline
                 # and runs on MPI's blocking calls (the fast path of p2p.py).
                 g.deadline = None
+                now = time.perf_counter()
             g._doing = (name, self.algo, "data exchange")
-            g.exchanging_since = time.perf_counter()  # past timeout: the watchdog aborts
-            g.current = g._counts.setdefault(name, [0, 0, 0, 0])
-            g.current[0] += 1
+            g.exchanging_since = now  # past timeout: the watchdog aborts
+            counts = g._counts.get(name)
+            if counts is None:
+                counts = g._counts[name] = [0, 0, 0, 0]
+            g.current = counts
+            counts[0] += 1
         except BaseException as error:
             self.__exit__(type(error), error, None)
             raise

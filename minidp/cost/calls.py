@@ -13,7 +13,8 @@ What each strategy runs in one step of K micro-batches (strategies/*.py, step.py
     every      the global loss: allreduce of 1 float64 over DP (auto)
     DDP's      (dp, zero 1) the reached flags: max-allreduce of 1 int32 per parameter tensor
     dp         each DDP bucket allreduced once, after the last micro-batch (--allreduce;
-               auto on one machine: "shm", the buckets lie in a shared arena); with
+               auto on one machine: the buckets lie in a shared arena, "shm" from
+               comm/auto.py's SHM_MIN up, auto's choice below it); with
                --compress, each bucket's compressor's calls instead (`compressor_calls`)
     zero 1     each bucket reduce-scattered (DDP's hook); the clip's norm: allreduce of 1
                float64 over DP; each bucket's chunks allgathered after the optimizer
@@ -164,9 +165,13 @@ def data_parallel(layout, shapes: Shapes, itemsize: int) -> list[Call]:
                 wire = compressor_calls(name, param, n, layout.dp, itemsize)
             calls += [Call("dp", c, chosen, m, size, "backward") for c, m, size in wire]
         return calls
-    if stage == 0:
-        bucket_algo = "shm" if algo == "auto" and layout.shm else algo
-        calls += [Call("dp", "allreduce", bucket_algo, n, itemsize, "backward") for n in segments]
+    if stage == 0:  # on one machine auto's buckets lie in shared memory: comm/auto.py's rule
+        from minidp.comm.auto import choose_shared  # the one copy of the rule (imports MPI)
+
+        shared = algo == "auto" and layout.shm
+        for n in segments:
+            chosen = choose_shared(n * itemsize, layout.dp) if shared else algo
+            calls.append(Call("dp", "allreduce", chosen, n, itemsize, "backward"))
         return calls
     hybrid = layout.strategy == "hybrid"  # ZeROOverTP: sharded and replicated squares
     calls.append(NORM._replace(n=2) if hybrid else NORM)

@@ -1,0 +1,214 @@
+"""The fast path of small collectives: the plain algorithms' steps, with less Python per call.
+
+    mpiexec -n 2 python -m minidp bench collectives --ops allreduce --algos auto,ring --paths
+    MINIDP_FAST_COMM=0 mpiexec -n 2 python -m minidp ...       # the plain path everywhere
+
+At 4 KiB a collective's time is Python's own work, not the wire: the local checks, the pick
+of an algorithm, the chunk arithmetic, the scratch lookups, a request object and a list per
+message (`bench collectives --profile` times each part; docs/collectives.md has the table).
+MPICH pays for none of it: its plan is C. This module keeps the algorithms (the step tables
+of ring.py and recursive.py, message for message, operand for operand, so the bits are the
+plain path's, tests/test_comm_fast_path.py) and does the per-call work once, as two tricks,
+each switchable in `TRICKS`:
+
+    plans        a call's decisions (the algorithm auto picks, the op and dtype checks, the
+                 chunk bounds) made once per (group, size, dtype, op, algorithm) and kept in
+                 `group.plans`; a call looks its plan up and runs it
+    persistent   the steps as persistent requests (MPI_Send_init, MPI_Recv_init, started
+                 with MPI_Startall; persistent.py), made once: bound to the caller's own
+                 x and out where a call passes `out` (keyed by their addresses: no copy),
+                 else, up to STAGE_MAX bytes, staged on the plan's buffers (the call
+                 copies x in and the result out)
+
+The plain functions (collectives.py) ask `FAST[name]` first (a table filled here, as
+engine/registry.py's is by minidp/fast/); a plan returns None where it does not apply (a
+size above FAST_MAX, where Python's share of a call is small; a deadline polled by the
+data's waits; a patient group; an emulated network; a group of one; an argument the plain
+path must judge), and the plain path runs. The plain path is always one switch away:
+`MINIDP_FAST_COMM=0` (read at import), or `with fast_path.plain():` for a block.
+Counters, the fingerprints, the watchdog's `waiting_on` and the size check of every message
+received are kept as the plain path keeps them.
+"""
+
+import contextlib
+import os
+
+import numpy as np
+from mpi4py import MPI
+
+from minidp.comm import collectives
+from minidp.comm.args import flat, pick
+from minidp.comm.auto import choose_shared
+from minidp.comm.persistent import allreduce_steps
+from minidp.comm.reduce_ops import check_op, finish
+from minidp.comm.shm_memory import in_shared_memory, pool
+
+TRICKS = {"persistent": True}  # "plans": the table itself (plain() empties it)
+STAGE_MAX = 16 * 1024  # bytes: persistent requests on staged buffers up to here
+BOUND_MAX = 4  # per plan: (x, out) address pairs with persistent requests of their own
+FAST_MAX = 512 * 1024  # bytes: above it every call takes the plain path
+MAX_PLANS = 64  # per group: more distinct calls than this, and the plans start over
+NOT_FAST = object()  # a plan's entry where the plain path runs
+PLAIN = dict(collectives.ALLREDUCE)  # the algorithms the staged steps copy
+
+
+class AllreducePlan:
+    """What one kind of allreduce call needs, decided once: the algorithm and, where the
+    persistent trick applies, its steps: staged on the plan's own buffers (up to STAGE_MAX
+    bytes, for a call without `out`), bound to the caller's x and out (keyed by their
+    addresses, at most BOUND_MAX pairs per plan)."""
+
+    def __init__(self, group, n: int, dtype: np.dtype, op: str, algo: str) -> None:
+        self.algo, self.op, self.group = algo, op, group
+        self.run = collectives.ALLREDUCE[algo]
+        self.staged = self.build = self.running = None
+        self.bound: dict = {}
+        found = allreduce_steps(algo, n, group.size)
+        if TRICKS["persistent"] and n > 0 and found is not None:
+            build, spare = found
+            recv = np.empty(spare, dtype)
+            self.build = lambda src, dst: build(group, src, dst, recv, op)
+            if n * dtype.itemsize <= STAGE_MAX:
+                self.work = np.empty(n, dtype)
+                self.staged = self.build(self.work, self.work)
+
+    def bind(self, src: np.ndarray, dst: np.ndarray, key: tuple):
+        """The steps on src and dst themselves. The requests hold the raw addresses, not the
+        arrays (MPI.buffer.fromaddress), so nothing the caller frees is kept alive; they are
+        started only when a call passes arrays at these very addresses, of this very size."""
+        if len(self.bound) >= BOUND_MAX:
+            self.free_bound()
+        size = src.nbytes
+        views = [np.frombuffer(MPI.buffer.fromaddress(address, size), src.dtype) for address in key]
+        steps = self.bound[key] = self.build(*views)
+        return steps
+
+    def free_bound(self) -> None:
+        for steps in self.bound.values():
+            steps.free()
+        self.bound.clear()
+
+    def free(self) -> None:
+        if self.staged is not None:
+            self.staged.free()
+        self.free_bound()
+
+
+def _plan(group, key: tuple, make):
+    """group.plans[key], made by make() the first time (NOT_FAST: the plain path)."""
+    plans = group.plans
+    plan = plans.get(key)
+    if plan is None:
+        if len(plans) >= MAX_PLANS:
+            free_plans(group)
+        plan = plans[key] = make()
+    return plan
+
+
+def free_plans(group) -> None:
+    """Forget the group's plans, releasing their persistent requests (between calls)."""
+    for plan in group.plans.values():
+        if plan is not NOT_FAST:
+            plan.free()
+    group.plans.clear()
+
+
+def _usable(group) -> bool:
+    """Whether a call on group may take the fast path: data on MPI's blocking waits (no
+    deadline to poll, not patient), the communicator itself as the wire, more than one rank."""
+    return (
+        group.size > 1
+        and not group.patient
+        and group.wire is group.comm
+        and (group.checks or group.timeout is None)
+    )
+
+
+def allreduce(x, op: str, algo: str, group, out):
+    """collectives.allreduce through a plan, or None for the plain path."""
+    if type(x) is not np.ndarray or not x.flags.c_contiguous:
+        return None
+    if algo == "auto" and pool(group) and in_shared_memory(x, group):
+        algo = choose_shared(x.nbytes, group.size)  # in shared memory: shm or the ring
+        if algo == "shm":
+            return None  # the plain path reduces it by loads
+    dtype = x.dtype
+    plan = group.plans.get(("allreduce", x.size, dtype, op, algo, TRICKS["persistent"]))
+    if plan is None:
+        plan = _new_plan(group, x, op, algo)
+    if plan is NOT_FAST or collectives.ALLREDUCE[plan.algo] is not PLAIN[plan.algo]:
+        return None  # no plan, or the table's algorithm replaced (a test's): the plain path
+    if out is x:
+        res = x
+    elif out is None:
+        res = np.empty(x.shape, dtype)
+    elif type(out) is np.ndarray and out.shape == x.shape and out.dtype == dtype:
+        flags = out.flags
+        if not (flags.c_contiguous and flags.writeable):
+            return None  # the plain path raises
+        if (x.base is not None or out.base is not None) and np.may_share_memory(x, out):
+            return None  # in place through another view, or a partial overlap: plain path
+        res = out
+    else:
+        return None
+    src = x if x.ndim == 1 else x.reshape(-1)
+    dst = res if res.ndim == 1 else res.reshape(-1)
+    running = plan.running  # the enter/exit of this kind of call, made once (group.py)
+    if running is None or running.shape != x.shape:
+        running = plan.running = group.collective("allreduce", plan.algo, op, dtype, None, x.shape)
+    with running:
+        if plan.build is not None and out is not None:  # bound: on x and out themselves
+            key = (MPI.buffer(src).address, MPI.buffer(dst).address)
+            steps = plan.bound.get(key) or plan.bind(src, dst, key)
+            steps.run(group)
+        elif plan.staged is not None:  # staged: x copied in, the result out
+            np.copyto(plan.work, src)
+            plan.staged.run(group)
+            np.copyto(dst, plan.work)
+        else:
+            plan.run(group, src, dst, op)
+        if op == "avg":
+            finish(op, dst, group.size)
+    return res
+
+
+def _new_plan(group, x, op: str, algo: str):
+    """The plan for this call, made and kept (NOT_FAST, not kept, where none applies)."""
+    if not _usable(group) or x.nbytes > FAST_MAX:
+        return NOT_FAST
+    key = ("allreduce", x.size, x.dtype, op, algo, TRICKS["persistent"])
+    return _plan(group, key, lambda: _allreduce_plan(x, op, algo, group))
+
+
+def _allreduce_plan(x, op: str, algo: str, group):
+    flat(x)
+    check_op(op, x.dtype)
+    algo = pick(algo, collectives.ALLREDUCE, "allreduce", x.nbytes, group.size)
+    if algo in ("shm", "mpi"):
+        return NOT_FAST
+    return AllreducePlan(group, x.size, x.dtype, op, algo)
+
+
+def enabled_from_env() -> bool:
+    """MINIDP_FAST_COMM: on unless it is 0, false, no or off."""
+    value = os.environ.get("MINIDP_FAST_COMM", "1").strip().lower()
+    return value not in ("0", "false", "no", "off")
+
+
+PATHS = {"allreduce": allreduce}
+
+
+@contextlib.contextmanager
+def plain():
+    """Inside this block every collective of this process takes the plain path."""
+    saved = dict(collectives.FAST)
+    collectives.FAST.clear()
+    try:
+        yield
+    finally:
+        collectives.FAST.clear()
+        collectives.FAST.update(saved)
+
+
+if enabled_from_env():
+    collectives.FAST.update(PATHS)

@@ -1,0 +1,168 @@
+"""The fast path of small collectives (comm/fast_path.py) against the plain path, bit for bit.
+
+    python -m pytest -q tests/test_comm_fast_path.py
+
+Every call the fast path takes is run twice in one launch, through the fast path and inside
+`fast_path.plain()`, on random floats (so a changed order of operands would change bits),
+and must give the same bytes and count the same messages and bytes: sizes 0, 1, odd, not
+divisible by the group, 4 KiB and 64 KiB, each trick on and off, at 2, 3 and 4 ranks.
+"""
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+from minidp import comm
+from minidp.comm import fast_path
+from minidp.comm.collectives import FAST
+
+
+def lengths(p: int) -> list[int]:
+    """0, 1, odd, not divisible by p, 4 KiB and 64 KiB of float32."""
+    return [0, 1, 7, 5 * p + 1, 1024, 16384]
+
+
+def both_paths(call, g: comm.Group):
+    """(fast result, plain result, fast counters, plain counters) of call()."""
+    g.reset_counters()
+    fast = call().copy()
+    counted = g.counters
+    g.reset_counters()
+    with fast_path.plain():
+        plain = call().copy()
+    return fast, plain, counted, g.counters
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parallel(nprocs=[2, 3, 4])
+def test_allreduce_fast_equals_plain_bit_for_bit():
+    g = comm.world().dup()
+    rng = np.random.default_rng(g.rank)
+    taken, staged, bound = 0, 0, 0
+    for persistent in (True, False):
+        fast_path.TRICKS["persistent"] = persistent
+        for n in lengths(g.size):
+            for dtype in (np.float32, np.float64):
+                x = rng.standard_normal(n).astype(dtype)
+                for algo in ("ring", "recursive_doubling", "auto"):
+                    for op in ("sum", "avg", "max"):
+                        for where in ("new", "out", "in place"):
+                            what = f"{algo} {op} {dtype.__name__} n={n} {where} {persistent}"
+
+                            def call(x=x, where=where, algo=algo, op=op):
+                                y = x.copy()
+                                out = {"new": None, "out": np.empty_like(x), "in place": y}
+                                return comm.allreduce(y, op=op, algo=algo, group=g, out=out[where])
+
+                            fast, plain, counted, counted_plain = both_paths(call, g)
+                            assert fast.tobytes() == plain.tobytes(), what
+                            assert counted == counted_plain, what
+        taken += len(g.plans)
+        staged += sum(getattr(plan, "staged", None) is not None for plan in g.plans.values())
+        bound += sum(len(getattr(plan, "bound", ())) for plan in g.plans.values())
+    fast_path.TRICKS["persistent"] = True
+    assert taken > 0 and staged > 0 and bound > 0  # the fast path ran, staged and bound
+    g.free()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parallel(nprocs=[2, 3])
+def test_bound_steps_reused_on_new_values():
+    """The same x and out, called again and again with new values (as a training loop
+    calls): the requests bound to their addresses are made once and give the plain bits;
+    a call with other buffers of the same size binds them too."""
+    g = comm.world().dup()
+    rng = np.random.default_rng(g.rank)
+    for algo, n in (("ring", 16384), ("ring", 65536), ("recursive_doubling", 1000)):
+        x, out, other = (np.empty(n, np.float32) for _ in range(3))
+        for i in range(4):
+            x[:] = rng.standard_normal(n)
+            target = other if i == 3 else out
+            fast, plain, counted, counted_plain = both_paths(
+                lambda x=x, algo=algo, target=target: comm.allreduce(
+                    x, algo=algo, group=g, out=target
+                ),
+                g,
+            )
+            assert fast.tobytes() == plain.tobytes() and counted == counted_plain, (algo, n, i)
+        plan = g.plans[("allreduce", n, x.dtype, "sum", algo, True)]
+        assert len(plan.bound) == (2 if algo == "ring" or g.size == 2 else 0), (algo, n)
+    g.free()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parallel(nprocs=[2, 3])
+def test_fast_path_catches_mismatched_calls():
+    """Checks on: a rank with another size raises CollectiveMismatch on every rank; checks
+    off, two ranks whose first messages both differ: the staged messages' size check raises
+    MessageSizeMismatch on both (fewer bytes on one, MPI's truncation on the other)."""
+    g = comm.world().dup()
+    x = np.ones(100 + (g.rank == 0), np.float32)
+    with pytest.raises(comm.CollectiveMismatch, match="different arguments"):
+        comm.allreduce(x, algo="ring", group=g)
+    if g.size != 2:
+        return
+    quiet = comm.Group(MPI.COMM_WORLD.Dup(), checks=False, timeout=None)
+    comm.allreduce(np.ones(4, np.float32), algo="ring", group=quiet)  # a plan, staged
+    with pytest.raises(comm.MessageSizeMismatch):  # chunks of 3 against 2
+        comm.allreduce(np.ones(6 if quiet.rank == 0 else 4, np.float32), algo="ring", group=quiet)
+
+
+def test_switched_off_by_the_environment():
+    code = "from minidp import comm; from minidp.comm.collectives import FAST; print(len(FAST))"
+    for value, want in (("0", "0"), ("1", str(len(fast_path.PATHS)))):
+        env = {**os.environ, "MINIDP_FAST_COMM": value}
+        got = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+        assert got.stdout.strip() == want, got.stderr
+    with fast_path.plain():
+        assert not FAST
+    assert FAST
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parallel(nprocs=[2, 3])
+def test_auto_reduces_small_shared_arrays_by_messages_and_large_ones_by_shm():
+    """auto on arrays in shared memory (DDP's buckets): below auto.SHM_MIN, the ring (its
+    messages counted, the bits of the ring, and so of shm, on a plain array);
+    from SHM_MIN up, shm (no message). allreduce_coalesced splits a list the same way, and
+    the cost model prices DDP's buckets by the same rule (auto.choose_shared)."""
+    from minidp import cost
+    from minidp.comm import auto
+    from minidp.cost.calls import Shapes, data_parallel
+    from minidp.cost.step import Layout
+
+    g = comm.world().dup()
+    p, small, large = g.size, 1000, auto.SHM_MIN // 4  # float32 elements
+    rng = np.random.default_rng(g.rank)
+    values = [rng.standard_normal(n).astype(np.float32) for n in (small, large)]
+    shared = [comm.shared_zeros(n, np.float32, g) for n in (small, large)]
+    for coalesced in (False, True):
+        for x, v in zip(shared, values):
+            x[:] = v
+        g.reset_counters()
+        if coalesced:
+            comm.allreduce_coalesced(shared, group=g)
+        else:
+            for x in shared:
+                comm.allreduce(x, group=g, out=x)
+        counted = g.counters["allreduce"]
+        for x, v in zip(shared, values):
+            algo = auto.choose_shared(v.nbytes, p)
+            assert (algo == "shm") == (v.size == large), algo
+            want = comm.allreduce(v, algo=algo, group=g)
+            assert x.tobytes() == want.tobytes(), (algo, coalesced)
+        algos = [auto.choose_shared(v.nbytes, p) for v in values]
+        priced = sum(
+            cost.sent("allreduce", a, p, g.rank, v.size, 4).bytes for a, v in zip(algos, values)
+        )
+        assert counted["calls"] == 2 and counted["bytes_sent"] == priced, counted
+    layout = Layout("dp", dp=p, algo="auto", bucket_mb=auto.SHM_MIN / 2**20)
+    priced = [c.algo for c in data_parallel(layout, Shapes([small, large], []), 4)[2:]]
+    assert priced == ["shm", "ring"]  # the buckets: the large one first (reverse order)
+    for x in shared:
+        comm.release_shared(x, g)
+    g.free()
