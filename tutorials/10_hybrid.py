@@ -32,6 +32,7 @@ import numpy as np
 from minidp import comm, cross_entropy, nn
 from minidp.cli.strategies import STRATEGIES, DataParallel
 from minidp.cli.training.config import TrainConfig
+from minidp.comm.trace import Timeline
 from minidp.models.data import DistributedSampler
 from minidp.models.tasks import Task
 from minidp.parallel import (
@@ -44,10 +45,14 @@ from minidp.parallel import (
     split_batch,
     split_model,
 )
+from minidp.parallel.pipeline.executor import measured_bubble
+from minidp.parallel.pipeline.simulate import formula_bubble, simulate
 from minidp.parallel.tensor_parallel.gpt import whole_arrays
+from minidp.tools.info import one_blas_thread
 from minidp.tools.log import print0
 from minidp.tools.plots import pyplot, save
 
+one_blas_thread()  # 8 ranks on a few cores: one BLAS thread each
 world = comm.world()
 assert world.size == 8, "run with mpiexec -n 8: a 2 x 2 x 2 mesh"
 rank = world.rank
@@ -95,6 +100,15 @@ if plt is not None:  # the grid three times, each rank coloured by its group on 
 # keeps stage p's part; `PipelineStage` passes activations along its pp group; DDP wraps
 # the part over the dp group, the ranks holding the same slice of the same stage. One step:
 # every micro-batch under `ddp.no_sync()` (gradients add up), then one reduction.
+#
+# Tutorial 05 ran the last micro-batch's backward *outside* `no_sync()`, so that its
+# buckets reduce while backward still runs. In a pipeline this rank's last backward is one
+# action deep inside `run_schedule`, between other stages' sends and receives, so here the
+# whole schedule runs under `no_sync()` and `ddp.finish_gradient_sync()` afterwards reduces
+# every bucket at once: the same sum, with no overlap of that last backward. (PyTorch has
+# no such call: its DDP reduces only in a backward outside `no_sync()`, so there the last
+# micro-batch must leave the block; Megatron-LM and PyTorch's pipelining instead switch
+# the sync on for the last micro-batch's backward from inside the schedule.)
 
 # %%
 cfg = nn.GPTConfig(vocab_size=24, block_size=8, n_layer=4, n_head=4, n_embd=16)
@@ -121,8 +135,9 @@ d = mesh.coords["dp"]  # replica d reads half the batch
 lo, hi = d * B // mesh.dp, (d + 1) * B // mesh.dp
 micro_in, micro_t, shares = split_batch(idx[lo:hi], targets[lo:hi], M)
 ddp.set_batch_share(hi - lo, B)  # its mean weighs (hi - lo) / B in the global mean
+timeline = Timeline()  # each compute action's span, "F 0.3": forward of stage 0, micro-batch 3
 with ddp.no_sync():
-    run_schedule(schedule, {stage_index: stage}, micro_in, micro_t, shares)
+    run_schedule(schedule, {stage_index: stage}, micro_in, micro_t, shares, timeline=timeline)
 ddp.finish_gradient_sync()
 
 whole = whole_arrays(parts[stage_index].parameters(), mesh.tp_group, "grad")  # over TP
@@ -131,6 +146,32 @@ for r, s, n, w in world.comm.gather((rank, stage_index, len(whole), worst), root
     print(f"rank {r} (stage {s}): {n} whole gradients against one process, max |diff| {w:.1e}")
 assert worst < 1e-12
 ddp.close()
+
+# %% [markdown]
+# ### The bubble, measured against (p-1)/(m+p-1)
+# 1F1B's formula, (p-1)/(m+p-1) = 1/5 here, counts equal stages whose messages take no time.
+# This run's stages are not equal: stage 0 holds the embedding, stage 1 the LM head and the
+# vocabulary-parallel loss, and their spans differ. Replaying the schedule with each
+# action's measured duration and free messages (`simulate`) gives the bubble the imbalance
+# alone makes; what the run measured adds the time between spans (the pipeline's messages,
+# Python). So formula <= replay <= measured, and that is what is checked.
+
+# %%
+took = {e["name"]: e["dur"] for e in timeline.events if e["name"][:1] in ("F", "B")}  # µs
+spans = {k: v for part in mesh.pp_group.comm.allgather(took) for k, v in part.items()}
+replay = simulate(
+    schedule.compute_actions(), mesh.pp, schedule.num_stages, False,
+    duration=lambda a: spans[f"{a.kind} {a.stage}.{a.micro_batch}"],
+).bubble_fraction  # fmt: skip
+measured = measured_bubble(timeline, mesh.pp_group)
+formula = formula_bubble("1f1b", mesh.pp, M)
+mean = {k: np.mean([v for n, v in spans.items() if n[:3] == k]) / 1e3 for k in
+        ("F 0", "B 0", "F 1", "B 1")}  # fmt: skip
+print0(f"stage 0: F {mean['F 0']:.2f} ms, B {mean['B 0']:.2f} ms; stage 1: F {mean['F 1']:.2f} ms,"
+       f" B {mean['B 1']:.2f} ms (means over micro-batches)")  # fmt: skip
+print0(f"bubble: formula {formula:.3f} <= replayed with these spans {replay:.3f} "
+       f"<= measured {measured:.3f}")  # fmt: skip
+assert formula - 1e-9 <= replay <= measured + 1e-3, (formula, replay, measured)
 
 # %% [markdown]
 # ## 3. What each axis sends
@@ -168,7 +209,9 @@ if rank == 0:
         print(f"{r:4d}  {s['dp'] / STEPS / 1e3:11.1f}  {s['tp'] / STEPS / 1e3:11.1f}  "
               f"{s['pp'] / STEPS / 1e3:11.1f}")  # fmt: skip
     assert all(s["tp"] > s["pp"] > 0 and s["dp"] > 0 for s in per_rank)
-print0(f"measured pipeline bubble {bubble:.3f} (1F1B's formula (p-1)/(m+p-1) = {1 / 5:.3f})")
+print0(f"the recipe's measured bubble {bubble:.3f}, mean of {STEPS} steps (formula {formula:.3f}:"
+       " unequal stages and the time between spans add to it, as in §2)")  # fmt: skip
+assert bubble > formula
 
 # %% [markdown]
 # ## 4. Equal to one process
