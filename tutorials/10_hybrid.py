@@ -221,6 +221,7 @@ if rank == 0:
         print(f"{r:4d}  {s['dp'] / STEPS / 1e3:11.1f}  {s['tp'] / STEPS / 1e3:11.1f}  "
               f"{s['pp'] / STEPS / 1e3:11.1f}")  # fmt: skip
     assert all(s["tp"] > s["pp"] > 0 and s["dp"] > 0 for s in per_rank)
+    assert all(0.5 < s["tp"] / s["dp"] < 2 for s in per_rank)  # alike at this toy size
 print0(f"the recipe's measured bubble: {bubble:.3f}, the mean of {STEPS} steps (formula "
        f"{record['bubble_fraction_formula']:.3f}; what moves it: §2)")  # fmt: skip
 assert record["bubble_fraction_formula"] == formula

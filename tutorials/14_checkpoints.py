@@ -65,7 +65,7 @@ def train_steps(wrapper, opt, steps, group):
 #
 # 8 bytes of header length (little-endian), a JSON header naming each array's dtype, shape
 # and byte range (and, under `__metadata__`, the tree's skeleton), then the arrays' bytes.
-# Eight lines read it; we use them below to count what each shard holds and to reshard by
+# A dozen lines read it; we use them below to count what each shard holds and to reshard by
 # hand.
 
 # %%
