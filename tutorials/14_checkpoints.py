@@ -105,6 +105,7 @@ path = checkpoint.step_directory(root, 3)
 checkpoint.save(state, path, world, step=3)
 held = checkpoint.read_manifest(path)["tensors"]["model/layers.0.weight"]
 print0(f"model/layers.0.weight: held on ranks {held['on']}, written by rank {held['saved_by']}")
+assert held["on"] == [0, 1, 2, 3] and held["saved_by"] == 0
 state_bytes = sum(p.data.nbytes for p in model.parameters()) * 3  # weights, m and v
 state_bytes += 8 * len(model.parameters())  # and each parameter's step count (int64)
 
@@ -139,6 +140,7 @@ model_sd2, optim_sd2 = checkpoint.get_state_dict(ddp2, opt2)
 loaded = {"model": model_sd2, "optim": optim_sd2, "step": 0}
 checkpoint.load(loaded, checkpoint.latest(root), world)
 checkpoint.set_state_dict(ddp2, opt2, model_state_dict=model_sd2, optim_state_dict=optim_sd2)
+assert loaded["step"] == 3  # a plain value: set by the load too
 train_steps(ddp2, opt2, range(loaded["step"], 6), world)
 for (name, p), q in zip(model.named_parameters(), again.parameters()):
     assert np.array_equal(p.data, q.data), name
