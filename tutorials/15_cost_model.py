@@ -273,11 +273,16 @@ for size in (1 << 10, 1 << 20):  # 4 KiB and 4 MiB of float32
     by_clock = min(times, key=lambda k: times[k][1])
     print0(f"{4 * size:>9,} B at 1 Gb/s: the model picks {by_model}, the clock {by_clock}")
     (ring, ring_s), (tree, tree_s) = times["ring"], times["tree"]
-    rd, rd_s = times["recursive_doubling"]
+    rd_name = "recursive_doubling"
+    rd, rd_s = times[rd_name]
     if P == 2 and size < 1 << 16:  # latency decides: one exchange against two, or up and down
         assert by_model == "recursive_doubling", times
     elif P == 2:  # bandwidth decides: ring and recursive doubling tie, the tree twice as long
-        assert abs(ring / rd - 1) < 0.01 and 1.6 < tree / max(ring, rd) < 2.4, times
+        ring_sends, rd_sends = (cost.sent("allreduce", a, P, 0, size, 4) for a in ("ring", rd_name))
+        assert ring_sends.bytes == rd_sends.bytes and ring_sends.messages == rd_sends.messages + 1
+        apart = alpha + slow.latency_s + 4 * size * gamma  # one α more, half the adds less
+        assert abs(ring - rd) <= apart, times
+        assert 1.6 < tree / max(ring, rd) < 2.4, times
         assert 1.4 < tree_s / min(ring_s, rd_s) < 2.8, times  # on the clock: about twice
 group.wire = group.comm  # the real network again
 print0(report.table(["bytes", "algorithm", "predicted ms", "measured ms"], rows))
