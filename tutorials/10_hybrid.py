@@ -157,7 +157,8 @@ ddp.close()
 # adds the spread between micro-batches (on shared cores one action runs long while the
 # other rank waits, or while it would have waited anyway: this one may fall below the
 # formula). What the run measured adds the time between spans (the pipeline's messages,
-# Python): never below that replay. Those two inequalities are what is checked.
+# Python), so it is not below that replay, but for a hair: a send leaves inside its span,
+# so the next stage may start just before the span ends (within 0.02 is checked).
 
 # %%
 took = {e["name"]: e["dur"] for e in timeline.events if e["name"][:1] in ("F", "B")}  # µs
@@ -181,7 +182,7 @@ print0(
 )
 print0(f"bubble: formula {formula:.3f} <= replayed with the stages' means {by_stage:.3f}; "
        f"replayed with each action's time {by_action:.3f} <= measured {measured:.3f}")  # fmt: skip
-assert formula - 1e-9 <= by_stage and by_action <= measured + 1e-3, (by_stage, by_action)
+assert formula - 1e-9 <= by_stage and by_action <= measured + 0.02, (by_stage, by_action)
 
 
 # %% [markdown]
