@@ -13,7 +13,10 @@ import numpy as np
 
 from minidp import Tensor, comm, cross_entropy, data, nn, optim
 from minidp.parallel import DistributedDataParallel
+from minidp.tools.info import one_blas_thread
 from minidp.tools.log import print0
+
+one_blas_thread()  # one BLAS thread per rank: the ranks share the cores
 
 
 class Net(nn.Module):

@@ -22,7 +22,10 @@ from minidp.parallel import (
     run_schedule,
     split_batch,
 )
+from minidp.tools.info import one_blas_thread
 from minidp.tools.log import print0
+
+one_blas_thread()  # one BLAS thread per rank: the ranks share the cores
 
 
 class Stage(nn.Module):

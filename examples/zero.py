@@ -19,8 +19,11 @@ from minidp.parallel import (
     SimpleZeRO3,
     ZeroRedundancyOptimizer,
 )
+from minidp.tools.info import one_blas_thread
 from minidp.tools.log import print0
 from minidp.tools.memory import nbytes, optimizer_bytes
+
+one_blas_thread()  # one BLAS thread per rank: the ranks share the cores
 
 
 class Net(nn.Module):

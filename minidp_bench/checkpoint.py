@@ -5,7 +5,8 @@
 
 Save speed (under mpiexec). Two states, each rank's as the training loop saves it (after one
 step, so the optimizer's moments exist):
-    gpt default   --strategy dp: every rank's whole model and AdamW moments (~1.3 MB)
+    gpt default   --strategy dp: the whole model and AdamW moments (~1.3 MB), written
+                  once, by rank 0 (the others' shards: their skeletons)
     gpt 100 MB    a GPT of ~25 M float32 parameters (n_embd 512, 8 layers: ~100 MB of
                   weights), --strategy zero --zero-stage 3: each rank's 1/P of the weights
                   and moments (~300 MB / P)

@@ -216,6 +216,37 @@ def test_a_sliced_tensor_reshards_over_4_2_and_1_ranks():
     remove(root, world)
 
 
+@pytest.mark.parallel(nprocs=[2])
+def test_replicated_state_is_written_once_and_every_rank_reads_it():
+    """What two ranks hold whole (DDP's model) is in rank 0's shard only: the manifest names
+    both ranks (`on`) and the one that wrote it (`saved_by`); rank 1's shard holds its own
+    state and a skeleton that names the rest. A read in the same layout, a load in place and
+    a load over one rank all find it there."""
+    from minidp.parallel.checkpoint.shards import read_shard
+
+    group = comm.world()
+    root = shared_directory(group)
+    path = os.path.join(root, "once")
+    weight = np.arange(4096.0)  # 32 KiB, the same on both ranks
+    mine = {"model": {"w": weight}, "own": np.full(3, group.rank), "step": 2}
+    checkpoint.save(mine, path, group, step=2, layout={"model/w": "replicated"})
+    manifest = checkpoint.read_manifest(path)
+    entry = manifest["tensors"]["model/w"]
+    assert entry["on"] == [0, 1] and entry["saved_by"] == 0
+    held = [read_shard(path, shard)[0] for shard in manifest["shards"]]
+    assert "model/w" in held[0] and list(held[1]) == ["own"]
+    sizes = [shard["bytes"] for shard in manifest["shards"]]
+    assert sizes[0] - sizes[1] >= weight.nbytes > sizes[1]  # once, not twice
+    same(checkpoint.read(path, group), mine)  # rank 1: its shard, and w from rank 0's
+    into = {"model": {"w": np.zeros_like(weight)}}
+    checkpoint.load(into, path, group)
+    same(into["model"]["w"], weight)
+    alone, into = group.split(group.rank), {"model": {"w": np.zeros_like(weight)}}
+    checkpoint.load(into, path, alone)  # over one rank: each takes w from shard 0
+    same(into["model"]["w"], weight)
+    remove(root, group)
+
+
 def test_latest_orders_steps_by_number(tmp_path):
     from minidp.parallel.checkpoint.store import MANIFEST, latest
 
@@ -331,7 +362,8 @@ def test_a_manifest_of_an_older_format_is_refused_naming_both(tmp_path):
     with pytest.raises(CheckpointError) as error:
         checkpoint.read_manifest(str(tmp_path))
     assert str(error.value) == (
-        f"{tmp_path}/manifest.json is minidp-checkpoint/2, this minidp reads minidp-checkpoint/4"
+        f"{tmp_path}/manifest.json is minidp-checkpoint/2, "
+        "this minidp reads minidp-checkpoint/5 or minidp-checkpoint/4"
     )
 
 

@@ -23,6 +23,9 @@ import numpy as np
 
 import minidp
 from minidp import Tensor
+from minidp.tools.info import one_blas_thread
+
+one_blas_thread()  # one BLAS thread, as each rank of the later tutorials has
 
 # %% [markdown]
 # ## 1. A tensor remembers where it came from

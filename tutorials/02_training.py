@@ -21,6 +21,9 @@
 import numpy as np
 
 from minidp import Tensor, cross_entropy, data, nn, no_grad, optim
+from minidp.tools.info import one_blas_thread
+
+one_blas_thread()  # one BLAS thread, as each rank of the later tutorials has
 
 # %% [markdown]
 # ## 1. An MLP on synthetic clusters

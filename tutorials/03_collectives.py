@@ -24,7 +24,10 @@ import numpy as np
 
 from minidp import comm
 from minidp.comm import p2p
+from minidp.tools.info import one_blas_thread
 from minidp.tools.log import print0
+
+one_blas_thread()  # one BLAS thread per rank: the ranks share the cores
 
 group = comm.world().dup()  # a private copy of the world: its own counters
 rank, p = group.rank, group.size

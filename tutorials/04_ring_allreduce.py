@@ -25,8 +25,11 @@ import numpy as np
 
 from minidp import comm
 from minidp.comm import p2p
+from minidp.tools.info import one_blas_thread
 from minidp.tools.log import print0
 from minidp_bench.collectives import measure
+
+one_blas_thread()  # one BLAS thread per rank: the ranks share the cores
 
 group = comm.world().dup()
 rank, p = group.rank, group.size

@@ -36,8 +36,11 @@ from minidp.models.tasks import Task
 from minidp.parallel import ParameterServerWorker, serve
 from minidp.parallel.param_server import messages
 from minidp.tools.chunks import chunk_range
+from minidp.tools.info import one_blas_thread
 from minidp.tools.log import print0
 from minidp.tools.plots import pyplot, save
+
+one_blas_thread()  # one BLAS thread per rank: the ranks share the cores
 
 group = comm.world()
 rank, world = group.rank, group.size

@@ -46,8 +46,11 @@ from minidp.parallel import (
     vocab_parallel_cross_entropy,
 )
 from minidp.parallel.tensor_parallel.communications import copy_to_tensor_parallel, sequence_range
+from minidp.tools.info import one_blas_thread
 from minidp.tools.log import print0
 from minidp.tools.plots import pyplot, save
+
+one_blas_thread()  # one BLAS thread per rank: the ranks share the cores
 
 mesh = Mesh(tp=comm.world().size)  # dp 1 x tp p: every rank in one TP group
 group = mesh.tp_group

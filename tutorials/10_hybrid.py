@@ -32,6 +32,7 @@ import numpy as np
 from minidp import comm, cross_entropy, nn
 from minidp.cli.strategies import STRATEGIES, DataParallel
 from minidp.cli.training.config import TrainConfig
+from minidp.comm.trace import Timeline
 from minidp.models.data import DistributedSampler
 from minidp.models.tasks import Task
 from minidp.parallel import (
@@ -44,10 +45,14 @@ from minidp.parallel import (
     split_batch,
     split_model,
 )
+from minidp.parallel.pipeline.executor import measured_bubble
+from minidp.parallel.pipeline.simulate import formula_bubble, simulate
 from minidp.parallel.tensor_parallel.gpt import whole_arrays
+from minidp.tools.info import one_blas_thread
 from minidp.tools.log import print0
 from minidp.tools.plots import pyplot, save
 
+one_blas_thread()  # 8 ranks on a few cores: one BLAS thread each
 world = comm.world()
 assert world.size == 8, "run with mpiexec -n 8: a 2 x 2 x 2 mesh"
 rank = world.rank
@@ -95,6 +100,15 @@ if plt is not None:  # the grid three times, each rank coloured by its group on 
 # keeps stage p's part; `PipelineStage` passes activations along its pp group; DDP wraps
 # the part over the dp group, the ranks holding the same slice of the same stage. One step:
 # every micro-batch under `ddp.no_sync()` (gradients add up), then one reduction.
+#
+# Tutorial 05 ran the last micro-batch's backward *outside* `no_sync()`, so that its
+# buckets reduce while backward still runs. In a pipeline this rank's last backward is one
+# action deep inside `run_schedule`, between other stages' sends and receives, so here the
+# whole schedule runs under `no_sync()` and `ddp.finish_gradient_sync()` afterwards reduces
+# every bucket at once: the same sum, with no overlap of that last backward. (PyTorch has
+# no such call: its DDP reduces only in a backward outside `no_sync()`, so there the last
+# micro-batch must leave the block; Megatron-LM and PyTorch's pipelining instead switch
+# the sync on for the last micro-batch's backward from inside the schedule.)
 
 # %%
 cfg = nn.GPTConfig(vocab_size=24, block_size=8, n_layer=4, n_head=4, n_embd=16)
@@ -121,8 +135,9 @@ d = mesh.coords["dp"]  # replica d reads half the batch
 lo, hi = d * B // mesh.dp, (d + 1) * B // mesh.dp
 micro_in, micro_t, shares = split_batch(idx[lo:hi], targets[lo:hi], M)
 ddp.set_batch_share(hi - lo, B)  # its mean weighs (hi - lo) / B in the global mean
+timeline = Timeline()  # each compute action's span, "F 0.3": forward of stage 0, micro-batch 3
 with ddp.no_sync():
-    run_schedule(schedule, {stage_index: stage}, micro_in, micro_t, shares)
+    run_schedule(schedule, {stage_index: stage}, micro_in, micro_t, shares, timeline=timeline)
 ddp.finish_gradient_sync()
 
 whole = whole_arrays(parts[stage_index].parameters(), mesh.tp_group, "grad")  # over TP
@@ -131,6 +146,44 @@ for r, s, n, w in world.comm.gather((rank, stage_index, len(whole), worst), root
     print(f"rank {r} (stage {s}): {n} whole gradients against one process, max |diff| {w:.1e}")
 assert worst < 1e-12
 ddp.close()
+
+# %% [markdown]
+# ### The bubble, measured against (p-1)/(m+p-1)
+# 1F1B's formula, (p-1)/(m+p-1) = 1/5 here, is the bubble of equal stages whose messages
+# take no time. This run's are neither. Stage 0 holds the embedding, stage 1 the LM head and
+# the vocabulary-parallel loss, so their spans differ: replaying the schedule with each
+# stage's mean forward and backward (`simulate`, messages free) gives the bubble that this
+# imbalance makes, never below the formula. Replaying it with each action's own duration
+# adds the spread between micro-batches (on shared cores one action runs long while the
+# other rank waits, or while it would have waited anyway: this one may fall below the
+# formula). What the run measured adds the time between spans (the pipeline's messages,
+# Python), so it is not below that replay, but for a hair: a send leaves inside its span,
+# so the next stage may start just before the span ends (within 0.02 is checked).
+
+# %%
+took = {e["name"]: e["dur"] for e in timeline.events if e["name"][:1] in ("F", "B")}  # µs
+spans = {k: v for part in mesh.pp_group.comm.allgather(took) for k, v in part.items()}
+mean = {k: np.mean([v for n, v in spans.items() if n[:3] == k]) for k in
+        ("F 0", "B 0", "F 1", "B 1")}  # fmt: skip
+
+
+def replay(duration) -> float:
+    compute = schedule.compute_actions()
+    return simulate(compute, mesh.pp, schedule.num_stages, False, duration).bubble_fraction
+
+
+by_stage = replay(lambda a: mean[f"{a.kind} {a.stage}"])
+by_action = replay(lambda a: spans[f"{a.kind} {a.stage}.{a.micro_batch}"])
+measured = measured_bubble(timeline, mesh.pp_group)
+formula = formula_bubble("1f1b", mesh.pp, M)
+print0(
+    f"stage 0: F {mean['F 0'] / 1e3:.2f} ms, B {mean['B 0'] / 1e3:.2f} ms; stage 1: "
+    f"F {mean['F 1'] / 1e3:.2f} ms, B {mean['B 1'] / 1e3:.2f} ms (means of {M} micro-batches)"
+)
+print0(f"bubble: formula {formula:.3f} <= replayed with the stages' means {by_stage:.3f}; "
+       f"replayed with each action's time {by_action:.3f} <= measured {measured:.3f}")  # fmt: skip
+assert formula - 1e-9 <= by_stage and by_action <= measured + 0.02, (by_stage, by_action)
+
 
 # %% [markdown]
 # ## 3. What each axis sends
@@ -160,7 +213,8 @@ with STRATEGIES["hybrid"](Task(config, np.float64), config, world) as hybrid:
     sent = {axis: n - before[axis] for axis, n in hybrid.bytes_sent_by_axis().items()}
     hybrid.gather_model()
     trained = hybrid.task.model.state_dict()
-    bubble = hybrid.record()["bubble_fraction"]
+    record = hybrid.record()
+    bubble = record["bubble_fraction"]
 per_rank = world.comm.gather(sent, root=0)
 if rank == 0:
     print("rank   dp KB/step   tp KB/step   pp KB/step")
@@ -168,7 +222,10 @@ if rank == 0:
         print(f"{r:4d}  {s['dp'] / STEPS / 1e3:11.1f}  {s['tp'] / STEPS / 1e3:11.1f}  "
               f"{s['pp'] / STEPS / 1e3:11.1f}")  # fmt: skip
     assert all(s["tp"] > s["pp"] > 0 and s["dp"] > 0 for s in per_rank)
-print0(f"measured pipeline bubble {bubble:.3f} (1F1B's formula (p-1)/(m+p-1) = {1 / 5:.3f})")
+    assert all(0.5 < s["tp"] / s["dp"] < 2 for s in per_rank)  # alike at this toy size
+print0(f"the recipe's measured bubble: {bubble:.3f}, the mean of {STEPS} steps (formula "
+       f"{record['bubble_fraction_formula']:.3f}; what moves it: §2)")  # fmt: skip
+assert record["bubble_fraction_formula"] == formula
 
 # %% [markdown]
 # ## 4. Equal to one process

@@ -41,9 +41,12 @@ from minidp.models.tasks import Task
 from minidp.parallel import DistributedDataParallel, PowerSGD
 from minidp.parallel.compression.sparse import top_k_indices
 from minidp.parallel.compression.table import make_compressor
+from minidp.tools.info import one_blas_thread
 from minidp.tools.log import print0
 from minidp.tools.plots import pyplot, save
 from minidp_bench.compress import MOMENTUM_LR
+
+one_blas_thread()  # one BLAS thread per rank: the ranks share the cores
 
 group = comm.world()
 rank, world = group.rank, group.size

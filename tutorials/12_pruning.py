@@ -44,8 +44,11 @@ from minidp.models.tasks import Task
 from minidp.parallel import DistributedDataParallel
 from minidp.parallel.pruning import masked_allreduce_hook
 from minidp.parallel.structured_pruning import prune_structured
+from minidp.tools.info import one_blas_thread
 from minidp.tools.log import print0
 from minidp.tools.plots import pyplot, save
+
+one_blas_thread()  # one BLAS thread per rank: the ranks share the cores
 
 group = comm.world()
 

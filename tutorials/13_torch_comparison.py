@@ -31,9 +31,12 @@ import torch
 from minidp import Tensor, comm, functional
 from minidp.cli.training.config import TrainConfig
 from minidp.engine import backend
+from minidp.tools.info import one_blas_thread
 from minidp.tools.log import print0
 from minidp.tools.plots import pyplot, save
 from minidp_bench.torch_train import MinidpRun, minidp_losses, train_reference
+
+one_blas_thread()  # one BLAS thread per rank: the ranks share the cores
 
 group = comm.world()
 alone = group.split(group.rank)  # a group of one: single-process training on each rank

@@ -36,8 +36,11 @@ from minidp.parallel.tensor_parallel import (
     parallelize_module,
 )
 from minidp.tools.chunks import chunk_range
+from minidp.tools.info import one_blas_thread
 from minidp.tools.log import print0
 from minidp.tools.plots import pyplot, save
+
+one_blas_thread()  # one BLAS thread per rank: the ranks share the cores
 
 hvd.init()
 world = comm.world()

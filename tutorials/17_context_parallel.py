@@ -28,7 +28,6 @@ import os
 import tempfile
 
 import numpy as np
-from threadpoolctl import threadpool_limits
 
 from minidp import comm, nn, optim
 from minidp.comm import p2p
@@ -42,10 +41,11 @@ from minidp.parallel import (
     ulysses_bytes,
 )
 from minidp.tools import memory
+from minidp.tools.info import one_blas_thread
 from minidp.tools.log import print0
 from minidp.tools.plots import pyplot, save
 
-threadpool_limits(limits=1, user_api="blas")  # one BLAS thread per rank: 4 ranks share the cores
+one_blas_thread()  # one BLAS thread per rank: 4 ranks share the cores
 world = comm.world()
 rank, C = world.rank, world.size  # C: the ranks of the context-parallel group (4)
 assert C == 4, "launch with mpiexec -n 4"

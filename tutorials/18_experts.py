@@ -27,7 +27,6 @@ import os
 import tempfile
 
 import numpy as np
-from threadpoolctl import threadpool_limits
 
 from minidp import Tensor, comm, cross_entropy, nn, optim
 from minidp.engine import functional as F
@@ -42,9 +41,10 @@ from minidp.models.moe import (
     route,
 )
 from minidp.parallel.experts import ExpertParallel, alltoall_bytes
+from minidp.tools.info import one_blas_thread
 from minidp.tools.log import print0
 
-threadpool_limits(limits=1, user_api="blas")  # one BLAS thread a rank (4 ranks share the cores)
+one_blas_thread()  # one BLAS thread a rank (4 ranks share the cores)
 world = comm.world()
 rank, P = world.rank, world.size
 assert P == 4, "this tutorial runs on 4 ranks"

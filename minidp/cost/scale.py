@@ -109,19 +109,26 @@ def flops_compute(model: GPT, seqs: int, flops: float, memory_bytes_per_s: float
 def scaling(ranks, model: GPT, compute: Compute, net: Network, *, bucket_mb: float) -> list:
     """Data parallelism's efficiency against ranks, weak scaling (compute.examples sequences
     per rank): step.predict's step without and with overlap, with auto's algorithm, and with
-    overlap and the crossover's winner for one bucket ("best"); efficiency = compute / step."""
+    overlap and the algorithm whose whole step is fastest ("best": every algorithm and auto
+    tried on the step, since its buckets are not all of one size and auto picks per
+    bucket, so best is never slower than auto); efficiency = compute / step."""
+
+    def step_of(p: int, overlap: bool, algo: str):
+        layout = Layout("dp", dp=p, overlap=overlap, algo=algo, bucket_mb=bucket_mb, shm=False)
+        return predict(layout, model.shapes(), compute, net, batch_size=compute.examples * p)
+
     rows = []
     for p in ranks:
         row = {"p": p}
-        best = crossover([p], [int(bucket_mb * 2**20)], net)[0]["winner"] if p > 1 else "auto"
-        row["best_algo"] = best
+        algos = ("auto", *ALLREDUCE) if p > 1 else ("auto",)  # one rank: nothing to send
+        tried = {algo: step_of(p, True, algo) for algo in algos}
+        row["best_algo"] = best = min(tried, key=lambda algo: tried[algo].step_s)
         for key, overlap, algo in (
             ("serial", False, "auto"),
             ("overlap", True, "auto"),
             ("best", True, best),
         ):
-            layout = Layout("dp", dp=p, overlap=overlap, algo=algo, bucket_mb=bucket_mb, shm=False)
-            pred = predict(layout, model.shapes(), compute, net, batch_size=compute.examples * p)
+            pred = step_of(p, overlap, algo)
             row[key] = pred.step_s
             row[key + "_exposed"] = pred.exposed_comm_s
             row[key + "_efficiency"] = pred.compute_s / pred.step_s

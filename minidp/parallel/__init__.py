@@ -19,7 +19,8 @@ other ranks only through minidp.comm and taking plain arguments (never the comma
     pruning.py         the DDP hook that reduces only the kept gradients
                        (the masks: minidp.models.prune)
     checkpoint/        tree.py (a state as arrays and JSON, no pickle) -> shards.py -> store.py
-                       (save, load, latest; the manifest last) -> reshard.py (another layout)
+                       (save, load, latest; the manifest last; manifest.py: replicated state
+                       written once) -> reshard.py (another layout)
     context_parallel/  layout.py (contiguous, zig-zag) -> online_softmax.py -> ring.py (ring
                        attention) and ulysses.py (all-to-all to heads) -> gpt.py
                        (ContextParallel: a GPT with its sequence split over a group), stages.py

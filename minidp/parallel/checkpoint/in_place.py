@@ -4,9 +4,10 @@ half of torch.distributed.checkpoint's save / load; state_dict.py makes the stat
 Every array of the state dict given (a Sharded entry's local elements) names its tensor by
 its path; the manifest says which ranks hold which elements of it; reshard.cut puts this
 rank's elements together from those shards (with the layout it was saved in: its own
-shard only) and they are written into the array, in place. Plain values (an lr, a step
-count) are set to the saved ones. Arrays the checkpoint has and the state dict does not
-are left out; one the state dict has and the checkpoint does not is an error.
+shard, and each replicated array from the shard of the rank that wrote it) and they are
+written into the array, in place. Plain values (an lr, a step count) are set to the saved
+ones. Arrays the checkpoint has and the state dict does not are left out; one the state
+dict has and the checkpoint does not is an error.
 """
 
 import numpy as np

@@ -24,7 +24,7 @@ import numpy as np
 
 from minidp.engine.precision import named_dtype
 from minidp.parallel.checkpoint.shards import CheckpointError, read_shard
-from minidp.parallel.checkpoint.tree import put, unflatten
+from minidp.parallel.checkpoint.tree import leaves, put, unflatten
 
 
 class LayoutMismatch(CheckpointError):
@@ -94,6 +94,29 @@ def declared_under(layout: dict, name: str):
     return None
 
 
+def holder(saved: dict, preferred=()) -> int:
+    """The rank whose shard holds the replicated array of manifest entry `saved`: the one
+    that wrote it (`saved_by`, the lowest of `on`: manifest.py); in a checkpoint of format
+    4 every rank of `on` wrote it: the first of `preferred` (this rank, shards read) that
+    did."""
+    if "saved_by" in saved:
+        return saved["saved_by"]
+    return next((rank for rank in preferred if rank in saved["on"]), saved["on"][0])
+
+
+def complete(arrays: dict, skeleton: dict, manifest: dict, path: str, reads: dict) -> dict:
+    """A shard's `arrays` with every array its skeleton names: those it left to the lower
+    rank that wrote them (replicated) read from that rank's shard (`reads`: shards read so
+    far, by rank, filled in as needed)."""
+    for name in leaves(skeleton):
+        if name not in arrays:
+            source = holder(manifest["tensors"][name])
+            if source not in reads:
+                reads[source] = read_shard(path, manifest["shards"][source])[0]
+            arrays[name] = reads[source][name]
+    return arrays
+
+
 def assemble(name: str, manifest: dict, layout: dict, here_words: str, path: str, reads: dict):
     """This rank's array `name` cut from the shards that hold it (`reads`: shards read so far,
     by rank, filled in as needed; `here_words`: this run's layout, for a refusal). Raises
@@ -106,9 +129,8 @@ def assemble(name: str, manifest: dict, layout: dict, here_words: str, path: str
             f"that layout, not over {here_words}"
         )
     here = layout.get(name) or declared_under(layout, name)
-    if saved.get("replicated"):  # whole on the ranks `on` names: one read already, or the first
-        on = saved.get("on", list(range(manifest["world_size"])))
-        source = next((rank for rank in reads if rank in on), on[0])
+    if saved.get("replicated"):  # whole in one shard: the one that wrote it
+        source = holder(saved, reads)
         if source not in reads:
             reads[source] = read_shard(path, manifest["shards"][source])[0]
         whole = reads[source][name]
@@ -159,7 +181,7 @@ def cut_tree(path: str, manifest: dict, layout: dict, here_words: str, rank: int
     source = rank % manifest["world_size"]
     arrays, skeleton = read_shard(path, manifest["shards"][source])
     reads = {source: dict(arrays)}
-    for name in list(arrays):
+    for name in leaves(skeleton):  # a replicated one a lower rank wrote too (holder)
         arrays[name] = assemble(name, manifest, layout, here_words, path, reads)
     state = unflatten(arrays, skeleton)
     for name in manifest["tensors"]:
@@ -177,8 +199,7 @@ def cut(name: str, saved: dict, want, own, shard, manifest: dict) -> np.ndarray:
     of the same size are the same tensor (FSDP's pieces, DDP's parameters)."""
     where = f"{name} saved over {describe_layout(manifest)}"
     if saved.get("replicated"):
-        holders = saved.get("on", list(range(manifest["world_size"])))
-        return _take(shard(own if own in holders else holders[0])[name], want, where)
+        return _take(shard(holder(saved, [own]))[name], want, where)
     if "held" not in saved:  # a rank's own state: only where it was saved
         if own is None or name not in shard(own):
             raise LayoutMismatch(

@@ -111,12 +111,13 @@ def as_stored(name: str, array: np.ndarray) -> np.ndarray:
 
 
 def write_shard(
-    state, directory: str, rank: int, piece_bytes: int = PIECE_BYTES
+    state, directory: str, rank: int, piece_bytes: int = PIECE_BYTES, leave_out=()
 ) -> tuple[dict, dict[str, np.ndarray]]:
-    """Write rank's state as directory/shard_NNNNN.safetensors; return ({file, bytes,
-    piece_bytes, sha256_pieces}, the arrays by path) for the manifest."""
+    """Write rank's state as directory/shard_NNNNN.safetensors, but for the arrays named in
+    `leave_out` (replicated ones a lower rank writes: the skeleton still names them); return
+    ({file, bytes, piece_bytes, sha256_pieces}, the arrays written, by path) for the manifest."""
     arrays, skeleton = flatten(state)
-    arrays = {name: as_stored(name, array) for name, array in arrays.items()}
+    arrays = {name: as_stored(name, a) for name, a in arrays.items() if name not in leave_out}
     head, data = header_and_data(arrays, skeleton)
     buffers = [memoryview(head), *data]
     final = os.path.join(directory, shard_name(rank))

@@ -1,14 +1,16 @@
 """save / load / latest: a checkpoint directory, one shard per rank and a manifest written last.
 
     step_000900/
-        shard_00000.safetensors ...             each rank's own state (shards.py)
+        shard_00000.safetensors ...             each rank's state (shards.py), replicated once
         manifest.json                           written last, by rank 0: the commit marker
 
 The save, on every rank of `group`:
     1. agree on the step (a gather of each rank's): ranks that disagree write nothing;
     2. saving again into a checkpoint, rank 0 removes its manifest.json and fsyncs the
-       directory (the rest wait); then each rank writes its shard (temporary name, fsync,
-       rename), hashing the bytes while the disk works (shards.py; a rank that cannot
+       directory (the rest wait); the ranks tell rank 0 which arrays they hold whole
+       (replicated), and each learns which of its own a lower rank holds too: the lowest
+       writes each, once (manifest.py); then each rank writes its shard (temporary name,
+       fsync, rename), hashing the bytes while the disk works (shards.py; a rank that cannot
        write, or whose state or metadata holds what a shard or JSON cannot, says so in
        step 3, and every rank raises it);
     3. rank 0 gathers every shard's {file, bytes, piece_bytes, sha256_pieces} and what
@@ -19,16 +21,17 @@ Throughout a save or a load the group's waits nap rather than spin (`patiently`)
 
 The manifest records the world size, the step, the caller's metadata (the config, the mesh),
 each shard's size and its pieces' checksums (pieces.py), and for each array path its dtype
-and either `replicated` (whole on the ranks `on` names), or its global shape and what each
-rank holds (`held`: its index and part, see reshard.py), or neither: the rank's own (a
-residual), which only the layout it was saved in loads back.
+and either `replicated` (whole on the ranks `on` names, in the shard of `saved_by`), or its
+global shape and what each rank holds (`held`: its index and part, see reshard.py), or
+neither: the rank's own (a residual), which only the layout it was saved in loads back.
 
 The load reads the manifest, then (every rank) the shards it needs, each checked against
 its size and its pieces' SHA-256 before anything is parsed; any rank's refusal is every
 rank's, one line. A manifest names its shards by plain file names: one with a separator or
 `..` (a path out of the folder) is refused, and a shard that is not a regular file (a
 FIFO, a device, a symbolic link) is refused without blocking on it (shards.open_regular).
-With the layout it was saved in, a rank reads its own shard; with another, `layout` says
+With the layout it was saved in, a rank reads its own shard (and the replicated arrays a
+lower rank wrote for it, from that rank's shard: reshard.complete); with another, `layout` says
 what this rank holds now and reshard.py cuts it from the shards that hold it.
 """
 
@@ -40,19 +43,15 @@ import warnings
 import numpy as np
 
 from minidp import comm
-from minidp.engine.precision import dtype_name as named
-from minidp.parallel.checkpoint.reshard import (
-    LayoutMismatch,
-    cut_tree,
-    declared_under,
-    describe_layout,
-)
+from minidp.parallel.checkpoint.manifest import entry, left_to_lower, merge, place, place_of
+from minidp.parallel.checkpoint.reshard import LayoutMismatch, complete, cut_tree, describe_layout
 from minidp.parallel.checkpoint.shards import CheckpointError, read_shard, state_of, write_shard
 from minidp.parallel.checkpoint.state_dict import declared
 
 MANIFEST = "manifest.json"
-FORMAT = "minidp-checkpoint/4"  # 4: replicated arrays name their ranks ("on"), the optimizer
-# state by parameter name (3: by index; 2: a SHA-256 per file; 1: .npz; none read)
+FORMAT = "minidp-checkpoint/5"  # 5: a replicated array written once ("saved_by"); 4: all
+# its ranks wrote it ("on"), read too; 3: the optimizer by index; 2: a SHA-256 per file; 1: .npz
+READS = (FORMAT, "minidp-checkpoint/4")
 SHARD_KEYS = ("file", "bytes", "piece_bytes", "sha256_pieces")
 
 
@@ -91,15 +90,12 @@ def _save(state, path: str, group: comm.Group, step: int, layout, metadata) -> N
             os.remove(manifest_path)
             fsync_directory(path)  # even after a crash: gone for good before a shard changes
         comm.barrier(group=group)
+    elsewhere = left_to_lower(state, layout, group)  # replicated: the lowest rank writes it
     try:  # a full disk on one rank: every rank raises it, none waits for the others
         json.dumps(metadata or {})  # what the manifest cannot hold: refused before any write
         os.makedirs(path, exist_ok=True)
-        info, arrays = write_shard(state, path, group.rank)
-        tensors = {
-            # "<f4" and the like; bfloat16 by name (its .str, "<V2", reads back as raw bytes)
-            name: {"dtype": named(a.dtype), "ndim": a.ndim, **_place(layout, name, a.ndim)}
-            for name, a in arrays.items()
-        }
+        info, arrays = write_shard(state, path, group.rank, leave_out=elsewhere)
+        tensors = {name: entry(layout, name, a) for name, a in arrays.items()} | elsewhere
         mine = json.dumps({**info, "rank": group.rank, "tensors": tensors})
     except OSError as error:
         mine = f"rank {group.rank} cannot write its shard in {path}: {error.strerror}"
@@ -119,7 +115,7 @@ def _save(state, path: str, group: comm.Group, step: int, layout, metadata) -> N
                 "world_size": group.size,
                 "metadata": metadata or {},
                 "shards": [{k: s[k] for k in SHARD_KEYS} for s in shards],
-                "tensors": _merge([s["tensors"] for s in shards]),
+                "tensors": merge([s["tensors"] for s in shards]),
             }
             try:
                 _commit(manifest, path)
@@ -128,34 +124,6 @@ def _save(state, path: str, group: comm.Group, step: int, layout, metadata) -> N
     verdict = comm.broadcast_text(verdict, root=0, group=group)  # none returns before the commit
     if verdict:
         raise CheckpointError(verdict)
-
-
-def _place(layout, name: str, ndim: int) -> dict:
-    """What `layout` says of array `name`; under a prefix, a 0-d array (a step count) is the
-    same on every rank: replicated."""
-    where = (layout or {}).get(name)
-    if where is None and (where := declared_under(layout or {}, name)) is not None and not ndim:
-        where = "replicated"
-    return {"replicated": True} if where == "replicated" else {"slice": where} if where else {}
-
-
-def _merge(per_rank: list[dict]) -> dict:
-    """{path: {dtype, ndim, and replicated with on (the ranks that hold it), or shape and
-    held: [{index, part} of rank r, or None]}}."""
-    merged = {}
-    for rank, tensors in enumerate(per_rank):
-        for name, t in tensors.items():
-            entry = merged.setdefault(name, {"dtype": t["dtype"], "ndim": t["ndim"]})
-            if t.get("replicated"):
-                entry["replicated"] = True
-                entry.setdefault("on", []).append(rank)  # the ranks that hold it whole
-            elif t.get("slice"):
-                entry["shape"] = t["slice"]["shape"]
-                held = {k: v for k, v in t["slice"].items() if k != "shape"}  # index, part
-                entry.setdefault("held", [None] * len(per_rank))[rank] = held
-            else:
-                entry["private"] = True
-    return merged
 
 
 def _commit(manifest: dict, path: str) -> None:
@@ -192,9 +160,10 @@ def read_manifest(path: str) -> dict:
         ) from None
     except (OSError, ValueError) as error:
         raise CheckpointError(f"{path}/{MANIFEST} cannot be read: {error}") from None
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+    if not isinstance(manifest, dict) or manifest.get("format") not in READS:
         found = manifest.get("format") if isinstance(manifest, dict) else type(manifest).__name__
-        raise CheckpointError(f"{path}/{MANIFEST} is {found}, this minidp reads {FORMAT}")
+        reads = " or ".join(READS)
+        raise CheckpointError(f"{path}/{MANIFEST} is {found}, this minidp reads {reads}")
     shards = manifest.get("shards")
     fields = ("step", "world_size", "tensors")
     if (
@@ -253,25 +222,17 @@ def _load(path: str, manifest: dict, group: comm.Group, layout, here: str):
     if own is not None and (
         layout is None
         or all(
-            _place(layout, n, t["ndim"]) == _place_of(t, own)
-            for n, t in manifest["tensors"].items()
+            place(layout, n, t["ndim"]) == place_of(t, own) for n, t in manifest["tensors"].items()
         )
     ):
-        return state_of(*read_shard(path, shards[own]))
+        arrays, skeleton = read_shard(path, shards[own])  # and what lower ranks wrote for it
+        return state_of(complete(arrays, skeleton, manifest, path, {own: arrays}), skeleton)
     if not layout:
         raise LayoutMismatch(
             f"{path} was saved over {describe_layout(manifest)}; {here} says nothing of how "
             "its state is cut: cannot reshard"
         )
     return cut_tree(path, manifest, layout, here, group.rank)  # reshard.py
-
-
-def _place_of(tensor: dict, rank: int) -> dict:
-    if tensor.get("replicated"):  # on this rank's shard, or not there (another's expert)
-        return {"replicated": True} if rank in tensor.get("on", [rank]) else {}
-    if "held" in tensor:
-        return {"slice": {"shape": tensor["shape"], **tensor["held"][rank]}}
-    return {}
 
 
 def together(work, group: comm.Group):
