@@ -32,6 +32,7 @@ one_blas_thread()  # one BLAS thread, as each rank of the later tutorials has
 
 # %%
 x_train, y_train, x_val, y_val = data.classification(seed=0)
+assert x_train.shape[1] == 32 and len(np.unique(y_train)) == 10  # 10 clusters, 32 dimensions
 model = nn.MLP([32, 64, 64, 10], rng=np.random.default_rng(0))
 opt = optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
 sampler = data.DistributedSampler(len(x_train), global_batch=64, seed=0)
@@ -45,6 +46,7 @@ def accuracy(x, y) -> float:
 print(f"before: accuracy {accuracy(x_val, y_val):.2f}")
 for step in range(150):
     idx = sampler.local_indices(step)
+    assert len(idx) == 64  # one process: its slice is the whole global batch
     loss = cross_entropy(model(Tensor(x_train[idx])), y_train[idx])
     opt.zero_grad()
     loss.backward()
@@ -67,12 +69,15 @@ print(f"corpus: {len(train_ids):,} training characters, vocabulary {tok.vocab_si
 cfg = nn.GPTConfig(vocab_size=tok.vocab_size, block_size=32, n_layer=2, n_head=2, n_embd=32)
 gpt = nn.GPT(cfg, seed=0)
 print(f"GPT with {gpt.num_parameters():,} parameters")
+assert gpt.num_parameters() == sum(p.size for p in gpt.parameters())
 opt = optim.AdamW(gpt.parameters(), lr=3e-3)
 sampler = data.DistributedSampler(len(train_ids) - cfg.block_size, global_batch=16, seed=0)
-steps, losses = 150, []
+steps, losses, lrs = 150, [], []
 for step in range(steps):
     opt.lr = optim.warmup_cosine(step, 3e-3, warmup=10, total=steps)
+    lrs.append(opt.lr)
     xb, yb = data.lm_batch(train_ids, sampler.local_indices(step), cfg.block_size)
+    assert np.array_equal(xb[:, 1:], yb[:, :-1])  # the targets: the inputs shifted by one
     loss = cross_entropy(gpt(xb), yb)
     opt.zero_grad()
     loss.backward()
@@ -83,6 +88,8 @@ for step in range(steps):
         print(f"step {step:3d} loss {loss.item():.3f} lr {opt.lr:.1e}")
 print(f"loss: first 10 steps {np.mean(losses[:10]):.2f} -> last 10 {np.mean(losses[-10:]):.2f}")
 assert np.mean(losses[-10:]) < np.mean(losses[:10]) - 1.0, "the GPT should learn"
+assert np.allclose(lrs[:10], 3e-3 * np.arange(1, 11) / 10)  # warmup: linear to the peak
+assert (np.diff(lrs[9:]) <= 0).all() and lrs[-1] > 3e-4  # cosine, down towards peak/10
 
 # %% [markdown]
 # ## 3. Sampling
@@ -91,6 +98,7 @@ assert np.mean(losses[-10:]) < np.mean(losses[:10]) - 1.0, "the GPT should learn
 # %%
 out = gpt.generate(np.array([tok.encode("\n")]), 120, rng=np.random.default_rng(0))
 print(tok.decode(out[0]))
+assert out.shape == (1, 1 + 120)  # the newline, then 120 sampled characters
 
 # %% [markdown]
 # The same loop, with flags and a log, is `python -m minidp` (minidp/cli/training/loop.py); with

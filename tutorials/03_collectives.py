@@ -69,14 +69,15 @@ print0(f"{p} ranks; rank 0 received {from_left[0]} from its left neighbour")
 # The group's counters record every message, so we can check the table.
 
 # %%
-n_elems = 1 << 16
+n_elems = p << 14  # a multiple of p: the ring's chunks come out equal
 x = np.arange(n_elems, dtype=np.float32) % 7 + rank  # small integers: exact in any order
 n = x.nbytes
 want = comm.allreduce(x, algo="mpi", group=group)  # MPI's own, for reference
 lg = (p - 1).bit_length()  # ceil(lg p)
 
 print0(f"\nallreduce of {n // 1024} KiB per rank; bytes sent by each rank, in units of n:")
-for algo, busiest in (("naive", p - 1), ("tree", lg), ("recursive_doubling", lg)):
+ring = 2 * (p - 1) / p  # tutorial 04's ring, for comparison
+for algo, busiest in (("naive", p - 1), ("tree", lg), ("recursive_doubling", lg), ("ring", ring)):
     group.reset_counters()
     got = comm.allreduce(x, algo=algo, group=group)
     assert np.array_equal(got, want)  # the same bits as MPI's own
@@ -85,15 +86,23 @@ for algo, busiest in (("naive", p - 1), ("tree", lg), ("recursive_doubling", lg)
     if rank == 0:
         in_n = ", ".join(f"{b / n:g}" for b in sent[:, 0])
         print0(f"  {algo:>18}: [{in_n}]   messages: {sent[:, 1].tolist()}")
-        assert sent[:, 0].max() == busiest * n
+        assert sent[:, 0].max() == busiest * n  # the table's "busiest rank sends"
+        assert sent[0, 0] == busiest * n or algo == "ring"  # naive's and tree's root: rank 0
+        if algo == "naive":  # the root sends p-1 copies, every other rank one
+            assert (sent[1:, 0] == n).all() and sent[0, 1] == p - 1
+        if algo == "recursive_doubling" and p & (p - 1) == 0:  # lg p swaps, every rank
+            assert (sent[:, 0] == lg * n).all() and (sent[:, 1] == lg).all()
+        if algo == "ring":  # every rank the same 2(p-1) messages of n/p
+            assert (sent[:, 0] == ring * n).all() and (sent[:, 1] == 2 * (p - 1)).all()
 
 # %% [markdown]
 # The naive root sends p-1 copies while the others send one: its link is the bottleneck,
 # and it grows with p. The tree spreads the work but still funnels everything through
 # rank 0 twice. Recursive doubling has every rank do the same lg p exchanges, half the
 # tree's rounds. All three send at least lg p whole vectors from some rank; for large n
-# that is the cost to beat, and the ring (tutorial 04) beats it: 2(p-1)/p·n, under 2n for
-# any p.
+# that is the cost to beat, and the ring (tutorial 04, the last row) beats it from p = 4 on:
+# every rank sends 2(p-1)/p·n, under 2n for any p (at p = 2 it ties, 1·n), in 2(p-1)
+# messages of n/p.
 #
 # ## 3. The binomial tree, drawn
 #

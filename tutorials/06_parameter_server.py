@@ -22,6 +22,8 @@
 # server as pieces around a model of your own.
 
 # %%
+import contextlib
+import io
 import os
 import tempfile
 from dataclasses import replace
@@ -122,9 +124,10 @@ def train(config):
     for step in range(config.steps):
         lr = optim.warmup_cosine(step, config.lr, config.warmup, config.steps)
         losses.append(strategy.step(sampler.local_indices(step) if sampler else None, lr).loss)
-    strategy.gather_model()
+    with contextlib.redirect_stdout(io.StringIO()):  # its traffic lines: read from the record
+        strategy.gather_model()
     losses = comm.broadcast(np.array(losses), root=world - 1, group=group)  # a server's
-    record = strategy.record()
+    record = strategy.record() | {"model_bytes": sum(p.data.nbytes for p in strategy.params)}
     assert strategy.max_param_diff() == 0.0  # every worker holds the servers' parameters
     strategy.close()
     return losses, record
@@ -136,8 +139,14 @@ for servers in (1, 2):
     into[servers] = max(
         r["bytes_in_per_step"] for r in record["ps_traffic"] if r["role"] == "server"
     )
-    print0(f"{servers} server(s), {world - servers} workers: {into[servers]:,.0f} B/step in")
-# 3 workers x the whole model, against 2 workers x half of it
+    W, Psi_b = world - servers, record["model_bytes"]
+    headers = into[servers] - W * Psi_b / servers  # the rest: a push's and a pull's header
+    print0(
+        f"{servers} server(s), {W} workers: {into[servers]:,.0f} B/step in a server = "
+        f"W·Ψb/S = {W} x {Psi_b:,} / {servers} + {headers:,.0f} B of headers"
+    )
+    assert headers == W * 2 * messages.empty_header().nbytes  # 2 headers a worker a step
+# 3 workers x the whole model, against 2 workers x half of it: 3x, but for the headers
 assert 2.9 < into[1] / into[2] < 3.1
 
 # %% [markdown]

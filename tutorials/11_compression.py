@@ -85,7 +85,8 @@ task.loss(*task.batch(sampler.local_indices(0))).backward()
 params = task.model.parameters()
 grad = np.concatenate([p.grad.ravel() for p in params]) / world
 shapes = [p.shape for p in params]
-exact = comm.allreduce(grad, group=group)
+plain = group.dup()  # a group of its own: its counters count this allreduce alone
+exact = comm.allreduce(grad, group=plain)
 
 
 def sent_bytes(g: comm.Group) -> int:
@@ -102,10 +103,14 @@ for spec in ("fp16", "bf16", "topk:0.01", "randomk:0.01", "sign", "qsgd:4", "pow
     assert (every == every[0]).all(), "every rank must get the same bits"
     probe.free()
 full = 2 * (world - 1) / world * grad.nbytes  # what the allreduce itself sends
+assert sent_bytes(plain) == full  # 2(p-1)/p·4 bytes a float32 value, on the wire
+plain.free()
 print0(f"{grad.size:,} gradient values; the allreduce sends {full:,.0f} bytes per rank")
 for spec, (nbytes, error) in results.items():
     print0(f"  {spec:<13} {nbytes:>8,} bytes  {full / nbytes:6.1f}x less   error {error:.3f}")
 assert results["fp16"][1] < 1e-3 and results["bf16"][1] < 1e-2  # casts: nearly exact
+assert results["fp16"][0] == results["bf16"][0] == full / 2  # 2 bytes a value, not 4
+assert results["sign"][0] == (world - 1) * (-(-grad.size // 8) + 4)  # 1 bit a value + a scale
 assert full / results["topk:0.01"][0] > 40 and full / results["sign"][0] > 25
 assert results["powersgd:2"][1] < 1  # the low-rank part of the gradient, not all of it
 
@@ -146,6 +151,7 @@ print0(f"PowerSGD(rank=2) as a hook: residual norm {hook.residual_norm():.3f} af
 # %%
 rng = np.random.default_rng(0)
 a, start = np.exp(rng.uniform(-3, 3, 500)), rng.standard_normal(500)
+assert 2.4 < np.log10(a.max() / a.min()) < 2.7  # two and a half decades
 finals = {}
 for spec in ("sign", "sign-noef"):
     x, compressor = start.copy(), make_compressor(spec)
@@ -211,6 +217,8 @@ tail = {spec: np.mean(c[-10:]) for spec, c in curves.items()}
 assert tail["topk:0.01"] < curves["none"][0] - 0.5  # it learns, on 1% of the values
 assert bytes_per_step["none"] / bytes_per_step["topk:0.01"] > 40
 assert max(tail["sign"], tail["sign-noef"]) < curves["none"][0] - 0.3  # both learn
+assert bytes_per_step["none"] == full and bytes_per_step["topk:0.01"] == results["topk:0.01"][0]
+assert bytes_per_step["sign"] == bytes_per_step["sign-noef"] == results["sign"][0]  # as §2
 # Which sign wins here is measured, not promised: the residual goes back into the gradient
 # before AdamW, whose momentum amplifies its delayed bursts; on the quadratic above there was
 # no momentum. (`python -m minidp bench compress` compares them on the default GPT.)
@@ -277,12 +285,12 @@ momentum_runs = {  # label -> (compressor, what it compresses)
     "topk:0.01 gradient": ("topk:0.01", "gradient"),
     "topk:0.01 velocity": ("topk:0.01", "velocity"),
 }
-momentum_curves, momentum_bytes = {}, {}
+momentum_curves, momentum_bytes, momentum_residual = {}, {}, {}
 for label, (spec, on) in momentum_runs.items():
     run = replace(config, optimizer="momentum", lr=MOMENTUM_LR, compress=spec, compress_on=on)
     losses, record = train(replace(run, steps=steps, warmup=5))
     momentum_curves[label], momentum_bytes[label] = losses, record["grad_bytes_sent"]
-    residual = record["residual_norm"] or 0
+    residual = momentum_residual[label] = record["residual_norm"] or 0
     print0(
         f"{label:<19} final loss {np.mean(losses[-10:]):.3f} | "
         f"{record['grad_bytes_sent']:>9,.0f} bytes/step | residual {residual:.3f}"
@@ -292,6 +300,8 @@ momentum_tail = {label: np.mean(c[-10:]) for label, c in momentum_curves.items()
 assert momentum_bytes["topk:0.01 velocity"] == momentum_bytes["topk:0.01 gradient"]
 assert momentum_bytes["none"] / momentum_bytes["topk:0.01 velocity"] > 40
 assert momentum_tail["topk:0.01 velocity"] < momentum_tail["topk:0.01 gradient"] - 0.05
+assert momentum_tail["topk:0.01 velocity"] < momentum_tail["none"]  # this 60-step run only
+assert 10 < momentum_residual["topk:0.01 velocity"] / momentum_residual["topk:0.01 gradient"] < 20
 # Measured here: velocity ends about 0.1 below gradient-mode top-k (3.17 against 3.27), and
 # docs/compression.md's 300-step table on the default GPT keeps the order (+1.6% against +5.6% vs
 # none). That it also ends below none is this short run's: none's 60-step loss was 3.26-3.28

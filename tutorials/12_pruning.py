@@ -39,7 +39,12 @@ from minidp.models.data import DistributedSampler
 from minidp.models.gpt import GPT, GPTConfig
 from minidp.models.prune import functions as prune
 from minidp.models.prune import structured
-from minidp.models.prune.magnitude import MagnitudePruner, cubic_sparsity, magnitude_masks
+from minidp.models.prune.magnitude import (
+    MagnitudePruner,
+    cubic_sparsity,
+    magnitude_masks,
+    prunable,
+)
 from minidp.models.tasks import Task
 from minidp.parallel import DistributedDataParallel
 from minidp.parallel.pruning import masked_allreduce_hook
@@ -107,7 +112,11 @@ assert naive > 1e-3 and pruned == 0.0
 # redundant, slowly near the end, so the network has time to recover.
 
 # %%
-print0("s_t:", ", ".join(f"{t}: {cubic_sparsity(t, 0.9, 10, 40):.2f}" for t in range(10, 41, 5)))
+s_t = {t: cubic_sparsity(t, 0.9, 10, 40) for t in range(10, 41, 5)}
+print0("s_t:", ", ".join(f"{t}: {s:.2f}" for t, s in s_t.items()))
+assert all(np.isclose(s, 0.9 * (1 - (1 - (t - 10) / 30) ** 3)) for t, s in s_t.items())
+rises = np.diff(list(s_t.values()))
+assert s_t[10] == 0 and s_t[40] == 0.9 and (np.diff(rises) < 0).all()  # fast, then slow
 
 # %% [markdown]
 # ## 4. Data parallelism sends the kept gradients only
@@ -130,6 +139,7 @@ for step in range(config.steps):
     kept = hook.step_elements
     total = sum(group.comm.allgather(hook.step_bytes))  # over the ranks: 2(N-1) packed copies
     assert total == 2 * (N - 1) * kept * 4  # float32
+    assert kept == hook.dense_elements - sum(int((~m).sum()) for m in hook.pruner.masks)  # alive
     if step % 2 == 0 or step == config.steps - 1:
         s = hook.pruner.sparsity()
         print0(f"  step {step:2d}: sparsity {s:.2f}, {kept:6d} values, {hook.step_bytes:7d} B")
@@ -170,9 +180,11 @@ assert not prune.is_pruned(model)
 
 # %% [markdown]
 # ## 6. Pruning against shrinking
-# The other way to a lighter model: train a smaller one. Width 32 pruned to 75% keeps about
-# as many weight-matrix values as a dense model of width 16 (a quarter of them). The same
-# data, steps and seed; `python -m minidp bench prune` runs the whole table.
+# The other way to a lighter model: train a smaller one. Width 32 pruned to 75% keeps a
+# quarter of its weight-matrix values; a dense model of width 16 has a quarter of the
+# blocks' matrices but half of the embeddings' (V x C and T x C), so it keeps a few more
+# (both counted below). The same data, steps and seed; `python -m minidp bench prune` runs
+# the whole table.
 
 # %%
 base = TrainConfig(n_layer=1, block_size=32, steps=80, log_every=4, sample_tokens=0)
@@ -194,7 +206,13 @@ for name, final in finals.items():
     print0(f"{name:22s} val loss {final['val_loss']:.4f} | {sent / 1e3:6.1f} kB sent per step")
 dense_loss, pruned_loss, small_loss = (finals[name]["val_loss"] for name in runs)
 assert finals["width 32, 75% pruned"]["prune_sparsity"] > 0.74
-# here, with as many weights left, the pruned wide model beats the narrow dense one
+left = {  # the weight-matrix values each keeps
+    width: sum(p.size for _, p in prunable(Task(replace(base, n_embd=width), np.float32).model))
+    for width in (32, 16)
+}
+print0(f"weight-matrix values kept: width 32 pruned {left[32] // 4:,}, width 16 {left[16]:,}")
+assert left[32] // 4 < left[16] < left[32] // 2
+# here, with fewer weights left, the pruned wide model beats the narrow dense one
 assert dense_loss < small_loss and pruned_loss < small_loss
 
 # %% [markdown]

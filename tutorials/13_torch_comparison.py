@@ -80,7 +80,7 @@ backend.use("numpy")
 for name, losses in curves.items():
     gap = np.max(np.abs(np.subtract(losses, curves["minidp numpy"])) / curves["minidp numpy"])
     print0(f"{name:13s} loss {losses[0]:.6f} -> {losses[-1]:.6f} | max relative gap {gap:.1e}")
-    assert gap < 1e-10
+    assert gap < 1e-13  # rounding: a few units in the last place, far inside 1e-10
 assert curves["pytorch"][-1] < curves["pytorch"][0]
 
 # %% [markdown]
@@ -101,12 +101,14 @@ for name, losses in dp_curves.items():
 # %% [markdown]
 # ## Where the time goes
 #
-# The same step, timed; minidp's strategy counts its communication. On this CPU a torch
-# tensor's bucket goes to MPI as a NumPy view of its own memory (no copy), and the torch
-# backend pays torch's per-call dispatch for every small op. On a GPU each bucket is copied
-# to a kept, pinned host buffer and back (parallel/data_parallel/host_stage.py, DDP's
-# `host_stage` trick, on for CUDA tensors): the staging column counts those copies, and the
-# arithmetic gets cheap.
+# The same step, timed: the mean of 8 steps, in one run, the first step included; minidp's
+# strategy counts its communication. No time is asserted: the lines show what this run
+# measured, on a machine others share. On this CPU a torch tensor's bucket goes to MPI as a
+# NumPy view of its own memory (no copy), and the torch backend pays torch's per-call
+# dispatch for every small op (on this tiny model its compute is usually the slower). On a
+# GPU each bucket is copied to a kept, pinned host buffer and back
+# (parallel/data_parallel/host_stage.py, DDP's `host_stage` trick, on for CUDA tensors): the
+# staging column counts those copies, and the arithmetic gets cheap.
 
 # %%
 timed = {}

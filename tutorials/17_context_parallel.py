@@ -235,7 +235,7 @@ for name, layout_maps in maps.items():
     if name == "contiguous":
         assert np.isclose(ratio, 2 * C / (C + 1))  # 1.60 at C = 4
     else:
-        assert ratio <= 1.1  # (2C + 1) small blocks of (T/2C)^2 each, on every rank
+        assert per_rank.tolist() == [(2 * C + 1) * half**2] * C  # 2C+1 blocks of (T/2C)^2
 
 # %% [markdown]
 # ## 5. The library: `ContextParallel` on a GPT

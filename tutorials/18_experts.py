@@ -159,6 +159,7 @@ for name, probs, want in (("balanced", balanced, 1.0), ("crowded", crowded, E * 
     x_log = Tensor(np.log(probs), requires_grad=True)
     layer(x_log)
     assert np.isclose(aux, want, rtol=1e-12) and np.isclose(layer.aux_loss.item(), aux, rtol=1e-12)
+    assert np.isclose(f.sum(), 1) and np.isclose(P_e.sum(), 1)  # both sum to 1
     layer.aux_loss.backward()
     print0(f"3. {name:8s} f = {f}, P = {P_e.round(3)}: aux = {aux:.3f} (the layer's "
            f"{layer.aux_loss.item():.3f})")  # fmt: skip
@@ -205,6 +206,7 @@ for j, (tokens, choice) in enumerate(to_rank):
 np.testing.assert_allclose(y, y_ref[rank * T : (rank + 1) * T], rtol=1e-12, atol=1e-15)
 table = comm.allgather(counts)  # table[i, j]: tokens rank i sends to rank j
 assert (table.sum(axis=1) == 2 * T).all()  # every token twice (top-2)
+assert S == table.max()  # the largest count any rank sends anyone
 sent = world.counters["alltoall"]["bytes_sent"]
 assert sent == 2 * (P - 1) * S * C * 8  # two all-to-alls, P - 1 rows sent, own row copied
 print0("4. tokens rank i sends to rank j (its own row is a local copy):")
@@ -265,11 +267,13 @@ mine = slice(rank * PER_RANK, (rank + 1) * PER_RANK)
 losses, loads, slots = train(model, net, mine, sync=model.finish_gradient_sync)
 np.testing.assert_allclose(losses, want_losses, rtol=1e-10)
 assert loads == want_loads and sum(load["dropped"] for load in loads) > 0
+assignments = 2 * 2 * P * PER_RANK * BLOCK  # layers x top-2 x tokens
+assert all(sum(map(sum, load["tokens_per_expert"])) == assignments for load in loads)
 state = model.full_state_dict()
 for name, p in alone.named_parameters():
     np.testing.assert_allclose(state[name], p.data, rtol=1e-10, atol=1e-13, err_msg=name)
 print0(f"5. losses {np.round(losses, 4).tolist()} equal one process's; dropped "
-       f"{[load['dropped'] for load in loads]} of {2 * 2 * P * PER_RANK * BLOCK} assignments "
+       f"{[load['dropped'] for load in loads]} of {assignments} assignments "
        f"a step, as one process of 4 capacity groups drops (1 group: "
        f"{expert_load(pooled)['dropped']} at step 0)")  # fmt: skip
 
@@ -297,6 +301,7 @@ held = comm.allgather(np.arange(lo, lo + len(first_layer.experts)))  # held[r]: 
 for e in range(lo, lo + len(first_layer.experts)):
     holders = tuple(int(r) for r in np.flatnonzero((held == e).any(axis=1)))
     assert holders == model.expert_dp_group.world_ranks  # its replicas are its group
+    assert len(holders) == P // 2  # dp / ep replicas
 groups = comm.allgather(np.array(model.ep_group.world_ranks + model.expert_dp_group.world_ranks))
 for r in range(P):
     print0(f"   rank {r}: EP group {tuple(groups[r, :2].tolist())}, experts "
