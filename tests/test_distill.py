@@ -79,7 +79,7 @@ def test_a_student_distilled_under_data_parallelism():
         longer = TrainConfig(
             **{**small, "block_size": 32}, n_layer=1, n_embd=16, teacher=teacher_dir
         )
-        with pytest.raises(BadConfig, match="block_size 16 is shorter than the student.s 32"):
+        with pytest.raises(BadConfig, match="block_size 16 is shorter than the student's 32"):
             train(longer, group)  # on every rank, one line, before any step
     assert final["max_param_diff"] == 0.0 and np.isfinite(final["val_loss"])
     # the training loss is the distillation loss, validation the plain cross-entropy
