@@ -10,8 +10,8 @@ Two parts, for each contender: the default GPT (`python -m minidp train`'s defau
 for each fraction F (pruned at step steps/3, then fine-tuned for the steps left), the same
 with magnitude pruning to 90% (`--prune 0.9`, masks: unstructured) for comparison, and for
 each rank R of --low-rank, every block's qkv, proj, fc and fc_proj factorized to rank R at
-step steps/3 (models/prune/low_rank.py; no flag sets it: `low_rank_run` below is the loop's
-steps with parallel/low_rank.py's LowRankFactorization in the dp recipe).
+step steps/3 (models/prune/low_rank.py; no flag sets it: low_rank_train.py's `low_rank_run`,
+the loop's steps with parallel/low_rank.py's LowRankFactorization in the dp recipe).
 
 1. Quality: each contender one whole training run (training/loop.py's loop): the validation
    loss at the end, the parameters left.
@@ -37,7 +37,6 @@ from minidp import comm
 from minidp.cli.strategies import DataParallel
 from minidp.cli.training.config import TrainConfig
 from minidp.cli.training.loop import blas_threads_per_rank, train
-from minidp.engine.optim import warmup_cosine
 from minidp.models.data import DistributedSampler
 from minidp.models.tasks import Task
 from minidp.parallel.across_ranks import bytes_sent
@@ -45,6 +44,7 @@ from minidp.parallel.low_rank import LowRankFactorization
 from minidp.tools.log import print0
 from minidp.tools.plots import pyplot, save
 from minidp_bench._common import median, print_table, rotated_rounds, write_json
+from minidp_bench.low_rank_train import low_rank_run
 
 FRACTIONS = (0.25, 0.5, 0.75)
 UNSTRUCTURED = 0.9  # the magnitude-pruning contender, --prune 0.9
@@ -77,22 +77,6 @@ def quality(configs: dict, group: comm.Group, ranks=()) -> dict[str, dict]:
         val = finals[low_rank_name(rank)]["val_loss"]
         print0(f"  {low_rank_name(rank)}: val loss {val:.4f}", rank=group.rank)
     return finals
-
-
-def low_rank_run(config: TrainConfig, rank: int, group: comm.Group) -> dict:
-    """training/loop.py's steps for the dp recipe (lr schedule, sampler, step), the model
-    factorized to `rank` at step steps/3: the validation loss and the parameters."""
-    config = config.resolved()
-    strategy = DataParallel(Task(config, np.float32), config, group)
-    strategy.structured = LowRankFactorization(strategy.model, rank, config.steps // 3, group)
-    sampler = DistributedSampler(
-        strategy.task.num_examples, config.batch_size, *strategy.data_shard, seed=config.seed
-    )
-    for step in range(config.steps):
-        lr = warmup_cosine(step, config.lr, config.warmup, config.steps, config.min_lr_ratio)
-        strategy.step(sampler.local_indices(step), lr)
-    strategy.close()
-    return {"val_loss": strategy.task.validation_loss(), **strategy.record()}
 
 
 def speed(configs: dict, group: comm.Group, rounds: int, ranks=()) -> dict[str, dict]:

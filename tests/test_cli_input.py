@@ -177,7 +177,7 @@ def test_each_flags_metadata_is_well_formed_and_its_default_passes_its_own_check
     each interval parses, holds the flag's default, and on_resume names a known kind."""
     from dataclasses import fields
 
-    from minidp.cli.training.config_checks import outside
+    from minidp.tools.flags import outside
 
     config = TrainConfig().resolved()
     for f in fields(TrainConfig):

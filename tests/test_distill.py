@@ -1,6 +1,8 @@
 """Knowledge distillation (models/distill.py, parallel/distill.py): the loss and its gradient
 against central differences in float64 (and PyTorch's kl_div where installed), and a
-student taught under data parallelism by a teacher saved by the loop on 2 ranks.
+student taught under data parallelism by a teacher saved by the loop on 2 ranks; teachers
+that cannot teach the student refused in one line before any step, and one saved before
+newer flags existed loaded with their defaults.
 """
 
 import contextlib
@@ -12,9 +14,12 @@ import numpy as np
 import pytest
 
 from minidp import Tensor, comm
-from minidp.cli.training.config import TrainConfig
+from minidp.cli.training.config import BadConfig, TrainConfig
 from minidp.cli.training.loop import train
 from minidp.models.distill import DistillationLoss
+from minidp.models.tasks import Task
+from minidp.parallel import checkpoint
+from minidp.parallel.distill import distilled
 
 RNG = np.random.default_rng(0)
 Z_S, Z_T, Y = RNG.normal(size=(2, 3, 5)), RNG.normal(size=(2, 3, 5)), RNG.integers(0, 5, (2, 3))
@@ -71,7 +76,45 @@ def test_a_student_distilled_under_data_parallelism():
         student = TrainConfig(**small, n_layer=1, n_embd=16, teacher=teacher_dir, alpha=0.7)
         final = train(student, group)
         scratch = train(TrainConfig(**small, n_layer=1, n_embd=16), group)
+        longer = TrainConfig(
+            **{**small, "block_size": 32}, n_layer=1, n_embd=16, teacher=teacher_dir
+        )
+        with pytest.raises(BadConfig, match="block_size 16 is shorter than the student's 32"):
+            train(longer, group)  # on every rank, one line, before any step
     assert final["max_param_diff"] == 0.0 and np.isfinite(final["val_loss"])
     # the training loss is the distillation loss, validation the plain cross-entropy
     assert final["final_loss"] != scratch["final_loss"]
     assert final["val_loss"] != scratch["val_loss"]
+
+
+SMALL = dict(n_layer=1, n_embd=16, n_head=4, block_size=16, sample_tokens=0)
+
+
+def saved(path, model, metadata=None) -> str:
+    """`model` saved through the library API (as a script would), `metadata` beside it."""
+    state = {"strategy": {"model": model.state_dict()}}
+    checkpoint.save(state, str(path), comm.world(), metadata=metadata)
+    return str(path)
+
+
+def test_teachers_that_cannot_teach_are_refused_and_an_old_one_loads(tmp_path):
+    group, student = comm.world(), Task(TrainConfig(**SMALL), np.float32)
+    gpt = Task(TrainConfig(**SMALL, seed=5), np.float32).model
+    mlp = Task(TrainConfig(model="mlp", hidden=8), np.float32).model
+    short = Task(TrainConfig(**{**SMALL, "block_size": 8}), np.float32).model
+    refused = [
+        (gpt, None, "holds no saved flags"),  # checkpoint.save without metadata
+        (mlp, {"config": {"model": "mlp", "hidden": 8}}, "teacher is a --model mlp, the student"),
+        (short, {"config": {**SMALL, "block_size": 8}}, "block_size 8 is shorter than the"),
+        (gpt, {"config": SMALL, "vocab": "ab"}, "vocabulary is not the student's"),
+    ]
+    for i, (model, metadata, error) in enumerate(refused):
+        with pytest.raises(checkpoint.CheckpointError, match=error):
+            distilled(student, saved(tmp_path / str(i), model, metadata), group, 2.0, 0.5)
+    # saved before newer flags (--experts, ...) existed, with one this version lost: defaults
+    old = {key: SMALL[key] for key in ("n_layer", "n_embd", "n_head", "block_size")} | {"gone": 1}
+    task = distilled(student, saved(tmp_path / "old", gpt, {"config": old}), group, 2.0, 1.0)
+    for p, q in zip(task.teacher.parameters(), gpt.parameters(), strict=True):
+        np.testing.assert_array_equal(p.data, q.data)
+    assert task.teacher.config.n_experts == 0 and task.teacher.config.n_embd == 16
+    assert np.isfinite(task.loss(*task.batch(np.arange(4))).item())

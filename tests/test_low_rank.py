@@ -8,9 +8,9 @@ import copy
 
 import numpy as np
 import pytest
+from structured_runs import AT, LR, STEPS, assert_one_process, assert_trains, digest
+from structured_runs import CONFIG as STRUCTURED
 from test_bench import minidp, records
-from test_prune_structured import AT, LR, STEPS, assert_one_process, assert_trains, digest
-from test_prune_structured import CONFIG as STRUCTURED
 
 from minidp import Tensor, comm, nn, optim
 from minidp.cli.strategies import DataParallel
@@ -20,7 +20,7 @@ from minidp.models.gpt import GPT, GPTConfig
 from minidp.models.prune import low_rank
 from minidp.models.tasks import Task
 from minidp.parallel.low_rank import LowRankFactorization, factorize_replicas
-from minidp_bench._prune_structured import low_rank_run
+from minidp_bench.low_rank_train import low_rank_run
 
 CFG = GPTConfig(vocab_size=20, block_size=8, n_layer=2, n_head=4, n_embd=16)
 IDX = np.random.default_rng(0).integers(0, 20, (3, 8))

@@ -140,3 +140,10 @@ class Task:
             prompt, self.config.sample_tokens, np.random.default_rng(self.config.seed)
         )
         return self.tokenizer.decode(out[0, 1:])
+
+
+def vocabulary(task) -> str | None:
+    """The GPT's symbols in token order (None for the MLP): another text, another model (a
+    checkpoint saves them; resuming and a distillation's teacher compare them)."""
+    tokenizer = getattr(task, "tokenizer", None)
+    return None if tokenizer is None else "".join(tokenizer.decode(range(tokenizer.vocab_size)))

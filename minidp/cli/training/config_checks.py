@@ -31,7 +31,6 @@ from minidp.cli.training.scheme_checks import (
     check_structured,
     staleness_bound,
 )
-from minidp.tools.flags import outside as outside  # (tests/test_cli_input.py reads it here)
 from minidp.tools.memory import estimated_bytes, physical_memory_bytes
 from minidp.tools.paths import same_file, uncreatable_dir, unwritable_file
 

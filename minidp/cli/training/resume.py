@@ -34,6 +34,7 @@ import numpy as np
 
 from minidp import comm
 from minidp.cli.training.config import BadConfig, TrainConfig
+from minidp.models.tasks import vocabulary
 from minidp.parallel import checkpoint
 from minidp.parallel.checkpoint.reshard import describe_layout
 from minidp.tools.flags import kept_on_resume
@@ -169,12 +170,6 @@ def resume(config, strategy, group: comm.Group, task) -> tuple[int, dict]:
     checkpoint.set_rng_states(strategy, state["rng"])
     print0(f"resumed from {path} at step {state['step']}", rank=group.rank)
     return int(state["step"]), state.get("counters", {})
-
-
-def vocabulary(task) -> str | None:
-    """The GPT's symbols in token order (None for the MLP): another text, another model."""
-    tokenizer = getattr(task, "tokenizer", None)
-    return None if tokenizer is None else "".join(tokenizer.decode(range(tokenizer.vocab_size)))
 
 
 def check_same_run(manifest: dict, config, task, group: comm.Group) -> None:

@@ -30,8 +30,8 @@ any module that is not a plain Linear: called as it is (the LayerNorm before it 
 
 Under data parallelism every rank factorizes its own replica: replicas are bitwise
 identical and the SVD is deterministic on one machine, but the parallel side
-(parallel/structured_pruning.py, `LowRankFactorization`) broadcasts rank 0's factors so
-that no LAPACK's thread count can make them differ.
+(parallel/low_rank.py: `factorize_replicas`, `LowRankFactorization`) broadcasts rank 0's
+factors so that no LAPACK's thread count can make them differ.
 """
 
 import numbers

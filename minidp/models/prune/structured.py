@@ -39,8 +39,8 @@ its output, 0, meets proj rows that are 0. Slicing drops only zeros (tests/test_
 checks the forwards agree in float64).
 
 Under data parallelism every rank must remove the same units: pass `agree`, a function that
-makes the score vector the same on every rank (parallel/pruning.py: `agreed_scores`, the
-mean over the group), before the sort.
+makes the score vector the same on every rank (parallel/structured_pruning.py:
+`agreed_scores`, the mean over the group), before the sort.
 """
 
 import numbers
