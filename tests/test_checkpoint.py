@@ -218,33 +218,74 @@ def test_a_sliced_tensor_reshards_over_4_2_and_1_ranks():
 
 @pytest.mark.parallel(nprocs=[2])
 def test_replicated_state_is_written_once_and_every_rank_reads_it():
-    """What two ranks hold whole (DDP's model) is in rank 0's shard only: the manifest names
-    both ranks (`on`) and the one that wrote it (`saved_by`); rank 1's shard holds its own
-    state and a skeleton that names the rest. A read in the same layout, a load in place and
-    a load over one rank all find it there."""
+    """What two ranks hold whole and the same (DDP's model) is in rank 0's shard only: the
+    manifest names both ranks (`on`) and the one that wrote it (`saved_by`); rank 1's shard
+    holds its own state and a skeleton that names the rest. What is declared replicated but
+    differs (a mask that drifted) is in both shards, with no `saved_by`: each rank reads its
+    own copy back, and a layout that cuts it otherwise takes rank 0's. A read in the same
+    layout, a read in another over as many ranks, a load in place and a load over one rank
+    each get that; and again after the checkpoint is rewritten as format 4 wrote it (each
+    replicated array in every holder's shard, no `saved_by`)."""
     from minidp.parallel.checkpoint.shards import read_shard
 
     group = comm.world()
     root = shared_directory(group)
     path = os.path.join(root, "once")
     weight = np.arange(4096.0)  # 32 KiB, the same on both ranks
-    mine = {"model": {"w": weight}, "own": np.full(3, group.rank), "step": 2}
-    checkpoint.save(mine, path, group, step=2, layout={"model/w": "replicated"})
+    drift = np.full(5, 0.5 + group.rank, np.float32)  # "replicated", yet not the same
+    part = np.arange(3.0) + 3 * group.rank  # this rank's half of a (6,) vector
+    mine = {"model": {"w": weight, "mask": drift}, "part": part, "step": 2}
+    layout = {"model/w": "replicated", "model/mask": "replicated"}
+    halves = {**layout, "part": Slice.flat(6, [(3 * group.rank, 3 * group.rank + 3)]).as_json()}
+    checkpoint.save(mine, path, group, step=2, layout=halves)
     manifest = checkpoint.read_manifest(path)
-    entry = manifest["tensors"]["model/w"]
-    assert entry["on"] == [0, 1] and entry["saved_by"] == 0
+    w, mask = manifest["tensors"]["model/w"], manifest["tensors"]["model/mask"]
+    assert w["on"] == mask["on"] == [0, 1] and w["saved_by"] == 0 and "saved_by" not in mask
     held = [read_shard(path, shard)[0] for shard in manifest["shards"]]
-    assert "model/w" in held[0] and list(held[1]) == ["own"]
+    assert sorted(held[0]) == ["model/mask", "model/w", "part"]
+    assert sorted(held[1]) == ["model/mask", "part"]
+    same(held[group.rank]["model/mask"], drift)
     sizes = [shard["bytes"] for shard in manifest["shards"]]
     assert sizes[0] - sizes[1] >= weight.nbytes > sizes[1]  # once, not twice
-    same(checkpoint.read(path, group), mine)  # rank 1: its shard, and w from rank 0's
-    into = {"model": {"w": np.zeros_like(weight)}}
-    checkpoint.load(into, path, group)
-    same(into["model"]["w"], weight)
-    alone, into = group.split(group.rank), {"model": {"w": np.zeros_like(weight)}}
-    checkpoint.load(into, path, alone)  # over one rank: each takes w from shard 0
-    same(into["model"]["w"], weight)
+    lowest = {"w": weight, "mask": np.full(5, 0.5, np.float32)}  # rank 0's mask
+    for version in (5, 4):
+        if version == 4:
+            as_format_4(path, mine, group)
+            assert "model/w" in read_shard(path, checkpoint.read_manifest(path)["shards"][1])[0]
+        same(checkpoint.read(path, group), mine)  # rank 1: its shard, and w from rank 0's
+        whole = {**layout, "part": Slice.whole([6]).as_json()}  # another layout, 2 ranks
+        same(checkpoint.read(path, group, layout=whole), {**mine, "part": np.arange(6.0)})
+        into = {"model": {"w": np.zeros_like(weight), "mask": np.zeros_like(drift)}}
+        checkpoint.load(into, path, group)
+        same(into, {"model": mine["model"]})
+        alone = group.split(group.rank)  # over one rank: w and the lowest holder's mask
+        same(
+            checkpoint.read(path, alone, layout=whole),
+            {**mine, "model": lowest, "part": np.arange(6.0)},
+        )
+        into = {"model": {"w": np.zeros_like(weight), "mask": np.zeros_like(drift)}}
+        checkpoint.load(into, path, alone)
+        same(into, {"model": lowest})
     remove(root, group)
+
+
+def as_format_4(path: str, state, group) -> None:
+    """Collective: rewrite the checkpoint at `path` as format 4 wrote it: each rank's shard
+    holds every array of its `state` (those replicated too), the manifest no `saved_by`."""
+    from minidp.parallel.checkpoint.shards import write_shard
+    from minidp.parallel.checkpoint.store import SHARD_KEYS
+
+    info, _ = write_shard(state, path, group.rank)
+    every = comm.gather_text(json.dumps(info), root=0, group=group)
+    if group.rank == 0:
+        manifest = checkpoint.read_manifest(path)
+        manifest["format"] = "minidp-checkpoint/4"
+        manifest["shards"] = [{k: json.loads(text)[k] for k in SHARD_KEYS} for text in every]
+        for tensor in manifest["tensors"].values():
+            tensor.pop("saved_by", None)
+        with open(os.path.join(path, checkpoint.MANIFEST), "w") as f:
+            json.dump(manifest, f)
+    comm.barrier(group=group)
 
 
 def test_latest_orders_steps_by_number(tmp_path):

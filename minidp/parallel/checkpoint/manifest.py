@@ -15,9 +15,17 @@ holds it. `on` still lists every rank that held it, so a load over the layout it
 in knows the layout is the same, and takes the array from the `saved_by` shard
 (reshard.holder). A DP checkpoint over P ranks thus holds the model's bytes once: shard 0
 the model and moments, shards 1..P-1 only their skeletons and private state.
+
+Only the same bytes are written once. The ranks exchange each replicated array's dtype,
+shape and CRC-32 (zlib, over its bytes), not its name alone: an array declared replicated
+whose holders' copies differ (a layout's mistake, a mask that drifted, ranks that
+diverged) is written by every holder, as in format 4, and its entry has no `saved_by`:
+each holder reads its own copy back; a load that cuts it into another layout takes the
+lowest holder's (reshard.holder). A wrong "replicated" costs disk, never state.
 """
 
 import json
+import zlib
 
 import numpy as np
 
@@ -52,25 +60,39 @@ def entry(layout, name: str, array) -> dict:
     return {"dtype": named(array.dtype), "ndim": array.ndim, **place(layout, name, array.ndim)}
 
 
-def left_to_lower(state, layout, group: comm.Group) -> dict[str, dict]:
-    """Collective: {path: entry} of this rank's replicated arrays that a lower rank of
-    `group` holds too (that rank writes them; this one leaves them out of its shard). A
-    state that cannot be flattened counts as holding none: write_shard says why."""
+def replicas(state, layout, group: comm.Group) -> dict[str, dict]:
+    """Collective: {path: entry} of this rank's replicated arrays, each with `saved_by`,
+    the lowest rank of `group` that holds it, where every holder's copy has the same dtype,
+    shape and CRC-32 (that rank writes it; the others leave it out of their shard); none
+    where they differ (each holder writes its own). A state that cannot be flattened counts
+    as holding none: write_shard says why."""
     try:
         arrays, _ = flatten(state)
         mine = {n: entry(layout, n, a) for n, a in arrays.items()}
         mine = {n: e for n, e in mine.items() if e.get("replicated")}
+        marks = {n: [e["dtype"], np.shape(arrays[n]), crc32(arrays[n])] for n, e in mine.items()}
     except (TypeError, ValueError):
-        mine = {}
-    every = comm.gather_text(json.dumps(sorted(mine)), root=0, group=group)
+        mine, marks = {}, {}
+    every = comm.gather_text(json.dumps(marks), root=0, group=group)
     every = json.loads(comm.broadcast_text(json.dumps(every or []), root=0, group=group))
-    below = {name for names in every[: group.rank] for name in json.loads(names)}
-    return {name: {**e, "elsewhere": True} for name, e in mine.items() if name in below}
+    every = [json.loads(text) for text in every]
+    for name, e in mine.items():
+        copies = [(rank, held[name]) for rank, held in enumerate(every) if name in held]
+        if all(mark == copies[0][1] for _, mark in copies):  # the same bytes: written once
+            e["saved_by"] = copies[0][0]
+    return mine
+
+
+def crc32(array) -> int:
+    """zlib's CRC-32 of the array's bytes (C order): a few GB/s, cheap beside the SHA-256
+    the shard's pieces get anyway."""
+    return zlib.crc32(np.ascontiguousarray(array).reshape(-1).view(np.uint8))
 
 
 def merge(per_rank: list[dict]) -> dict:
     """{path: {dtype, ndim, and replicated with on (the ranks that hold it) and saved_by
-    (the one whose shard has it), or shape and held: [{index, part} of rank r, or None]}}."""
+    (the one whose shard has it; none if their copies differ), or shape and held: [{index,
+    part} of rank r, or None]}}."""
     merged = {}
     for rank, tensors in enumerate(per_rank):
         for name, t in tensors.items():
@@ -78,8 +100,8 @@ def merge(per_rank: list[dict]) -> dict:
             if t.get("replicated"):
                 entry["replicated"] = True
                 entry.setdefault("on", []).append(rank)  # the ranks that hold it whole
-                if not t.get("elsewhere"):
-                    entry.setdefault("saved_by", rank)  # the lowest: the one that wrote it
+                if "saved_by" in t:  # the lowest holder, the one that wrote it (the same
+                    entry["saved_by"] = t["saved_by"]  # on each); none: each holder did
             elif t.get("slice"):
                 entry["shape"] = t["slice"]["shape"]
                 held = {k: v for k, v in t["slice"].items() if k != "shape"}  # index, part

@@ -94,14 +94,15 @@ def declared_under(layout: dict, name: str):
     return None
 
 
-def holder(saved: dict, preferred=()) -> int:
-    """The rank whose shard holds the replicated array of manifest entry `saved`: the one
-    that wrote it (`saved_by`, the lowest of `on`: manifest.py); in a checkpoint of format
-    4 every rank of `on` wrote it: the first of `preferred` (this rank, shards read) that
-    did."""
+def holder(saved: dict, own=None) -> int:
+    """The rank whose shard holds the replicated array of manifest entry `saved` for rank
+    `own` of the layout saved, holding it whole again (None: for any other): the one that
+    wrote it (`saved_by`, the lowest of `on`: manifest.py). Without `saved_by` every holder
+    wrote its own copy (their copies differed, or format 4): `own`'s, if it held one; else
+    the lowest holder's, so every rank cuts its slice from one copy."""
     if "saved_by" in saved:
         return saved["saved_by"]
-    return next((rank for rank in preferred if rank in saved["on"]), saved["on"][0])
+    return own if own in saved["on"] else saved["on"][0]
 
 
 def complete(arrays: dict, skeleton: dict, manifest: dict, path: str, reads: dict) -> dict:
@@ -117,9 +118,10 @@ def complete(arrays: dict, skeleton: dict, manifest: dict, path: str, reads: dic
     return arrays
 
 
-def assemble(name: str, manifest: dict, layout: dict, here_words: str, path: str, reads: dict):
+def assemble(name, manifest: dict, layout: dict, here_words: str, path: str, reads: dict, own):
     """This rank's array `name` cut from the shards that hold it (`reads`: shards read so far,
-    by rank, filled in as needed; `here_words`: this run's layout, for a refusal). Raises
+    by rank, filled in as needed; `here_words`: this run's layout, for a refusal; `own`:
+    this rank's shard where the world size is the one saved, else None). Raises
     LayoutMismatch if it cannot be."""
     saved = manifest["tensors"][name]
     where = f"{name} saved over {describe_layout(manifest)}"
@@ -130,7 +132,7 @@ def assemble(name: str, manifest: dict, layout: dict, here_words: str, path: str
         )
     here = layout.get(name) or declared_under(layout, name)
     if saved.get("replicated"):  # whole in one shard: the one that wrote it
-        source = holder(saved, reads)
+        source = holder(saved, None if isinstance(layout.get(name), dict) else own)
         if source not in reads:
             reads[source] = read_shard(path, manifest["shards"][source])[0]
         whole = reads[source][name]
@@ -172,7 +174,7 @@ def assemble(name: str, manifest: dict, layout: dict, here_words: str, path: str
     return out
 
 
-def cut_tree(path: str, manifest: dict, layout: dict, here_words: str, rank: int):
+def cut_tree(path: str, manifest: dict, layout: dict, here_words: str, rank: int, own=None):
     """This rank's state tree under `layout`, another layout than the one saved: shard
     (rank mod the ranks saved)'s tree, each of its arrays cut for this rank (assemble), and
     each array `layout` declares that this shard lacks put in at its path, taken from a shard
@@ -182,11 +184,11 @@ def cut_tree(path: str, manifest: dict, layout: dict, here_words: str, rank: int
     arrays, skeleton = read_shard(path, manifest["shards"][source])
     reads = {source: dict(arrays)}
     for name in leaves(skeleton):  # a replicated one a lower rank wrote too (holder)
-        arrays[name] = assemble(name, manifest, layout, here_words, path, reads)
+        arrays[name] = assemble(name, manifest, layout, here_words, path, reads, own)
     state = unflatten(arrays, skeleton)
     for name in manifest["tensors"]:
         if name not in arrays and (name in layout or declared_under(layout, name)):
-            put(state, name, assemble(name, manifest, layout, here_words, path, reads))
+            put(state, name, assemble(name, manifest, layout, here_words, path, reads, own))
     return state
 
 
@@ -199,7 +201,8 @@ def cut(name: str, saved: dict, want, own, shard, manifest: dict) -> np.ndarray:
     of the same size are the same tensor (FSDP's pieces, DDP's parameters)."""
     where = f"{name} saved over {describe_layout(manifest)}"
     if saved.get("replicated"):
-        return _take(shard(holder(saved, [own]))[name], want, where)
+        whole = shard(holder(saved, None if isinstance(want, dict) else own))[name]
+        return _take(whole, want, where)  # a slice of it: all from one copy
     if "held" not in saved:  # a rank's own state: only where it was saved
         if own is None or name not in shard(own):
             raise LayoutMismatch(

@@ -8,8 +8,9 @@ The save, on every rank of `group`:
     1. agree on the step (a gather of each rank's): ranks that disagree write nothing;
     2. saving again into a checkpoint, rank 0 removes its manifest.json and fsyncs the
        directory (the rest wait); the ranks tell rank 0 which arrays they hold whole
-       (replicated), and each learns which of its own a lower rank holds too: the lowest
-       writes each, once (manifest.py); then each rank writes its shard (temporary name,
+       (replicated) and their CRC-32s, and each learns which of its own a lower rank holds
+       too, byte for byte: the lowest writes each, once (copies that differ: each holder
+       its own; manifest.py); then each rank writes its shard (temporary name,
        fsync, rename), hashing the bytes while the disk works (shards.py; a rank that cannot
        write, or whose state or metadata holds what a shard or JSON cannot, says so in
        step 3, and every rank raises it);
@@ -21,7 +22,8 @@ Throughout a save or a load the group's waits nap rather than spin (`patiently`)
 
 The manifest records the world size, the step, the caller's metadata (the config, the mesh),
 each shard's size and its pieces' checksums (pieces.py), and for each array path its dtype
-and either `replicated` (whole on the ranks `on` names, in the shard of `saved_by`), or its
+and either `replicated` (whole on the ranks `on` names, in the shard of `saved_by`, or in
+each of theirs where their copies differed), or its
 global shape and what each rank holds (`held`: its index and part, see reshard.py), or
 neither: the rank's own (a residual), which only the layout it was saved in loads back.
 
@@ -43,7 +45,7 @@ import warnings
 import numpy as np
 
 from minidp import comm
-from minidp.parallel.checkpoint.manifest import entry, left_to_lower, merge, place, place_of
+from minidp.parallel.checkpoint.manifest import entry, merge, place, place_of, replicas
 from minidp.parallel.checkpoint.reshard import LayoutMismatch, complete, cut_tree, describe_layout
 from minidp.parallel.checkpoint.shards import CheckpointError, read_shard, state_of, write_shard
 from minidp.parallel.checkpoint.state_dict import declared
@@ -90,12 +92,13 @@ def _save(state, path: str, group: comm.Group, step: int, layout, metadata) -> N
             os.remove(manifest_path)
             fsync_directory(path)  # even after a crash: gone for good before a shard changes
         comm.barrier(group=group)
-    elsewhere = left_to_lower(state, layout, group)  # replicated: the lowest rank writes it
+    whole = replicas(state, layout, group)  # the same bytes: only the lowest holder writes
+    elsewhere = {name for name, e in whole.items() if e.get("saved_by", group.rank) != group.rank}
     try:  # a full disk on one rank: every rank raises it, none waits for the others
         json.dumps(metadata or {})  # what the manifest cannot hold: refused before any write
         os.makedirs(path, exist_ok=True)
         info, arrays = write_shard(state, path, group.rank, leave_out=elsewhere)
-        tensors = {name: entry(layout, name, a) for name, a in arrays.items()} | elsewhere
+        tensors = {name: entry(layout, name, a) for name, a in arrays.items()} | whole
         mine = json.dumps({**info, "rank": group.rank, "tensors": tensors})
     except OSError as error:
         mine = f"rank {group.rank} cannot write its shard in {path}: {error.strerror}"
@@ -232,7 +235,7 @@ def _load(path: str, manifest: dict, group: comm.Group, layout, here: str):
             f"{path} was saved over {describe_layout(manifest)}; {here} says nothing of how "
             "its state is cut: cannot reshard"
         )
-    return cut_tree(path, manifest, layout, here, group.rank)  # reshard.py
+    return cut_tree(path, manifest, layout, here, group.rank, own)  # reshard.py
 
 
 def together(work, group: comm.Group):
