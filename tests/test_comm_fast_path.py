@@ -8,6 +8,7 @@ and must give the same bytes and count the same messages and bytes: sizes 0, 1, 
 divisible by the group, 4 KiB and 64 KiB, each trick on and off, at 2, 3 and 4 ranks.
 """
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -166,3 +167,110 @@ def test_auto_reduces_small_shared_arrays_by_messages_and_large_ones_by_shm():
     for x in shared:
         comm.release_shared(x, g)
     g.free()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parallel(nprocs=2)
+def test_fast_path_judges_out_as_the_plain_path_does():
+    """out=x read-only raises on both paths and leaves x as it was (the bound requests
+    would write through it); a partial overlap raises on both; in place through another
+    view of x gives the plain bits."""
+    g = comm.world().dup()
+    x = np.random.default_rng(g.rank).standard_normal(1024).astype(np.float32)
+    frozen = x.tobytes()
+    for algo in ("ring", "recursive_doubling", "auto"):
+        for plain in (False, True):
+            with fast_path.plain() if plain else contextlib.nullcontext():
+                read_only = np.frombuffer(frozen, np.float32)
+                with pytest.raises(ValueError, match="out is read-only"):
+                    comm.allreduce(read_only, algo=algo, group=g, out=read_only)
+                assert read_only.tobytes() == frozen, (algo, plain)
+                buf = np.concatenate([x, x])
+                with pytest.raises(ValueError, match="overlaps the input"):
+                    comm.allreduce(buf[:1024], algo=algo, group=g, out=buf[1:1025])
+
+        def call(algo=algo):
+            y = x.copy()
+            return comm.allreduce(y, algo=algo, group=g, out=y[:])  # same memory, not y
+
+        fast, plain, counted, counted_plain = both_paths(call, g)
+        assert fast.tobytes() == plain.tobytes() and counted == counted_plain, algo
+    assert g.plans  # the fast path ran
+    g.free()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parallel(nprocs=2)
+def test_settings_changed_after_the_first_fast_call_are_obeyed():
+    """A plan made before the group's wire, timeout or checks change: the emulated network's
+    waits apply (one per message sent) and a deadline set afterwards (or one that follows
+    checks turned off) raises CollectiveTimeout against a rank that skips, as the plain
+    path would."""
+    from minidp.comm import netem
+
+    g = comm.world().dup()
+    x = np.ones(1024, np.float32)
+    comm.allreduce(x, algo="ring", group=g)  # a plan, made on the communicator as the wire
+    waits = []
+    g.wire = netem.Link(g.comm, g, netem.Network(latency_s=1e-6), pause=waits.append)
+    g.reset_counters()
+    assert comm.allreduce(x, algo="ring", group=g).tolist() == [2.0] * 1024
+    assert len(waits) == g.counters["allreduce"]["messages_sent"] == 2, waits
+    timed = comm.Group(MPI.COMM_WORLD.Dup(), checks=False, timeout=None)
+    checked = comm.Group(MPI.COMM_WORLD.Dup(), checks=True, timeout=0.3)
+    for group, change in ((timed, "timeout"), (checked, "checks")):
+        comm.allreduce(x, algo="ring", group=group)  # a plan, made while MPI may block
+        if change == "timeout":
+            group.timeout = 0.3
+        else:
+            group.checks = False  # the explicit deadline is now polled by the waits
+        if group.rank == 0:  # rank 1 skips the call
+            with pytest.raises(comm.CollectiveTimeout, match="heard nothing from rank"):
+                comm.allreduce(x, algo="ring", group=group)
+        MPI.COMM_WORLD.Barrier()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parallel(nprocs=2)
+def test_a_second_thread_neither_makes_nor_frees_plans(monkeypatch):
+    """While the group's lock is held (another thread inside a collective on it), a call
+    that would make a plan and start the plans over raises the plain RuntimeError and
+    frees nothing."""
+    monkeypatch.setattr(fast_path, "MAX_PLANS", 2)
+    g = comm.world().dup()
+    for n in (8, 16):
+        comm.allreduce(np.ones(n, np.float32), algo="ring", group=g)
+    plans = dict(g.plans)
+    assert len(plans) == 2 and all(plan.staged.steps for plan in plans.values())
+    with g._lock:  # as a thread inside a collective on g holds it
+        with pytest.raises(RuntimeError, match="give each thread its own group.dup()"):
+            comm.allreduce(np.ones(32, np.float32), algo="ring", group=g)
+    assert g.plans == plans and all(plan.staged.steps for plan in plans.values())
+    assert comm.allreduce(np.ones(32, np.float32), algo="ring", group=g).tolist() == [2.0] * 32
+    g.free()
+
+
+def test_persistent_steps_map_only_truncation_to_message_size_mismatch(monkeypatch):
+    """A receive that gets more bytes than posted is MessageSizeMismatch; any other MPI
+    error from the wait is raised as MPI raised it (as p2p.sendrecv does)."""
+    from types import SimpleNamespace
+
+    from minidp.comm import persistent
+
+    g = comm.Group(MPI.COMM_SELF.Dup(), checks=False, timeout=None)
+    steps = persistent.Steps(g)
+    steps.add(np.ones(2, np.float32), 0, np.empty(1, np.float32), 0)  # 8 bytes into 4
+    with pytest.raises(comm.MessageSizeMismatch, match="MPI truncated the message"):
+        steps.run(g)
+
+    def fails(requests, statuses):
+        raise MPI.Exception(MPI.ERR_OTHER)
+
+    calls = SimpleNamespace(Startall=lambda requests: None, Waitall=fails)
+    shim = SimpleNamespace(Prequest=calls, Request=calls, Exception=MPI.Exception)
+    monkeypatch.setattr(persistent, "MPI", shim)
+    with pytest.raises(MPI.Exception) as raised:
+        steps.run(g)
+    assert raised.value.Get_error_class() == MPI.ERR_OTHER
+    steps.free()
+    g.comm.Free()

@@ -5,7 +5,7 @@
 
 At 4 KiB a collective's time is Python's own work, not the wire: the local checks, the pick
 of an algorithm, the chunk arithmetic, the scratch lookups, a request object and a list per
-message (`bench collectives --profile` times each part; docs/collectives.md has the table).
+message (`bench percall` times each part; docs/collectives.md has the table).
 MPICH pays for none of it: its plan is C. This module keeps the algorithms (the step tables
 of ring.py and recursive.py, message for message, operand for operand, so the bits are the
 plain path's, tests/test_comm_fast_path.py) and does the per-call work once, as two tricks,
@@ -24,7 +24,11 @@ The plain functions (collectives.py) ask `FAST[name]` first (a table filled here
 engine/registry.py's is by minidp/fast/); a plan returns None where it does not apply (a
 size above FAST_MAX, where Python's share of a call is small; a deadline polled by the
 data's waits; a patient group; an emulated network; a group of one; an argument the plain
-path must judge), and the plain path runs. The plain path is always one switch away:
+path must judge), and the plain path runs. Those settings are read on every call (a group's
+`timeout`, `checks`, `patient` and `wire` may change between calls), and a call looks up,
+makes and frees plans holding the group's lock, so a second thread on the same group meets
+the plain path's RuntimeError and never frees requests the first is waiting on.
+The plain path is always one switch away:
 `MINIDP_FAST_COMM=0` (read at import), or `with fast_path.plain():` for a block.
 Counters, the fingerprints, the watchdog's `waiting_on` and the size check of every message
 received are kept as the plain path keeps them.
@@ -37,7 +41,7 @@ import numpy as np
 from mpi4py import MPI
 
 from minidp.comm import collectives
-from minidp.comm.args import flat, pick
+from minidp.comm.args import flat, pick, result, same_memory
 from minidp.comm.auto import choose_shared
 from minidp.comm.persistent import allreduce_steps
 from minidp.comm.reduce_ops import check_op, finish
@@ -106,7 +110,7 @@ def _plan(group, key: tuple, make):
 
 
 def free_plans(group) -> None:
-    """Forget the group's plans, releasing their persistent requests (between calls)."""
+    """Forget the group's plans, releasing their persistent requests (under its lock)."""
     for plan in group.plans.values():
         if plan is not NOT_FAST:
             plan.free()
@@ -126,36 +130,32 @@ def _usable(group) -> bool:
 
 def allreduce(x, op: str, algo: str, group, out):
     """collectives.allreduce through a plan, or None for the plain path."""
-    if type(x) is not np.ndarray or not x.flags.c_contiguous:
-        return None
+    if type(x) is not np.ndarray or not x.flags.c_contiguous or not _usable(group):
+        return None  # _usable on every call: a group's settings may change between calls
     if algo == "auto" and pool(group) and in_shared_memory(x, group):
         algo = choose_shared(x.nbytes, group.size)  # in shared memory: shm or the ring
         if algo == "shm":
             return None  # the plain path reduces it by loads
-    dtype = x.dtype
-    plan = group.plans.get(("allreduce", x.size, dtype, op, algo, TRICKS["persistent"]))
-    if plan is None:
-        plan = _new_plan(group, x, op, algo)
-    if plan is NOT_FAST or collectives.ALLREDUCE[plan.algo] is not PLAIN[plan.algo]:
-        return None  # no plan, or the table's algorithm replaced (a test's): the plain path
-    if out is x:
-        res = x
-    elif out is None:
-        res = np.empty(x.shape, dtype)
-    elif type(out) is np.ndarray and out.shape == x.shape and out.dtype == dtype:
-        flags = out.flags
-        if not (flags.c_contiguous and flags.writeable):
-            return None  # the plain path raises
-        if (x.base is not None or out.base is not None) and np.may_share_memory(x, out):
-            return None  # in place through another view, or a partial overlap: plain path
-        res = out
-    else:
-        return None
-    src = x if x.ndim == 1 else x.reshape(-1)
-    dst = res if res.ndim == 1 else res.reshape(-1)
-    running = plan.running  # the enter/exit of this kind of call, made once (group.py)
-    if running is None or running.shape != x.shape:
-        running = plan.running = group.collective("allreduce", plan.algo, op, dtype, None, x.shape)
+    lock = group._lock  # held from the plan's lookup to the call's end (the exit releases it)
+    if not lock.acquire(False):
+        return None  # another thread is inside a collective on this group: the plain path raises
+    try:
+        plan = _plan_for(group, x, op, algo)
+        if plan is NOT_FAST or collectives.ALLREDUCE[plan.algo] is not PLAIN[plan.algo]:
+            lock.release()
+            return None  # no plan, or the table's algorithm replaced (a test's): the plain path
+        res = result(out, x.shape, x.dtype)  # the plain path's checks of out
+        src = x if x.ndim == 1 else x.reshape(-1)
+        dst = res if res.ndim == 1 else res.reshape(-1)
+        if out is x or (out is not None and same_memory(src, dst)):
+            src = dst  # in place, as the plain path passes it
+        running = plan.running  # the enter/exit of this kind of call, made once (group.py)
+        if running is None or running.shape != x.shape:
+            call = ("allreduce", plan.algo, op, x.dtype, None, x.shape)
+            running = plan.running = group.collective(*call, locked=True)
+    except BaseException:
+        lock.release()
+        raise
     with running:
         if plan.build is not None and out is not None:  # bound: on x and out themselves
             key = (MPI.buffer(src).address, MPI.buffer(dst).address)
@@ -172,12 +172,16 @@ def allreduce(x, op: str, algo: str, group, out):
     return res
 
 
-def _new_plan(group, x, op: str, algo: str):
-    """The plan for this call, made and kept (NOT_FAST, not kept, where none applies)."""
-    if not _usable(group) or x.nbytes > FAST_MAX:
-        return NOT_FAST
+def _plan_for(group, x, op: str, algo: str):
+    """The group's plan for this call, made and kept the first time (NOT_FAST, not kept,
+    above FAST_MAX). Called with the group's lock held: making one may free the others."""
     key = ("allreduce", x.size, x.dtype, op, algo, TRICKS["persistent"])
-    return _plan(group, key, lambda: _allreduce_plan(x, op, algo, group))
+    plan = group.plans.get(key)
+    if plan is None:
+        if x.nbytes > FAST_MAX:
+            return NOT_FAST
+        plan = _plan(group, key, lambda: _allreduce_plan(x, op, algo, group))
+    return plan
 
 
 def _allreduce_plan(x, op: str, algo: str, group):

@@ -197,9 +197,12 @@ class Group:
         dtype=None,
         root: int | None = None,
         shape: tuple = (),
+        locked: bool = False,
     ) -> "_Running":
-        """`with group.collective(...):` wraps the messages of one collective call."""
-        return _Running(self, name, algo, op, dtype, root, shape)
+        """`with group.collective(...):` wraps the messages of one collective call. locked:
+        the caller takes the group's lock itself before entering (the fast path, which
+        holds it from its plan's lookup on: fast_path.py); the exit releases it all the same."""
+        return _Running(self, name, algo, op, dtype, root, shape, locked)
 
     # -- error messages ------------------------------------------------------------------------
     def _where(self) -> str:
@@ -236,17 +239,20 @@ class Group:
 class _Running:
     """Context of one collective call: lock, sequence number, deadline, checks, counters."""
 
-    __slots__ = ("group", "name", "algo", "op", "dtype", "root", "shape", "start")
+    __slots__ = ("group", "name", "algo", "op", "dtype", "root", "shape", "locked", "start")
 
-    def __init__(self, group: Group, name, algo, op, dtype, root, shape) -> None:
+    def __init__(self, group: Group, name, algo, op, dtype, root, shape, locked) -> None:
         self.group, self.name, self.algo = group, name, algo
         self.op, self.dtype, self.root, self.shape = op, dtype, root, shape
+        self.locked = locked  # the caller holds the group's lock already
 
     def __enter__(self) -> Group:
         g, name = self.group, self.name
         if g.broken:
+            if self.locked:
+                g._lock.release()
             raise CollectiveError(f"{name} on a broken group (rank {g.rank}): {g.broken}")
-        if not g._lock.acquire(False):
+        if not self.locked and not g._lock.acquire(False):
             raise RuntimeError(
                 f"{name}: this group is already running a collective on "
                 "another thread; give each thread its own group.dup()"
@@ -254,9 +260,7 @@ class _Running:
         self.start = now = time.perf_counter()  # under the lock: a _Running may be reused
         try:
             g._seq += 1
-            timeout = g._timeout
-            if timeout is _FROM_ENV:
-                timeout = g._timeout_for[bool(g.checks)]
+            timeout = g.timeout
             if timeout is not None:
                 g.deadline = time.monotonic() + timeout
             if g.checks and g.size > 1:

@@ -132,13 +132,19 @@ def _abandon(group, requests: list) -> None:
 
 def _truncated(group, error: MPI.Exception, requests: list, peers: list[int], statuses) -> None:
     """Raise MessageSizeMismatch if error is MPI truncating one of the receives."""
-    in_status = error.Get_error_class() == MPI.ERR_IN_STATUS  # else: the error of them all
     for i, (request, status) in enumerate(zip(requests, statuses)):
-        code = status.Get_error() if in_status else error.Get_error_code()
-        if MPI.Get_error_class(code) == MPI.ERR_TRUNCATE and id(request) in group.receiving:
+        if truncates(error, status) and id(request) in group.receiving:
             _abandon(group, requests)
             posted = group.receiving[id(request)][1]
             raise MessageSizeMismatch(group.size_message(peers[i], posted, None)) from error
+
+
+def truncates(error: MPI.Exception, status: MPI.Status) -> bool:
+    """Whether error, raised by a wait on several requests, is MPI truncating the receive
+    whose status this is (ERR_IN_STATUS: each status has its own error; else: one for all)."""
+    in_status = error.Get_error_class() == MPI.ERR_IN_STATUS
+    code = status.Get_error() if in_status else error.Get_error_code()
+    return MPI.Get_error_class(code) == MPI.ERR_TRUNCATE
 
 
 def sendrecv(group, send_buf: np.ndarray, dest: int, recv_buf: np.ndarray, source: int) -> None:

@@ -24,7 +24,7 @@ import numpy as np
 from mpi4py import MPI
 
 from minidp.comm.errors import MessageSizeMismatch
-from minidp.comm.p2p import BYTE, DATA_TAG
+from minidp.comm.p2p import BYTE, DATA_TAG, truncates
 from minidp.comm.reduce_ops import _UFUNC
 from minidp.tools.chunks import chunk_bounds
 
@@ -62,8 +62,11 @@ class Steps:
             MPI.Prequest.Startall(requests)
             try:
                 MPI.Request.Waitall(requests, statuses)
-            except MPI.Exception as error:
-                raise MessageSizeMismatch(group.size_message(source, nbytes, None)) from error
+            except MPI.Exception as error:  # MPI truncated the receive, or another error
+                if truncates(error, statuses[0]):
+                    message = group.size_message(source, nbytes, None)
+                    raise MessageSizeMismatch(message) from error
+                raise
             if statuses[0].Get_count(BYTE) != nbytes:
                 got = statuses[0].Get_count(BYTE)
                 raise MessageSizeMismatch(group.size_message(source, nbytes, got))
