@@ -147,8 +147,9 @@ def allreduce(x, op: str, algo: str, group, out):
         res = result(out, x.shape, x.dtype)  # the plain path's checks of out
         src = x if x.ndim == 1 else x.reshape(-1)
         dst = res if res.ndim == 1 else res.reshape(-1)
-        if out is x or (out is not None and same_memory(src, dst)):
-            src = dst  # in place, as the plain path passes it
+        where = None if out is None else (MPI.buffer(src).address, MPI.buffer(dst).address)
+        if out is x or (out is not None and _same_memory(where, x.nbytes, src, dst)):
+            src, where = dst, (where[1], where[1])  # in place, as the plain path passes it
         running = plan.running  # the enter/exit of this kind of call, made once (group.py)
         if running is None or running.shape != x.shape:
             call = ("allreduce", plan.algo, op, x.dtype, None, x.shape)
@@ -158,8 +159,7 @@ def allreduce(x, op: str, algo: str, group, out):
         raise
     with running:
         if plan.build is not None and out is not None:  # bound: on x and out themselves
-            key = (MPI.buffer(src).address, MPI.buffer(dst).address)
-            steps = plan.bound.get(key) or plan.bind(src, dst, key)
+            steps = plan.bound.get(where) or plan.bind(src, dst, where)
             steps.run(group)
         elif plan.staged is not None:  # staged: x copied in, the result out
             np.copyto(plan.work, src)
@@ -170,6 +170,16 @@ def allreduce(x, op: str, algo: str, group, out):
         if op == "avg":
             finish(op, dst, group.size)
     return res
+
+
+def _same_memory(where: tuple, nbytes: int, src, dst) -> bool:
+    """args.same_memory(src, dst) for two contiguous arrays of nbytes at addresses `where`,
+    from the addresses: True if the same memory; a partial overlap goes to same_memory,
+    which raises its error."""
+    a, b = where
+    if a == b:
+        return True
+    return a < b + nbytes and b < a + nbytes and same_memory(src, dst)
 
 
 def _plan_for(group, x, op: str, algo: str):
