@@ -258,6 +258,9 @@ def test_replicated_state_is_written_once_and_every_rank_reads_it():
         into = {"model": {"w": np.zeros_like(weight), "mask": np.zeros_like(drift)}}
         checkpoint.load(into, path, group)
         same(into, {"model": mine["model"]})
+        lo, hi = 3 * group.rank, 3 + 2 * group.rank  # the mask cut over the 2 ranks:
+        cut = {**whole, "model/mask": Slice.flat(5, [(lo, hi)]).as_json()}  # rank 0's copy
+        same(checkpoint.read(path, group, layout=cut)["model"]["mask"], lowest["mask"][lo:hi])
         alone = group.split(group.rank)  # over one rank: w and the lowest holder's mask
         same(
             checkpoint.read(path, alone, layout=whole),

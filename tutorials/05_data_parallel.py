@@ -133,6 +133,23 @@ print0(f"bucketed: {len(ddp.buckets)} buckets ({small} under SHM_MIN) in {calls}
 ddp.close()
 
 # %% [markdown]
+# This model has one bucket of SHM_MIN bytes or more, so there is nothing to coalesce. The
+# coalesced call itself, on two arrays of SHM_MIN bytes in shared memory: one call for both.
+
+# %%
+big = [comm.shared_zeros(comm.auto.SHM_MIN // 8, np.float64, group) for _ in range(2)]
+for b in big:
+    b[...] = group.rank
+group.reset_counters()
+comm.allreduce_coalesced(big, group=group)
+assert group.counters["allreduce"]["calls"] == 1  # one set of synchronizations for both
+assert all((b == sum(range(group.size))).all() for b in big)
+print0(f"two shared arrays of {comm.auto.SHM_MIN:,} bytes: "
+       f"{group.counters['allreduce']['calls']} coalesced allreduce call")  # fmt: skip
+for b in big:
+    comm.release_shared(b, group)
+
+# %% [markdown]
 # ## 4. Overlap: send a bucket as soon as its gradients are final
 # The grad-ready hook of each parameter counts its bucket down; the last one hands the bucket
 # to a communication thread, which reduces it while backward continues with earlier layers.

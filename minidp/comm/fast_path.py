@@ -122,6 +122,7 @@ def _usable(group) -> bool:
     deadline to poll, not patient), the communicator itself as the wire, more than one rank."""
     return (
         group.size > 1
+        and not group.broken  # the plain path says why (a freed or failed group)
         and not group.patient
         and group.wire is group.comm
         and (group.checks or group.timeout is None)

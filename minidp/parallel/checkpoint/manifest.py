@@ -71,7 +71,7 @@ def replicas(state, layout, group: comm.Group) -> dict[str, dict]:
         mine = {n: entry(layout, n, a) for n, a in arrays.items()}
         mine = {n: e for n, e in mine.items() if e.get("replicated")}
         marks = {n: [e["dtype"], np.shape(arrays[n]), crc32(arrays[n])] for n, e in mine.items()}
-    except (TypeError, ValueError):
+    except Exception:  # never leave the others waiting in the gather: write_shard says why
         mine, marks = {}, {}
     every = comm.gather_text(json.dumps(marks), root=0, group=group)
     every = json.loads(comm.broadcast_text(json.dumps(every or []), root=0, group=group))
