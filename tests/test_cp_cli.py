@@ -33,9 +33,14 @@ FLAGS = [f"--{k.replace('_', '-')}={v}" for k, v in TINY.items()]
 @pytest.fixture(scope="module")
 def one_process() -> dict:
     """The same run on one process (--strategy dp over a group of one)."""
+    return alone()
+
+
+def alone(**more) -> dict:
+    """TINY on one process (a group of one), `more` flags changed."""
     solo = comm.world().split(0)
     try:
-        return train(TrainConfig(**TINY), solo)
+        return train(TrainConfig(**{**TINY, **more}), solo)
     finally:
         solo.free()
 
@@ -69,9 +74,7 @@ def test_a_cp_mesh_trains_like_one_process_and_its_cp_bytes_are_predicted(
     final, stdout = hybrid(tmp_path, *mesh)
     one = one_process
     if "--block-size" in mesh:  # a longer sequence: its own one-process run
-        solo = comm.world().split(0)
-        one = train(TrainConfig(**{**TINY, "block_size": 64}), solo)
-        solo.free()
+        one = alone(block_size=64)
     for key in ("final_loss", "val_loss", "param_l2"):
         assert final[key] == pytest.approx(one[key], rel=1e-10), key
     assert final["max_param_diff"] == 0.0
@@ -110,15 +113,6 @@ def test_cp_inside_the_pipeline_trains_like_one_process(ranks, mesh, sizes, tmp_
     # the cost model (cost/pp_step.py): each stage's ring hops or all-to-alls a micro-batch
     # (again in backward with --recompute), the loss's and the gradients' sums over CP
     assert final["predicted_bytes_by_axis"] == by_axis
-
-
-def alone(**more) -> dict:
-    """TINY on one process (a group of one), `more` flags changed."""
-    solo = comm.world().split(0)
-    try:
-        return train(TrainConfig(**{**TINY, **more}), solo)
-    finally:
-        solo.free()
 
 
 @pytest.mark.timeout(300)

@@ -33,9 +33,9 @@ class DataParallel(Recipe):
         self.model, self.dp_group = task.model, group
         self.axes, self.clocks = {"dp": [group]}, []  # each DDP built adds its own
         at = config.resolved().prune_structured_at  # --prune-structured's one step, or None
-        self.structured = config.prune_structured and StructuredPruning(
-            task.model, config.prune_structured, at, group
-        )
+        self.structured = None  # or --prune-structured's pruning at its step
+        if config.prune_structured:
+            self.structured = StructuredPruning(task.model, config.prune_structured, at, group)
         self.build(optimizer)
         self.data_shard = (group.rank, group.size)
 
