@@ -278,6 +278,7 @@ def as_format_4(path: str, state, group) -> None:
     from minidp.parallel.checkpoint.shards import write_shard
     from minidp.parallel.checkpoint.store import SHARD_KEYS
 
+    comm.barrier(group=group)  # nobody rewrites a shard another rank may still be reading
     info, _ = write_shard(state, path, group.rank)
     every = comm.gather_text(json.dumps(info), root=0, group=group)
     if group.rank == 0:
