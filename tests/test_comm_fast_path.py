@@ -255,8 +255,6 @@ def test_a_second_thread_neither_makes_nor_frees_plans(monkeypatch):
 def test_persistent_steps_map_only_truncation_to_message_size_mismatch(monkeypatch):
     """A receive that gets more bytes than posted is MessageSizeMismatch; any other MPI
     error from the wait is raised as MPI raised it (as p2p.sendrecv does)."""
-    from types import SimpleNamespace
-
     from minidp.comm import persistent
 
     g = comm.Group(MPI.COMM_SELF.Dup(), checks=False, timeout=None)
@@ -268,9 +266,8 @@ def test_persistent_steps_map_only_truncation_to_message_size_mismatch(monkeypat
     def fails(requests, statuses):
         raise MPI.Exception(MPI.ERR_OTHER)
 
-    calls = SimpleNamespace(Startall=lambda requests: None, Waitall=fails)
-    shim = SimpleNamespace(Prequest=calls, Request=calls, Exception=MPI.Exception)
-    monkeypatch.setattr(persistent, "MPI", shim)
+    monkeypatch.setattr(persistent, "_startall", lambda requests: None)
+    monkeypatch.setattr(persistent, "_waitall", fails)
     with pytest.raises(MPI.Exception) as raised:
         steps.run(g)
     assert raised.value.Get_error_class() == MPI.ERR_OTHER

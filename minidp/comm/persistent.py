@@ -28,6 +28,8 @@ from minidp.comm.p2p import BYTE, DATA_TAG, truncates
 from minidp.comm.reduce_ops import _UFUNC
 from minidp.tools.chunks import chunk_bounds
 
+_startall, _waitall = MPI.Prequest.Startall, MPI.Request.Waitall  # looked up once
+
 
 class Steps:
     """A schedule of steps on persistent requests over fixed buffers; `run` runs them all."""
@@ -57,22 +59,23 @@ class Steps:
         counts[1] += self.sent
         counts[2] += self.received
         counts[3] += len(self.steps)
+        received = statuses[0]
         for requests, nbytes, source, combine in self.steps:
             group.waiting_on = source  # for the watchdog (watchdog.py)
-            MPI.Prequest.Startall(requests)
+            _startall(requests)
             try:
-                MPI.Request.Waitall(requests, statuses)
+                _waitall(requests, statuses)
             except MPI.Exception as error:  # MPI truncated the receive, or another error
-                if truncates(error, statuses[0]):
+                if truncates(error, received):
                     message = group.size_message(source, nbytes, None)
                     raise MessageSizeMismatch(message) from error
                 raise
-            if statuses[0].Get_count(BYTE) != nbytes:
-                got = statuses[0].Get_count(BYTE)
+            if received.Get_count(BYTE) != nbytes:
+                got = received.Get_count(BYTE)
                 raise MessageSizeMismatch(group.size_message(source, nbytes, got))
             if combine is not None:
                 ufunc, a, b, out = combine
-                ufunc(a, b, out=out)
+                ufunc(a, b, out)  # out=out, passed by position (a keyword costs a lookup)
 
     def free(self) -> None:
         for requests, *_ in self.steps:
