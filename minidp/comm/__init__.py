@@ -26,7 +26,8 @@ this order, every module of it:
                     text.py (strings over collectives)
   speed beside      fast_path.py (the same steps with less Python per call: plans made
                     once, persistent requests, laid out by persistent.py;
-                    MINIDP_FAST_COMM=0 turns it off)
+                    MINIDP_FAST_COMM=0 turns it off; allreduce), fast_collectives.py
+                    (the same for reduce_scatter, allgather and broadcast)
   what ranks did    trace.py (the Timeline: each rank's spans, saved as a Chrome trace)
 
 Public: the names in `__all__` below, and `minidp.comm.p2p` (`send`, `recv`, `sendrecv`,
@@ -36,7 +37,7 @@ tutorials build collectives from.
 The other modules are the implementation; import them to read them, not to rely on them.
 """
 
-from minidp.comm import fast_path  # noqa: F401 (fills collectives.FAST)
+from minidp.comm import fast_collectives, fast_path  # noqa: F401 (fill collectives.FAST)
 from minidp.comm.abort import end_job
 from minidp.comm.auto import choose
 from minidp.comm.collectives import (

@@ -183,6 +183,12 @@ def reduce_scatter(
     out: np.ndarray | None = None,
 ) -> np.ndarray:
     """This rank's chunk (chunk_bounds(x.size, p)) of the op over every rank's x, as 1-D."""
+    group = group or world()
+    fast = FAST.get("reduce_scatter")
+    if fast is not None:
+        res = fast(x, op, algo, group, out)
+        if res is not None:
+            return res
     group, src, algo = _reduction(x, op, algo, group, REDUCE_SCATTER, "reduce_scatter")
     bounds = chunk_bounds(src.size, group.size)
     lo, hi = bounds[group.rank], bounds[group.rank + 1]
@@ -203,6 +209,11 @@ def allgather(
 ) -> np.ndarray:
     """Every rank's x, in rank order: shape (p, *x.shape), or chunks of `out` (see above)."""
     group = group or world()
+    fast = FAST.get("allgather")
+    if fast is not None:
+        res = fast(x, algo, group, out)
+        if res is not None:
+            return res
     p, r = group.size, group.rank
     src = flat(x)
     if out is None:

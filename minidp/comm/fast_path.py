@@ -56,34 +56,29 @@ NOT_FAST = object()  # a plan's entry where the plain path runs
 PLAIN = dict(collectives.ALLREDUCE)  # the algorithms the staged steps copy
 
 
-class AllreducePlan:
-    """What one kind of allreduce call needs, decided once: the algorithm and, where the
-    persistent trick applies, its steps: staged on the plan's own buffers (up to STAGE_MAX
-    bytes, for a call without `out`), bound to the caller's x and out (keyed by their
-    addresses, at most BOUND_MAX pairs per plan)."""
+class Plan:
+    """One kind of call, decided once. Where the persistent trick applies, `build(*views)`
+    lays its steps on views of `sizes` elements of dtype: the plan's own buffers (staged,
+    made by the plan) or the caller's arrays, bound by their addresses (at most BOUND_MAX
+    sets per plan). `running` is the call's enter/exit (group.py), made once."""
 
-    def __init__(self, group, n: int, dtype: np.dtype, op: str, algo: str) -> None:
-        self.algo, self.op, self.group = algo, op, group
-        self.run = collectives.ALLREDUCE[algo]
-        self.staged = self.build = self.running = None
+    def __init__(self, build, sizes: tuple, dtype: np.dtype) -> None:
+        self.build, self.sizes, self.dtype = build, sizes, dtype
+        self.staged = self.running = None
         self.bound: dict = {}
-        found = allreduce_steps(algo, n, group.size)
-        if TRICKS["persistent"] and n > 0 and found is not None:
-            build, spare = found
-            recv = np.empty(spare, dtype)
-            self.build = lambda src, dst: build(group, src, dst, recv, op)
-            if n * dtype.itemsize <= STAGE_MAX:
-                self.work = np.empty(n, dtype)
-                self.staged = self.build(self.work, self.work)
 
-    def bind(self, src: np.ndarray, dst: np.ndarray, key: tuple):
-        """The steps on src and dst themselves. The requests hold the raw addresses, not the
-        arrays (MPI.buffer.fromaddress), so nothing the caller frees is kept alive; they are
-        started only when a call passes arrays at these very addresses, of this very size."""
+    def bind(self, key: tuple):
+        """The steps on the arrays at the addresses of key, one per view. The requests hold
+        the raw addresses, not the arrays (MPI.buffer.fromaddress), so nothing the caller
+        frees is kept alive; they are started only when a call passes arrays at these very
+        addresses, of this very size."""
         if len(self.bound) >= BOUND_MAX:
             self.free_bound()
-        size = src.nbytes
-        views = [np.frombuffer(MPI.buffer.fromaddress(address, size), src.dtype) for address in key]
+        size = self.dtype.itemsize
+        views = [
+            np.frombuffer(MPI.buffer.fromaddress(address, n * size), self.dtype)
+            for address, n in zip(key, self.sizes)
+        ]
         steps = self.bound[key] = self.build(*views)
         return steps
 
@@ -98,7 +93,27 @@ class AllreducePlan:
         self.free_bound()
 
 
-def _plan(group, key: tuple, make):
+class AllreducePlan(Plan):
+    """What one kind of allreduce call needs, decided once: the algorithm and, where the
+    persistent trick applies, its steps: staged on the plan's own buffer (up to STAGE_MAX
+    bytes, for a call without `out`, in place), bound to the caller's x and out."""
+
+    def __init__(self, group, n: int, dtype: np.dtype, op: str, algo: str) -> None:
+        self.algo, self.op, self.group = algo, op, group
+        self.run = collectives.ALLREDUCE[algo]
+        found = allreduce_steps(algo, n, group.size)
+        build = None
+        if TRICKS["persistent"] and n > 0 and found is not None:
+            steps_on, spare = found
+            recv = np.empty(spare, dtype)
+            build = lambda src, dst: steps_on(group, src, dst, recv, op)  # noqa: E731
+        super().__init__(build, (n, n), dtype)
+        if build is not None and n * dtype.itemsize <= STAGE_MAX:
+            self.work = np.empty(n, dtype)
+            self.staged = build(self.work, self.work)
+
+
+def lookup(group, key: tuple, make):
     """group.plans[key], made by make() the first time (NOT_FAST: the plain path)."""
     plans = group.plans
     plan = plans.get(key)
@@ -117,7 +132,7 @@ def free_plans(group) -> None:
     group.plans.clear()
 
 
-def _usable(group) -> bool:
+def usable(group) -> bool:
     """Whether a call on group may take the fast path: data on MPI's blocking waits (no
     deadline to poll, not patient), the communicator itself as the wire, more than one rank."""
     return (
@@ -131,8 +146,8 @@ def _usable(group) -> bool:
 
 def allreduce(x, op: str, algo: str, group, out):
     """collectives.allreduce through a plan, or None for the plain path."""
-    if type(x) is not np.ndarray or not x.flags.c_contiguous or not _usable(group):
-        return None  # _usable on every call: a group's settings may change between calls
+    if type(x) is not np.ndarray or not x.flags.c_contiguous or not usable(group):
+        return None  # usable() on every call: a group's settings may change between calls
     if algo == "auto" and pool(group) and in_shared_memory(x, group):
         algo = choose_shared(x.nbytes, group.size)  # in shared memory: shm or the ring
         if algo == "shm":
@@ -160,7 +175,7 @@ def allreduce(x, op: str, algo: str, group, out):
         raise
     with running:
         if plan.build is not None and out is not None:  # bound: on x and out themselves
-            steps = plan.bound.get(where) or plan.bind(src, dst, where)
+            steps = plan.bound.get(where) or plan.bind(where)
             steps.run(group)
         elif plan.staged is not None:  # staged: x copied in, the result out
             np.copyto(plan.work, src)
@@ -191,7 +206,7 @@ def _plan_for(group, x, op: str, algo: str):
     if plan is None:
         if x.nbytes > FAST_MAX:
             return NOT_FAST
-        plan = _plan(group, key, lambda: _allreduce_plan(x, op, algo, group))
+        plan = lookup(group, key, lambda: _allreduce_plan(x, op, algo, group))
     return plan
 
 
@@ -210,7 +225,14 @@ def enabled_from_env() -> bool:
     return value not in ("0", "false", "no", "off")
 
 
-PATHS = {"allreduce": allreduce}
+PATHS: dict = {}  # name -> the fast path of collectives.FAST[name], when switched on
+
+
+def register(paths: dict) -> None:
+    """Add fast paths to PATHS, and to collectives.FAST unless MINIDP_FAST_COMM is off."""
+    PATHS.update(paths)
+    if enabled_from_env():
+        collectives.FAST.update(paths)
 
 
 @contextlib.contextmanager
@@ -225,5 +247,4 @@ def plain():
         collectives.FAST.update(saved)
 
 
-if enabled_from_env():
-    collectives.FAST.update(PATHS)
+register({"allreduce": allreduce})

@@ -24,6 +24,7 @@ import numpy as np
 
 from minidp.comm.args import flat, pick, result, root_in, same_memory
 from minidp.comm.builtin import mpi_broadcast, mpi_gather, mpi_reduce, mpi_scatter
+from minidp.comm.collectives import FAST
 from minidp.comm.group import Group, world
 from minidp.comm.naive import linear_broadcast, linear_gather, linear_reduce, linear_scatter
 from minidp.comm.reduce_ops import check_op, finish
@@ -126,6 +127,11 @@ def broadcast(
 ) -> np.ndarray:
     """Fill x on every rank with the root's x; returns x."""
     group = group or world()
+    fast = FAST.get("broadcast")
+    if fast is not None:
+        res = fast(x, root, group, algo)
+        if res is not None:
+            return res
     buf = flat(x)
     root = root_in(root, group.size)
     if not x.flags.writeable:
