@@ -19,12 +19,12 @@ each call's steps are laid on:
     broadcast        tree (what auto picks up     bound to x once a call repeats x's address
                      to FAST_MAX)                 (or above STAGE_MAX); else staged
 
-Staged steps exist up to STAGE_MAX bytes; beyond, a call without bound steps runs the
-plain algorithm itself through its plan (the checks and the pick still saved). Every other
-case returns None and the plain path runs (and raises its own errors): another algorithm
-(naive, mpi, the ring broadcast, the butterflies' fold where p is not a power of two), an
-argument the plain path must judge (a root that is not an int of the group, an `out` of
-another kind, arrays that overlap), a table entry a test replaced.
+Staged steps exist up to STAGE_MAX bytes; a call with neither runs the plain algorithm
+itself through its plan (the checks and the pick still saved), as every algorithm without
+steps does (naive, the ring broadcast, the butterflies' fold where p is not a power of two).
+Elsewhere the call returns None and the plain path runs (and raises its own errors): MPI's
+own ("mpi"), an argument the plain path must judge (a root that is not an int of the group,
+an `out` of another kind, arrays that overlap), a table entry a test replaced.
 """
 
 from functools import partial
@@ -161,18 +161,17 @@ def _reduce_scatter_plan(x, op: str, algo: str, group):
     check_op(op, x.dtype)
     p, n, dtype = group.size, x.size, x.dtype
     algo = pick(algo, collectives.REDUCE_SCATTER, "reduce_scatter", x.nbytes, p)
+    if algo == "mpi":
+        return NOT_FAST
     bounds = chunk_bounds(n, p)
     sizes, build = (n, bounds[group.rank + 1] - bounds[group.rank]), None
-    if algo == "ring":
+    persistent = TRICKS["persistent"] and n > 0  # elsewhere the plan runs the plain algorithm
+    if persistent and algo == "ring":
         scratch = {"recv": np.empty(bounds[1], dtype), "partial": np.empty(bounds[1], dtype)}
-        steps_on = partial(ring_reduce_scatter_steps, group, op=op, **scratch)
-    elif algo == "recursive_halving" and _power_of_two(p):
+        build = partial(ring_reduce_scatter_steps, group, op=op, **scratch)
+    elif persistent and algo == "recursive_halving" and _power_of_two(p):
         scratch = {"recv": np.empty(n, dtype), "acc": np.empty(n, dtype)}
-        steps_on = partial(halving_reduce_scatter_steps, group, op=op, **scratch)
-    else:
-        return NOT_FAST  # naive, mpi, the fold: the plain path
-    if TRICKS["persistent"] and n > 0:
-        build = steps_on
+        build = partial(halving_reduce_scatter_steps, group, op=op, **scratch)
     return MovePlan("reduce_scatter", algo, bounds, group.rank, build, sizes, dtype)
 
 
@@ -239,13 +238,13 @@ def _allgather_plan(x, n_out: int, algo: str, group):
     if bounds[group.rank + 1] - bounds[group.rank] != x.size:
         return NOT_FAST  # the plain path raises its error
     algo = pick(algo, collectives.ALLGATHER, "allgather", n_out * dtype.itemsize, p)
-    if algo == "ring":
-        steps_on = partial(ring_allgather_steps, group)
-    elif algo == "recursive_doubling" and _power_of_two(p):
-        steps_on = partial(doubling_allgather_steps, group)
-    else:
+    if algo == "mpi":
         return NOT_FAST
-    build = steps_on if TRICKS["persistent"] and n_out > 0 else None
+    build, persistent = None, TRICKS["persistent"] and n_out > 0  # else: the plain algorithm
+    if persistent and algo == "ring":
+        build = partial(ring_allgather_steps, group)
+    elif persistent and algo == "recursive_doubling" and _power_of_two(p):
+        build = partial(doubling_allgather_steps, group)
     return MovePlan("allgather", algo, bounds, group.rank, build, (n_out,), dtype)
 
 
@@ -293,10 +292,10 @@ def broadcast(x, root: int, group, algo: str):
 def _broadcast_plan(x, root: int, algo: str, group):
     flat(x)
     algo = pick(algo, rooted.BROADCAST, "broadcast", x.nbytes, group.size)
-    if algo != "tree":
-        return NOT_FAST  # the ring (scatter + allgather), naive, mpi: the plain path
-    build = None
-    if TRICKS["persistent"] and x.size > 0:
+    if algo == "mpi":
+        return NOT_FAST
+    build = None  # elsewhere (the ring: scatter + allgather; naive) the plain algorithm
+    if TRICKS["persistent"] and x.size > 0 and algo == "tree":
         build = partial(tree_broadcast_steps, group, root=root)
     return MovePlan("broadcast", algo, None, group.rank, build, (x.size,), x.dtype)
 
