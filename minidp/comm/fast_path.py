@@ -9,7 +9,9 @@ message (`bench percall` times each part; docs/collectives.md has the table).
 MPICH pays for none of it: its plan is C. This module keeps the algorithms (the step tables
 of ring.py and recursive.py, message for message, operand for operand, so the bits are the
 plain path's, tests/test_comm_fast_path.py) and does the per-call work once, as two tricks,
-each switchable in `TRICKS`:
+each switchable in `TRICKS`, for allreduce here and, with the same pieces (`Plan`,
+`lookup`, `usable`, `register`), for reduce_scatter, allgather and broadcast in
+fast_collectives.py:
 
     plans        a call's decisions (the algorithm auto picks, the op and dtype checks, the
                  chunk bounds) made once per (group, size, dtype, op, algorithm) and kept in
@@ -20,8 +22,8 @@ each switchable in `TRICKS`:
                  else, up to STAGE_MAX bytes, staged on the plan's buffers (the call
                  copies x in and the result out)
 
-The plain functions (collectives.py) ask `FAST[name]` first (a table filled here, as
-engine/registry.py's is by minidp/fast/); a plan returns None where it does not apply (a
+The plain functions (collectives.py, rooted.py) ask `FAST[name]` first (a table filled by
+`register`, as engine/registry.py's is by minidp/fast/); a fast path returns None where it does not apply (a
 size above FAST_MAX, where Python's share of a call is small; a deadline polled by the
 data's waits; a patient group; an emulated network; a group of one; an argument the plain
 path must judge), and the plain path runs. Those settings are read on every call (a group's
