@@ -19,12 +19,13 @@ each call's steps are laid on:
     broadcast        tree (what auto picks up     bound to x once a call repeats x's address
                      to FAST_MAX)                 (or above STAGE_MAX); else staged
 
-Staged steps exist up to STAGE_MAX bytes; a call with neither runs the plain algorithm
-itself through its plan (the checks and the pick still saved), as every algorithm without
-steps does (naive, the ring broadcast, the butterflies' fold where p is not a power of two).
-Elsewhere the call returns None and the plain path runs (and raises its own errors): MPI's
-own ("mpi"), an argument the plain path must judge (a root that is not an int of the group,
-an `out` of another kind, arrays that overlap), a table entry a test replaced.
+Staged steps exist up to STAGE_MAX bytes; a call with neither (or with the persistent
+trick off) runs the plain algorithm's function through its plan (the checks and the pick
+saved). Everywhere else the call returns None and the plain path runs (and raises its own
+errors): the other algorithms (naive, mpi, the ring broadcast, the butterflies' fold where
+p is not a power of two; one set lookup decides most), an argument the plain path must
+judge (a root that is not an int of the group, an `out` of another kind, arrays that
+overlap), a table entry a test replaced.
 """
 
 from functools import partial
@@ -60,6 +61,12 @@ TABLES = {
     "broadcast": rooted.BROADCAST,
 }
 PLAIN = {name: dict(table) for name, table in TABLES.items()}  # what the steps copy
+STEPS = {  # the algorithms with steps here (auto picks one of them up to FAST_MAX)
+    "reduce_scatter": frozenset({"auto", "ring", "recursive_halving"}),
+    "allgather": frozenset({"auto", "ring", "recursive_doubling"}),
+    "broadcast": frozenset({"auto", "tree"}),
+}
+_REDUCE_SCATTER, _ALLGATHER, _BROADCAST = STEPS.values()
 
 
 class MovePlan(Plan):
@@ -69,7 +76,7 @@ class MovePlan(Plan):
 
     def __init__(self, name: str, algo: str, bounds, rank: int, build, sizes, dtype) -> None:
         super().__init__(build, sizes, dtype)
-        self.name, self.algo, self.run = name, algo, TABLES[name][algo]
+        self.algo, self.table, self.run = algo, TABLES[name], PLAIN[name][algo]
         self.bounds = bounds  # None for a broadcast, which moves the whole of x
         self.lo, self.hi = (bounds[rank], bounds[rank + 1]) if bounds else (0, 0)
         self.last = None  # broadcast: the address of the previous call's x
@@ -78,17 +85,18 @@ class MovePlan(Plan):
             self.staged = build(*self.work)
 
 
-def _planned(group, key: tuple, nbytes: int, make):
-    """The group's plan for key, with the group's lock held (the running call's exit
-    releases it); None, the lock released, where the plain path must run."""
+def _planned(group, key: tuple, nbytes: int, make, *args):
+    """The group's plan for key (made by make(*args) the first time), with the group's lock
+    held (the running call's exit releases it); None, the lock released, where the plain
+    path must run."""
     lock = group._lock
     if not lock.acquire(False):
         return None  # another thread is inside a collective on this group: the plain path raises
     try:
         plan = group.plans.get(key)
         if plan is None:
-            plan = NOT_FAST if nbytes > FAST_MAX else lookup(group, key, make)
-        if plan is not NOT_FAST and TABLES[plan.name][plan.algo] is PLAIN[plan.name][plan.algo]:
+            plan = NOT_FAST if nbytes > FAST_MAX else lookup(group, key, lambda: make(*args))
+        if plan is not NOT_FAST and plan.table[plan.algo] is plan.run:
             return plan
     except BaseException:
         lock.release()
@@ -98,11 +106,9 @@ def _planned(group, key: tuple, nbytes: int, make):
 
 
 def _running(plan, group, call: tuple):
-    """The plan's enter/exit, remade when the call's shape differs (the fingerprint's)."""
-    running = plan.running
-    if running is None or running.shape != call[5]:
-        running = plan.running = group.collective(*call, locked=True)
-    return running
+    """The plan's enter/exit for call (the fingerprint's tuple), made again for a new shape."""
+    plan.running = group.collective(*call, locked=True)
+    return plan.running
 
 
 def _address(x: np.ndarray) -> int:
@@ -121,7 +127,9 @@ def _power_of_two(p: int) -> bool:
 # ---- reduce_scatter --------------------------------------------------------------------------
 def reduce_scatter(x, op: str, algo: str, group, out):
     """collectives.reduce_scatter through a plan, or None for the plain path."""
-    if type(x) is not np.ndarray or not x.flags.c_contiguous or not usable(group):
+    if algo not in _REDUCE_SCATTER or type(x) is not np.ndarray:
+        return None
+    if not x.flags.c_contiguous or not usable(group):
         return None
     where = None
     if out is not None:
@@ -131,13 +139,15 @@ def reduce_scatter(x, op: str, algo: str, group, out):
         if _overlap(where[0], x.nbytes, where[1], out.nbytes):
             return None  # the plain path raises its error
     key = ("reduce_scatter", x.size, x.dtype, op, algo, TRICKS["persistent"])
-    plan = _planned(group, key, x.nbytes, lambda: _reduce_scatter_plan(x, op, algo, group))
+    plan = _planned(group, key, x.nbytes, _reduce_scatter_plan, x, op, algo, group)
     if plan is None:
         return None
     try:
         res = result(out, (plan.hi - plan.lo,), x.dtype)  # the plain path's checks of out
-        call = ("reduce_scatter", plan.algo, op, x.dtype, None, x.shape)
-        running = _running(plan, group, call)
+        running = plan.running
+        if running is None or running.shape != x.shape:
+            call = ("reduce_scatter", plan.algo, op, x.dtype, None, x.shape)
+            running = _running(plan, group, call)
     except BaseException:
         group._lock.release()
         raise
@@ -161,15 +171,15 @@ def _reduce_scatter_plan(x, op: str, algo: str, group):
     check_op(op, x.dtype)
     p, n, dtype = group.size, x.size, x.dtype
     algo = pick(algo, collectives.REDUCE_SCATTER, "reduce_scatter", x.nbytes, p)
-    if algo == "mpi":
-        return NOT_FAST
+    if algo == "recursive_halving" and not _power_of_two(p):
+        return NOT_FAST  # the fold: the plain path
     bounds = chunk_bounds(n, p)
     sizes, build = (n, bounds[group.rank + 1] - bounds[group.rank]), None
-    persistent = TRICKS["persistent"] and n > 0  # elsewhere the plan runs the plain algorithm
+    persistent = TRICKS["persistent"] and n > 0  # else: the plan runs the plain algorithm
     if persistent and algo == "ring":
         scratch = {"recv": np.empty(bounds[1], dtype), "partial": np.empty(bounds[1], dtype)}
         build = partial(ring_reduce_scatter_steps, group, op=op, **scratch)
-    elif persistent and algo == "recursive_halving" and _power_of_two(p):
+    elif persistent:
         scratch = {"recv": np.empty(n, dtype), "acc": np.empty(n, dtype)}
         build = partial(halving_reduce_scatter_steps, group, op=op, **scratch)
     return MovePlan("reduce_scatter", algo, bounds, group.rank, build, sizes, dtype)
@@ -178,7 +188,9 @@ def _reduce_scatter_plan(x, op: str, algo: str, group):
 # ---- allgather -------------------------------------------------------------------------------
 def allgather(x, algo: str, group, out):
     """collectives.allgather through a plan, or None for the plain path."""
-    if type(x) is not np.ndarray or not x.flags.c_contiguous or not usable(group):
+    if algo not in _ALLGATHER or type(x) is not np.ndarray:
+        return None
+    if not x.flags.c_contiguous or not usable(group):
         return None
     if out is None:
         n_out = x.size * group.size
@@ -193,7 +205,7 @@ def allgather(x, algo: str, group, out):
         return None  # the plain path judges out
     key = ("allgather", x.size, n_out, x.dtype, algo, TRICKS["persistent"])
     nbytes = n_out * x.dtype.itemsize
-    plan = _planned(group, key, nbytes, lambda: _allgather_plan(x, n_out, algo, group))
+    plan = _planned(group, key, nbytes, _allgather_plan, x, n_out, algo, group)
     if plan is None:
         return None
     try:
@@ -207,7 +219,10 @@ def allgather(x, algo: str, group, out):
             if not in_place and _overlap(at, x.nbytes, where[0], out.nbytes):
                 group._lock.release()
                 return None  # the plain path judges the overlap
-        running = _running(plan, group, ("allgather", plan.algo, None, x.dtype, None, res.shape))
+        running = plan.running
+        if running is None or running.shape != res.shape:
+            call = ("allgather", plan.algo, None, x.dtype, None, res.shape)
+            running = _running(plan, group, call)
     except BaseException:
         group._lock.release()
         raise
@@ -238,12 +253,12 @@ def _allgather_plan(x, n_out: int, algo: str, group):
     if bounds[group.rank + 1] - bounds[group.rank] != x.size:
         return NOT_FAST  # the plain path raises its error
     algo = pick(algo, collectives.ALLGATHER, "allgather", n_out * dtype.itemsize, p)
-    if algo == "mpi":
-        return NOT_FAST
+    if algo == "recursive_doubling" and not _power_of_two(p):
+        return NOT_FAST  # the fold: the plain path
     build, persistent = None, TRICKS["persistent"] and n_out > 0  # else: the plain algorithm
     if persistent and algo == "ring":
         build = partial(ring_allgather_steps, group)
-    elif persistent and algo == "recursive_doubling" and _power_of_two(p):
+    elif persistent:
         build = partial(doubling_allgather_steps, group)
     return MovePlan("allgather", algo, bounds, group.rank, build, (n_out,), dtype)
 
@@ -251,31 +266,28 @@ def _allgather_plan(x, n_out: int, algo: str, group):
 # ---- broadcast -------------------------------------------------------------------------------
 def broadcast(x, root: int, group, algo: str):
     """rooted.broadcast through a plan, or None for the plain path."""
-    if (
-        type(x) is not np.ndarray
-        or not x.flags.c_contiguous
-        or not x.flags.writeable
-        or type(root) is not int
-        or not 0 <= root < group.size
-        or not usable(group)
-    ):
+    if algo not in _BROADCAST or type(x) is not np.ndarray or type(root) is not int:
+        return None
+    flags = x.flags
+    if not (flags.c_contiguous and flags.writeable and 0 <= root < group.size and usable(group)):
         return None
     key = ("broadcast", x.size, x.dtype, root, algo, TRICKS["persistent"])
-    plan = _planned(group, key, x.nbytes, lambda: _broadcast_plan(x, root, algo, group))
+    plan = _planned(group, key, x.nbytes, _broadcast_plan, x, root, algo, group)
     if plan is None:
         return None
-    try:
-        running = _running(plan, group, ("broadcast", plan.algo, None, x.dtype, root, x.shape))
-        where = (_address(x),)
-    except BaseException:
-        group._lock.release()
-        raise
+    running = plan.running
+    if running is None or running.shape != x.shape:
+        call = ("broadcast", plan.algo, None, x.dtype, root, x.shape)
+        running = _running(plan, group, call)
     buf = x if x.ndim == 1 else x.reshape(-1)
     with running:
-        steps = plan.bound.get(where)
-        if steps is None and plan.build is not None and (plan.staged is None or plan.last == where):
-            steps = plan.bind(where)  # x's address seen twice in a row: bound from now on
-        plan.last = where
+        steps = None
+        if plan.build is not None:
+            where = (_address(x),)
+            steps = plan.bound.get(where)
+            if steps is None and (plan.staged is None or plan.last == where):
+                steps = plan.bind(where)  # x's address seen twice in a row: bound from now on
+            plan.last = where
         if steps is not None:
             steps.run(group)
         elif plan.staged is not None:  # staged: the root copies x in, the others the result out
@@ -292,10 +304,10 @@ def broadcast(x, root: int, group, algo: str):
 def _broadcast_plan(x, root: int, algo: str, group):
     flat(x)
     algo = pick(algo, rooted.BROADCAST, "broadcast", x.nbytes, group.size)
-    if algo == "mpi":
-        return NOT_FAST
-    build = None  # elsewhere (the ring: scatter + allgather; naive) the plain algorithm
-    if TRICKS["persistent"] and x.size > 0 and algo == "tree":
+    if algo != "tree":
+        return NOT_FAST  # auto's pick above FAST_MAX on more than 2 ranks: the ring
+    build = None  # persistent off, or nothing to send: the plan runs the plain algorithm
+    if TRICKS["persistent"] and x.size > 0:
         build = partial(tree_broadcast_steps, group, root=root)
     return MovePlan("broadcast", algo, None, group.rank, build, (x.size,), x.dtype)
 

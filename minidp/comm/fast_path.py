@@ -23,13 +23,14 @@ fast_collectives.py:
                  copies x in and the result out)
 
 The plain functions (collectives.py, rooted.py) ask `FAST[name]` first (a table filled by
-`register`, as engine/registry.py's is by minidp/fast/); a fast path returns None where it does not apply (a
-size above FAST_MAX, where Python's share of a call is small; a deadline polled by the
-data's waits; a patient group; an emulated network; a group of one; an argument the plain
-path must judge), and the plain path runs. Those settings are read on every call (a group's
-`timeout`, `checks`, `patient` and `wire` may change between calls), and a call looks up,
-makes and frees plans holding the group's lock, so a second thread on the same group meets
-the plain path's RuntimeError and never frees requests the first is waiting on.
+`register`, as engine/registry.py's is by minidp/fast/); a fast path returns None where it
+does not apply (a size above FAST_MAX, where Python's share of a call is small; a deadline
+polled by the data's waits; a patient group; an emulated network; a group of one; an
+argument the plain path must judge), and the plain path runs. Those settings are read on
+every call (a group's `timeout`, `checks`, `patient` and `wire` may change between calls),
+and a call looks up, makes and frees plans holding the group's lock, so a second thread on
+the same group meets the plain path's RuntimeError and never frees requests the first is
+waiting on.
 The plain path is always one switch away:
 `MINIDP_FAST_COMM=0` (read at import), or `with fast_path.plain():` for a block.
 Counters, the fingerprints, the watchdog's `waiting_on` and the size check of every message
