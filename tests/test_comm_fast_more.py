@@ -188,6 +188,7 @@ def test_fast_paths_judge_arguments_as_the_plain_path_does():
     bad = [
         (lambda: comm.reduce_scatter(x, algo="ring", group=g, out=x[:4]), "must not overlap"),
         (lambda: comm.reduce_scatter(x, group=g, out=np.empty(3, np.float32)), "must have shape"),
+        (lambda: comm.reduce_scatter(x, group=g, out=buf[::4]), "contiguous"),
         (lambda: comm.reduce_scatter(x, op="mean", group=g), "unknown op"),
         (lambda: comm.reduce_scatter(x, algo="rings", group=g), "unknown algo"),
         (lambda: comm.allgather(x, group=g, out=np.empty(16, np.float64)), "dtype"),

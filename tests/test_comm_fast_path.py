@@ -252,6 +252,28 @@ def test_a_second_thread_neither_makes_nor_frees_plans(monkeypatch):
     g.free()
 
 
+@pytest.mark.timeout(60)
+@pytest.mark.parallel(nprocs=2)
+def test_failed_bound_steps_keep_the_callers_arrays_alive_for_mpi(monkeypatch):
+    """Steps bound to the caller's x and out hold raw addresses: if they fail, messages may
+    still be in flight, so the group keeps x and out (group.abandoned), as p2p keeps its
+    requests; and the group is broken."""
+    from minidp.comm import persistent
+
+    g = comm.world().dup()
+    x, out = np.ones(1024, np.float32), np.empty(1024, np.float32)
+
+    def fails(requests, statuses):
+        MPI.Request.Waitall(requests, statuses)  # the messages done, then an MPI error
+        raise MPI.Exception(MPI.ERR_OTHER)
+
+    monkeypatch.setattr(persistent, "_waitall", fails)
+    with pytest.raises(MPI.Exception):
+        comm.allreduce(x, algo="ring", group=g, out=out)
+    assert any(a is x for a in g.abandoned) and any(a is out for a in g.abandoned)
+    assert g.broken
+
+
 def test_persistent_steps_map_only_truncation_to_message_size_mismatch(monkeypatch):
     """A receive that gets more bytes than posted is MessageSizeMismatch; any other MPI
     error from the wait is raised as MPI raised it (as p2p.sendrecv does)."""

@@ -98,8 +98,9 @@ ALLTOALL = table(
 BARRIER = table("barrier", {"dissemination": dissemination_barrier, "mpi": mpi_barrier})
 
 FAST: dict = {}
-"""The fast path's table (fast_path.py fills it): name -> a function taking the public
-call's arguments that returns the result, or None where the plain path below must run."""
+"""The fast path's table (fast_path.py and fast_collectives.py fill it): name -> a function
+taking the public call's arguments that returns the result, or None where the plain path
+below must run."""
 
 
 def _reduction(x, op: str, algo: str, group, table: dict, name: str):

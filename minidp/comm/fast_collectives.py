@@ -43,6 +43,7 @@ from minidp.comm.fast_path import (
     Plan,
     lookup,
     register,
+    run_bound,
     usable,
 )
 from minidp.comm.persistent import (
@@ -66,7 +67,7 @@ STEPS = {  # the algorithms with steps here (auto picks one of them up to FAST_M
     "allgather": frozenset({"auto", "ring", "recursive_doubling"}),
     "broadcast": frozenset({"auto", "tree"}),
 }
-_REDUCE_SCATTER, _ALLGATHER, _BROADCAST = STEPS.values()
+_REDUCE_SCATTER, _ALLGATHER, _BROADCAST = (STEPS[name] for name in TABLES)
 
 
 class MovePlan(Plan):
@@ -133,8 +134,8 @@ def reduce_scatter(x, op: str, algo: str, group, out):
         return None
     where = None
     if out is not None:
-        if type(out) is not np.ndarray:
-            return None
+        if type(out) is not np.ndarray or not out.flags.c_contiguous:
+            return None  # the plain path judges out
         where = (_address(x), _address(out))
         if _overlap(where[0], x.nbytes, where[1], out.nbytes):
             return None  # the plain path raises its error
@@ -154,7 +155,7 @@ def reduce_scatter(x, op: str, algo: str, group, out):
     src = x if x.ndim == 1 else x.reshape(-1)
     with running:
         if plan.build is not None and out is not None:  # bound: on x and out themselves
-            (plan.bound.get(where) or plan.bind(where)).run(group)
+            run_bound(plan.bound.get(where) or plan.bind(where), group, x, out)
         elif plan.staged is not None:  # staged: x copied in, the chunk out
             np.copyto(plan.work[0], src)
             plan.staged.run(group)
@@ -171,15 +172,15 @@ def _reduce_scatter_plan(x, op: str, algo: str, group):
     check_op(op, x.dtype)
     p, n, dtype = group.size, x.size, x.dtype
     algo = pick(algo, collectives.REDUCE_SCATTER, "reduce_scatter", x.nbytes, p)
-    if algo == "recursive_halving" and not _power_of_two(p):
-        return NOT_FAST  # the fold: the plain path
+    if algo not in _REDUCE_SCATTER or algo == "recursive_halving" and not _power_of_two(p):
+        return NOT_FAST  # no steps here (auto retuned), or the fold: the plain path
     bounds = chunk_bounds(n, p)
     sizes, build = (n, bounds[group.rank + 1] - bounds[group.rank]), None
     persistent = TRICKS["persistent"] and n > 0  # else: the plan runs the plain algorithm
     if persistent and algo == "ring":
         scratch = {"recv": np.empty(bounds[1], dtype), "partial": np.empty(bounds[1], dtype)}
         build = partial(ring_reduce_scatter_steps, group, op=op, **scratch)
-    elif persistent:
+    elif persistent:  # recursive halving
         scratch = {"recv": np.empty(n, dtype), "acc": np.empty(n, dtype)}
         build = partial(halving_reduce_scatter_steps, group, op=op, **scratch)
     return MovePlan("reduce_scatter", algo, bounds, group.rank, build, sizes, dtype)
@@ -233,7 +234,7 @@ def allgather(x, algo: str, group, out):
             steps = plan.bound.get(where) or plan.bind(where)
             if not in_place:
                 np.copyto(buf[plan.lo : plan.hi], src)
-            steps.run(group)
+            run_bound(steps, group, out)
         elif plan.staged is not None:  # staged: x copied into its chunk, the rows out
             work = plan.work[0]
             np.copyto(work[plan.lo : plan.hi], src)
@@ -253,12 +254,12 @@ def _allgather_plan(x, n_out: int, algo: str, group):
     if bounds[group.rank + 1] - bounds[group.rank] != x.size:
         return NOT_FAST  # the plain path raises its error
     algo = pick(algo, collectives.ALLGATHER, "allgather", n_out * dtype.itemsize, p)
-    if algo == "recursive_doubling" and not _power_of_two(p):
-        return NOT_FAST  # the fold: the plain path
+    if algo not in _ALLGATHER or algo == "recursive_doubling" and not _power_of_two(p):
+        return NOT_FAST  # no steps here (auto retuned), or the fold: the plain path
     build, persistent = None, TRICKS["persistent"] and n_out > 0  # else: the plain algorithm
     if persistent and algo == "ring":
         build = partial(ring_allgather_steps, group)
-    elif persistent:
+    elif persistent:  # recursive doubling
         build = partial(doubling_allgather_steps, group)
     return MovePlan("allgather", algo, bounds, group.rank, build, (n_out,), dtype)
 
@@ -289,7 +290,7 @@ def broadcast(x, root: int, group, algo: str):
                 steps = plan.bind(where)  # x's address seen twice in a row: bound from now on
             plan.last = where
         if steps is not None:
-            steps.run(group)
+            run_bound(steps, group, x)
         elif plan.staged is not None:  # staged: the root copies x in, the others the result out
             if group.rank == root:
                 np.copyto(plan.work[0], buf)

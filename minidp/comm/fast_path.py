@@ -135,6 +135,17 @@ def free_plans(group) -> None:
     group.plans.clear()
 
 
+def run_bound(steps, group, *arrays) -> None:
+    """Run steps bound to the caller's arrays. Should they fail, messages may still be in
+    flight into or out of those arrays: the group keeps the arrays alive for MPI, as p2p
+    keeps its requests in group.abandoned."""
+    try:
+        steps.run(group)
+    except BaseException:
+        group.abandoned += arrays
+        raise
+
+
 def usable(group) -> bool:
     """Whether a call on group may take the fast path: data on MPI's blocking waits (no
     deadline to poll, not patient), the communicator itself as the wire, more than one rank."""
@@ -178,8 +189,7 @@ def allreduce(x, op: str, algo: str, group, out):
         raise
     with running:
         if plan.build is not None and out is not None:  # bound: on x and out themselves
-            steps = plan.bound.get(where) or plan.bind(where)
-            steps.run(group)
+            run_bound(plan.bound.get(where) or plan.bind(where), group, x, res)
         elif plan.staged is not None:  # staged: x copied in, the result out
             np.copyto(plan.work, src)
             plan.staged.run(group)
