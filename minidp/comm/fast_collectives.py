@@ -75,14 +75,15 @@ class MovePlan(Plan):
     function `run` (for calls without steps), chunk bounds (this rank's [lo, hi)), and
     where the persistent trick applies, staged steps on `work` (one buffer per view)."""
 
-    def __init__(self, name: str, algo: str, bounds, rank: int, build, sizes, dtype) -> None:
-        super().__init__(build, sizes, dtype)
+    def __init__(self, name, algo: str, bounds, rank: int, build, sizes, dtype, held=()) -> None:
+        super().__init__(build, sizes, dtype, held)
         self.algo, self.table, self.run = algo, TABLES[name], PLAIN[name][algo]
         self.bounds = bounds  # None for a broadcast, which moves the whole of x
         self.lo, self.hi = (bounds[rank], bounds[rank + 1]) if bounds else (0, 0)
         self.last = None  # broadcast: the address of the previous call's x
         if build is not None and max(sizes) * dtype.itemsize <= STAGE_MAX:
             self.work = [np.empty(n, dtype) for n in sizes]
+            self.held += self.work
             self.staged = build(*self.work)
 
 
@@ -175,7 +176,7 @@ def _reduce_scatter_plan(x, op: str, algo: str, group):
     if algo not in _REDUCE_SCATTER or algo == "recursive_halving" and not _power_of_two(p):
         return NOT_FAST  # no steps here (auto retuned), or the fold: the plain path
     bounds = chunk_bounds(n, p)
-    sizes, build = (n, bounds[group.rank + 1] - bounds[group.rank]), None
+    sizes, build, scratch = (n, bounds[group.rank + 1] - bounds[group.rank]), None, {}
     persistent = TRICKS["persistent"] and n > 0  # else: the plan runs the plain algorithm
     if persistent and algo == "ring":
         scratch = {"recv": np.empty(bounds[1], dtype), "partial": np.empty(bounds[1], dtype)}
@@ -183,7 +184,8 @@ def _reduce_scatter_plan(x, op: str, algo: str, group):
     elif persistent:  # recursive halving
         scratch = {"recv": np.empty(n, dtype), "acc": np.empty(n, dtype)}
         build = partial(halving_reduce_scatter_steps, group, op=op, **scratch)
-    return MovePlan("reduce_scatter", algo, bounds, group.rank, build, sizes, dtype)
+    held = scratch.values()
+    return MovePlan("reduce_scatter", algo, bounds, group.rank, build, sizes, dtype, held)
 
 
 # ---- allgather -------------------------------------------------------------------------------

@@ -65,10 +65,16 @@ class Plan:
     made by the plan) or the caller's arrays, bound by their addresses (at most BOUND_MAX
     sets per plan). `running` is the call's enter/exit (group.py), made once."""
 
-    def __init__(self, build, sizes: tuple, dtype: np.dtype) -> None:
+    def __init__(self, build, sizes: tuple, dtype: np.dtype, held=()) -> None:
         self.build, self.sizes, self.dtype = build, sizes, dtype
         self.staged = self.running = None
         self.bound: dict = {}
+        self.held = list(held)  # the buffers this plan owns (scratch, staged copies)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the plan's own buffers: counted as the group's (Group.buffer_bytes)."""
+        return sum(a.nbytes for a in self.held)
 
     def bind(self, key: tuple):
         """The steps on the arrays at the addresses of key, one per view. The requests hold
@@ -105,14 +111,15 @@ class AllreducePlan(Plan):
         self.algo, self.op, self.group = algo, op, group
         self.run = collectives.ALLREDUCE[algo]
         found = allreduce_steps(algo, n, group.size)
-        build = None
+        build, held = None, []
         if TRICKS["persistent"] and n > 0 and found is not None:
             steps_on, spare = found
             recv = np.empty(spare, dtype)
-            build = lambda src, dst: steps_on(group, src, dst, recv, op)  # noqa: E731
-        super().__init__(build, (n, n), dtype)
+            build, held = lambda src, dst: steps_on(group, src, dst, recv, op), [recv]  # noqa: E731
+        super().__init__(build, (n, n), dtype, held)
         if build is not None and n * dtype.itemsize <= STAGE_MAX:
             self.work = np.empty(n, dtype)
+            self.held.append(self.work)
             self.staged = build(self.work, self.work)
 
 

@@ -159,6 +159,12 @@ class Group:
         self.broken = "freed"
         self.scratch.clear()
 
+    def buffer_bytes(self) -> int:
+        """Bytes of the work buffers this group holds for its collectives: the plain path's
+        scratch and the fast path's plans (their scratch and staged copies; fast_path.py)."""
+        plans = sum(getattr(plan, "nbytes", 0) for plan in self.plans.values())
+        return self.scratch.nbytes + plans
+
     # -- counters ------------------------------------------------------------------------------
     @property
     def counters(self) -> dict[str, dict[str, int]]:

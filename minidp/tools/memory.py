@@ -7,7 +7,8 @@ rank by rank (ZeRO's point is that some of these shrink with the number of ranks
     gradients         their gradients (data parallelism: the flat buckets)
     optimizer         the optimizer's state (Adam: two moments per parameter)
     activations_peak  what the graph of one micro-batch's forward keeps for backward
-    buffers           communication scratch space (the groups' reusable buffers)
+    buffers           communication scratch space (the groups' reusable buffers and the fast
+                      path's plans: Group.buffer_bytes)
 
 Counted from `ndarray.nbytes` (a torch tensor's `.nbytes` alike), never estimated from shapes
 and dtypes by hand; the one estimate, `estimated_bytes` (with `activation_estimate`), is made

@@ -129,7 +129,7 @@ class DDPAxis:
             "gradients": [b.data for b in ddp.buckets],
             "optimizer": [optimizer_bytes(self.optimizer)],
             "buffers": [
-                ddp.comm_group.scratch.nbytes,
+                ddp.comm_group.buffer_bytes(),
                 self.compressor.nbytes() if self.compressor else 0,  # residuals, warm start
                 self.momentum_correction.nbytes() if self.momentum_correction else 0,  # u_w
                 nbytes(self.pruning.pruner.masks) if self.pruning else 0,  # 1 byte per weight

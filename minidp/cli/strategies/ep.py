@@ -63,7 +63,7 @@ class Experts(Recipe):
         params, groups = self.ep.parameters(), [*self.axes["dp"], *self.axes["ep"]]
         groups += self.axes["tp"] if self.mesh.tp > 1 else []  # TP's scratch, where it sends
         held = {"parameters": [p.data for p in params], "gradients": [p.grad for p in params],
-                "optimizer": [optimizer_bytes(self.optimizer)], "buffers": [g.scratch.nbytes
+                "optimizer": [optimizer_bytes(self.optimizer)], "buffers": [g.buffer_bytes()
                 for g in groups], "activations_peak": [self.run.activations_peak]}  # fmt: skip
         return {c: count_bytes([x for x in held[c] if x is not None]) for c in MEMORY if c in held}
 

@@ -169,7 +169,7 @@ class Recipe(Strategy):
 
     def memory_bytes(self) -> dict[str, int]:
         held = self.axis.held()
-        held["buffers"] += [g.scratch.nbytes for g in self.scratch_groups()]
+        held["buffers"] += [g.buffer_bytes() for g in self.scratch_groups()]
         held["activations_peak"] = [self.run.activations_peak]
         return {category: count_bytes(held[category]) for category in MEMORY if category in held}
 

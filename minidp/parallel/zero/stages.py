@@ -215,7 +215,7 @@ class ZeROStages:
             "parameters": [parameters],
             "gradients": [*grads, *(p.grad for p in self.model.parameters())],
             "optimizer": [0 if self.offload else optimizer_bytes(self.optimizer)],
-            "buffers": [self.comm_group.scratch.nbytes],
+            "buffers": [self.comm_group.buffer_bytes()],
         }
         if self.offload is not None:  # in the file, not this process's memory
             held["offloaded"] = [self.offload.nbytes]
