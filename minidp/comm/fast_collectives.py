@@ -107,12 +107,6 @@ def _planned(group, key: tuple, nbytes: int, make, *args):
     return None
 
 
-def _running(plan, group, call: tuple):
-    """The plan's enter/exit for call (the fingerprint's tuple), made again for a new shape."""
-    plan.running = group.collective(*call, locked=True)
-    return plan.running
-
-
 def _address(x: np.ndarray) -> int:
     return MPI.buffer(x).address
 
@@ -146,10 +140,7 @@ def reduce_scatter(x, op: str, algo: str, group, out):
         return None
     try:
         res = result(out, (plan.hi - plan.lo,), x.dtype)  # the plain path's checks of out
-        running = plan.running
-        if running is None or running.shape != x.shape:
-            call = ("reduce_scatter", plan.algo, op, x.dtype, None, x.shape)
-            running = _running(plan, group, call)
+        running = plan.enter_exit(group, "reduce_scatter", op, None, x.shape)
     except BaseException:
         group._lock.release()
         raise
@@ -222,10 +213,7 @@ def allgather(x, algo: str, group, out):
             if not in_place and _overlap(at, x.nbytes, where[0], out.nbytes):
                 group._lock.release()
                 return None  # the plain path judges the overlap
-        running = plan.running
-        if running is None or running.shape != res.shape:
-            call = ("allgather", plan.algo, None, x.dtype, None, res.shape)
-            running = _running(plan, group, call)
+        running = plan.enter_exit(group, "allgather", None, None, res.shape)
     except BaseException:
         group._lock.release()
         raise
@@ -278,10 +266,7 @@ def broadcast(x, root: int, group, algo: str):
     plan = _planned(group, key, x.nbytes, _broadcast_plan, x, root, algo, group)
     if plan is None:
         return None
-    running = plan.running
-    if running is None or running.shape != x.shape:
-        call = ("broadcast", plan.algo, None, x.dtype, root, x.shape)
-        running = _running(plan, group, call)
+    running = plan.enter_exit(group, "broadcast", None, root, x.shape)
     buf = x if x.ndim == 1 else x.reshape(-1)
     with running:
         steps = None

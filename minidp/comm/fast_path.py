@@ -63,7 +63,8 @@ class Plan:
     """One kind of call, decided once. Where the persistent trick applies, `build(*views)`
     lays its steps on views of `sizes` elements of dtype: the plan's own buffers (staged,
     made by the plan) or the caller's arrays, bound by their addresses (at most BOUND_MAX
-    sets per plan). `running` is the call's enter/exit (group.py), made once."""
+    sets per plan). `running` is the call's enter/exit (group.py), made once per shape
+    by `enter_exit`."""
 
     def __init__(self, build, sizes: tuple, dtype: np.dtype, held=()) -> None:
         self.build, self.sizes, self.dtype = build, sizes, dtype
@@ -75,6 +76,15 @@ class Plan:
     def nbytes(self) -> int:
         """Bytes of the plan's own buffers: counted as the group's (Group.buffer_bytes)."""
         return sum(a.nbytes for a in self.held)
+
+    def enter_exit(self, group, name: str, op, root, shape: tuple):
+        """The call's enter/exit (group.py), made once per shape: the lock (held already),
+        the counters and the plain path's fingerprint (name, algo, op, dtype, root, shape)."""
+        running = self.running
+        if running is None or running.shape != shape:
+            call = (name, self.algo, op, self.dtype, root, shape)
+            running = self.running = group.collective(*call, locked=True)
+        return running
 
     def bind(self, key: tuple):
         """The steps on the arrays at the addresses of key, one per view. The requests hold
@@ -187,10 +197,7 @@ def allreduce(x, op: str, algo: str, group, out):
         where = None if out is None else (MPI.buffer(src).address, MPI.buffer(dst).address)
         if out is x or (out is not None and _same_memory(where, x.nbytes, src, dst)):
             src, where = dst, (where[1], where[1])  # in place, as the plain path passes it
-        running = plan.running  # the enter/exit of this kind of call, made once (group.py)
-        if running is None or running.shape != x.shape:
-            call = ("allreduce", plan.algo, op, x.dtype, None, x.shape)
-            running = plan.running = group.collective(*call, locked=True)
+        running = plan.enter_exit(group, "allreduce", op, None, x.shape)
     except BaseException:
         lock.release()
         raise
